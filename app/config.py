@@ -1,0 +1,75 @@
+"""Every setting Encore reads, in one place, from environment variables (see the README's table).
+
+Settings are read when `load_settings()` is called, so tests and the demo can set the environment first.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STAGES = ("backbone", "superres", "decode", "export")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _time_limits(spec: str) -> dict[str, tuple[float | None, float]]:
+    """Parse "backbone=1500/1800,decode=/600" into {stage: (soft, hard)}; an empty soft means none."""
+    limits: dict[str, tuple[float | None, float]] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        stage, _, pair = item.partition("=")
+        soft, _, hard = pair.partition("/")
+        limits[stage.strip()] = (float(soft) if soft.strip() else None, float(hard))
+    return limits
+
+
+DEFAULT_TIME_LIMITS = (
+    "backbone=1500/1560,superres=900/960,decode=900/960,export=300/330,"
+    "prepare=300/330,lipsync=1500/1560,mux=300/330"
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str = field(default_factory=lambda: _env("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    key_prefix: str = field(default_factory=lambda: _env("ENCORE_KEY_PREFIX", "encore"))
+    job_ttl_s: int = field(default_factory=lambda: int(_env("ENCORE_JOB_TTL_S", str(24 * 3600))))
+    artifact_backend: str = field(default_factory=lambda: _env("ENCORE_ARTIFACT_BACKEND", "dir"))
+    artifact_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_ARTIFACT_DIR", "var/artifacts")).resolve())
+    worker_cache_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_WORKER_CACHE_DIR", "var/worker-cache")).resolve())
+    music_profile: str = field(default_factory=lambda: _env("ENCORE_MUSIC_PROFILE", "tiny"))
+    model_dir: str | None = field(default_factory=lambda: os.environ.get("ENCORE_MODEL_DIR"))
+    runtime_mode: str = field(default_factory=lambda: _env("ENCORE_RUNTIME_MODE", "keep_loaded"))
+    preload_models: bool = field(default_factory=lambda: _env("ENCORE_PRELOAD", "0") == "1")
+    torch_threads: int = field(default_factory=lambda: int(_env("ENCORE_TORCH_THREADS", "0")))
+    max_tracks: int = field(default_factory=lambda: int(_env("ENCORE_MAX_TRACKS", "4")))
+    max_lyrics_chars: int = field(default_factory=lambda: int(_env("ENCORE_MAX_LYRICS_CHARS", "8000")))
+    max_text_chars: int = field(default_factory=lambda: int(_env("ENCORE_MAX_TEXT_CHARS", "1000")))
+    time_limits: dict[str, tuple[float | None, float]] = field(
+        default_factory=lambda: {**_time_limits(DEFAULT_TIME_LIMITS), **_time_limits(_env("ENCORE_TIME_LIMITS", ""))})
+    max_deliveries: int = field(default_factory=lambda: int(_env("ENCORE_MAX_DELIVERIES", "3")))
+    cancel_grace_s: float = field(default_factory=lambda: float(_env("ENCORE_CANCEL_GRACE_S", "3")))
+    heartbeat_s: float = field(default_factory=lambda: float(_env("ENCORE_HEARTBEAT_S", "2")))
+    result_expires_s: int = field(default_factory=lambda: int(_env("ENCORE_RESULT_EXPIRES_S", str(24 * 3600))))
+    log_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_LOG_DIR", "logs")).resolve())
+
+    def __post_init__(self) -> None:
+        if self.runtime_mode not in ("keep_loaded", "one_shot"):
+            raise ValueError(f"ENCORE_RUNTIME_MODE must be keep_loaded or one_shot, not {self.runtime_mode!r}")
+        if self.artifact_backend not in ("dir", "redis"):
+            raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir or redis, not {self.artifact_backend!r}")
+
+    @property
+    def longest_hard_limit_s(self) -> float:
+        return max(hard for _, hard in self.time_limits.values())
+
+    @property
+    def visibility_timeout_s(self) -> int:
+        """Above the longest hard limit, so a running stage is never re-delivered to a second worker."""
+        return int(self.longest_hard_limit_s * 2 + 600)
+
+
+def load_settings() -> Settings:
+    return Settings()

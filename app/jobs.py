@@ -1,0 +1,250 @@
+"""Job records in Redis: the client-facing truth about every job (Celery's PENDING also means "unknown id").
+
+Layout (prefix `encore` by default, every key expires with the job):
+  {p}:job:{id}              hash: kind, params (JSON), num_tracks, created_at, expires_at
+  {p}:job:{id}:track:{i}    hash: state, stage, progress, detail, queue, worker, error, artifacts, stages, ...
+  {p}:cancel:{id}           set once the job was canceled; stages poll it
+  {p}:jobs                  zset of job ids by creation time (pruned lazily)
+  {p}:queue:{q}:waiting     zset of "job:track" not started yet, by submission order (queue positions)
+  {p}:queue:{q}:load        zset of "job:track" not finished yet, scored by estimated cost (routing)
+  {p}:events:{id}           pub/sub channel: every state/progress change of the job
+
+Workers and the web both write track hashes; a Lua script refuses any write to a track that already
+reached a terminal state, so a cancel can never be overwritten by a late progress report.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from typing import Any
+
+import redis
+
+from app.kinds import CANCELED, FAILED, QUEUED, TERMINAL_STATES
+
+JOB_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
+
+_WRITE_IF_LIVE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return -1 end
+if state == 'done' or state == 'failed' or state == 'canceled' then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+
+def is_job_id(value: str) -> bool:
+    return bool(JOB_ID_PATTERN.match(value))
+
+
+def _encode(fields: dict[str, Any]) -> dict[str, str]:
+    """Hash values are strings; anything else is stored as JSON."""
+    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in fields.items()}
+
+
+def _flatten(fields: dict[str, str]) -> list[str]:
+    return [item for pair in fields.items() for item in pair]
+
+
+_JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "loaded", "track", "cost")
+
+
+def _decode_track(raw: dict[str, str]) -> dict[str, Any]:
+    track: dict[str, Any] = dict(raw)
+    for key in _JSON_FIELDS:
+        if key in track:
+            track[key] = json.loads(track[key])
+    return track
+
+
+class JobStore:
+    """Create, read and update job records; the only code that knows their Redis layout."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "encore", ttl_s: int = 24 * 3600):
+        self.redis = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self._write_if_live = client.register_script(_WRITE_IF_LIVE)
+
+    # -- keys ---------------------------------------------------------------------------------------
+    def job_key(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def track_key(self, job_id: str, track: int) -> str:
+        return f"{self.prefix}:job:{job_id}:track:{track}"
+
+    def cancel_key(self, job_id: str) -> str:
+        return f"{self.prefix}:cancel:{job_id}"
+
+    def waiting_key(self, queue: str) -> str:
+        return f"{self.prefix}:queue:{queue}:waiting"
+
+    def load_key(self, queue: str) -> str:
+        return f"{self.prefix}:queue:{queue}:load"
+
+    def events_channel(self, job_id: str) -> str:
+        """Pub/sub channel carrying every state and progress change of a job (live views, tests)."""
+        return f"{self.prefix}:events:{job_id}"
+
+    @property
+    def jobs_key(self) -> str:
+        return f"{self.prefix}:jobs"
+
+    # -- create -------------------------------------------------------------------------------------
+    def create(self, kind: str, params: dict[str, Any], track_params: list[dict[str, Any]],
+               cost: float) -> str:
+        """Write a job with one queued track per entry of `track_params`; returns its unguessable id."""
+        job_id = secrets.token_hex(16)
+        now = time.time()
+        pipe = self.redis.pipeline()
+        pipe.hset(self.job_key(job_id), mapping={
+            "kind": kind, "params": json.dumps(params), "num_tracks": len(track_params),
+            "created_at": now, "expires_at": now + self.ttl_s,
+        })
+        pipe.expire(self.job_key(job_id), self.ttl_s)
+        for index, extra in enumerate(track_params):
+            key = self.track_key(job_id, index)
+            pipe.hset(key, mapping=_encode({
+                "track": index, "state": QUEUED, "stage": "", "progress": 0.0,
+                "detail": "waiting for a worker", "queue": "", "worker": "", "error": "",
+                "artifacts": [], "stages": {}, "task_ids": [], "cost": cost, "attempts": 0,
+                "params": json.dumps(extra), "updated_at": str(now),
+            }))
+            pipe.expire(key, self.ttl_s)
+        pipe.zadd(self.jobs_key, {job_id: now})
+        pipe.execute()
+        return job_id
+
+    # -- read ---------------------------------------------------------------------------------------
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        raw = self.redis.hgetall(self.job_key(job_id)) if is_job_id(job_id) else {}
+        if not raw:
+            return None
+        return {
+            "job_id": job_id, "kind": raw["kind"], "params": json.loads(raw["params"]),
+            "num_tracks": int(raw["num_tracks"]), "created_at": float(raw["created_at"]),
+            "expires_at": float(raw["expires_at"]),
+        }
+
+    def track(self, job_id: str, index: int) -> dict[str, Any] | None:
+        raw = self.redis.hgetall(self.track_key(job_id, index))
+        if not raw:
+            return None
+        track = _decode_track(raw)
+        track["params"] = json.loads(track["params"])
+        return track
+
+    def tracks(self, job_id: str, num_tracks: int) -> list[dict[str, Any]]:
+        return [t for t in (self.track(job_id, i) for i in range(num_tracks)) if t is not None]
+
+    def queue_position(self, queue: str, job_id: str, track: int) -> int:
+        """1 for the next track to start on `queue`, 0 once started (or when not waiting)."""
+        rank = self.redis.zrank(self.waiting_key(queue), f"{job_id}:{track}") if queue else None
+        return 0 if rank is None else rank + 1
+
+    def record(self, job_id: str) -> dict[str, Any] | None:
+        """The whole client-facing record: job fields, tracks with queue positions, overall state."""
+        job = self.job(job_id)
+        if job is None:
+            return None
+        tracks = self.tracks(job_id, job["num_tracks"])
+        for track in tracks:
+            track["queue_position"] = (
+                self.queue_position(track["queue"], job_id, track["track"]) if track["state"] == QUEUED else 0)
+            if track["state"] == QUEUED and not track["queue"]:
+                parked = self.redis.lpos(f"{self.prefix}:unrouted", f"{job_id}:{track['track']}")
+                track["queue_position"] = 0 if parked is None else parked + 1
+        job["tracks"] = tracks
+        job["state"] = overall_state([t["state"] for t in tracks])
+        waiting = [t["queue_position"] for t in tracks if t["state"] == QUEUED]
+        job["queue_position"] = min(waiting) if waiting else 0
+        job["cancel_requested"] = bool(self.redis.exists(self.cancel_key(job_id)))
+        return job
+
+    def recent_job_ids(self, limit: int = 100) -> list[str]:
+        ids = self.redis.zrevrange(self.jobs_key, 0, limit - 1)
+        alive = [job_id for job_id in ids if self.redis.exists(self.job_key(job_id))]
+        gone = set(ids) - set(alive)
+        if gone:
+            self.redis.zrem(self.jobs_key, *gone)
+        return alive
+
+    # -- update -------------------------------------------------------------------------------------
+    def update(self, job_id: str, track: int, **fields: Any) -> bool:
+        """Write fields unless the track already ended (then nothing changes and False is returned)."""
+        fields["updated_at"] = str(time.time())
+        written = self._write_if_live(keys=[self.track_key(job_id, track)], args=_flatten(_encode(fields))) == 1
+        if written and ("state" in fields or "progress" in fields):
+            event = {k: fields[k] for k in ("state", "stage", "progress", "detail", "error") if k in fields}
+            self.redis.publish(self.events_channel(job_id), json.dumps({"job_id": job_id, "track": track, **event}))
+        return written
+
+    def assign_queue(self, job_id: str, track: int, queue: str, task_ids: list[str], cost: float) -> None:
+        member = f"{job_id}:{track}"
+        seq = self.redis.incr(f"{self.prefix}:seq")
+        pipe = self.redis.pipeline()
+        pipe.zadd(self.waiting_key(queue), {member: seq})
+        pipe.zadd(self.load_key(queue), {member: cost})
+        pipe.execute()
+        self.update(job_id, track, queue=queue, task_ids=task_ids, seq=seq, detail="queued")
+
+    def mark_started(self, job_id: str, track: int, queue: str) -> None:
+        self.redis.zrem(self.waiting_key(queue), f"{job_id}:{track}")
+
+    def finish(self, job_id: str, track: int, state: str, **fields: Any) -> bool:
+        """Move a track to a terminal state and drop it from its queue's bookkeeping."""
+        assert state in TERMINAL_STATES
+        changed = self.update(job_id, track, state=state, **fields)
+        record = self.track(job_id, track)
+        if record and record["queue"]:
+            member = f"{job_id}:{track}"
+            pipe = self.redis.pipeline()
+            pipe.zrem(self.waiting_key(record["queue"]), member)
+            pipe.zrem(self.load_key(record["queue"]), member)
+            pipe.execute()
+        return changed
+
+    # -- cancel -------------------------------------------------------------------------------------
+    def request_cancel(self, job_id: str) -> list[str]:
+        """Flag the job canceled; tracks not started yet end at once. Returns Celery ids to revoke."""
+        job = self.job(job_id)
+        if job is None:
+            return []
+        self.redis.set(self.cancel_key(job_id), "1", ex=self.ttl_s)
+        task_ids: list[str] = []
+        for track in self.tracks(job_id, job["num_tracks"]):
+            task_ids.extend(track["task_ids"])
+            if track["state"] == QUEUED:
+                self.finish(job_id, track["track"], CANCELED, detail="canceled before it started",
+                            progress=track["progress"])
+        return task_ids
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self.redis.exists(self.cancel_key(job_id)))
+
+    def count_delivery(self, task_id: str) -> int:
+        """How many times this Celery task id was delivered to a worker (redeliveries after a crash)."""
+        key = f"{self.prefix}:deliveries:{task_id}"
+        count = self.redis.incr(key)
+        self.redis.expire(key, self.ttl_s)
+        return int(count)
+
+    def fail(self, job_id: str, track: int, message: str) -> bool:
+        return self.finish(job_id, track, FAILED, error=message, detail="failed")
+
+
+def overall_state(states: list[str]) -> str:
+    """queued | running | done | failed | canceled | partial (some tracks done, others not)."""
+    if not states:
+        return "failed"
+    if all(s == QUEUED for s in states):
+        return QUEUED
+    if any(s not in TERMINAL_STATES for s in states):
+        return "running"
+    unique = set(states)
+    if len(unique) == 1:
+        return states[0]
+    return "partial" if "done" in unique else (CANCELED if CANCELED in unique else FAILED)
+

@@ -1,0 +1,42 @@
+"""Job kinds: the ordered stages each pipeline runs. The job/stage machinery is shared; only this differs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str   # stage name, also the key of its time limit
+    state: str  # the track state shown while this stage runs
+    task: str   # Celery task name
+    unit: str   # what its progress counts
+
+
+@dataclass(frozen=True)
+class JobKind:
+    name: str
+    stages: tuple[Stage, ...]
+
+    def stage(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"{self.name} has no stage {name!r}")
+
+    def next_stage(self, name: str) -> Stage | None:
+        names = [stage.name for stage in self.stages]
+        index = names.index(name)
+        return self.stages[index + 1] if index + 1 < len(self.stages) else None
+
+
+MUSIC = JobKind("music", (
+    Stage("backbone", "backbone", "encore.music.backbone", "tokens"),
+    Stage("superres", "superres", "encore.music.superres", "layers"),
+    Stage("decode", "decoding", "encore.music.decode", "chunks"),
+    Stage("export", "exporting", "encore.music.export", "files"),
+))
+
+KINDS: dict[str, JobKind] = {MUSIC.name: MUSIC}
+
+QUEUED, DONE, FAILED, CANCELED = "queued", "done", "failed", "canceled"
+TERMINAL_STATES = frozenset({DONE, FAILED, CANCELED})

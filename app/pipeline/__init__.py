@@ -1,0 +1,1 @@
+"""Model and media code for Encore's pipelines. No Celery imports here: every stage is testable alone."""

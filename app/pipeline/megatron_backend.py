@@ -1,0 +1,402 @@
+"""Everything megatron-core specific: process-group setup, the Khala GPT, its checkpoints, two engines.
+
+The model is Megatron's own GPTModel (local spec, no Transformer Engine) so it loads a real Khala
+`torch_dist` checkpoint unchanged. Megatron assumes CUDA in a few places; the CPU shims for those are
+collected in one section below and are installed only when the model runs on the CPU.
+
+Checkpoint layout (Megatron training's, which `--load` reads):
+    <dir>/latest_checkpointed_iteration.txt      "354000" or "release"
+    <dir>/iter_0354000/  (or <dir>/release/)      a dist checkpoint: .metadata, __*_*.distcp,
+                                                  common.pt (args, iteration), metadata.json
+with the model's sharded state dict under the top-level key "model".
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import GlobalMemoryBuffer
+
+from .profiles import TransformerSpec
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+# What Megatron training (torch >= 2.6) records as `content_metadata` and builds the sharded state
+# dict with: one key per layer, SwiGLU fc1 split into `_w`/`_v` halves.
+SAVE_CONTENT_METADATA = {"singleton_local_shards": True, "chained_optim_avoid_prefix": True}
+
+_init_pid: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU shims. Megatron-core has no CPU path; these four spots assume CUDA. Each applies only on CPU.
+#  1. RNG tracker: the default tracker snapshots CUDA RNG state around dropout; the inference tracker
+#     (a stock option) makes that a no-op.                                   -> init_parallel_state
+#  2. Attention scratch: GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device().
+#     On CPU a buffer that allocates on the CPU (and keeps nothing) replaces it.
+#  3. KV cache: Attention._allocate_memory puts StaticInferenceContext's cache on the current CUDA
+#     device. On CPU the cache is allocated here up front; Megatron uses buffers already present.
+#  4. dist_checkpointing.save calls torch.cuda.synchronize() and builds a status tensor on
+#     torch.cuda.current_device(); during a CPU save those two answer for the CPU.
+# (Megatron's default causal mask is also built on "cuda"; the engines always pass an explicit mask,
+# which is no shim: it is the same mask on every device.)
+# ---------------------------------------------------------------------------------------------------
+
+class _CpuScratchBuffer(GlobalMemoryBuffer):
+    """Shim 2: attention scratch on the CPU, allocated per call so nothing large stays behind."""
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(tuple(tensor_shape), dtype=dtype)
+
+
+def _install_cpu_scratch_buffer() -> None:
+    parallel_state._GLOBAL_MEMORY_BUFFER = _CpuScratchBuffer()
+
+
+def _preallocate_cpu_kv_cache(model: GPTModel, context: StaticInferenceContext) -> None:
+    """Shim 3: give every attention layer its KV buffers before Megatron would allocate on CUDA."""
+    for layer in model.decoder.layers:
+        attention = layer.self_attention
+        shape = (context.max_sequence_length, context.max_batch_size,
+                 attention.num_query_groups_per_partition)
+        dtype = model.config.params_dtype
+        context.key_value_memory_dict[attention.layer_number] = (
+            torch.empty(*shape, attention.key_hidden_size, dtype=dtype),
+            torch.empty(*shape, attention.val_hidden_size, dtype=dtype),
+        )
+
+
+@contextlib.contextmanager
+def _cpu_save_shims() -> Iterator[None]:
+    """Shim 4: let dist_checkpointing.save's CUDA sync and status tensor run on a CPU-only torch."""
+    synchronize, current_device = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = synchronize, current_device
+
+
+def _on_cpu(model: GPTModel) -> bool:
+    return next(model.parameters()).device.type == "cpu"
+
+
+# --- process group ---------------------------------------------------------------------------------
+
+def init_parallel_state(seed: int = 0) -> None:
+    """Make this process a 1-rank Megatron world (TP=1, PP=1). Idempotent.
+
+    The store is an in-process HashStore: no port or file, so worker processes never collide.
+    Call it in the process that runs the model (a forked child must call it itself; a process
+    group inherited through fork does not work and is refused here).
+    """
+    global _init_pid
+    if dist.is_initialized():
+        if _init_pid is not None and _init_pid != os.getpid():
+            raise RuntimeError("torch.distributed was initialized before fork; call "
+                               "init_parallel_state() in the worker child, not in its parent")
+    else:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        _init_pid = os.getpid()
+    if parallel_state.model_parallel_is_initialized():
+        return
+    parallel_state.initialize_model_parallel(1, 1)
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)  # shim 1
+        _install_cpu_scratch_buffer()  # shim 2
+
+
+def release_scratch() -> None:
+    """Free Megatron's attention scratch buffer (on CUDA it keeps the largest [heads, T, T] seen)."""
+    if parallel_state._GLOBAL_MEMORY_BUFFER is not None:
+        parallel_state._GLOBAL_MEMORY_BUFFER.buffer.clear()
+
+
+# --- model -----------------------------------------------------------------------------------------
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on GPU (as Khala serves), fp32 on CPU (bf16 matmuls are slow there)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def build_gpt(spec: TransformerSpec, *, causal: bool, device: torch.device | str,
+              dtype: torch.dtype | None = None) -> GPTModel:
+    """Khala's decoder: GQA, RoPE, RMSNorm, SwiGLU with linear bias, untied embeddings; uninitialized.
+
+    `causal=False` gives the full-attention model of super-resolution (Khala switches its layers to
+    padding masks; without padding that is no mask at all).
+    """
+    init_parallel_state()
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    config = TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=device.type == "cpu",
+        perform_initialization=False,  # weights come from a checkpoint (or write_tiny_checkpoint)
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if not causal:
+        layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_sequence_length,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=spec.rotary_base,
+    )
+    return model.to(device).eval()
+
+
+def init_random_weights(model: GPTModel, seed: int) -> None:
+    """Deterministic stand-in weights: N(0, 0.02) matrices and biases, norms near 1."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator) * 0.02
+            base = 1.0 if name.endswith("layernorm.weight") else 0.0
+            param.copy_(base + noise)
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+
+def checkpoint_args(model: GPTModel) -> argparse.Namespace:
+    """The Megatron training arguments describing `model`, under Megatron's own names."""
+    c = model.config
+    return argparse.Namespace(
+        num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+        num_attention_heads=c.num_attention_heads, group_query_attention=True,
+        num_query_groups=c.num_query_groups, kv_channels=c.kv_channels,
+        padded_vocab_size=model.vocab_size, vocab_size=model.vocab_size,
+        max_position_embeddings=model.max_sequence_length, position_embedding_type="rope",
+        rotary_base=model.rotary_base, rotary_percent=model.rotary_percent, use_rope_scaling=False,
+        normalization="RMSNorm", norm_epsilon=c.layernorm_epsilon, swiglu=True,
+        add_bias_linear=True, untie_embeddings_and_output_weights=True, qk_layernorm=False,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        ckpt_format="torch_dist", bf16=c.bf16, fp16=c.fp16,
+    )
+
+
+def _check_args(saved: argparse.Namespace | None, model: GPTModel) -> None:
+    """Refuse checkpoints whose architecture differs in ways tensor shapes would not reveal."""
+    if saved is None:
+        return
+    expected = vars(checkpoint_args(model))
+    fields = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
+              "normalization", "norm_epsilon", "swiglu", "add_bias_linear",
+              "untie_embeddings_and_output_weights", "qk_layernorm"]
+    if getattr(saved, "group_query_attention", False):
+        fields.append("num_query_groups")
+    wrong = {f: (getattr(saved, f), expected[f]) for f in fields
+             if getattr(saved, f, None) is not None and getattr(saved, f) != expected[f]}
+    if wrong:
+        raise ValueError(f"checkpoint does not match the model (checkpoint, model): {wrong}")
+
+
+def resolve_checkpoint_dir(directory: str | os.PathLike) -> Path:
+    """The dist-checkpoint directory inside a Megatron save dir (or `directory` if it is one)."""
+    directory = Path(directory)
+    tracker = directory / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        return directory / ("release" if text == "release" else f"iter_{int(text):07d}")
+    if (directory / "metadata.json").is_file():
+        return directory
+    raise FileNotFoundError(f"no Megatron checkpoint in {directory} (missing {TRACKER_FILE})")
+
+
+def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration: int = 1) -> Path:
+    """Write `model` as Megatron training would: <dir>/iter_XXXXXXX/ plus the tracker file.
+
+    Saving uses multiprocessing (a spawned manager, forked writers): not from a daemonic process.
+    """
+    init_parallel_state()
+    directory = Path(directory)
+    target = directory / f"iter_{iteration:07d}"
+    target.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.sharded_state_dict(metadata=dict(SAVE_CONTENT_METADATA)),
+        "args": checkpoint_args(model),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+    }
+    shims = _cpu_save_shims() if _on_cpu(model) else contextlib.nullcontext()
+    with shims:
+        dist_checkpointing.save(state, str(target), content_metadata=dict(SAVE_CONTENT_METADATA))
+    (directory / TRACKER_FILE).write_text(str(iteration))
+    return target
+
+
+def load_checkpoint(model: GPTModel, directory: str | os.PathLike) -> None:
+    """Load weights from a Megatron save dir (real Khala or ours) into `model`, any dtype/device.
+
+    The sharded state dict is built with the checkpoint's own content metadata, so both per-layer
+    (Megatron >= 0.14 default) and stacked-layer keys load. Transformer Engine checkpoints load too:
+    the local spec maps its norms to TE's fused names; TE's `_extra_state` is not read.
+    """
+    init_parallel_state()
+    path = str(resolve_checkpoint_dir(directory))
+    metadata = dist_checkpointing.load_content_metadata(path) or {}
+    sharded = model.sharded_state_dict(metadata=dict(metadata))
+    sharded = {k: v for k, v in sharded.items() if not k.endswith("._extra_state")}
+    loaded = dist_checkpointing.load({"model": sharded}, path)
+    _check_args(loaded.get("args"), model)
+    model.load_state_dict(loaded["model"], strict=True)
+
+
+def write_tiny_checkpoint(spec: TransformerSpec, directory: str | os.PathLike, *, causal: bool,
+                          seed: int) -> Path:
+    """Random weights (same for the same seed) saved in the real checkpoint layout."""
+    model = build_gpt(spec, causal=causal, device="cpu", dtype=torch.float32)
+    init_random_weights(model, seed)
+    return save_checkpoint(model, directory)
+
+
+def load_gpt(spec: TransformerSpec, directory: str | os.PathLike, *, causal: bool,
+             device: torch.device | str, dtype: torch.dtype | None = None) -> GPTModel:
+    """Build the model for `spec` and fill it from the checkpoint under `directory`."""
+    model = build_gpt(spec, causal=causal, device=device, dtype=dtype)
+    load_checkpoint(model, directory)
+    return model
+
+
+# --- engines ---------------------------------------------------------------------------------------
+
+def _causal_mask(length: int, device: torch.device) -> Tensor:
+    """Megatron's convention: True marks a masked (future) position; shape [1, 1, T, T]."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+class MegatronCausalLM:
+    """CausalLM over a Megatron GPTModel with StaticInferenceContext as the KV cache."""
+
+    def __init__(self, model: GPTModel):
+        self.model = model.eval()
+        self.vocab_size = model.vocab_size
+        self.device = next(model.parameters()).device
+        self._context: StaticInferenceContext | None = None
+
+    def reset(self, max_len: int) -> None:
+        if max_len > self.model.max_sequence_length:
+            raise ValueError(f"{max_len} positions exceed the model's {self.model.max_sequence_length}")
+        self._context = None  # drop the old cache before allocating the new one
+        context = StaticInferenceContext(max_batch_size=1, max_sequence_length=max_len)
+        if self.device.type == "cpu":
+            _preallocate_cpu_kv_cache(self.model, context)  # shim 3
+        self._context = context
+
+    def _forward(self, ids: Tensor, start: int, mask: Tensor | None,
+                 context: StaticInferenceContext | None) -> Tensor:
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        return self.model(ids, positions, mask, inference_context=context,
+                          runtime_gather_output=True)
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> Tensor:
+        context = self._require_fresh_context()
+        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        logits = self._forward(tokens, 0, _causal_mask(tokens.shape[1], self.device), context)
+        context.increment_sequence_len_offset(tokens.shape[1])
+        context.enable_decode_mode()
+        return logits[0, -1].float()
+
+    @torch.inference_mode()
+    def decode(self, token_id: int) -> Tensor:
+        context = self._context
+        if context is None or context.sequence_len_offset == 0:
+            raise RuntimeError("decode() needs prefill() first")
+        tokens = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
+        logits = self._forward(tokens, context.sequence_len_offset, None, context)
+        context.increment_sequence_len_offset(1)
+        return logits[0, -1].float()
+
+    @torch.inference_mode()
+    def logits(self, ids: Sequence[int]) -> Tensor:
+        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        return self._forward(tokens, 0, _causal_mask(tokens.shape[1], self.device), None)[0].float()
+
+    def release(self) -> None:
+        self._context = None
+        release_scratch()
+
+    def _require_fresh_context(self) -> StaticInferenceContext:
+        if self._context is None:
+            raise RuntimeError("call reset(max_len) before prefill()")
+        if self._context.sequence_len_offset:
+            raise RuntimeError("prefill() needs a fresh cache: call reset(max_len) first")
+        return self._context
+
+
+class MegatronBidirectionalLM:
+    """BidirectionalLM over a Megatron GPTModel built with causal=False.
+
+    Runs embeddings -> decoder (with its final norm) -> a slice of the output layer, as Khala's
+    super-resolution does, instead of GPTModel.forward's full-vocabulary projection.
+    """
+
+    def __init__(self, model: GPTModel):
+        self.model = model.eval()
+        self.vocab_size = model.vocab_size
+        self.device = next(model.parameters()).device
+
+    @property
+    def input_embeddings(self) -> Tensor:
+        return self.model.embedding.word_embeddings.weight
+
+    @torch.inference_mode()
+    def logits(self, embeddings: Tensor, vocab: slice | None = None) -> Tensor:
+        length = embeddings.shape[0]
+        hidden_states = embeddings.to(self.device, self.model.config.params_dtype)[:, None]
+        rotary = self.model.rotary_pos_emb(length)
+        hidden = self.model.decoder(hidden_states=hidden_states, attention_mask=None,
+                                    rotary_pos_emb=rotary)
+        weight = self.model.output_layer.weight
+        if vocab is not None:
+            weight = weight[vocab]
+        return (hidden[:, 0] @ weight.t()).float()
+
+    def release(self) -> None:
+        release_scratch()

@@ -1,0 +1,121 @@
+"""The music pipeline's four stages as plain functions over files: backbone → superres → decode → export.
+
+Each function reads its inputs from paths, writes its outputs to paths, reports through StageControl and
+gets its models from a `MusicModels` cache, so it runs the same under Celery, in a test or in a notebook.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.pipeline import backbone, codec, export, megatron_backend, prompt, superres
+from app.pipeline.control import StageControl
+from app.pipeline.profiles import MusicProfile
+from app.pipeline.runtime import ModelCache
+
+# Models freed after each stage in one_shot mode (tokenizer and backbone stay, like the reference backend).
+ONE_SHOT_RESIDENT = frozenset({"tokenizer", "backbone"})
+FREED_AFTER = {"superres": ["superres"], "decode": ["codec"]}
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class MusicModels:
+    """Lazily loaded models of one profile, held in a ModelCache under the worker's runtime mode."""
+
+    def __init__(self, profile: MusicProfile, mode: str, device: torch.device | None = None):
+        self.profile = profile
+        self.device = device or pick_device()
+        self.cache = ModelCache(mode, ONE_SHOT_RESIDENT)
+
+    def tokenizer(self, loaded: list[str] | None = None):
+        return self.cache.get("tokenizer", lambda: prompt.load_tokenizer(self.profile.tokenizer_dir), loaded)
+
+    def backbone(self, loaded: list[str] | None = None):
+        return self.cache.get("backbone", lambda: megatron_backend.load_causal_lm(
+            self.profile.backbone, self.profile.backbone_dir, device=self.device), loaded)
+
+    def superres(self, loaded: list[str] | None = None):
+        return self.cache.get("superres", lambda: megatron_backend.load_bidirectional_lm(
+            self.profile.superres, self.profile.superres_dir, device=self.device), loaded)
+
+    def codec(self, loaded: list[str] | None = None):
+        return self.cache.get("codec", lambda: codec.load_codec(
+            self.profile.codec, self.profile.codec_path, device=self.device), loaded)
+
+    def after_stage(self, stage: str) -> None:
+        self.cache.after_stage(FREED_AFTER.get(stage, []))
+
+
+def _save_codes(codes: torch.Tensor, path: Path) -> None:
+    torch.save(codes.to(torch.int16 if codes.max() < 2**15 else torch.int32).cpu(), path)
+
+
+def _load_codes(path: Path) -> torch.Tensor:
+    return torch.load(path, weights_only=True).long()
+
+
+def run_backbone(models: MusicModels, params: dict[str, Any], seed: int, out: Path,
+                 control: StageControl, loaded: list[str] | None = None) -> dict[str, Any]:
+    """Prompt → coarse codes [2, frames] (q0, q1), saved to `out`."""
+    profile = models.profile
+    tokenizer = models.tokenizer(loaded)
+    lm = models.backbone(loaded)
+    prompt_ids = _prompt_ids(tokenizer, profile, params)
+    started = time.monotonic()
+    coarse = backbone.generate_coarse(
+        lm, prompt_ids, profile=profile, num_frames=profile.frames_for(params["duration_s"]),
+        temperature=params["temperature"], top_k=params["top_k"], seed=seed, control=control)
+    _save_codes(coarse, out)
+    seconds = time.monotonic() - started
+    return {"prompt_tokens": len(prompt_ids), "frames": int(coarse.shape[1]),
+            "tokens_per_s": round(2 * coarse.shape[1] / max(seconds, 1e-9), 1)}
+
+
+def _prompt_ids(tokenizer, profile: MusicProfile, params: dict[str, Any]) -> list[int]:
+    return prompt.build_prompt(
+        tokenizer, profile, mode=params["mode"], tags=params.get("tags") or None,
+        description=params.get("prompt") or None, lyrics=params.get("lyrics") or None,
+        duration_s=params["duration_s"])
+
+
+def run_superres(models: MusicModels, params: dict[str, Any], seed: int, coarse_path: Path, out: Path,
+                 control: StageControl, loaded: list[str] | None = None) -> dict[str, Any]:
+    """Coarse codes → all 64 codebooks [64, frames], saved to `out`."""
+    profile = models.profile
+    prompt_ids = _prompt_ids(models.tokenizer(loaded), profile, params)
+    lm = models.superres(loaded)
+    fine = superres.fill_fine(lm, _load_codes(coarse_path), profile=profile, top_k=profile.superres_top_k,
+                              seed=seed, control=control, prompt_ids=prompt_ids)
+    _save_codes(fine, out)
+    return {"codebooks": int(fine.shape[0])}
+
+
+def run_decode(models: MusicModels, fine_path: Path, wav_out: Path, control: StageControl,
+               loaded: list[str] | None = None) -> dict[str, Any]:
+    """All codebooks → 44.1 kHz stereo 16-bit WAV at `wav_out`."""
+    decoder = models.codec(loaded)
+    audio = codec.decode_codes(decoder, _load_codes(fine_path), control)
+    export.write_wav(audio, wav_out, models.profile.codec.sample_rate)
+    return {"samples": int(audio.shape[-1]), "seconds": audio.shape[-1] / models.profile.codec.sample_rate}
+
+
+def run_export(wav_path: Path, mp3_out: Path, meta_out: Path, metadata: dict[str, Any],
+               control: StageControl) -> None:
+    """WAV → 320 kb/s MP3 plus a JSON metadata file."""
+    control.step(0, 2, "files")
+    export.write_mp3(wav_path, mp3_out, bitrate="320k")
+    control.step(1, 2, "files")
+    export.write_metadata(meta_out, metadata)
+    control.step(2, 2, "files")
+
+
+def metadata_json(params: dict[str, Any], seed: int, profile: MusicProfile) -> dict[str, Any]:
+    return json.loads(json.dumps({**params, "seed": seed, "profile": profile.name,
+                                  "sample_rate": profile.codec.sample_rate, "channels": 2}))

@@ -1,0 +1,49 @@
+"""Write the tiny profile's random-weight models in the real on-disk formats:
+  <dir>/tokenizer/        PreTrainedTokenizerFast directory (Llama-3 special-token layout, small vocab)
+  <dir>/backbone/         Megatron torch_dist checkpoint (causal GPT)
+  <dir>/superres/         Megatron torch_dist checkpoint (bidirectional GPT)
+  <dir>/codec/codec.ckpt  Lightning-style checkpoint with `generator.`-prefixed keys
+The loaders that read these are the ones that read real Khala checkpoints. Their audio is noise.
+
+    python -m app.pipeline.tiny [--out models/tiny] [--seed 1234] [--force]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from app.pipeline.profiles import load_profile
+
+MARKER = ".complete"
+
+
+def write_tiny_models(out: Path, seed: int = 1234, force: bool = False) -> Path:
+    """Write every tiny model under `out` (skipped when a previous run completed, unless `force`)."""
+    if (out / MARKER).exists() and not force:
+        return out
+    from app.pipeline import codec, megatron_backend, prompt
+    profile = load_profile("tiny", out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompt.write_tiny_tokenizer(profile, profile.tokenizer_dir)
+    megatron_backend.write_tiny_checkpoint(profile.backbone, profile.backbone_dir, causal=True, seed=seed)
+    megatron_backend.write_tiny_checkpoint(profile.superres, profile.superres_dir, causal=False, seed=seed + 1)
+    profile.codec_path.parent.mkdir(parents=True, exist_ok=True)
+    codec.write_tiny_codec(profile.codec, profile.codec_path, seed=seed + 2)
+    (out / MARKER).write_text(f"seed={seed}\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("models/tiny"))
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--force", action="store_true", help="rewrite even if already complete")
+    args = parser.parse_args(argv)
+    path = write_tiny_models(args.out, args.seed, args.force)
+    print(f"tiny models in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Put tracks on GPU queues and turn them into Celery chains.
+
+- Each track goes to the live queue with the least outstanding work (estimated cost of tracks queued or
+  running there); picking one track at a time spreads a job's tracks across GPUs.
+- With no live worker the track waits in `{p}:unrouted`; workers drain that list on every heartbeat.
+- Every signature of a chain carries the queue (a chain-level queue only routes its first step) and a
+  priority: the first stage is the lowest (9), later stages the highest (0), so a started job's next stage
+  overtakes the first stage of any job submitted after it (FIFO across stages).
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+
+from celery import Celery, chain
+
+from app.kinds import KINDS, QUEUED, JobKind
+from app.services import Services
+
+log = logging.getLogger("encore.routing")
+
+FIRST_STAGE_PRIORITY = 9
+LATER_STAGE_PRIORITY = 0
+
+
+def _unrouted_key(svc: Services) -> str:
+    return f"{svc.settings.key_prefix}:unrouted"
+
+
+def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
+    loads = {}
+    for queue in queues:
+        scores = svc.redis.zrange(svc.jobs.load_key(queue), 0, -1, withscores=True)
+        loads[queue] = sum(score for _, score in scores)
+    return loads
+
+
+def pick_queue(svc: Services) -> str | None:
+    """The live queue with the least outstanding estimated work; ties go to the lowest queue name."""
+    queues = svc.workers.live_queues()
+    if not queues:
+        return None
+    loads = queue_loads(svc, queues)
+    return min(queues, key=lambda q: (loads[q], _queue_number(q)))
+
+
+def _queue_number(queue: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in queue if ch.isdigit())
+    return (int(digits) if digits else 0, queue)
+
+
+def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str) -> tuple[chain, list[str]]:
+    signatures, task_ids = [], []
+    for index, stage in enumerate(kind.stages):
+        task_id = uuid.uuid4().hex
+        priority = FIRST_STAGE_PRIORITY if index == 0 else LATER_STAGE_PRIORITY
+        args = (ref,) if index == 0 else ()
+        signatures.append(celery.signature(
+            stage.task, args=args, queue=queue, priority=priority, task_id=task_id, immutable=False))
+        task_ids.append(task_id)
+    return chain(*signatures), task_ids
+
+
+def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue: str) -> None:
+    job = svc.jobs.job(job_id)
+    record = svc.jobs.track(job_id, track)
+    if job is None or record is None or record["state"] != QUEUED or svc.jobs.cancel_requested(job_id):
+        return
+    kind = KINDS[job["kind"]]
+    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue)
+    svc.jobs.assign_queue(job_id, track, queue, task_ids, float(record["cost"]))
+    workflow.apply_async()
+    log.info("job=%s track=%d event=routed queue=%s", job_id, track, queue)
+
+
+def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> None:
+    """Route every track now, or park it until a worker is live."""
+    for track in range(num_tracks):
+        queue = pick_queue(svc)
+        if queue is None:
+            svc.redis.rpush(_unrouted_key(svc), f"{job_id}:{track}")
+            svc.jobs.update(job_id, track, detail="waiting for a worker")
+        else:
+            enqueue_track(svc, celery, job_id, track, queue)
+
+
+def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:
+    """Route parked tracks now that a worker is live; returns how many were routed."""
+    routed = 0
+    while routed < limit:
+        queue = pick_queue(svc)
+        if queue is None:
+            break
+        member = svc.redis.lpop(_unrouted_key(svc))
+        if member is None:
+            break
+        job_id, _, track = member.rpartition(":")
+        enqueue_track(svc, celery, job_id, int(track), queue)
+        routed += 1
+    return routed

@@ -1,0 +1,81 @@
+"""Request schemas (pydantic): one definition validates input and names the offending field."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from app.pipeline.lyrics import clean_lyrics
+
+MAX_SEED = 2**31 - 1
+
+
+class MusicRequest(BaseModel):
+    """POST /api/v1/music. Limits that depend on deployment (duration range, track count, text sizes)
+    come from the validation context: {"min_duration_s", "max_duration_s", "max_tracks", ...}."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    mode: Literal["vocal", "instrumental"] = "vocal"
+    tags: str | None = None
+    prompt: str | None = Field(default=None, description="natural-language description of the song")
+    lyrics: str | None = None
+    duration_s: float | None = Field(default=None, description="song length in seconds")
+    num_tracks: int = Field(default=2, ge=1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    temperature: float = Field(default=1.0, ge=0.6, le=1.4)
+    top_k: int = Field(default=80, ge=1, le=200)
+
+    @field_validator("tags", "prompt", "lyrics")
+    @classmethod
+    def _strip(cls, value: str | None) -> str | None:
+        return value.strip() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _deployment_limits(self, info) -> "MusicRequest":
+        limits = info.context or {}
+        max_text = limits.get("max_text_chars", 1000)
+        for name in ("tags", "prompt"):
+            value = getattr(self, name)
+            if value and len(value) > max_text:
+                raise _field_error(name, f"at most {max_text} characters")
+        if not (self.tags or self.prompt):
+            raise _field_error("tags", "give tags or a prompt describing the music")
+        if self.lyrics and len(self.lyrics) > limits.get("max_lyrics_chars", 8000):
+            raise _field_error("lyrics", f"at most {limits.get('max_lyrics_chars', 8000)} characters")
+        if self.mode == "vocal":
+            if not self.lyrics or not clean_lyrics(self.lyrics).strip():
+                raise _field_error("lyrics", "required in vocal mode")
+        low, high = limits.get("min_duration_s", 1.0), limits.get("max_duration_s", 600.0)
+        if self.duration_s is None:
+            self.duration_s = limits.get("default_duration_s", low)
+        if not low <= self.duration_s <= high:
+            raise _field_error("duration_s", f"must be between {low:g} and {high:g} seconds")
+        max_tracks = limits.get("max_tracks", 4)
+        if self.num_tracks > max_tracks:
+            raise _field_error("num_tracks", f"at most {max_tracks}")
+        return self
+
+
+class FieldError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _field_error(field: str, message: str) -> FieldError:
+    return FieldError(field, message)
+
+
+def describe_validation_error(error: ValidationError) -> tuple[str, str]:
+    """(field, message) for the first problem, in words a client can act on."""
+    first = error.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        return cause.field, cause.message
+    field = ".".join(str(part) for part in first["loc"]) or "body"
+    message = first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = "unknown field"
+    return field, message

@@ -1,0 +1,76 @@
+"""Music stage tasks: thin wrappers that hand job parameters and artifact paths to app.pipeline.music."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from app.kinds import MUSIC
+from app.pipeline import music
+from app.pipeline.profiles import load_profile
+from app.services import services
+from app.tasks.stage import StageRun, stage_task
+
+
+@lru_cache(maxsize=1)
+def models() -> music.MusicModels:
+    """This worker child's models (created on first use, after fork)."""
+    settings = services().settings
+    return music.MusicModels(load_profile(settings.music_profile, settings.model_dir), settings.runtime_mode)
+
+
+def preload() -> None:
+    """Load the resident models now (ENCORE_PRELOAD=1), so the first job pays no load time."""
+    cache = models()
+    cache.tokenizer()
+    cache.backbone()
+    if cache.cache.mode == "keep_loaded":
+        cache.superres()
+        cache.codec()
+
+
+def _names(run: StageRun) -> dict[str, str]:
+    t = run.track
+    return {"coarse": f"track{t}.coarse.pt", "fine": f"track{t}.fine.pt", "wav": f"track{t}.wav",
+            "mp3": f"track{t}.mp3", "meta": f"track{t}.json"}
+
+
+def _seed(run: StageRun) -> int:
+    return int(run.track_params["seed"])
+
+
+def backbone_work(run: StageRun) -> None:
+    out = run.workdir / _names(run)["coarse"]
+    music.run_backbone(models(), run.params, _seed(run), out, run.control, run.loaded)
+    run.keep(out.name, out)
+    models().after_stage("backbone")
+
+
+def superres_work(run: StageRun) -> None:
+    names = _names(run)
+    out = run.workdir / names["fine"]
+    music.run_superres(models(), run.params, _seed(run), run.input(names["coarse"]), out, run.control, run.loaded)
+    run.keep(out.name, out)
+    models().after_stage("superres")
+
+
+def decode_work(run: StageRun) -> None:
+    names = _names(run)
+    out = run.workdir / names["wav"]
+    music.run_decode(models(), run.input(names["fine"]), out, run.control, run.loaded)
+    run.publish(out.name, out)
+    models().after_stage("decode")
+
+
+def export_work(run: StageRun) -> None:
+    names = _names(run)
+    mp3, meta = run.workdir / names["mp3"], run.workdir / names["meta"]
+    metadata = music.metadata_json(run.params, _seed(run), models().profile)
+    music.run_export(run.input(names["wav"]), mp3, meta, {**metadata, "job_id": run.job_id, "track": run.track},
+                     run.control)
+    run.publish(mp3.name, mp3)
+    run.publish(meta.name, meta)
+
+
+backbone = stage_task(MUSIC, "backbone", backbone_work)
+superres = stage_task(MUSIC, "superres", superres_work)
+decode = stage_task(MUSIC, "decode", decode_work)
+export = stage_task(MUSIC, "export", export_work)

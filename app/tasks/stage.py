@@ -1,0 +1,225 @@
+"""Shared stage machinery: what every pipeline stage does around its work, whatever the pipeline.
+
+A stage task receives {"job_id", "track"} and returns it for the next stage of the chain. Around the work:
+- refuse to start when the track already ended, the job was canceled, or this message was delivered more
+  than ENCORE_MAX_DELIVERIES times (a stage that keeps killing its worker must not loop forever);
+- record state, worker, timestamps, throttled progress and model loads in the job record;
+- watch the cancel flag in a thread: the work sees it through StageControl within ~0.2 s; if the work
+  has not stopped `cancel_grace_s` later, the child process exits (hard kill) and the master replaces it;
+- soft time limit -> failed with a timeout message; hard limit (child killed) -> on_failure in the master;
+- any other exception -> failed with the message; the worker takes the next job.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from celery import Task
+from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
+
+from app.celery_app import celery
+from app.kinds import CANCELED, DONE, JobKind, Stage
+from app.pipeline.control import Canceled, StageControl
+from app.pipeline.runtime import device_report, release_memory
+from app.services import Services, services
+
+log = logging.getLogger("encore.jobs")
+
+CANCEL_POLL_S = 0.2
+PROGRESS_EVERY_S = 0.25
+
+
+@dataclass
+class StageRun:
+    """What a stage's work function gets: its job, parameters, a scratch dir, and artifact access."""
+
+    svc: Services
+    job_id: str
+    track: int
+    stage: Stage
+    params: dict[str, Any]
+    track_params: dict[str, Any]
+    workdir: Path
+    control: StageControl
+    loaded: list[str] = field(default_factory=list)
+
+    def input(self, name: str) -> Path:
+        return self.svc.artifacts.local_path(self.job_id, name)
+
+    def keep(self, name: str, path: Path) -> None:
+        """Store an intermediate for the next stage (by reference, never in the Celery message)."""
+        self.svc.artifacts.put(self.job_id, name, path, self._ttl())
+
+    def publish(self, name: str, path: Path) -> None:
+        """Store a result the client can download, and list it in the track's artifacts."""
+        self.keep(name, path)
+        record = self.svc.jobs.track(self.job_id, self.track) or {"artifacts": []}
+        artifacts = sorted(set(record["artifacts"]) | {name})
+        self.svc.jobs.update(self.job_id, self.track, artifacts=artifacts)
+
+    def _ttl(self) -> float:
+        job = self.svc.jobs.job(self.job_id)
+        return max(1.0, (job["expires_at"] if job else time.time() + self.svc.settings.job_ttl_s) - time.time())
+
+
+class _Throttled:
+    """Writes progress to the job record at most every PROGRESS_EVERY_S (and always the final 1.0)."""
+
+    def __init__(self, svc: Services, job_id: str, track: int):
+        self.svc, self.job_id, self.track = svc, job_id, track
+        self.last = 0.0
+
+    def __call__(self, fraction: float, detail: str) -> None:
+        now = time.monotonic()
+        if fraction >= 1.0 or now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            self.svc.jobs.update(self.job_id, self.track, progress=round(min(max(fraction, 0.0), 1.0), 4),
+                                 detail=detail)
+
+
+class CancelWatch:
+    """Polls the job's cancel flag in a thread; hard-kills this process if the work ignores it."""
+
+    def __init__(self, svc: Services, job_id: str, track: int, grace_s: float):
+        self.svc, self.job_id, self.track, self.grace_s = svc, job_id, track, grace_s
+        self.canceled = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"cancel-watch-{job_id[:8]}", daemon=True)
+
+    def __enter__(self) -> "CancelWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=2)
+
+    def _watch(self) -> None:
+        while not self._done.wait(CANCEL_POLL_S):
+            try:
+                if self.svc.jobs.cancel_requested(self.job_id):
+                    break
+            except Exception:  # Redis blip: keep watching
+                continue
+        else:
+            return
+        self.canceled.set()
+        if self._done.wait(self.grace_s):
+            return
+        log.error("job=%s track=%d event=cancel_hard_kill pid=%d", self.job_id, self.track, os.getpid())
+        self.svc.jobs.finish(self.job_id, self.track, CANCELED, detail="canceled (stage stopped by force)")
+        os._exit(75)  # the prefork master replaces this child; the redelivered message sees 'canceled'
+
+
+class StageTask(Task):
+    """Base class of every stage task; subclasses are made by `stage_task`."""
+
+    kind: JobKind
+    stage: Stage
+    work: Callable[[StageRun], None]
+
+    def run_stage(self, ref: dict[str, Any]) -> dict[str, Any]:
+        svc = services()
+        job_id, track = ref["job_id"], int(ref["track"])
+        worker = self.request.hostname or "unknown"
+        self._check_can_start(svc, job_id, track, worker)
+        record = svc.jobs.track(job_id, track)
+        job = svc.jobs.job(job_id)
+        svc.jobs.mark_started(job_id, track, record["queue"])
+        stages = record["stages"]
+        stages[self.stage.name] = {"started_at": time.time(), "worker": worker}
+        svc.jobs.update(job_id, track, state=self.stage.state, stage=self.stage.name, running="1",
+                        worker=worker, progress=0.0, detail="starting", stages=stages)
+        svc.workers.set_current(worker, job_id, track, self.stage.name)
+        log.info("job=%s track=%d queue=%s worker=%s event=stage_started stage=%s",
+                 job_id, track, record["queue"], worker, self.stage.name)
+        started = time.monotonic()
+        workdir = Path(tempfile.mkdtemp(prefix=f"encore-{job_id[:8]}-{self.stage.name}-"))
+        try:
+            with CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s) as watch:
+                control = StageControl(report=_Throttled(svc, job_id, track),
+                                       cancel_requested=watch.canceled.is_set)
+                run = StageRun(svc, job_id, track, self.stage, job["params"], record["params"], workdir, control)
+                self._work(run)
+        except Canceled:
+            svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
+            log.info("job=%s track=%d worker=%s event=canceled stage=%s", job_id, track, worker, self.stage.name)
+            raise Ignore()
+        except SoftTimeLimitExceeded:
+            soft, _ = svc.settings.time_limits.get(self.stage.name, (None, 0))
+            self._fail(svc, job_id, track, worker, f"timed out: {self.stage.name} ran past its {soft:g} s limit")
+            raise
+        except Exception as exc:
+            self._fail(svc, job_id, track, worker, f"{self.stage.name} failed: {exc}")
+            raise
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            svc.workers.clear_current(worker)
+            release_memory()
+            svc.workers.update(worker, **device_report())
+        self._finish(svc, run, stages, time.monotonic() - started, worker)
+        return ref
+
+    def _work(self, run: StageRun) -> None:
+        type(self).work(run)
+
+    def _check_can_start(self, svc: Services, job_id: str, track: int, worker: str) -> None:
+        record = svc.jobs.track(job_id, track)
+        if record is None or record["state"] in (DONE, "failed", CANCELED):
+            raise Ignore()
+        if svc.jobs.cancel_requested(job_id):
+            svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled before {self.stage.name}")
+            raise Ignore()
+        deliveries = svc.jobs.count_delivery(self.request.id)
+        svc.jobs.update(job_id, track, attempts=deliveries)
+        if deliveries > svc.settings.max_deliveries:
+            self._fail(svc, job_id, track, worker,
+                       f"{self.stage.name} was interrupted {deliveries - 1} times (worker crashed or was "
+                       f"killed); giving up")
+            raise Ignore()
+
+    def _finish(self, svc: Services, run: StageRun, stages: dict, seconds: float, worker: str) -> None:
+        stages[self.stage.name].update(finished_at=time.time(), duration_s=round(seconds, 3), loaded=run.loaded)
+        following = self.kind.next_stage(self.stage.name)
+        if following is None:
+            svc.jobs.finish(run.job_id, run.track, DONE, stages=stages, progress=1.0, detail="done", running="0")
+        else:
+            svc.jobs.update(run.job_id, run.track, stages=stages, state=following.state, stage=following.name,
+                            progress=0.0, detail="waiting for the worker", running="0")
+        log.info("job=%s track=%d worker=%s event=stage_finished stage=%s duration_s=%.3f loaded=%s",
+                 run.job_id, run.track, worker, self.stage.name, seconds, ",".join(run.loaded) or "-")
+
+    def _fail(self, svc: Services, job_id: str, track: int, worker: str, message: str) -> None:
+        svc.jobs.fail(job_id, track, message)
+        log.error("job=%s track=%d worker=%s event=failed stage=%s error=%s",
+                  job_id, track, worker, self.stage.name, message)
+
+    def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
+        """Also runs in the worker's master when a hard time limit killed the child."""
+        if isinstance(exc, TimeLimitExceeded) and args:
+            svc = services()
+            _, hard = svc.settings.time_limits.get(self.stage.name, (None, 0))
+            self._fail(svc, args[0]["job_id"], int(args[0]["track"]), self.request.hostname or "unknown",
+                       f"timed out: {self.stage.name} exceeded its hard time limit of {hard:g} s")
+
+
+def stage_task(kind: JobKind, stage_name: str, work: Callable[[StageRun], None]) -> StageTask:
+    """Register the Celery task for one stage of `kind`, with that stage's time limits."""
+    stage = kind.stage(stage_name)
+    soft, hard = services().settings.time_limits.get(stage_name, (None, 3600.0))
+    base = type(f"{kind.name.title()}{stage_name.title()}Task", (StageTask,),
+                {"kind": kind, "stage": stage, "work": staticmethod(work)})
+
+    def run(self: StageTask, ref: dict[str, Any]) -> dict[str, Any]:
+        return self.run_stage(ref)
+
+    run.__doc__ = f"{kind.name} stage {stage_name!r}: see app/tasks/stage.py."
+    return celery.task(run, name=stage.task, base=base, bind=True, time_limit=hard, soft_time_limit=soft,
+                       acks_late=True, reject_on_worker_lost=True)

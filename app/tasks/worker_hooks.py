@@ -1,0 +1,79 @@
+"""Worker life cycle: a heartbeat thread in the master (registry, routing of parked tracks, artifact sweep)
+and per-child set-up (torch threads, optional model preload). The master never touches CUDA."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
+
+from app.celery_app import celery
+from app.routing import dispatch_unrouted
+from app.services import services
+
+log = logging.getLogger("encore.worker")
+
+SWEEP_EVERY_S = 300.0
+_stop = threading.Event()
+
+
+def _consumed_queues() -> list[str]:
+    return sorted(celery.amqp.queues.consume_from or celery.amqp.queues)
+
+
+def _heartbeat_loop(hostname: str) -> None:
+    svc = services()
+    queues = _consumed_queues()
+    info = {"queue": ",".join(queues), "pid": os.getpid(), "hostname": hostname,
+            "runtime_mode": svc.settings.runtime_mode, "profile": svc.settings.music_profile,
+            "pinned_to": _device_claim(), "started_at": time.time()}
+    last_sweep = 0.0
+    while not _stop.is_set():
+        try:
+            svc.workers.heartbeat(hostname, info)
+            dispatch_unrouted(svc, celery)
+            if time.monotonic() - last_sweep > SWEEP_EVERY_S:
+                last_sweep = time.monotonic()
+                removed = svc.artifacts.sweep(lambda job_id: svc.jobs.job(job_id) is not None)
+                if removed:
+                    log.info("event=artifact_sweep removed=%d", len(removed))
+        except Exception:
+            log.exception("heartbeat failed; retrying")
+        _stop.wait(svc.settings.heartbeat_s)
+
+
+def _device_claim() -> str:
+    """What the worker is pinned to, without initialising CUDA in the (forking) master."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return f"cuda (CUDA_VISIBLE_DEVICES={visible})" if visible not in ("", "-1") else "cpu"
+
+
+@worker_ready.connect
+def start_heartbeat(sender=None, **_: object) -> None:
+    hostname = sender.hostname if sender is not None else celery.conf.get("worker_name", "worker")
+    _stop.clear()
+    threading.Thread(target=_heartbeat_loop, args=(hostname,), name="encore-heartbeat", daemon=True).start()
+    log.info("worker=%s event=ready queues=%s", hostname, ",".join(_consumed_queues()))
+
+
+@worker_shutdown.connect
+def stop_heartbeat(sender=None, **_: object) -> None:
+    _stop.set()
+    hostname = getattr(sender, "hostname", None)
+    if hostname:
+        svc = services()
+        svc.redis.delete(f"{svc.settings.key_prefix}:worker:{hostname}")  # offline at once, not after TTL
+
+
+@worker_process_init.connect
+def init_child(**_: object) -> None:
+    """In each pool child: thread count, and models loaded up front when ENCORE_PRELOAD=1."""
+    settings = services().settings
+    import torch
+    if settings.torch_threads > 0:
+        torch.set_num_threads(settings.torch_threads)
+    if settings.preload_models:
+        from app.tasks.music import preload
+        preload()

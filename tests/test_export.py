@@ -1,0 +1,106 @@
+"""WAV/MP3/JSON export: headers, sample values, durations, and loud failures instead of empty files."""
+from __future__ import annotations
+
+import json
+import subprocess
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+from app.pipeline.export import (MP3_ENCODER_DELAY_SAMPLES, MP3_FRAME_SAMPLES, ExportError, probe_duration,
+                                 write_metadata, write_mp3, write_wav)
+from app.pipeline.profiles import load_profile
+
+
+@pytest.fixture
+def profile(tmp_path):
+    return load_profile("tiny", tmp_path)
+
+
+def stereo(frames: int, seed: int = 0) -> torch.Tensor:
+    """A tone per channel plus a little noise: loud enough that MP3 keeps it."""
+    t = torch.arange(frames) / 44100
+    noise = torch.randn(2, frames, generator=torch.Generator().manual_seed(seed)) * 0.01
+    return torch.stack([0.5 * torch.sin(2 * torch.pi * 440 * t), 0.3 * torch.sin(2 * torch.pi * 660 * t)]) + noise
+
+
+def read_pcm(path) -> tuple[wave._wave_params, np.ndarray]:
+    with wave.open(str(path), "rb") as wav:
+        params = wav.getparams()
+        frames = np.frombuffer(wav.readframes(params.nframes), dtype="<i2").reshape(-1, params.nchannels)
+    return params, frames
+
+
+def test_wav_header_and_samples(profile, tmp_path):
+    sr = profile.codec.sample_rate
+    audio = stereo(3 * 2048 + 5)
+    path = write_wav(audio, tmp_path / "song.wav", sr)
+    params, pcm = read_pcm(path)
+    assert (params.nchannels, params.sampwidth, params.framerate, params.nframes) == (2, 2, 44100, 3 * 2048 + 5)
+    assert path.stat().st_size == 44 + (3 * 2048 + 5) * 4  # canonical 44-byte header, no extra chunks
+    np.testing.assert_allclose(pcm.T / 32767.0, audio.numpy(), atol=0.6 / 32767)  # channel 0 is left
+
+
+def test_wav_clips_instead_of_wrapping(tmp_path):
+    audio = torch.tensor([[2.0, -3.0, 1.0, 0.0], [0.5, -0.5, -1.0, 1e-6]])
+    _, pcm = read_pcm(write_wav(audio, tmp_path / "loud.wav", 44100))
+    assert pcm[:, 0].tolist() == [32767, -32767, 32767, 0]
+    assert pcm[:, 1].tolist() == [16384, -16384, -32767, 0]
+
+
+def test_wav_rejects_bad_audio(tmp_path):
+    with pytest.raises(ValueError, match="channels"):
+        write_wav(torch.zeros(1000), tmp_path / "a.wav", 44100)
+    with pytest.raises(ValueError, match="channels"):
+        write_wav(torch.zeros(3, 1000), tmp_path / "a.wav", 44100)
+    with pytest.raises(ValueError, match="NaN"):
+        write_wav(torch.full((2, 10), float("nan")), tmp_path / "a.wav", 44100)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mp3_duration_matches_wav(profile, tmp_path):
+    sr, frames = profile.codec.sample_rate, 44100 + 777
+    wav_path = write_wav(stereo(frames), tmp_path / "song.wav", sr)
+    mp3 = write_mp3(wav_path, tmp_path / "song.mp3")
+    with open(mp3, "rb") as f:
+        head = f.read(3)
+    assert head == b"ID3" or head[0] == 0xFF
+    slack = (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / sr
+    assert frames / sr <= probe_duration(mp3) <= frames / sr + slack
+    stream = json.loads(subprocess.run(
+        ["ffprobe", "-v", "error", "-show_streams", "-of", "json", str(mp3)],
+        capture_output=True, text=True, check=True).stdout)["streams"][0]
+    assert (stream["codec_name"], stream["channels"], int(stream["sample_rate"])) == ("mp3", 2, 44100)
+    assert abs(int(stream["bit_rate"]) - 320_000) <= 1000
+    decoded = subprocess.run(["ffmpeg", "-v", "error", "-i", str(mp3), "-f", "s16le", "-"],
+                             capture_output=True, check=True).stdout
+    assert abs(len(decoded) // 4 - frames) <= MP3_FRAME_SAMPLES  # ffmpeg trims the encoder delay
+
+
+def test_mp3_ffmpeg_failure_raises_and_leaves_no_file(tmp_path):
+    wav_path = write_wav(stereo(4410), tmp_path / "song.wav", 44100)
+    with pytest.raises(ExportError, match="ffmpeg failed.*abc"):
+        write_mp3(wav_path, tmp_path / "song.mp3", bitrate="abc")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["song.wav"]
+
+
+def test_mp3_from_bad_wav_raises(tmp_path):
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"RIFF not really a wav file")
+    with pytest.raises(ExportError, match="cannot read WAV"):
+        write_mp3(bad, tmp_path / "out.mp3")
+    with pytest.raises(ExportError, match="cannot read WAV"):
+        write_mp3(tmp_path / "missing.wav", tmp_path / "out.mp3")
+    assert not (tmp_path / "out.mp3").exists()
+
+
+def test_metadata_round_trip(tmp_path):
+    meta = {"job": "j1", "duration_s": 5.0, "tags": ["Pop", "café"], "wav": tmp_path / "a.wav"}
+    path = write_metadata(tmp_path / "out" / "meta.json", meta)
+    assert json.loads(path.read_text(encoding="utf-8")) == {**meta, "wav": str(tmp_path / "a.wav")}
+    with pytest.raises(TypeError, match="set"):
+        write_metadata(tmp_path / "bad.json", {"x": {1, 2}})
+    assert not (tmp_path / "bad.json").exists()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["meta.json"]
