@@ -15,7 +15,8 @@ if ! [[ "$gpu" =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 cd "$(dirname "$0")"
-export CUDA_VISIBLE_DEVICES="$gpu"
+# Inside a container that was given only its own GPU that card is device 0: ENCORE_PIN_DEVICE=0 says so.
+export CUDA_VISIBLE_DEVICES="${ENCORE_PIN_DEVICE:-$gpu}"
 log_dir="${ENCORE_LOG_DIR:-logs}"
 mkdir -p "$log_dir"
 python_bin="${ENCORE_PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -96,8 +97,9 @@ def _resave(profile, tmp_path, edit) -> str:
 
 def test_missing_key_is_named(tiny, tmp_path):
     profile = tiny[0]
-    path = _resave(profile, tmp_path, lambda sd: sd.pop("generator.decoder.model.3.block.2.block.1.weight_g"))
-    with pytest.raises(CodecLoadError, match=r"missing keys: generator\.decoder\.model\.3\.block\.2\.block\.1\.weight_g"):
+    key = "generator.decoder.model.3.block.2.block.1.weight_g"
+    path = _resave(profile, tmp_path, lambda sd: sd.pop(key))
+    with pytest.raises(CodecLoadError, match="missing keys: " + re.escape(key)):
         load_codec(profile.codec, path)
 
 
@@ -247,7 +249,8 @@ def test_bad_codes_rejected(tiny):
 def test_progress_reports_every_chunk(tiny):
     profile, _, decoder = tiny
     reports: list[tuple[float, str]] = []
-    decode_codes(decoder, random_codes(profile.codec, 170), StageControl(report=lambda f, d: reports.append((f, d))))
+    control = StageControl(report=lambda f, d: reports.append((f, d)))
+    decode_codes(decoder, random_codes(profile.codec, 170), control)
     assert [d for _, d in reports] == ["1/4 chunks", "2/4 chunks", "3/4 chunks", "4/4 chunks"]
     assert [f for f, _ in reports] == [0.25, 0.5, 0.75, 1.0]
 

@@ -61,7 +61,7 @@ class CodebookSum(nn.Module):
 class WaveDecoder(nn.Module):
     """DAC-style upsampler: conv in, one DecoderBlock per rate (halving channels), snake, conv out.
 
-    No tanh: Khala trained without it, so the output may exceed [-1, 1] and is clipped only on export.
+    No tanh (Khala's decoder has it commented out): output may exceed [-1, 1]; export clips it.
     """
 
     def __init__(self, latent_dim: int, channels: int, rates: tuple[int, ...], out_channels: int):

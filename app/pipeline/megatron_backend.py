@@ -30,7 +30,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import GlobalMemoryBuffer
 
 from .profiles import TransformerSpec
 
@@ -44,46 +43,23 @@ _init_pid: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------------
-# CPU shims. Megatron-core has no CPU path; these four spots assume CUDA. Each applies only on CPU.
-#  1. RNG tracker: the default tracker snapshots CUDA RNG state around dropout; the inference tracker
-#     (a stock option) makes that a no-op.                                   -> init_parallel_state
-#  2. Attention scratch: GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device().
-#     On CPU a buffer that allocates on the CPU (and keeps nothing) replaces it.
-#  3. KV cache: Attention._allocate_memory puts StaticInferenceContext's cache on the current CUDA
-#     device. On CPU the cache is allocated here up front; Megatron uses buffers already present.
-#  4. dist_checkpointing.save calls torch.cuda.synchronize() and builds a status tensor on
-#     torch.cuda.current_device(); during a CPU save those two answer for the CPU.
-# (Megatron's default causal mask is also built on "cuda"; the engines always pass an explicit mask,
-# which is no shim: it is the same mask on every device.)
+# CPU shims: megatron-core has no CPU path. Everything CPU-specific is here; nothing runs on CUDA.
+#  1. RNG tracker: the default tracker snapshots CUDA RNG state around attention dropout; the stock
+#     inference tracker (model_parallel_cuda_manual_seed(..., inference_rng_tracker=True)) makes that
+#     a no-op. Installed by init_parallel_state when torch has no CUDA.
+#  2. Device placement: Megatron allocates on torch.cuda.current_device() in GlobalMemoryBuffer
+#     (attention scratch), Attention._allocate_memory (StaticInferenceContext's KV cache),
+#     RotaryEmbedding.get_emb (moves inv_freq) and dist_checkpointing's save (a status tensor), and
+#     the save calls torch.cuda.synchronize(). `_cpu_device()` wraps each CPU forward and save:
+#     inside it current_device() names the CPU and synchronize() does nothing. It patches process
+#     state, so run one CPU model call at a time per process (a Celery worker task is one thread).
+# (Megatron's default causal mask is built on "cuda" too; the engines always pass an explicit mask,
+# the same on every device, so that needs no shim.)
 # ---------------------------------------------------------------------------------------------------
 
-class _CpuScratchBuffer(GlobalMemoryBuffer):
-    """Shim 2: attention scratch on the CPU, allocated per call so nothing large stays behind."""
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(tuple(tensor_shape), dtype=dtype)
-
-
-def _install_cpu_scratch_buffer() -> None:
-    parallel_state._GLOBAL_MEMORY_BUFFER = _CpuScratchBuffer()
-
-
-def _preallocate_cpu_kv_cache(model: GPTModel, context: StaticInferenceContext) -> None:
-    """Shim 3: give every attention layer its KV buffers before Megatron would allocate on CUDA."""
-    for layer in model.decoder.layers:
-        attention = layer.self_attention
-        shape = (context.max_sequence_length, context.max_batch_size,
-                 attention.num_query_groups_per_partition)
-        dtype = model.config.params_dtype
-        context.key_value_memory_dict[attention.layer_number] = (
-            torch.empty(*shape, attention.key_hidden_size, dtype=dtype),
-            torch.empty(*shape, attention.val_hidden_size, dtype=dtype),
-        )
-
-
 @contextlib.contextmanager
-def _cpu_save_shims() -> Iterator[None]:
-    """Shim 4: let dist_checkpointing.save's CUDA sync and status tensor run on a CPU-only torch."""
+def _cpu_device() -> Iterator[None]:
+    """Shim 2: while active, Megatron's CUDA device lookups and syncs resolve to the CPU."""
     synchronize, current_device = torch.cuda.synchronize, torch.cuda.current_device
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.current_device = lambda: "cpu"
@@ -93,8 +69,13 @@ def _cpu_save_shims() -> Iterator[None]:
         torch.cuda.synchronize, torch.cuda.current_device = synchronize, current_device
 
 
-def _on_cpu(model: GPTModel) -> bool:
-    return next(model.parameters()).device.type == "cpu"
+def _device_shims(device: torch.device) -> contextlib.AbstractContextManager:
+    """The CPU shim for a model on `device`; nothing at all for CUDA."""
+    return _cpu_device() if device.type == "cpu" else contextlib.nullcontext()
+
+
+def _model_device(model: GPTModel) -> torch.device:
+    return next(model.parameters()).device
 
 
 # --- process group ---------------------------------------------------------------------------------
@@ -122,7 +103,6 @@ def init_parallel_state(seed: int = 0) -> None:
         model_parallel_cuda_manual_seed(seed)
     else:
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)  # shim 1
-        _install_cpu_scratch_buffer()  # shim 2
 
 
 def release_scratch() -> None:
@@ -187,13 +167,13 @@ def build_gpt(spec: TransformerSpec, *, causal: bool, device: torch.device | str
         rotary_percent=1.0,
         rotary_base=spec.rotary_base,
     )
-    return model.to(device).eval()
+    return model.to(device).eval().requires_grad_(False)
 
 
 def init_random_weights(model: GPTModel, seed: int) -> None:
     """Deterministic stand-in weights: N(0, 0.02) matrices and biases, norms near 1."""
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
+    with torch.no_grad():  # fills in order of named_parameters, on the CPU generator
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator) * 0.02
             base = 1.0 if name.endswith("layernorm.weight") else 0.0
@@ -263,8 +243,7 @@ def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration:
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
     }
-    shims = _cpu_save_shims() if _on_cpu(model) else contextlib.nullcontext()
-    with shims:
+    with _device_shims(_model_device(model)):
         dist_checkpointing.save(state, str(target), content_metadata=dict(SAVE_CONTENT_METADATA))
     (directory / TRACKER_FILE).write_text(str(iteration))
     return target
@@ -316,23 +295,21 @@ class MegatronCausalLM:
     def __init__(self, model: GPTModel):
         self.model = model.eval()
         self.vocab_size = model.vocab_size
-        self.device = next(model.parameters()).device
+        self.device = _model_device(model)
         self._context: StaticInferenceContext | None = None
 
     def reset(self, max_len: int) -> None:
         if max_len > self.model.max_sequence_length:
             raise ValueError(f"{max_len} positions exceed the model's {self.model.max_sequence_length}")
         self._context = None  # drop the old cache before allocating the new one
-        context = StaticInferenceContext(max_batch_size=1, max_sequence_length=max_len)
-        if self.device.type == "cpu":
-            _preallocate_cpu_kv_cache(self.model, context)  # shim 3
-        self._context = context
+        self._context = StaticInferenceContext(max_batch_size=1, max_sequence_length=max_len)
 
     def _forward(self, ids: Tensor, start: int, mask: Tensor | None,
                  context: StaticInferenceContext | None) -> Tensor:
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        return self.model(ids, positions, mask, inference_context=context,
-                          runtime_gather_output=True)
+        with _device_shims(self.device):
+            return self.model(ids, positions, mask, inference_context=context,
+                              runtime_gather_output=True)
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> Tensor:
@@ -380,7 +357,7 @@ class MegatronBidirectionalLM:
     def __init__(self, model: GPTModel):
         self.model = model.eval()
         self.vocab_size = model.vocab_size
-        self.device = next(model.parameters()).device
+        self.device = _model_device(model)
 
     @property
     def input_embeddings(self) -> Tensor:
@@ -390,9 +367,10 @@ class MegatronBidirectionalLM:
     def logits(self, embeddings: Tensor, vocab: slice | None = None) -> Tensor:
         length = embeddings.shape[0]
         hidden_states = embeddings.to(self.device, self.model.config.params_dtype)[:, None]
-        rotary = self.model.rotary_pos_emb(length)
-        hidden = self.model.decoder(hidden_states=hidden_states, attention_mask=None,
-                                    rotary_pos_emb=rotary)
+        with _device_shims(self.device):
+            rotary = self.model.rotary_pos_emb(length)
+            hidden = self.model.decoder(hidden_states=hidden_states, attention_mask=None,
+                                        rotary_pos_emb=rotary)
         weight = self.model.output_layer.weight
         if vocab is not None:
             weight = weight[vocab]

