@@ -24,26 +24,31 @@ class EventLog:
         self.events: list[dict] = []
         self._pubsub = redis.Redis.from_url(redis_url, decode_responses=True).pubsub()
         self._pubsub.psubscribe("encore:events:*")
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        for message in self._pubsub.listen():
-            if message["type"] == "pmessage":
+        while not self._stop.is_set():
+            message = self._pubsub.get_message(timeout=0.1)
+            if message and message["type"] == "pmessage":
                 self.events.append(json.loads(message["data"]))
 
     def close(self) -> None:
-        self._pubsub.punsubscribe()
+        self._stop.set()
+        self._thread.join(5)
         self._pubsub.close()
 
 
-def ffprobe_duration(data: bytes, fmt: str) -> float:
-    probe = subprocess.run(["ffprobe", "-v", "error", "-f", fmt, "-show_entries", "format=duration",
-                            "-of", "csv=p=0", "-"], input=data, capture_output=True, check=True, timeout=30)
-    return float(probe.stdout.decode().strip())
+def ffprobe_duration(data: bytes, tmp_path) -> float:
+    path = tmp_path / "probe.mp3"
+    path.write_bytes(data)
+    probe = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0",
+                            str(path)], capture_output=True, text=True, check=True, timeout=30)
+    return float(probe.stdout.strip())
 
 
-def test_full_music_job_over_http_on_two_workers(make_stack):
+def test_full_music_job_over_http_on_two_workers(make_stack, tmp_path):
     stack = make_stack()
     stack.start_worker(0)
     stack.start_worker(1)
@@ -84,7 +89,7 @@ def test_full_music_job_over_http_on_two_workers(make_stack):
             assert abs(wav.getnframes() - duration * RATE) <= HOP
         mp3 = requests.get(f"{stack.base_url}/api/v1/jobs/{job_id}/tracks/{track['track']}.mp3", timeout=10)
         assert mp3.status_code == 200 and mp3.headers["Content-Type"] == "audio/mpeg"
-        assert abs(ffprobe_duration(mp3.content, "mp3") - duration) < 0.15
+        assert abs(ffprobe_duration(mp3.content, tmp_path) - duration) < 0.15
         ranged = requests.get(f"{stack.base_url}/api/v1/jobs/{job_id}/tracks/{track['track']}.mp3",
                               headers={"Range": "bytes=0-99"}, timeout=10)
         assert ranged.status_code == 206 and ranged.content == mp3.content[:100]

@@ -1,8 +1,9 @@
 """Everything megatron-core specific: process-group setup, the Khala GPT, its checkpoints, two engines.
 
 The model is Megatron's own GPTModel (local spec, no Transformer Engine) so it loads a real Khala
-`torch_dist` checkpoint unchanged. Megatron assumes CUDA in a few places; the CPU shims for those are
-collected in one section below and are installed only when the model runs on the CPU.
+`torch_dist` checkpoint unchanged. Megatron assumes CUDA in a few places; the shims for those are
+collected in one section below: device placement is redirected only around CPU models' calls, and the
+process uses Megatron's inference RNG tracker. CUDA models run Megatron's code as it is.
 
 Checkpoint layout (Megatron training's, which `--load` reads):
     <dir>/latest_checkpointed_iteration.txt      "354000" or "release"
@@ -22,14 +23,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import GlobalMemoryBuffer
 
 from .profiles import TransformerSpec
 
@@ -43,30 +47,36 @@ _init_pid: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------------
-# CPU shims: megatron-core has no CPU path. Everything CPU-specific is here; nothing runs on CUDA.
-#  1. RNG tracker: the default tracker snapshots CUDA RNG state around attention dropout; the stock
-#     inference tracker (model_parallel_cuda_manual_seed(..., inference_rng_tracker=True)) makes that
-#     a no-op. Installed by init_parallel_state when torch has no CUDA.
+# CPU shims: megatron-core has no CPU path. Everything CPU-specific is here; CUDA runs stock code.
+#  1. RNG tracker: the default tracker swaps CUDA RNG state around attention dropout, which needs
+#     CUDA. init_parallel_state installs the inference tracker instead (a stock option, Megatron's
+#     --inference-rng-tracker: dropout is off in inference anyway). The tracker is per process, so
+#     it is used on every device; that keeps CPU and CUDA models usable side by side in a process.
 #  2. Device placement: Megatron allocates on torch.cuda.current_device() in GlobalMemoryBuffer
 #     (attention scratch), Attention._allocate_memory (StaticInferenceContext's KV cache),
 #     RotaryEmbedding.get_emb (moves inv_freq) and dist_checkpointing's save (a status tensor), and
 #     the save calls torch.cuda.synchronize(). `_cpu_device()` wraps each CPU forward and save:
-#     inside it current_device() names the CPU and synchronize() does nothing. It patches process
-#     state, so run one CPU model call at a time per process (a Celery worker task is one thread).
+#     inside it current_device() names the CPU, synchronize() does nothing, and the attention
+#     scratch buffer is a CPU one (so CPU and CUDA scratch never mix). It patches process state,
+#     so run one model call at a time per process (a Celery worker task is one thread).
 # (Megatron's default causal mask is built on "cuda" too; the engines always pass an explicit mask,
 # the same on every device, so that needs no shim.)
 # ---------------------------------------------------------------------------------------------------
 
+_cpu_scratch = GlobalMemoryBuffer()
+
+
 @contextlib.contextmanager
 def _cpu_device() -> Iterator[None]:
-    """Shim 2: while active, Megatron's CUDA device lookups and syncs resolve to the CPU."""
-    synchronize, current_device = torch.cuda.synchronize, torch.cuda.current_device
+    """Shim 2: while active, Megatron's CUDA device lookups, syncs and scratch resolve to the CPU."""
+    saved = torch.cuda.synchronize, torch.cuda.current_device, parallel_state._GLOBAL_MEMORY_BUFFER
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.current_device = lambda: "cpu"
+    parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_scratch
     try:
         yield
     finally:
-        torch.cuda.synchronize, torch.cuda.current_device = synchronize, current_device
+        torch.cuda.synchronize, torch.cuda.current_device, parallel_state._GLOBAL_MEMORY_BUFFER = saved
 
 
 def _device_shims(device: torch.device) -> contextlib.AbstractContextManager:
@@ -99,16 +109,16 @@ def init_parallel_state(seed: int = 0) -> None:
     if parallel_state.model_parallel_is_initialized():
         return
     parallel_state.initialize_model_parallel(1, 1)
-    if torch.cuda.is_available():
-        model_parallel_cuda_manual_seed(seed)
-    else:
-        model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)  # shim 1
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)  # shim 1
 
 
 def release_scratch() -> None:
-    """Free Megatron's attention scratch buffer (on CUDA it keeps the largest [heads, T, T] seen)."""
+    """Free what Megatron keeps between calls: attention scratch (the largest [heads, T, T] seen)
+    and the RoPE tables RotaryEmbedding.forward memoizes per sequence length (32 kept)."""
+    _cpu_scratch.buffer.clear()
     if parallel_state._GLOBAL_MEMORY_BUFFER is not None:
         parallel_state._GLOBAL_MEMORY_BUFFER.buffer.clear()
+    RotaryEmbedding.forward.cache_clear()
 
 
 # --- model -----------------------------------------------------------------------------------------
@@ -200,13 +210,17 @@ def checkpoint_args(model: GPTModel) -> argparse.Namespace:
 
 
 def _check_args(saved: argparse.Namespace | None, model: GPTModel) -> None:
-    """Refuse checkpoints whose architecture differs in ways tensor shapes would not reveal."""
+    """Refuse a checkpoint whose recorded architecture differs from `model`, with a clear message.
+
+    Runs before any tensor is read: shape mismatches would otherwise surface from torch's
+    checkpoint reader as a BaseException, and RoPE/norm settings would not surface at all.
+    """
     if saved is None:
         return
     expected = vars(checkpoint_args(model))
     fields = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-              "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
-              "normalization", "norm_epsilon", "swiglu", "add_bias_linear",
+              "padded_vocab_size", "position_embedding_type", "rotary_base", "rotary_percent",
+              "use_rope_scaling", "normalization", "norm_epsilon", "swiglu", "add_bias_linear",
               "untie_embeddings_and_output_weights", "qk_layernorm"]
     if getattr(saved, "group_query_attention", False):
         fields.append("num_query_groups")
@@ -258,11 +272,15 @@ def load_checkpoint(model: GPTModel, directory: str | os.PathLike) -> None:
     """
     init_parallel_state()
     path = str(resolve_checkpoint_dir(directory))
-    metadata = dist_checkpointing.load_content_metadata(path) or {}
+    common = dist_checkpointing.load_common_state_dict(path)
+    _check_args(common.get("args"), model)
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
     sharded = model.sharded_state_dict(metadata=dict(metadata))
     sharded = {k: v for k, v in sharded.items() if not k.endswith("._extra_state")}
-    loaded = dist_checkpointing.load({"model": sharded}, path)
-    _check_args(loaded.get("args"), model)
+    try:
+        loaded = dist_checkpointing.load({"model": sharded}, path)
+    except CheckpointException as error:  # a BaseException: would slip past `except Exception`
+        raise RuntimeError(f"cannot load checkpoint {path}: {error}") from None
     model.load_state_dict(loaded["model"], strict=True)
 
 
@@ -280,6 +298,19 @@ def load_gpt(spec: TransformerSpec, directory: str | os.PathLike, *, causal: boo
     model = build_gpt(spec, causal=causal, device=device, dtype=dtype)
     load_checkpoint(model, directory)
     return model
+
+
+def load_causal_lm(spec: TransformerSpec, directory: str | os.PathLike, *, device: torch.device | str,
+                   dtype: torch.dtype | None = None) -> "MegatronCausalLM":
+    """The backbone engine: a causal model loaded from `directory`."""
+    return MegatronCausalLM(load_gpt(spec, directory, causal=True, device=device, dtype=dtype))
+
+
+def load_bidirectional_lm(spec: TransformerSpec, directory: str | os.PathLike, *,
+                          device: torch.device | str, dtype: torch.dtype | None = None
+                          ) -> "MegatronBidirectionalLM":
+    """The super-resolution engine: a non-causal model loaded from `directory`."""
+    return MegatronBidirectionalLM(load_gpt(spec, directory, causal=False, device=device, dtype=dtype))
 
 
 # --- engines ---------------------------------------------------------------------------------------

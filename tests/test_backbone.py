@@ -1,0 +1,114 @@
+"""Backbone stage on the tiny Megatron model (and one scripted LM for exact token bookkeeping)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.pipeline import megatron_backend as mb
+from app.pipeline.backbone import generate_coarse
+from app.pipeline.control import Canceled, StageControl
+from app.pipeline.profiles import load_profile
+
+torch.set_num_threads(2)
+PROMPT = [1, 42, 7, 300]
+FRAMES = 12
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    p = load_profile("tiny", tmp_path_factory.mktemp("models"))
+    mb.write_tiny_checkpoint(p.backbone, p.backbone_dir, causal=True, seed=11)
+    return p
+
+
+@pytest.fixture(scope="module")
+def lm(profile):
+    return mb.load_causal_lm(profile.backbone, profile.backbone_dir, device="cpu")
+
+
+def generate(lm, profile, seed=0, control=None, **overrides):
+    args = dict(profile=profile, num_frames=FRAMES, temperature=1.0, top_k=profile.backbone_top_k,
+                seed=seed, control=control or StageControl())
+    args.update(overrides)
+    return generate_coarse(lm, PROMPT, **args)
+
+
+def test_shape_and_range(lm, profile):
+    codes = generate(lm, profile)
+    assert codes.shape == (2, FRAMES) and codes.dtype == torch.long
+    assert codes.min() >= 0 and codes.max() < profile.codebook_size
+
+
+def test_same_seed_same_tokens_different_seed_different(lm, profile):
+    first, again, other = generate(lm, profile, seed=5), generate(lm, profile, seed=5), generate(lm, profile, seed=6)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_top_k_one_is_greedy_and_ignores_seed(lm, profile):
+    assert torch.equal(generate(lm, profile, seed=1, top_k=1), generate(lm, profile, seed=2, top_k=1))
+
+
+def test_progress_is_per_frame_monotonic_and_ends_at_one(lm, profile):
+    reports = []
+    generate(lm, profile, control=StageControl(report=lambda f, d: reports.append((f, d))))
+    fractions = [f for f, _ in reports]
+    assert len(reports) == FRAMES
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert reports[0][1] == f"2/{2 * FRAMES} tokens" and reports[-1][1] == f"{2 * FRAMES}/{2 * FRAMES} tokens"
+
+
+def test_cancel_stops_mid_loop(lm, profile):
+    reports = []
+    control = StageControl(report=lambda f, d: reports.append(f), cancel_requested=lambda: len(reports) >= 3)
+    with pytest.raises(Canceled):
+        generate(lm, profile, control=control)
+    assert len(reports) == 3
+
+
+class ScriptedLM:
+    """A CausalLM whose logits strongly prefer text tokens, to check restriction and bookkeeping."""
+
+    def __init__(self, vocab_size: int, favourite: int):
+        self.vocab_size, self.device, self.favourite = vocab_size, torch.device("cpu"), favourite
+        self.fed: list[int] = []
+        self.max_len = 0
+
+    def _logits(self) -> torch.Tensor:
+        logits = torch.zeros(self.vocab_size)
+        logits[:100] = 50.0  # text ids: would win if sampling were not restricted
+        logits[self.favourite::32] = 20.0  # entry `favourite` of every codebook
+        return logits
+
+    def reset(self, max_len):
+        self.max_len, self.fed = max_len, []
+
+    def prefill(self, ids):
+        self.fed = list(ids)
+        return self._logits()
+
+    def decode(self, token_id):
+        self.fed.append(token_id)
+        assert len(self.fed) <= self.max_len
+        return self._logits()
+
+    def logits(self, ids):
+        raise NotImplementedError
+
+    def release(self):
+        pass
+
+
+def test_sampling_stays_in_each_codebook_window_and_feeds_interleaved_ids(profile):
+    stub = ScriptedLM(profile.backbone.vocab_size, favourite=9)
+    codes = generate(stub, profile, top_k=3)
+    assert torch.equal(codes, torch.full((2, FRAMES), 9))
+    q0, q1 = profile.audio_token_offset(0), profile.audio_token_offset(1)
+    assert stub.fed == PROMPT + [q0 + 9, q1 + 9] * (FRAMES - 1) + [q0 + 9]
+    assert stub.max_len == len(PROMPT) + 2 * FRAMES
+
+
+def test_rejects_empty_prompt(lm, profile):
+    with pytest.raises(ValueError):
+        generate_coarse(lm, [], profile=profile, num_frames=2, temperature=1.0, top_k=5, seed=0,
+                        control=StageControl())
