@@ -125,7 +125,7 @@ class Stack:
 
     def worker_status(self, gpu: int) -> dict | None:
         for worker in self.client.get("/api/v1/status").get_json()["workers"]:
-            if worker["queue"] == f"gpu{gpu}" or worker["name"].startswith(f"gpu{gpu}@"):
+            if worker["name"].startswith(f"gpu{gpu}@"):
                 return worker
         return None
 
