@@ -20,7 +20,8 @@ result_serializer = "json"
 accept_content = ["json"]
 
 task_acks_late = True
-task_acks_on_failure_or_timeout = True
+task_acks_on_failure = True  # a stage that raised is done with (its track is marked failed)
+task_acks_on_timeout = True  # a hard time limit fails the track; never redeliver it
 task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
 worker_concurrency = 1

@@ -144,20 +144,31 @@ def wait_for(check, timeout: float, what: str) -> None:
         time.sleep(0.3)
 
 
+def describe(track: dict) -> str:
+    where = f"#{track['queue_position']} in {track['queue'] or 'no queue yet'}" \
+        if track["state"] == "queued" else track["detail"]
+    return f"track {track['track']} {track['state']:<9} {where}"
+
+
 def follow(web: str, job_id: str) -> dict:
-    """Live per-track progress bars until every track ends."""
+    """Live per-track progress until every track ends: bars on a terminal, one line per change otherwise."""
+    interactive = sys.stdout.isatty()
     bars: dict[int, tqdm] = {}
+    last_lines: dict[int, str] = {}
     try:
         while True:
             record = requests.get(f"{web}/api/v1/jobs/{job_id}", timeout=10).json()
             for track in record["tracks"]:
-                bar = bars.setdefault(track["track"], tqdm(total=100, position=track["track"], leave=True,
-                                                           bar_format="{desc:<48} {bar} {percentage:3.0f}%"))
-                where = f"#{track['queue_position']} in {track['queue'] or 'no queue'}" \
-                    if track["state"] == "queued" else track["detail"]
-                bar.set_description_str(f"track {track['track']} {track['state']:<9} {where}"[:48])
-                bar.n = round(100 * track["progress"])
-                bar.refresh()
+                line = describe(track)
+                if interactive:
+                    bar = bars.setdefault(track["track"], tqdm(total=100, position=track["track"], leave=True,
+                                                               bar_format="{desc:<48} {bar} {percentage:3.0f}%"))
+                    bar.set_description_str(line[:48])
+                    bar.n = round(100 * track["progress"])
+                    bar.refresh()
+                elif last_lines.get(track["track"]) != f"{track['state']}{track['stage']}":
+                    last_lines[track["track"]] = f"{track['state']}{track['stage']}"
+                    print(f"[demo] {line} ({100 * track['progress']:.0f}%)", flush=True)
             if record["state"] not in ("queued", "running"):
                 return record
             time.sleep(0.25)
