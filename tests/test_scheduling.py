@@ -1,9 +1,13 @@
 """Queue behaviour with real workers: FIFO across stages, cancel (queued and running), parked jobs."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 
-from tests.conftest import wait_until
+from tests.conftest import REPO, wait_until
 
 LONG_S = 120.0  # the tiny backbone needs several seconds for this many tokens on a CPU
 
@@ -54,3 +58,57 @@ def test_job_submitted_without_workers_runs_when_one_starts(make_stack):
     assert record["state"] == "done"
     assert {t["queue"] for t in record["tracks"]} == {"gpu0"}
     assert stack.client.get("/api/v1/status").get_json()["unrouted"] == 0
+
+
+def test_plain_celery_command_serves_jobs_with_redis_artifacts(make_stack):
+    """`celery -A app worker -Q gpu0` exactly as documented, with the Redis artifact backend."""
+    stack = make_stack(ENCORE_ARTIFACT_BACKEND="redis")
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "app", "worker", "-Q", "gpu0"], cwd=REPO,
+                            env={**os.environ, **stack.env}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        worker = wait_until(lambda: next((w for w in stack.client.get("/api/v1/status").get_json()["workers"]
+                                          if w["status"] == "idle"), None), 90, 0.2, "plain celery worker")
+        assert worker["queue"] == "gpu0"
+        job_id = stack.submit_music(duration_s=2.0)
+        record = stack.wait_job(job_id)
+        assert record["state"] == "done" and record["tracks"][0]["queue"] == "gpu0"
+        assert not (stack.root / "artifacts" / job_id).exists(), "redis backend wrote to the shared dir"
+        assert stack.redis.exists(f"encore:artifact:{job_id}:track0.mp3")
+        ttl = stack.redis.ttl(f"encore:artifact:{job_id}:track0.mp3")
+        assert 0 < ttl <= stack.settings.job_ttl_s
+        mp3 = stack.client.get(f"/api/v1/jobs/{job_id}/tracks/0.mp3")
+        assert mp3.status_code == 200 and mp3.data[:3] in (b"ID3", b"\xff\xfb", b"\xff\xf3")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def test_cancel_falls_back_to_killing_a_stage_that_does_not_stop(make_stack):
+    """With no grace the watcher kills the child at once: the hard-kill fallback path."""
+    stack = make_stack(ENCORE_CANCEL_GRACE_S="0")
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=LONG_S)
+    wait_until(lambda: stack.job(job_id)["tracks"][0]["state"] == "backbone" and stack.child_pid(0), 60,
+               what="backbone running")
+    child = stack.child_pid(0)
+    asked = time.monotonic()
+    stack.client.delete(f"/api/v1/jobs/{job_id}")
+    record = stack.wait_job(job_id, timeout=5, interval=0.05)
+    assert time.monotonic() - asked < 5
+    assert record["state"] == "canceled"
+    assert record["tracks"][0]["detail"] == "canceled (stage stopped by force)"
+    wait_until(lambda: not _alive(child), 10, what="killed child to be gone")
+    assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
+    log = stack.worker_log(0)
+    assert f"job={job_id} track=0 event=cancel_hard_kill" in log
+    assert "event=stage_finished stage=export" in log
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"

@@ -1,0 +1,45 @@
+"""Routing decisions from the real worker registry and job records in Redis."""
+from __future__ import annotations
+
+import pytest
+
+from app.config import Settings
+from app.routing import build_chain, pick_queue, queue_loads
+from app.celery_app import make_celery
+from app.services import build_services
+
+
+@pytest.fixture
+def svc(redis_base_url, tmp_path):
+    settings = Settings(redis_url=f"{redis_base_url}/61", artifact_dir=tmp_path)
+    services = build_services(settings)
+    services.redis.flushdb()
+    return services
+
+
+def test_least_outstanding_work_wins_and_offline_queues_are_skipped(svc):
+    assert pick_queue(svc) is None
+    for name, queue in (("gpu0@a", "gpu0"), ("gpu1@a", "gpu1"), ("gpu2@b", "gpu2")):
+        svc.workers.heartbeat(name, {"queue": queue})
+    assert pick_queue(svc) == "gpu0"  # tie: lowest index
+    heavy = svc.jobs.create("music", {}, [{"seed": 0}], cost=120.0)
+    svc.jobs.assign_queue(heavy, 0, "gpu0", [], 120.0)
+    light = svc.jobs.create("music", {}, [{"seed": 0}], cost=30.0)
+    svc.jobs.assign_queue(light, 0, "gpu1", [], 30.0)
+    assert queue_loads(svc, ["gpu0", "gpu1", "gpu2"]) == {"gpu0": 120.0, "gpu1": 30.0, "gpu2": 0.0}
+    assert pick_queue(svc) == "gpu2"
+    svc.workers.forget("gpu2@b")
+    svc.redis.sadd("encore:workers", "gpu2@b")  # known but no heartbeat: offline
+    assert pick_queue(svc) == "gpu1"
+    svc.jobs.finish(heavy, 0, "done")
+    assert pick_queue(svc) == "gpu0"
+
+
+def test_every_signature_carries_queue_and_first_stage_has_lowest_priority():
+    from app.kinds import MUSIC
+    workflow, task_ids = build_chain(make_celery(), MUSIC, {"job_id": "x", "track": 0}, "gpu3")
+    tasks = workflow.tasks
+    assert [t.task for t in tasks] == [s.task for s in MUSIC.stages]
+    assert all(t.options["queue"] == "gpu3" for t in tasks)
+    assert [t.options["priority"] for t in tasks] == [9, 0, 0, 0]
+    assert [t.options["task_id"] for t in tasks] == task_ids and len(set(task_ids)) == 4
