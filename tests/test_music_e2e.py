@@ -105,3 +105,6 @@ def test_full_music_job_over_http_on_two_workers(make_stack, tmp_path):
     assert by_queue["gpu0"]["status"] == "idle" and by_queue["gpu0"]["device"] == "cpu"
     assert by_queue["gpu1"]["runtime_mode"] == "keep_loaded"
     assert all(q["outstanding"] == 0 for q in status["queues"])
+    for gpu, proc in stack.workers.items():
+        maps = open(f"/proc/{proc.pid}/maps").read()
+        assert "libtorch" not in maps, f"worker gpu{gpu}'s prefork master imported torch (CUDA after fork breaks)"

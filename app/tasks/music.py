@@ -1,20 +1,34 @@
-"""Music stage tasks: thin wrappers that hand job parameters and artifact paths to app.pipeline.music."""
+"""Music stage tasks: thin wrappers that hand job parameters and artifact paths to app.pipeline.music.
+
+The pipeline (torch, megatron-core, the codec) is imported inside the pool child only: megatron-core
+initialises CUDA when imported, and a prefork master that did so hands its children a CUDA context that
+breaks after fork ("Cannot re-initialize CUDA in forked subprocess", seen on an H200).
+"""
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from app.kinds import MUSIC
-from app.pipeline import music
 from app.pipeline.profiles import load_profile
 from app.services import services
 from app.tasks.stage import StageRun, stage_task
 
+if TYPE_CHECKING:
+    from app.pipeline.music import MusicModels
+
+
+def _music():
+    from app.pipeline import music
+    return music
+
 
 @lru_cache(maxsize=1)
-def models() -> music.MusicModels:
+def models() -> "MusicModels":
     """This worker child's models (created on first use, after fork)."""
     settings = services().settings
-    return music.MusicModels(load_profile(settings.music_profile, settings.model_dir), settings.runtime_mode)
+    profile = load_profile(settings.music_profile, settings.model_dir)
+    return _music().MusicModels(profile, settings.runtime_mode)
 
 
 def preload() -> None:
@@ -39,7 +53,7 @@ def _seed(run: StageRun) -> int:
 
 def backbone_work(run: StageRun) -> None:
     out = run.workdir / _names(run)["coarse"]
-    music.run_backbone(models(), run.params, _seed(run), out, run.control, run.loaded)
+    _music().run_backbone(models(), run.params, _seed(run), out, run.control, run.loaded)
     run.keep(out.name, out)
     models().after_stage("backbone")
 
@@ -47,7 +61,7 @@ def backbone_work(run: StageRun) -> None:
 def superres_work(run: StageRun) -> None:
     names = _names(run)
     out = run.workdir / names["fine"]
-    music.run_superres(models(), run.params, _seed(run), run.input(names["coarse"]), out, run.control, run.loaded)
+    _music().run_superres(models(), run.params, _seed(run), run.input(names["coarse"]), out, run.control, run.loaded)
     run.keep(out.name, out)
     models().after_stage("superres")
 
@@ -55,7 +69,7 @@ def superres_work(run: StageRun) -> None:
 def decode_work(run: StageRun) -> None:
     names = _names(run)
     out = run.workdir / names["wav"]
-    music.run_decode(models(), run.input(names["fine"]), out, run.control, run.loaded)
+    _music().run_decode(models(), run.input(names["fine"]), out, run.control, run.loaded)
     run.publish(out.name, out)
     models().after_stage("decode")
 
@@ -63,8 +77,8 @@ def decode_work(run: StageRun) -> None:
 def export_work(run: StageRun) -> None:
     names = _names(run)
     mp3, meta = run.workdir / names["mp3"], run.workdir / names["meta"]
-    metadata = music.metadata_json(run.params, _seed(run), models().profile)
-    music.run_export(run.input(names["wav"]), mp3, meta, {**metadata, "job_id": run.job_id, "track": run.track},
+    metadata = _music().metadata_json(run.params, _seed(run), models().profile)
+    _music().run_export(run.input(names["wav"]), mp3, meta, {**metadata, "job_id": run.job_id, "track": run.track},
                      run.control)
     run.publish(mp3.name, mp3)
     run.publish(meta.name, meta)
