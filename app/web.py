@@ -36,8 +36,19 @@ def error(status: int, message: str, field: str | None = None):
     return jsonify(body), status
 
 
+def _configure_logging() -> None:
+    """Job events (`job=… event=…`) go to stderr at INFO unless the host process configured logging."""
+    logger = logging.getLogger("encore")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or load_settings()
+    _configure_logging()
     svc = build_services(settings)
     celery_app = make_celery(settings)
     profile = load_profile(settings.music_profile, settings.model_dir)

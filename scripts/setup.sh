@@ -36,5 +36,5 @@ python_venv() {
 
 install_system_packages
 python_venv
-.venv/bin/python -m app.pipeline.tiny --out "${ENCORE_TINY_DIR:-models/tiny}" >/dev/null
+PYTHONWARNINGS=ignore .venv/bin/python -m app.pipeline.tiny --out "${ENCORE_TINY_DIR:-models/tiny}" >/dev/null
 echo "[setup] ready: .venv, ffmpeg $(ffmpeg -version | head -1 | cut -d' ' -f3), tiny models in ${ENCORE_TINY_DIR:-models/tiny}"

@@ -15,10 +15,9 @@ FRAMES = 12
 
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory):
-    p = load_profile("tiny", tmp_path_factory.mktemp("models"))
-    mb.write_tiny_checkpoint(p.backbone, p.backbone_dir, causal=True, seed=11)
-    return p
+def profile(tiny_models):
+    """The tiny models written once per session by the real writer (tests/conftest.py)."""
+    return load_profile("tiny", tiny_models)
 
 
 @pytest.fixture(scope="module")

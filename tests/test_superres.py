@@ -15,10 +15,9 @@ PROMPT = [1, 42, 7, 300]
 
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory):
-    p = load_profile("tiny", tmp_path_factory.mktemp("models"))
-    mb.write_tiny_checkpoint(p.superres, p.superres_dir, causal=False, seed=21)
-    return p
+def profile(tiny_models):
+    """The tiny models written once per session by the real writer (tests/conftest.py)."""
+    return load_profile("tiny", tiny_models)
 
 
 @pytest.fixture(scope="module")

