@@ -216,9 +216,12 @@ class JobStore:
         task_ids: list[str] = []
         for track in self.tracks(job_id, job["num_tracks"]):
             task_ids.extend(track["task_ids"])
-            if track["state"] == QUEUED:
-                self.finish(job_id, track["track"], CANCELED, detail="canceled before it started",
-                            progress=track["progress"])
+            if track["state"] in TERMINAL_STATES or track.get("running") == "1":
+                continue  # a running stage sees the flag and ends the track itself
+            # Not started, or between two stages: the revoked next stage would never run, so end it here.
+            detail = "canceled before it started" if track["state"] == QUEUED else \
+                f"canceled before {track['stage']}"
+            self.finish(job_id, track["track"], CANCELED, detail=detail, progress=track["progress"])
         return task_ids
 
     def cancel_requested(self, job_id: str) -> bool:

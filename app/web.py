@@ -19,7 +19,7 @@ from app.celery_app import make_celery
 from app.config import Settings, load_settings
 from app.pipeline.lyrics import clean_lyrics
 from app.pipeline.profiles import load_profile
-from app.routing import dispatch_unrouted, queue_loads, route_job
+from app.routing import queue_loads, route_job
 from app.schemas import MusicRequest, describe_validation_error
 from app.services import Services, build_services
 
@@ -135,7 +135,6 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.get("/api/v1/status")
     def status():
-        dispatch_unrouted(svc, celery_app)
         workers = svc.workers.workers()
         queues = sorted({w["queue"] for w in workers if w.get("queue")} | _queues_with_work(svc))
         loads = queue_loads(svc, queues)

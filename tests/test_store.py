@@ -124,3 +124,16 @@ def test_directory_store_sweep_removes_expired_jobs(client, tmp_path):
     removed = store.sweep(lambda job_id: jobs.job(job_id) is not None)
     assert removed == [expiring]
     assert store.exists(alive, "track0.mp3") and not store.exists(expiring, "track0.mp3")
+
+
+def test_cancel_ends_tracks_waiting_between_stages_but_not_running_ones(client):
+    jobs = JobStore(client, "t", ttl_s=60)
+    job_id = jobs.create("music", {}, [{"seed": 1}, {"seed": 2}, {"seed": 3}], cost=1.0)
+    jobs.update(job_id, 0, state="superres", stage="superres", running="0")  # backbone done, next not started
+    jobs.update(job_id, 1, state="backbone", stage="backbone", running="1")  # a stage is running
+    assert jobs.request_cancel(job_id) == []
+    assert jobs.track(job_id, 0)["state"] == "canceled"
+    assert jobs.track(job_id, 0)["detail"] == "canceled before superres"
+    assert jobs.track(job_id, 1)["state"] == "backbone"  # left to the stage, which polls the flag
+    assert jobs.track(job_id, 2)["state"] == "canceled"
+    assert jobs.cancel_requested(job_id)
