@@ -141,3 +141,44 @@ def load_profile(name: str, model_dir: str | os.PathLike | None = None) -> Music
     if name not in PROFILES:
         raise ValueError(f"unknown music profile {name!r}; choose one of {sorted(PROFILES)}")
     return PROFILES[name](Path(model_dir) if model_dir else Path("models") / name)
+
+
+@dataclass(frozen=True)
+class LipsyncProfile:
+    """MuseTalk v1.5 file layout under `model_dir`; sizes come from the config files inside it."""
+
+    name: str
+    model_dir: Path
+    crop_size: int = 256
+    audio_padding_left: int = 2   # whisper feature frames around each video frame (MuseTalk v1.5)
+    audio_padding_right: int = 2
+    default_fps: float = 25.0
+    default_batch_size: int = 8
+    default_extra_margin: int = 10
+
+    @property
+    def unet_path(self) -> Path:
+        return self.model_dir / "musetalkV15" / "unet.pth"
+
+    @property
+    def unet_config_path(self) -> Path:
+        return self.model_dir / "musetalkV15" / "musetalk.json"
+
+    @property
+    def vae_dir(self) -> Path:
+        return self.model_dir / "sd-vae"
+
+    @property
+    def whisper_dir(self) -> Path:
+        return self.model_dir / "whisper"
+
+
+LIPSYNC_PROFILES = {"tiny": dict(default_batch_size=4), "musetalk": {}}
+
+
+def load_lipsync_profile(name: str, model_dir: str | os.PathLike | None = None) -> LipsyncProfile:
+    """Lip-sync profile `name` with its files under `model_dir` (default: ./models/lipsync-<name>)."""
+    if name not in LIPSYNC_PROFILES:
+        raise ValueError(f"unknown lip-sync profile {name!r}; choose one of {sorted(LIPSYNC_PROFILES)}")
+    directory = Path(model_dir) if model_dir else Path("models") / f"lipsync-{name}"
+    return LipsyncProfile(name=name, model_dir=directory, **LIPSYNC_PROFILES[name])
