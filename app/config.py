@@ -53,6 +53,14 @@ class Settings:
     cancel_grace_s: float = field(default_factory=lambda: float(_env("ENCORE_CANCEL_GRACE_S", "3")))
     heartbeat_s: float = field(default_factory=lambda: float(_env("ENCORE_HEARTBEAT_S", "2")))
     result_expires_s: int = field(default_factory=lambda: int(_env("ENCORE_RESULT_EXPIRES_S", str(24 * 3600))))
+    lipsync_profile: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PROFILE", "tiny"))
+    lipsync_model_dir: str | None = field(default_factory=lambda: os.environ.get("ENCORE_LIPSYNC_MODEL_DIR"))
+    max_video_mb: float = field(default_factory=lambda: float(_env("ENCORE_MAX_VIDEO_MB", "100")))
+    max_audio_mb: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_MB", "20")))
+    min_video_s: float = field(default_factory=lambda: float(_env("ENCORE_MIN_VIDEO_S", "3")))
+    max_audio_s: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_S", "600")))
+    upload_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_UPLOAD_DIR", "var/uploads")).resolve())
+    ffmpeg_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_FFMPEG_TIMEOUT_S", "600")))
     log_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_LOG_DIR", "logs")).resolve())
 
     def __post_init__(self) -> None:

@@ -36,7 +36,13 @@ MUSIC = JobKind("music", (
     Stage("export", "exporting", "encore.music.export", "files"),
 ))
 
-KINDS: dict[str, JobKind] = {MUSIC.name: MUSIC}
+LIPSYNC = JobKind("lipsync", (
+    Stage("prepare", "preparing", "encore.lipsync.prepare", "steps"),
+    Stage("lipsync", "lipsync", "encore.lipsync.lipsync", "frames"),
+    Stage("mux", "muxing", "encore.lipsync.mux", "steps"),
+))
+
+KINDS: dict[str, JobKind] = {MUSIC.name: MUSIC, LIPSYNC.name: LIPSYNC}
 
 QUEUED, DONE, FAILED, CANCELED = "queued", "done", "failed", "canceled"
 TERMINAL_STATES = frozenset({DONE, FAILED, CANCELED})

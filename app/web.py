@@ -18,15 +18,16 @@ from werkzeug.exceptions import HTTPException
 from app.celery_app import make_celery
 from app.config import Settings, load_settings
 from app.pipeline.lyrics import clean_lyrics
-from app.pipeline.profiles import load_profile
+from app.pipeline.profiles import load_lipsync_profile, load_profile
 from app.routing import queue_loads, route_job
 from app.schemas import MusicRequest, describe_validation_error
 from app.services import Services, build_services
+from app.uploads import UploadError, receive_lipsync
 
 log = logging.getLogger("encore.web")
 
 TRACK_FILE = re.compile(r"^(\d{1,3})\.(mp3|wav)$")
-MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav"}
+MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
 
 
 def error(status: int, message: str, field: str | None = None):
@@ -52,8 +53,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     svc = build_services(settings)
     celery_app = make_celery(settings)
     profile = load_profile(settings.music_profile, settings.model_dir)
+    lipsync_profile = load_lipsync_profile(settings.lipsync_profile, settings.lipsync_model_dir)
     app = Flask(__name__)
     app.config["SERVICES"] = svc
+    # Bodies larger than both upload limits together are refused before they are read (413).
+    app.config["MAX_CONTENT_LENGTH"] = int((settings.max_video_mb + settings.max_audio_mb + 1) * 2**20)
     _register_errors(app)
 
     @app.get("/healthz")
@@ -91,6 +95,29 @@ def create_app(settings: Settings | None = None) -> Flask:
         route_job(svc, celery_app, job_id, req.num_tracks)
         return _accepted(svc, job_id)
 
+    @app.post("/api/v1/lipsync")
+    def submit_lipsync():
+        if not request.mimetype == "multipart/form-data":
+            return error(400, "body: expected multipart/form-data with video and audio files", "body")
+        try:
+            upload = receive_lipsync(request.form.to_dict(), request.files.to_dict(), settings, lipsync_profile)
+        except UploadError as exc:
+            return error(exc.status, str(exc), exc.field)
+        try:
+            job_id = svc.jobs.create("lipsync", upload.params, [{}], cost=float(upload.params["audio_duration_s"]))
+            for path in upload.files.values():
+                svc.artifacts.put(job_id, path.name, path, settings.job_ttl_s)
+        finally:
+            upload.discard()
+        log.info("job=%s event=submitted kind=lipsync frames=%d audio_s=%.2f", job_id,
+                 upload.params["output_frames"], upload.params["audio_duration_s"])
+        route_job(svc, celery_app, job_id, 1)
+        return _accepted(svc, job_id)
+
+    @app.get("/api/v1/jobs/<job_id>/video.mp4")
+    def download_video(job_id: str):
+        return _serve_artifact(svc, job_id, 0, "output.mp4", "mp4")
+
     @app.get("/api/v1/jobs")
     def list_jobs():
         limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
@@ -117,21 +144,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     @app.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
     def download_track(job_id: str, file_name: str):
         match = TRACK_FILE.match(file_name)
-        record = svc.jobs.record(job_id)
-        if record is None:
-            return error(404, f"job {job_id} not found")
         if not match:
             return error(404, "file: expected <track>.mp3 or <track>.wav", "file")
         index, fmt = int(match.group(1)), match.group(2)
-        if index >= record["num_tracks"]:
-            return error(404, f"track: job has {record['num_tracks']} tracks", "track")
-        track = record["tracks"][index]
-        name = f"track{index}.{fmt}"
-        if track["state"] != "done" or name not in track["artifacts"]:
-            return error(404, f"track {index} is {track['state']}, not done")
-        path = svc.artifacts.local_path(job_id, name)
-        return send_file(path, mimetype=MEDIA_TYPES[fmt], conditional=True,
-                         download_name=f"encore-{job_id[:8]}-track{index}.{fmt}")
+        return _serve_artifact(svc, job_id, index, f"track{index}.{fmt}", fmt)
 
     @app.get("/api/v1/status")
     def status():
@@ -151,6 +167,21 @@ def create_app(settings: Settings | None = None) -> Flask:
     return app
 
 
+def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str):
+    """A finished track's file (Range requests honoured); 404 until the track is done."""
+    record = svc.jobs.record(job_id)
+    if record is None:
+        return error(404, f"job {job_id} not found")
+    if index >= record["num_tracks"]:
+        return error(404, f"track: job has {record['num_tracks']} tracks", "track")
+    track = record["tracks"][index]
+    if track["state"] != "done" or name not in track["artifacts"]:
+        return error(404, f"track {index} is {track['state']}, not done")
+    path = svc.artifacts.local_path(job_id, name)
+    return send_file(path, mimetype=MEDIA_TYPES[fmt], conditional=True,
+                     download_name=f"encore-{job_id[:8]}-{name}")
+
+
 def _accepted(svc: Services, job_id: str):
     record = svc.jobs.record(job_id)
     body = {"job_id": job_id, "status_url": f"/api/v1/jobs/{job_id}",
@@ -166,11 +197,19 @@ def _public(record: dict[str, Any]) -> dict[str, Any]:
     for track in record["tracks"]:
         public = {k: v for k, v in track.items() if k not in ("task_ids", "cost", "seq", "params")}
         public["seed"] = track["params"].get("seed")
-        public["downloads"] = {name.rsplit(".", 1)[1]: f"/api/v1/jobs/{record['job_id']}/tracks/"
-                               f"{track['track']}.{name.rsplit('.', 1)[1]}"
-                               for name in track["artifacts"] if name.endswith((".mp3", ".wav"))}
+        public["downloads"] = _download_urls(record["job_id"], track)
         tracks.append(public)
     return {**record, "tracks": tracks}
+
+
+def _download_urls(job_id: str, track: dict[str, Any]) -> dict[str, str]:
+    urls = {}
+    for name in track["artifacts"]:
+        if name == "output.mp4":
+            urls["mp4"] = f"/api/v1/jobs/{job_id}/video.mp4"
+        elif TRACK_FILE.match(name.removeprefix("track")):
+            urls[name.rsplit(".", 1)[1]] = f"/api/v1/jobs/{job_id}/tracks/{name.removeprefix('track')}"
+    return urls
 
 
 def _public_worker(worker: dict[str, Any]) -> dict[str, Any]:

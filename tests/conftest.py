@@ -76,9 +76,11 @@ def redis_base_url(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models") / "tiny"
-    subprocess.run([PYTHON, "-m", "app.pipeline.tiny", "--out", str(out)], cwd=REPO, check=True)
-    return out
+    """Music models in <base>/tiny and lip-sync models in <base>/lipsync-tiny, by the real writer."""
+    base = tmp_path_factory.mktemp("models")
+    subprocess.run([PYTHON, "-m", "app.pipeline.tiny", "--out", str(base / "tiny"),
+                    "--lipsync-out", str(base / "lipsync-tiny")], cwd=REPO, check=True)
+    return base / "tiny"
 
 
 class Stack:
@@ -90,6 +92,8 @@ class Stack:
         self.root = root
         self.env = {
             "REDIS_URL": self.redis_url, "ENCORE_MODEL_DIR": str(models), "ENCORE_MUSIC_PROFILE": "tiny",
+            "ENCORE_LIPSYNC_MODEL_DIR": str(models.parent / "lipsync-tiny"), "ENCORE_LIPSYNC_PROFILE": "tiny",
+            "ENCORE_UPLOAD_DIR": str(root / "uploads"),
             "ENCORE_ARTIFACT_DIR": str(root / "artifacts"), "ENCORE_WORKER_CACHE_DIR": str(root / "cache"),
             "ENCORE_LOG_DIR": str(root / "logs"), "ENCORE_TORCH_THREADS": "1", "ENCORE_HEARTBEAT_S": "0.5",
             "PYTHONUNBUFFERED": "1", **env,

@@ -32,3 +32,9 @@ class StageControl:
         """Report `done/total unit` and stop if the job was canceled. Call once per loop iteration."""
         self.report(done / total if total else 1.0, f"{done}/{total} {unit}")
         self.check()
+
+    def part(self, start: float, end: float, label: str) -> "StageControl":
+        """A control for one phase of a stage: its progress maps to start..end of the stage's."""
+        return StageControl(
+            report=lambda fraction, detail: self.report(start + fraction * (end - start), f"{label}: {detail}"),
+            cancel_requested=self.cancel_requested)

@@ -3,9 +3,10 @@
   <dir>/backbone/         Megatron torch_dist checkpoint (causal GPT)
   <dir>/superres/         Megatron torch_dist checkpoint (bidirectional GPT)
   <dir>/codec/codec.ckpt  Lightning-style checkpoint with `generator.`-prefixed keys
-The loaders that read these are the ones that read real Khala checkpoints. Their audio is noise.
+and the tiny MuseTalk v1.5 models in MuseTalk's layout under <lipsync dir> (musetalkV15/, sd-vae/, whisper/).
+The loaders that read these are the ones that read real checkpoints. Their audio and video are noise.
 
-    python -m app.pipeline.tiny [--out models/tiny] [--seed 1234] [--force]
+    python -m app.pipeline.tiny [--out models/tiny] [--lipsync-out models/lipsync-tiny] [--seed 1234] [--force]
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from app.pipeline.profiles import load_profile
+from app.pipeline.profiles import load_lipsync_profile, load_profile
 
 MARKER = ".complete"
 
@@ -34,14 +35,27 @@ def write_tiny_models(out: Path, seed: int = 1234, force: bool = False) -> Path:
     return out
 
 
+def write_tiny_lipsync_models(out: Path, seed: int = 1234, force: bool = False) -> Path:
+    """Write the tiny MuseTalk models under `out` (skipped when complete, unless `force`)."""
+    if (out / MARKER).exists() and not force:
+        return out
+    from app.pipeline import musetalk
+    out.mkdir(parents=True, exist_ok=True)
+    musetalk.write_tiny_musetalk(load_lipsync_profile("tiny", out), seed=seed)
+    (out / MARKER).write_text(f"seed={seed}\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("models/tiny"))
+    parser.add_argument("--lipsync-out", type=Path, default=Path("models/lipsync-tiny"))
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--force", action="store_true", help="rewrite even if already complete")
     args = parser.parse_args(argv)
-    path = write_tiny_models(args.out, args.seed, args.force)
-    print(f"tiny models in {path}")
+    music = write_tiny_models(args.out, args.seed, args.force)
+    lipsync = write_tiny_lipsync_models(args.lipsync_out, args.seed, args.force)
+    print(f"tiny models in {music} (music) and {lipsync} (lip-sync)")
     return 0
 
 

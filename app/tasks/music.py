@@ -53,7 +53,7 @@ def _seed(run: StageRun) -> int:
 
 def backbone_work(run: StageRun) -> None:
     out = run.workdir / _names(run)["coarse"]
-    _music().run_backbone(models(), run.params, _seed(run), out, run.control, run.loaded)
+    run.info.update(_music().run_backbone(models(), run.params, _seed(run), out, run.control, run.loaded))
     run.keep(out.name, out)
     models().after_stage("backbone")
 

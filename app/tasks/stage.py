@@ -49,6 +49,15 @@ class StageRun:
     workdir: Path
     control: StageControl
     loaded: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)  # facts about the stage's work, kept in its record
+
+    @property
+    def scratch(self) -> Path:
+        """Worker-local folder shared by the stages of this track (all run on the same queue, hence the
+        same worker) for intermediates too big for the artifact store; removed when the track ends."""
+        path = track_scratch(self.svc, self.job_id, self.track)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def input(self, name: str) -> Path:
         return self.svc.artifacts.local_path(self.job_id, name)
@@ -67,6 +76,26 @@ class StageRun:
     def _ttl(self) -> float:
         job = self.svc.jobs.job(self.job_id)
         return max(1.0, (job["expires_at"] if job else time.time() + self.svc.settings.job_ttl_s) - time.time())
+
+
+def track_scratch(svc: Services, job_id: str, track: int) -> Path:
+    return svc.settings.worker_cache_dir / "tracks" / f"{job_id}-{track}"
+
+
+def drop_scratch(svc: Services, job_id: str, track: int) -> None:
+    shutil.rmtree(track_scratch(svc, job_id, track), ignore_errors=True)
+
+
+def sweep_scratch(svc: Services) -> list[str]:
+    """Scratch folders of jobs whose record expired (a worker that died mid-track cannot clean up)."""
+    root = svc.settings.worker_cache_dir / "tracks"
+    removed = []
+    for folder in root.iterdir() if root.is_dir() else []:
+        job_id = folder.name.split("-")[0]
+        if svc.jobs.job(job_id) is None:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+    return removed
 
 
 class _Throttled:
@@ -115,6 +144,7 @@ class CancelWatch:
             return
         log.error("job=%s track=%d event=cancel_hard_kill pid=%d", self.job_id, self.track, os.getpid())
         self.svc.jobs.finish(self.job_id, self.track, CANCELED, detail="canceled (stage stopped by force)")
+        drop_scratch(self.svc, self.job_id, self.track)
         os._exit(75)  # the prefork master replaces this child; the redelivered message sees 'canceled'
 
 
@@ -152,6 +182,7 @@ class StageTask(Task):
             succeeded = True
         except Canceled:
             svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
+            drop_scratch(svc, job_id, track)
             log.info("job=%s track=%d worker=%s event=canceled stage=%s", job_id, track, worker, self.stage.name)
             raise Ignore()
         except SoftTimeLimitExceeded:
@@ -175,9 +206,11 @@ class StageTask(Task):
     def _check_can_start(self, svc: Services, job_id: str, track: int, worker: str) -> None:
         record = svc.jobs.track(job_id, track)
         if record is None or record["state"] in (DONE, "failed", CANCELED):
+            drop_scratch(svc, job_id, track)
             raise Ignore()
         if svc.jobs.cancel_requested(job_id):
             svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled before {self.stage.name}")
+            drop_scratch(svc, job_id, track)
             raise Ignore()
         deliveries = svc.jobs.count_delivery(self.request.id)
         svc.jobs.update(job_id, track, attempts=deliveries)
@@ -188,10 +221,12 @@ class StageTask(Task):
             raise Ignore()
 
     def _finish(self, svc: Services, run: StageRun, stages: dict, seconds: float, worker: str) -> None:
-        stages[self.stage.name].update(finished_at=time.time(), duration_s=round(seconds, 3), loaded=run.loaded)
+        stages[self.stage.name].update(finished_at=time.time(), duration_s=round(seconds, 3), loaded=run.loaded,
+                                       **({"info": run.info} if run.info else {}))
         following = self.kind.next_stage(self.stage.name)
         if following is None:
             svc.jobs.finish(run.job_id, run.track, DONE, stages=stages, progress=1.0, detail="done", running="0")
+            drop_scratch(svc, run.job_id, run.track)
         else:
             svc.jobs.update(run.job_id, run.track, stages=stages, state=following.state, stage=following.name,
                             progress=0.0, detail="waiting for the worker", running="0")
@@ -200,6 +235,7 @@ class StageTask(Task):
 
     def _fail(self, svc: Services, job_id: str, track: int, worker: str, message: str) -> None:
         svc.jobs.fail(job_id, track, message)
+        drop_scratch(svc, job_id, track)
         log.error("job=%s track=%d worker=%s event=failed stage=%s error=%s",
                   job_id, track, worker, self.stage.name, message)
 

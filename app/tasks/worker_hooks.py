@@ -12,6 +12,7 @@ from celery.signals import worker_process_init, worker_ready, worker_shutdown
 from app.celery_app import celery
 from app.routing import dispatch_unrouted
 from app.services import services
+from app.tasks.stage import sweep_scratch
 
 log = logging.getLogger("encore.worker")
 
@@ -37,8 +38,9 @@ def _heartbeat_loop(hostname: str) -> None:
             if time.monotonic() - last_sweep > SWEEP_EVERY_S:
                 last_sweep = time.monotonic()
                 removed = svc.artifacts.sweep(lambda job_id: svc.jobs.job(job_id) is not None)
+                removed += sweep_scratch(svc)
                 if removed:
-                    log.info("event=artifact_sweep removed=%d", len(removed))
+                    log.info("event=sweep removed=%d", len(removed))
         except Exception:
             log.exception("heartbeat failed; retrying")
         _stop.wait(svc.settings.heartbeat_s)

@@ -1,0 +1,210 @@
+"""MuseTalk v1.5 lip-sync: re-draw the lower face of each source frame to match the driving audio.
+
+The procedure of public repo TMElyralab/MuseTalk (scripts/inference.py and the modules it calls):
+  audio    whisper encoder over 30 s windows, ALL hidden states stacked per whisper frame (50/s); video
+           frame i takes whisper frames from floor(i * 50 / fps) - 2 * padding_left, 2 * (left + 1 + right)
+           of them (10 for v1.5), flattened time-major into a [10 * layers, d_model] prompt, plus a
+           sinusoidal position table (musetalk/utils/audio_processor.py get_whisper_chunk, models/unet.py).
+  face     256x256 crop of the face box (+ extra_margin below); VAE latents of the crop with its lower half
+           blanked (-1 after normalisation) and of the whole crop, concatenated -> 8 channels
+           (musetalk/models/vae.py get_latents_for_unet).
+  UNet     one step at timestep 0; its output is a latent of the re-drawn crop; VAE decode.
+  blend    resize back to the box and paste under a blurred mask covering the lower half of the face box
+           (musetalk/utils/blending.py get_image; the face-parsing network that shapes MuseTalk's mask needs a
+           download, so the mask here is the box's lower half, inset and blurred so its edges fade out).
+
+Output frame i shows source frame pingpong_index(i, n). Memory stays flat in the number of output frames:
+one batch of frames lives at a time and each finished frame goes straight to the sink.
+"""
+from __future__ import annotations
+
+import math
+import wave
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+from .control import StageControl
+from .faces import Box, crop_box
+from .frames import FrameSequence, FrameSink, pingpong_index
+from .musetalk import (UNET_TIMESTEP, WHISPER_FEATURE_RATE, WHISPER_SAMPLE_RATE, WHISPER_WINDOW_S,
+                       MuseTalkModels)
+
+BLEND_EXPAND = 1.5       # blending.get_crop_box: the context square is 1.5x the face box's larger side
+BLEND_BLUR_RATIO = 0.05  # blending.get_image: Gaussian kernel = 5% of the context square's width
+
+
+# -- audio ------------------------------------------------------------------------------------------------
+
+def read_wav_16k(path: str | Path) -> np.ndarray:
+    """Mono float32 samples in [-1, 1] from a 16 kHz PCM WAV (what `ffmpeg -ar 16000 -ac 1` writes)."""
+    with wave.open(str(path), "rb") as wav:
+        rate, channels, width = wav.getframerate(), wav.getnchannels(), wav.getsampwidth()
+        raw = wav.readframes(wav.getnframes())
+    if rate != WHISPER_SAMPLE_RATE:
+        raise ValueError(f"{path}: expected {WHISPER_SAMPLE_RATE} Hz audio, got {rate} Hz")
+    if width == 1:
+        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif width in (2, 4):
+        dtype = np.int16 if width == 2 else np.int32
+        samples = np.frombuffer(raw, dtype).astype(np.float32) / float(2 ** (8 * width - 1))
+    else:
+        raise ValueError(f"{path}: unsupported sample width {width} bytes")
+    return samples.reshape(-1, channels).mean(axis=1)
+
+
+@torch.inference_mode()
+def whisper_hidden_states(models: MuseTalkModels, samples: np.ndarray) -> torch.Tensor:
+    """[whisper frames, encoder_layers + 1, d_model] on the CPU: every hidden state of every 20 ms frame.
+
+    Whisper only takes 30 s windows, so longer audio is encoded window by window and concatenated; the
+    padding of the last window is trimmed to floor(seconds * 50) frames, as MuseTalk does.
+    """
+    if samples.size == 0:
+        raise ValueError("audio is empty")
+    window = WHISPER_WINDOW_S * WHISPER_SAMPLE_RATE
+    parts = []
+    for start in range(0, samples.size, window):
+        mel = models.feature_extractor(samples[start:start + window], sampling_rate=WHISPER_SAMPLE_RATE,
+                                       return_tensors="pt").input_features
+        mel = mel.to(device=models.device, dtype=models.dtype)
+        hidden = models.whisper(mel, output_hidden_states=True).hidden_states
+        parts.append(torch.stack(hidden, dim=2)[0].cpu())  # [1500, layers, d_model]
+    length = samples.size * WHISPER_FEATURE_RATE // WHISPER_SAMPLE_RATE
+    return torch.cat(parts)[:length]
+
+
+def window_features(hidden: torch.Tensor, *, fps: float, num_frames: int, padding_left: int,
+                    padding_right: int) -> torch.Tensor:
+    """[num_frames, 2 * (left + 1 + right) * layers, d_model] audio prompt per video frame.
+
+    MuseTalk v1.5 (get_whisper_chunk): zero-pad ceil(50 / fps) * padding_left whisper frames in front, take
+    2 * (left + 1 + right) frames starting at floor(i * 50 / fps) for video frame i, flatten (time, layer).
+    Frames past the end of the audio see zeros, as MuseTalk's tail padding gives them.
+    """
+    if fps <= 0:
+        raise ValueError("fps must be positive")
+    per_frame = 2 * (padding_left + padding_right + 1)
+    steps = WHISPER_FEATURE_RATE / fps
+    starts = torch.tensor([math.floor(i * WHISPER_FEATURE_RATE / fps) for i in range(num_frames)],
+                          dtype=torch.long)
+    left = math.ceil(steps) * padding_left
+    needed = int(starts.max()) + per_frame if num_frames else 0
+    right = max(0, needed - left - hidden.shape[0])
+    padded = torch.cat([hidden.new_zeros((left, *hidden.shape[1:])), hidden,
+                        hidden.new_zeros((right, *hidden.shape[1:]))])
+    index = starts[:, None] + torch.arange(per_frame)[None, :]
+    windows = padded[index]  # [num_frames, per_frame, layers, d_model]
+    return windows.reshape(num_frames, per_frame * hidden.shape[1], hidden.shape[2])
+
+
+@torch.inference_mode()
+def audio_features(models: MuseTalkModels, wav_16k_path: str | Path, *, fps: float, num_frames: int,
+                   padding_left: int, padding_right: int) -> torch.Tensor:
+    """Per-video-frame whisper prompts [num_frames, 2 * (left + 1 + right) * layers, d_model] (CPU, model dtype).
+
+    Uses the real fps for the frame -> audio mapping (MuseTalk truncates it to an int, which drifts at 29.97).
+    """
+    hidden = whisper_hidden_states(models, read_wav_16k(wav_16k_path))
+    return window_features(hidden, fps=fps, num_frames=num_frames, padding_left=padding_left,
+                           padding_right=padding_right)
+
+
+# -- faces -------------------------------------------------------------------------------------------------
+
+def face_crop(frame: np.ndarray, box: Box, size: int) -> np.ndarray:
+    """The box's pixels resized to size x size (Lanczos, as MuseTalk)."""
+    x1, y1, x2, y2 = box
+    return cv2.resize(np.ascontiguousarray(frame[y1:y2, x1:x2]), (size, size), interpolation=cv2.INTER_LANCZOS4)
+
+
+def unet_latents(models: MuseTalkModels, crops: np.ndarray) -> torch.Tensor:
+    """[B, 8, s/8, s/8]: latents of the crops with their lower half blanked, then of the whole crops.
+
+    MuseTalk zeroes the lower half in [0, 1] before normalising to [-1, 1]; the latent is the posterior
+    mode (MuseTalk's training code uses the mode; its inference samples, which only adds tiny noise).
+    """
+    pixels = torch.from_numpy(crops).to(models.device).permute(0, 3, 1, 2).to(models.dtype) / 255.0
+    masked = pixels.clone()
+    masked[:, :, pixels.shape[2] // 2:, :] = 0
+    images = torch.cat([masked, pixels]) * 2.0 - 1.0
+    latents = models.vae.encode(images).latent_dist.mode() * models.scaling_factor
+    masked_latents, reference_latents = latents.chunk(2)
+    return torch.cat([masked_latents, reference_latents], dim=1)
+
+
+def generate_faces(models: MuseTalkModels, crops: np.ndarray, prompts: torch.Tensor) -> np.ndarray:
+    """Re-drawn crops (uint8 [B, s, s, 3]) for crops [B, s, s, 3] and audio prompts [B, seq, d_model]."""
+    latents = unet_latents(models, crops)
+    audio = prompts.to(device=models.device, dtype=models.dtype)
+    audio = audio + models.positional_encoding(audio.shape[1])
+    timestep = torch.tensor([UNET_TIMESTEP], device=models.device)
+    predicted = models.unet(latents, timestep, encoder_hidden_states=audio).sample
+    images = models.vae.decode(predicted / models.scaling_factor).sample
+    images = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    return images.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def mouth_mask(height: int, width: int) -> np.ndarray:
+    """Blend weights [height, width, 1] over the face box: 1 on its lower half, fading to 0 at the edges.
+
+    MuseTalk keeps the face mask below the middle of a 1.5x context square (the face box's centre row) and
+    blurs it with a kernel of 5% of that square; here the region is inset by half a kernel so the blur
+    reaches 0 at the box's edges instead of leaving a seam there.
+    """
+    side = 2 * int(max(width, height) // 2 * BLEND_EXPAND)
+    kernel = int(BLEND_BLUR_RATIO * side // 2 * 2) + 1
+    inset = kernel // 2
+    mask = np.zeros((height, width), np.float32)
+    mask[height // 2:height - inset, inset:width - inset] = 1.0
+    if kernel > 1:
+        mask = cv2.GaussianBlur(mask, (kernel, kernel), 0, borderType=cv2.BORDER_CONSTANT)
+    return mask[:, :, None]
+
+
+def blend_mouth(frame: np.ndarray, face: np.ndarray, box: Box) -> np.ndarray:
+    """A copy of `frame` with the re-drawn crop `face` pasted into `box` under `mouth_mask`."""
+    x1, y1, x2, y2 = box
+    height, width = y2 - y1, x2 - x1
+    face = cv2.resize(face, (width, height)).astype(np.float32)
+    out = np.array(frame, dtype=np.uint8, copy=True)
+    region = out[y1:y2, x1:x2].astype(np.float32)
+    out[y1:y2, x1:x2] = np.rint(region + (face - region) * mouth_mask(height, width)).astype(np.uint8)
+    return out
+
+
+# -- the stage ---------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box], features: torch.Tensor, *,
+                num_frames: int, batch_size: int, extra_margin: int, sink: FrameSink,
+                control: StageControl) -> int:
+    """Write `num_frames` lip-synced frames to `sink` in order; returns how many were written.
+
+    `boxes` has one face box per source frame (gaps already filled); `features` comes from `audio_features`.
+    Reports "done/total frames" after every batch and stops with `Canceled` when the job was canceled.
+    """
+    if len(boxes) != len(frames):
+        raise ValueError(f"{len(boxes)} face boxes for {len(frames)} frames")
+    if any(box is None for box in boxes):
+        raise ValueError("every frame needs a face box (use faces.fill_missing)")
+    if features.shape[0] < num_frames:
+        raise ValueError(f"audio features cover {features.shape[0]} frames, {num_frames} requested")
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    size = models.crop_size
+    for start in range(0, num_frames, batch_size):
+        stop = min(start + batch_size, num_frames)
+        sources = [pingpong_index(i, len(frames)) for i in range(start, stop)]
+        originals = [np.asarray(frames[s]) for s in sources]
+        regions = [crop_box(boxes[s], frame.shape, extra_margin) for s, frame in zip(sources, originals)]
+        crops = np.stack([face_crop(frame, region, size) for frame, region in zip(originals, regions)])
+        faces = generate_faces(models, crops, features[start:stop])
+        for frame, face, region in zip(originals, faces, regions):
+            sink(blend_mouth(frame, face, region))
+        control.step(stop, num_frames, "frames")
+    if num_frames == 0:
+        control.step(0, 0, "frames")
+    return num_frames

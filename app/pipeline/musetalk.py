@@ -1,0 +1,183 @@
+"""MuseTalk v1.5 models, loaded from the layout `LipsyncProfile` names (public repo TMElyralab/MuseTalk):
+
+  musetalkV15/musetalk.json  diffusers UNet2DConditionModel config (in 8 = masked + reference latents,
+                             out 4, cross_attention_dim = whisper d_model 384)
+  musetalkV15/unet.pth       torch.save(unet.state_dict()): bare diffusers keys ("conv_in.weight", ...),
+                             loaded strictly (musetalk/models/unet.py: model.load_state_dict(weights))
+  sd-vae/                    diffusers AutoencoderKL directory (sd-vae-ft-mse: config.json +
+                             diffusion_pytorch_model.bin)
+  whisper/                   transformers whisper-tiny (config.json, pytorch_model.bin with "model."-prefixed
+                             keys, preprocessor_config.json); only the encoder is kept
+
+`write_tiny_musetalk` writes random-weight models in exactly that layout so `load_musetalk` is the same code
+for tests and for the real checkpoints. Everything is read from local files; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from transformers import (WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration,
+                          WhisperModel)
+from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+from .profiles import LipsyncProfile
+
+WHISPER_SAMPLE_RATE = 16_000
+WHISPER_FEATURE_RATE = 50  # encoder frames per second of audio (20 ms each)
+WHISPER_WINDOW_S = 30      # whisper encodes fixed 30 s windows (3000 mel frames -> 1500 encoder frames)
+UNET_TIMESTEP = 0          # MuseTalk is single-step inpainting at t = 0
+
+
+@dataclass
+class MuseTalkModels:
+    """Everything one lip-sync job needs, already on `device` in `dtype` and in eval mode."""
+
+    unet: UNet2DConditionModel
+    vae: AutoencoderKL
+    whisper: WhisperEncoder
+    feature_extractor: WhisperFeatureExtractor
+    device: torch.device
+    dtype: torch.dtype
+    crop_size: int = 256
+    _position_table: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def scaling_factor(self) -> float:
+        """sd-vae-ft-mse has no scaling_factor in its config; diffusers' default 0.18215 is what MuseTalk uses."""
+        return float(self.vae.config.scaling_factor)
+
+    @property
+    def audio_dim(self) -> int:
+        return int(self.whisper.config.d_model)
+
+    @property
+    def audio_layers(self) -> int:
+        """Hidden states per whisper frame: the embedding output plus one per encoder layer."""
+        return int(self.whisper.config.encoder_layers) + 1
+
+    def positional_encoding(self, length: int) -> torch.Tensor:
+        """[length, audio_dim] sinusoidal table that MuseTalk adds to the audio prompt before the UNet
+        (musetalk/models/unet.py PositionalEncoding, applied as `pe(whisper_batch)` in scripts/inference.py)."""
+        if self._position_table is None or self._position_table.shape[0] < length:
+            table = sinusoidal_table(max(length, 64), self.audio_dim)
+            self._position_table = table.to(device=self.device, dtype=self.dtype)
+        return self._position_table[:length]
+
+
+def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
+    """Transformer sin/cos position table: even columns sin, odd columns cos, base 10000."""
+    position = torch.arange(length, dtype=torch.float32).unsqueeze(1)
+    div = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(length, dim)
+    table[:, 0::2] = torch.sin(position * div)
+    table[:, 1::2] = torch.cos(position * div)
+    return table
+
+
+def model_dtype(device: torch.device) -> torch.dtype:
+    """fp16 on CUDA (MuseTalk's --use_float16), fp32 on CPU where half kernels are slow or missing."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def load_unet(profile: LipsyncProfile, device: torch.device, dtype: torch.dtype) -> UNet2DConditionModel:
+    """Build the UNet from musetalk.json and load unet.pth strictly, as MuseTalk does.
+
+    The module is built on the meta device so the ~3.4 GB real checkpoint is not preceded by a random init.
+    """
+    config = json.loads(profile.unet_config_path.read_text())
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(config)
+    state = torch.load(profile.unet_path, map_location="cpu", weights_only=True)
+    unet.load_state_dict(state, strict=True, assign=True)
+    return unet.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_vae(profile: LipsyncProfile, device: torch.device, dtype: torch.dtype) -> AutoencoderKL:
+    vae = AutoencoderKL.from_pretrained(profile.vae_dir, local_files_only=True)
+    return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_whisper(profile: LipsyncProfile, device: torch.device,
+                 dtype: torch.dtype) -> tuple[WhisperEncoder, WhisperFeatureExtractor]:
+    """Whisper encoder + its mel front end; the decoder is dropped because MuseTalk never runs it."""
+    whisper = WhisperModel.from_pretrained(profile.whisper_dir, local_files_only=True)
+    encoder = whisper.get_encoder()
+    del whisper
+    encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    extractor = WhisperFeatureExtractor.from_pretrained(profile.whisper_dir, local_files_only=True)
+    return encoder, extractor
+
+
+def load_musetalk(profile: LipsyncProfile, device: str | torch.device) -> MuseTalkModels:
+    """Load UNet, VAE and whisper from `profile.model_dir` (local files only)."""
+    device = torch.device(device)
+    dtype = model_dtype(device)
+    for path in (profile.unet_path, profile.unet_config_path, profile.vae_dir, profile.whisper_dir):
+        if not path.exists():
+            raise FileNotFoundError(f"MuseTalk file missing: {path}")
+    encoder, extractor = load_whisper(profile, device, dtype)
+    unet = load_unet(profile, device, dtype)
+    if unet.config.cross_attention_dim != encoder.config.d_model:
+        raise ValueError(f"UNet cross_attention_dim {unet.config.cross_attention_dim} != whisper d_model "
+                         f"{encoder.config.d_model}")
+    return MuseTalkModels(unet=unet, vae=load_vae(profile, device, dtype), whisper=encoder,
+                          feature_extractor=extractor, device=device, dtype=dtype, crop_size=profile.crop_size)
+
+
+# -- tiny random-weight models in the real layout ---------------------------------------------------------
+
+TINY_WHISPER = dict(d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+                    decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=128, num_mel_bins=80,
+                    max_source_positions=1500, max_target_positions=32, vocab_size=64, pad_token_id=63,
+                    bos_token_id=63, eos_token_id=63, decoder_start_token_id=63, suppress_tokens=[],
+                    begin_suppress_tokens=[])
+
+
+def tiny_unet_config(cross_attention_dim: int) -> dict:
+    """musetalk.json's fields with small widths (real: block_out_channels [320, 640, 1280, 1280], 2 layers)."""
+    return {
+        "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0.dev0", "act_fn": "silu",
+        "attention_head_dim": 8, "block_out_channels": [32, 64], "center_input_sample": False,
+        "cross_attention_dim": cross_attention_dim,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "downsample_padding": 1,
+        "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 8, "layers_per_block": 1,
+        "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4,
+        "sample_size": 32, "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    }
+
+
+def tiny_vae() -> AutoencoderKL:
+    """sd-vae-ft-mse's structure (4 blocks, 3 downsamples = 8x, 4 latent channels) with small widths."""
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+                         up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=(16, 16, 32, 32),
+                         layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=256)
+
+
+def write_tiny_musetalk(profile: LipsyncProfile, seed: int = 0) -> Path:
+    """Write random-weight UNet, VAE and whisper under `profile.model_dir`; deterministic by `seed`."""
+    profile.unet_path.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    whisper_config = WhisperConfig(**TINY_WHISPER)
+    whisper = WhisperForConditionalGeneration(whisper_config)
+    # HF hub files store the tied output projection once, under the embedding's name.
+    whisper_state = {k: v for k, v in whisper.state_dict().items() if k != "proj_out.weight"}
+    profile.whisper_dir.mkdir(parents=True, exist_ok=True)
+    whisper_config.save_pretrained(profile.whisper_dir)
+    torch.save(whisper_state, profile.whisper_dir / "pytorch_model.bin")
+    WhisperFeatureExtractor(feature_size=whisper_config.num_mel_bins,
+                            sampling_rate=WHISPER_SAMPLE_RATE).save_pretrained(profile.whisper_dir)
+
+    torch.manual_seed(seed + 1)
+    config = tiny_unet_config(whisper_config.d_model)
+    unet = UNet2DConditionModel.from_config(config)
+    profile.unet_config_path.write_text(json.dumps(config, indent=2) + "\n")
+    torch.save(unet.state_dict(), profile.unet_path)
+
+    torch.manual_seed(seed + 2)
+    tiny_vae().save_pretrained(profile.vae_dir, safe_serialization=False)
+    return profile.model_dir

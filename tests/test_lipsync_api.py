@@ -1,0 +1,93 @@
+"""Every lip-sync upload rejection is answered before anything is queued."""
+from __future__ import annotations
+
+import pytest
+
+from tests.lipsync_media import face_video, tone, upload
+
+
+@pytest.fixture
+def stack(make_stack):
+    return make_stack(ENCORE_MAX_VIDEO_MB="1", ENCORE_MAX_AUDIO_MB="0.5", ENCORE_MIN_VIDEO_S="3",
+                      ENCORE_MAX_AUDIO_S="30")
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    root = tmp_path_factory.mktemp("clips")
+    return {
+        "video": face_video(root / "face.mp4", 3.2),
+        "short_video": face_video(root / "short.mp4", 2.0),
+        "audio": tone(root / "voice.wav", 2.0),
+        "long_audio": tone(root / "long.mp3", 31.0),
+        "garbage": _write(root / "garbage.mp4", b"\x00not a video at all" * 100),
+        "big": _write(root / "big.mp4", b"\x00" * (1024 * 1024 + 10)),
+    }
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def _assert_rejected(stack, reply, status: int, field: str, words: str):
+    assert reply.status_code == status, reply.get_json()
+    body = reply.get_json()
+    assert body["field"] == field and words in body["error"], body
+    assert stack.client.get("/api/v1/jobs").get_json()["jobs"] == []
+    assert stack.redis.llen("encore:unrouted") == 0
+    assert not any((stack.root / "uploads").glob("*/*")), "staged upload left behind"
+
+
+def test_oversized_video_is_413(stack, clips):
+    _assert_rejected(stack, upload(stack.client, clips["big"], clips["audio"]), 413, "video", "limit is 1 MB")
+
+
+def test_unreadable_mp4_is_400(stack, clips):
+    _assert_rejected(stack, upload(stack.client, clips["garbage"], clips["audio"]), 400, "video",
+                     "cannot be read")
+
+
+def test_video_without_video_stream_is_400(stack, clips):
+    _assert_rejected(stack, upload(stack.client, clips["audio"], clips["audio"]), 400, "video", "no video stream")
+
+
+def test_audio_without_audio_stream_is_400(stack, clips):
+    _assert_rejected(stack, upload(stack.client, clips["video"], clips["video"]), 400, "audio", "no audio stream")
+
+
+def test_too_short_video_is_400(stack, clips):
+    _assert_rejected(stack, upload(stack.client, clips["short_video"], clips["audio"]), 400, "video",
+                     "at least 3 s")
+
+
+def test_too_long_audio_is_400(stack, clips):
+    _assert_rejected(stack, upload(stack.client, clips["video"], clips["long_audio"]), 400, "audio",
+                     "the limit is 30 s")
+
+
+@pytest.mark.parametrize("fields,field", [({"fps": "fast"}, "fps"), ({"fps": "-1"}, "fps"),
+                                          ({"batch_size": "0"}, "batch_size"), ({"color": "red"}, "color"),
+                                          ({"extra_margin": "1.5"}, "extra_margin")])
+def test_bad_form_fields_are_400(stack, clips, fields, field):
+    reply = upload(stack.client, clips["video"], clips["audio"], **fields)
+    assert reply.status_code == 400 and reply.get_json()["field"] == field, reply.get_json()
+
+
+def test_missing_file_and_non_multipart_are_400(stack, clips):
+    with open(clips["video"], "rb") as video:
+        reply = stack.client.post("/api/v1/lipsync", data={"video": (video, "v.mp4")},
+                                  content_type="multipart/form-data")
+    _assert_rejected(stack, reply, 400, "audio", "file missing")
+    reply = stack.client.post("/api/v1/lipsync", json={"video": "x"})
+    assert reply.status_code == 400 and reply.get_json()["field"] == "body"
+
+
+def test_fps_zero_means_default_and_job_waits_for_a_worker(stack, clips):
+    reply = upload(stack.client, clips["video"], clips["audio"], fps="0")
+    assert reply.status_code == 202, reply.get_json()
+    record = stack.job(reply.get_json()["job_id"])
+    assert record["kind"] == "lipsync" and record["params"]["fps"] == 25
+    assert record["params"]["output_frames"] == 50  # floor(2.0 s x 25 fps)
+    assert record["tracks"][0]["state"] == "queued"
+    assert not any((stack.root / "uploads").glob("*/*")), "staged upload left behind"
