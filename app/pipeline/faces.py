@@ -41,16 +41,19 @@ def _cascade() -> cv2.CascadeClassifier:
 
 
 def detect_face(frame: np.ndarray) -> Box | None:
-    """Largest face in one RGB frame, or None."""
+    """Largest confidently detected face in one RGB frame, or None."""
     height, width = frame.shape[:2]
     scale = min(1.0, DETECT_MAX_SIDE / max(height, width))
     gray = cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2GRAY)
     if scale < 1.0:
         gray = cv2.resize(gray, (round(width * scale), round(height * scale)), interpolation=cv2.INTER_AREA)
-    found = _cascade().detectMultiScale(gray, scaleFactor=SCALE_FACTOR, minNeighbors=MIN_NEIGHBORS)
+    found, votes = _cascade().detectMultiScale2(gray, scaleFactor=SCALE_FACTOR, minNeighbors=MIN_NEIGHBORS)
     if len(found) == 0:
         return None
-    x, y, w, h = max((tuple(int(v) for v in f) for f in found), key=lambda f: f[2] * f[3])
+    # Haar false positives (collars, emblems) gather far fewer overlapping hits than a real face, and can
+    # be bigger than it: pick the largest of the detections with at least half the best one's votes.
+    confident = [tuple(int(v) for v in f) for f, n in zip(found, votes) if n * 2 >= max(votes)]
+    x, y, w, h = max(confident, key=lambda f: f[2] * f[3])
     x1, y1 = int(x / scale), int(y / scale)
     x2, y2 = min(width, round((x + w) / scale)), min(height, round((y + h) / scale))
     return x1, y1, x2, y2

@@ -77,6 +77,14 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
+def _popen(argv: Sequence[str], what: str, **kwargs: Any) -> subprocess.Popen:
+    """Start a streaming tool in its own session (so a kill takes the whole group)."""
+    try:
+        return subprocess.Popen(list(argv), start_new_session=True, **kwargs)
+    except FileNotFoundError as exc:
+        raise MediaError(f"{what}: {argv[0]} not found") from exc
+
+
 def _run(argv: Sequence[str], *, timeout_s: float, what: str, stdin: Optional[bytes] = None) -> bytes:
     """Run a tool to completion; MediaError (with stderr tail) on non-zero exit, timeout or missing binary.
 
@@ -375,8 +383,8 @@ def decode_frames(video: PathLike, cache_path: PathLike, *, control: Optional[St
     argv = [FFMPEG, *_BASE, "-i", str(video), "-map", "0:v:0", "-an", "-sn", "-dn", "-fps_mode", "passthrough",
             "-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"]
     with tempfile.TemporaryFile() as errors:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors,
-                                start_new_session=True)
+        proc = _popen(argv, f"decoding {video.name}", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                      stderr=errors)
         watchdog = _Watchdog(proc)
         watchdog.arm(timeout_s)
         try:
@@ -442,8 +450,9 @@ def pick_h264_encoder(*, refresh: bool = False) -> str:
     with _encoder_lock:
         if _encoder_choice is None or refresh:
             try:
-                _run([FFMPEG, *_BASE, "-f", "lavfi", "-i", "color=c=black:s=256x256:r=25", "-frames:v", "3",
-                      "-c:v", "h264_nvenc", "-f", "null", "-"], timeout_s=30, what="probing h264_nvenc")
+                # the exact settings the writer and the mux use, so a rejected option also means "no"
+                _run([FFMPEG, *_BASE, "-f", "lavfi", "-i", "testsrc2=s=256x256:r=25", "-frames:v", "3",
+                      *_h264_args("h264_nvenc"), "-f", "null", "-"], timeout_s=30, what="probing h264_nvenc")
                 _encoder_choice = "h264_nvenc"
             except MediaError:
                 _encoder_choice = "libx264"
@@ -495,8 +504,13 @@ class VideoWriter:
         if self._proc is not None:
             raise RuntimeError("writer already open")
         self._errors = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen(self._argv(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                      stderr=self._errors, start_new_session=True)
+        try:
+            self._proc = _popen(self._argv(), f"writing {self.path.name}", stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=self._errors)
+        except MediaError:
+            self._errors.close()
+            self._errors = None
+            raise
         self._watchdog = _Watchdog(self._proc)
         return self
 
@@ -506,14 +520,15 @@ class VideoWriter:
             raise RuntimeError("writer is not open")
         if frame.shape != (self.height, self.width, 3) or frame.dtype != np.uint8:
             raise ValueError(f"frame must be uint8 [{self.height}, {self.width}, 3], got {frame.dtype} {frame.shape}")
-        assert self._watchdog is not None
-        self._watchdog.arm(self.stall_timeout_s)
+        watchdog = self._watchdog
+        assert watchdog is not None
+        watchdog.arm(self.stall_timeout_s)
         try:
             self._proc.stdin.write(memoryview(np.ascontiguousarray(frame)).cast("B"))
         except (BrokenPipeError, OSError, ValueError) as exc:
             self._fail(f"ffmpeg stopped taking frames after {self.frames_written}", exc)
         finally:
-            self._watchdog.arm(None)
+            watchdog.arm(None)
         self.frames_written += 1
 
     __call__ = write  # a VideoWriter is a frames.FrameSink

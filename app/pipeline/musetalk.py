@@ -93,13 +93,13 @@ def load_unet(profile: LipsyncProfile, device: torch.device, dtype: torch.dtype)
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(config)
     state = torch.load(profile.unet_path, map_location="cpu", weights_only=True)
-    unet.load_state_dict(state, strict=True, assign=True)
-    return unet.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    unet.load_state_dict({key: value.to(dtype) for key, value in state.items()}, strict=True, assign=True)
+    return unet.to(device).eval().requires_grad_(False)
 
 
 def load_vae(profile: LipsyncProfile, device: torch.device, dtype: torch.dtype) -> AutoencoderKL:
-    vae = AutoencoderKL.from_pretrained(profile.vae_dir, local_files_only=True)
-    return vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    vae = AutoencoderKL.from_pretrained(profile.vae_dir, local_files_only=True, torch_dtype=dtype)
+    return vae.to(device).eval().requires_grad_(False)
 
 
 def load_whisper(profile: LipsyncProfile, device: torch.device,
@@ -154,7 +154,7 @@ def tiny_unet_config(cross_attention_dim: int) -> dict:
 def tiny_vae() -> AutoencoderKL:
     """sd-vae-ft-mse's structure (4 blocks, 3 downsamples = 8x, 4 latent channels) with small widths."""
     return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-                         up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=(16, 16, 32, 32),
+                         up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=(8, 8, 16, 16),
                          layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=256)
 
 

@@ -77,5 +77,6 @@ def init_child(**_: object) -> None:
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
     if settings.preload_models:
-        from app.tasks.music import preload
-        preload()
+        from app.tasks import lipsync, music
+        music.preload()
+        lipsync.preload()

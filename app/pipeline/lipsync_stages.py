@@ -1,0 +1,84 @@
+"""The lip-sync pipeline's three stages as plain functions over a track's scratch folder:
+prepare (probe, 16 kHz audio, frames decoded once, faces) → lipsync (MuseTalk) → mux (ffmpeg).
+
+The scratch folder is worker-local (every stage of a track runs on the same queue): decoded frames are too
+big for the artifact store. The source video is never looped or re-encoded before inference.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from app.pipeline import faces, lipsync, media, musetalk
+from app.pipeline.control import StageControl
+from app.pipeline.profiles import LipsyncProfile
+from app.pipeline.runtime import ModelCache
+
+FRAMES, FRAMES_META, BOXES, AUDIO_16K, PICTURE = "frames.u8", "frames.json", "boxes.json", "audio16k.wav", "picture.mp4"
+
+
+class LipsyncModels:
+    """The MuseTalk models of one profile, held in a ModelCache under the worker's runtime mode."""
+
+    def __init__(self, profile: LipsyncProfile, mode: str, device: str | None = None):
+        import torch
+        self.profile = profile
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # one_shot frees nothing resident here: MuseTalk is one model set used by one stage.
+        self.cache = ModelCache(mode, frozenset({"musetalk"}))
+
+    def musetalk(self, loaded: list[str] | None = None) -> musetalk.MuseTalkModels:
+        return self.cache.get("musetalk", lambda: musetalk.load_musetalk(self.profile, self.device), loaded)
+
+
+def run_prepare(video: Path, audio: Path, scratch: Path, control: StageControl,
+                timeout_s: float) -> dict[str, Any]:
+    """16 kHz mono audio for whisper, every source frame decoded once, one face box per frame."""
+    control.check()
+    media.extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s)
+    cache = media.decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"))
+    try:
+        found = faces.detect_faces(cache, control=control.part(0.5, 1.0, "finding faces"))
+        boxes = faces.fill_missing(found)  # raises NoFaceDetected("no face detected")
+    finally:
+        cache.close()
+    (scratch / FRAMES_META).write_text(json.dumps({"count": len(boxes), "height": cache.height,
+                                                    "width": cache.width, "fps": cache.fps}))
+    (scratch / BOXES).write_text(json.dumps(boxes))
+    return {"source_frames": len(boxes), "frames_with_face": sum(box is not None for box in found)}
+
+
+def _open_frames(scratch: Path) -> media.FrameCache:
+    meta = json.loads((scratch / FRAMES_META).read_text())
+    return media.FrameCache(scratch / FRAMES, meta["count"], meta["height"], meta["width"], meta["fps"])
+
+
+def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Path, control: StageControl,
+                      loaded: list[str] | None = None) -> dict[str, Any]:
+    """MuseTalk over floor(audio s x fps) frames (source frames cycled ping-pong) into a picture-only MP4."""
+    engine = models.musetalk(loaded)
+    profile = models.profile
+    frames_out = int(params["output_frames"])
+    features = lipsync.audio_features(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
+                                      padding_left=profile.audio_padding_left,
+                                      padding_right=profile.audio_padding_right)
+    boxes = [tuple(box) for box in json.loads((scratch / BOXES).read_text())]
+    with _open_frames(scratch) as frames, media.VideoWriter(scratch / PICTURE, width=frames.width,
+                                                          height=frames.height, fps=params["fps"]) as writer:
+        written = lipsync.run_lipsync(engine, frames, boxes, features, num_frames=frames_out,
+                                      batch_size=int(params["batch_size"]), extra_margin=int(params["extra_margin"]),
+                                      sink=writer.write, control=control)
+        source_frames = len(frames)
+    return {"frames_generated": written, "source_frames": source_frames, "encoder": writer.encoder}
+
+
+def run_mux(scratch: Path, driving_audio: Path, out: Path, params: dict[str, Any], control: StageControl,
+            timeout_s: float) -> dict[str, Any]:
+    """Picture from the lip-sync output, sound only from the driving audio."""
+    control.step(0, 1, "files")
+    media.mux(scratch / PICTURE, driving_audio, out, audio_duration_s=params["audio_duration_s"],
+              picture_duration_s=params["output_frames"] / params["fps"], timeout_s=timeout_s)
+    control.step(1, 1, "files")
+    info = media.probe(out)
+    return {"duration_s": info.duration_s, "frames": info.frame_count}

@@ -1,0 +1,60 @@
+"""Lip-sync stage tasks: thin wrappers that hand job parameters and paths to app.pipeline.lipsync_stages.
+
+As for music, the pipeline (torch, diffusers) is imported in the pool child only, never in the master.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from app.kinds import LIPSYNC
+from app.pipeline.profiles import load_lipsync_profile
+from app.services import services
+from app.tasks.stage import StageRun, stage_task
+
+if TYPE_CHECKING:
+    from app.pipeline.lipsync_stages import LipsyncModels
+
+OUTPUT = "output.mp4"
+
+
+def _stages():
+    from app.pipeline import lipsync_stages
+    return lipsync_stages
+
+
+@lru_cache(maxsize=1)
+def models() -> "LipsyncModels":
+    settings = services().settings
+    profile = load_lipsync_profile(settings.lipsync_profile, settings.lipsync_model_dir)
+    return _stages().LipsyncModels(profile, settings.runtime_mode)
+
+
+def preload() -> None:
+    models().musetalk()
+
+
+def _input(run: StageRun, field: str):
+    return run.input(run.params["inputs"][field])
+
+
+def prepare_work(run: StageRun) -> None:
+    run.info.update(_stages().run_prepare(_input(run, "video"), _input(run, "audio"), run.scratch, run.control,
+                                          run.svc.settings.ffmpeg_timeout_s))
+
+
+def lipsync_work(run: StageRun) -> None:
+    run.info.update(_stages().run_lipsync_stage(models(), run.params, run.scratch, run.control, run.loaded))
+    models().cache.after_stage(["musetalk"])
+
+
+def mux_work(run: StageRun) -> None:
+    out = run.workdir / OUTPUT
+    run.info.update(_stages().run_mux(run.scratch, _input(run, "audio"), out, run.params, run.control,
+                                      run.svc.settings.ffmpeg_timeout_s))
+    run.publish(OUTPUT, out)
+
+
+prepare = stage_task(LIPSYNC, "prepare", prepare_work)
+lipsync = stage_task(LIPSYNC, "lipsync", lipsync_work)
+mux = stage_task(LIPSYNC, "mux", mux_work)
