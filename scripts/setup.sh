@@ -8,6 +8,10 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; t
 install_system_packages() {
   local missing=()
   command -v ffmpeg >/dev/null && command -v ffprobe >/dev/null || missing+=(ffmpeg)
+  # espeak-ng only voices the demo's lip-sync clip (a tone replaces it when missing): best effort.
+  if ! command -v espeak-ng >/dev/null && command -v apt-get >/dev/null; then
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng >/dev/null 2>&1 || true
+  fi
   [ ${#missing[@]} -eq 0 ] && return 0
   echo "[setup] installing ${missing[*]} (Debian packages)"
   if command -v apt-get >/dev/null; then
@@ -36,5 +40,5 @@ python_venv() {
 
 install_system_packages
 python_venv
-PYTHONWARNINGS=ignore .venv/bin/python -m app.pipeline.tiny --out "${ENCORE_TINY_DIR:-models/tiny}" >/dev/null
-echo "[setup] ready: .venv, ffmpeg $(ffmpeg -version | head -1 | cut -d' ' -f3), tiny models in ${ENCORE_TINY_DIR:-models/tiny}"
+PYTHONWARNINGS=ignore .venv/bin/python -m app.pipeline.tiny --out models/tiny --lipsync-out models/lipsync-tiny >/dev/null
+echo "[setup] ready: .venv, ffmpeg $(ffmpeg -version | head -1 | cut -d' ' -f3), tiny models in models/tiny and models/lipsync-tiny"

@@ -7,15 +7,18 @@ big for the artifact store. The source video is never looped or re-encoded befor
 from __future__ import annotations
 
 import json
+import wave
 from pathlib import Path
 from typing import Any
 
 from app.pipeline import faces, lipsync, media, musetalk
 from app.pipeline.control import StageControl
+from app.pipeline.frames import output_frame_count
 from app.pipeline.profiles import LipsyncProfile
 from app.pipeline.runtime import ModelCache
 
 FRAMES, FRAMES_META, BOXES, AUDIO_16K, PICTURE = "frames.u8", "frames.json", "boxes.json", "audio16k.wav", "picture.mp4"
+PLAN = "plan.json"
 
 
 class LipsyncModels:
@@ -32,11 +35,17 @@ class LipsyncModels:
         return self.cache.get("musetalk", lambda: musetalk.load_musetalk(self.profile, self.device), loaded)
 
 
-def run_prepare(video: Path, audio: Path, scratch: Path, control: StageControl,
+def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: StageControl,
                 timeout_s: float) -> dict[str, Any]:
-    """16 kHz mono audio for whisper, every source frame decoded once, one face box per frame."""
+    """16 kHz mono audio for whisper, every source frame decoded once, one face box per frame, and the
+    plan: the exact audio duration (from the decoded samples: container durations of MP3 run long) and
+    hence the output frame count floor(audio s x fps)."""
     control.check()
     media.extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s)
+    with wave.open(str(scratch / AUDIO_16K)) as decoded:
+        audio_seconds = decoded.getnframes() / decoded.getframerate()
+    plan = {"audio_duration_s": audio_seconds, "fps": fps, "output_frames": output_frame_count(audio_seconds, fps)}
+    (scratch / PLAN).write_text(json.dumps(plan))
     cache = media.decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"))
     try:
         found = faces.detect_faces(cache, control=control.part(0.5, 1.0, "finding faces"))
@@ -46,7 +55,7 @@ def run_prepare(video: Path, audio: Path, scratch: Path, control: StageControl,
     (scratch / FRAMES_META).write_text(json.dumps({"count": len(boxes), "height": cache.height,
                                                     "width": cache.width, "fps": cache.fps}))
     (scratch / BOXES).write_text(json.dumps(boxes))
-    return {"source_frames": len(boxes), "frames_with_face": sum(box is not None for box in found)}
+    return {"source_frames": len(boxes), "frames_with_face": sum(box is not None for box in found), **plan}
 
 
 def _open_frames(scratch: Path) -> media.FrameCache:
@@ -59,7 +68,7 @@ def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Pa
     """MuseTalk over floor(audio s x fps) frames (source frames cycled ping-pong) into a picture-only MP4."""
     engine = models.musetalk(loaded)
     profile = models.profile
-    frames_out = int(params["output_frames"])
+    frames_out = _plan(scratch)["output_frames"]
     features = lipsync.audio_features(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
                                       padding_left=profile.audio_padding_left,
                                       padding_right=profile.audio_padding_right)
@@ -73,12 +82,17 @@ def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Pa
     return {"frames_generated": written, "source_frames": source_frames, "encoder": writer.encoder}
 
 
-def run_mux(scratch: Path, driving_audio: Path, out: Path, params: dict[str, Any], control: StageControl,
+def _plan(scratch: Path) -> dict[str, Any]:
+    return json.loads((scratch / PLAN).read_text())
+
+
+def run_mux(scratch: Path, driving_audio: Path, out: Path, control: StageControl,
             timeout_s: float) -> dict[str, Any]:
     """Picture from the lip-sync output, sound only from the driving audio."""
+    plan = _plan(scratch)
     control.step(0, 1, "files")
-    media.mux(scratch / PICTURE, driving_audio, out, audio_duration_s=params["audio_duration_s"],
-              picture_duration_s=params["output_frames"] / params["fps"], timeout_s=timeout_s)
+    media.mux(scratch / PICTURE, driving_audio, out, audio_duration_s=plan["audio_duration_s"],
+              picture_duration_s=plan["output_frames"] / plan["fps"], timeout_s=timeout_s)
     control.step(1, 1, "files")
     info = media.probe(out)
     return {"duration_s": info.duration_s, "frames": info.frame_count}

@@ -39,8 +39,8 @@ def _input(run: StageRun, field: str):
 
 
 def prepare_work(run: StageRun) -> None:
-    run.info.update(_stages().run_prepare(_input(run, "video"), _input(run, "audio"), run.scratch, run.control,
-                                          run.svc.settings.ffmpeg_timeout_s))
+    run.info.update(_stages().run_prepare(_input(run, "video"), _input(run, "audio"), run.params["fps"],
+                                          run.scratch, run.control, run.svc.settings.ffmpeg_timeout_s))
 
 
 def lipsync_work(run: StageRun) -> None:
@@ -50,7 +50,7 @@ def lipsync_work(run: StageRun) -> None:
 
 def mux_work(run: StageRun) -> None:
     out = run.workdir / OUTPUT
-    run.info.update(_stages().run_mux(run.scratch, _input(run, "audio"), out, run.params, run.control,
+    run.info.update(_stages().run_mux(run.scratch, _input(run, "audio"), out, run.control,
                                       run.svc.settings.ffmpeg_timeout_s))
     run.publish(OUTPUT, out)
 
