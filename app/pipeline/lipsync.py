@@ -2,9 +2,10 @@
 
 The procedure of public repo TMElyralab/MuseTalk (scripts/inference.py and the modules it calls):
   audio    whisper encoder over 30 s windows, ALL hidden states stacked per whisper frame (50/s); video
-           frame i takes whisper frames from floor(i * 50 / fps) - 2 * padding_left, 2 * (left + 1 + right)
-           of them (10 for v1.5), flattened time-major into a [10 * layers, d_model] prompt, plus a
-           sinusoidal position table (musetalk/utils/audio_processor.py get_whisper_chunk, models/unet.py).
+           frame i takes 2 * (left + 1 + right) whisper frames (10 for v1.5) starting at
+           floor(i * 50 / fps) - ceil(50 / fps) * left, flattened time-major into a [10 * layers, d_model]
+           prompt, plus a sinusoidal position table (musetalk/utils/audio_processor.py get_whisper_chunk,
+           models/unet.py PositionalEncoding).
   face     256x256 crop of the face box (+ extra_margin below); VAE latents of the crop with its lower half
            blanked (-1 after normalisation) and of the whole crop, concatenated -> 8 channels
            (musetalk/models/vae.py get_latents_for_unet).
