@@ -103,6 +103,7 @@ def test_no_face_fails_clearly_and_missing_faces_are_filled(stack, tmp_path):
     failed = stack.wait_job(_submit(stack, blank, audio), timeout=120)
     assert failed["state"] == "failed"
     assert "no face detected" in failed["tracks"][0]["error"]
+    assert not (stack.settings.worker_cache_dir / "tracks" / f"{failed['job_id']}-0").exists()
 
     face = face_video(tmp_path / "face.mp4", 3.0, FPS)
     mixed = tmp_path / "mixed.mp4"  # 1.5 s of face, then 1.5 s of grey
