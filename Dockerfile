@@ -1,7 +1,7 @@
 # One image for web, workers and Flower. CPU torch by default; for GPUs build with
 #   --build-arg TORCH_SPEC="torch==2.13.0"  on a CUDA base image (see README).
 FROM python:3.11-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ffmpeg procps && rm -rf /var/lib/apt/lists/*
+RUN apt-get update && apt-get install -y --no-install-recommends ffmpeg procps espeak-ng && rm -rf /var/lib/apt/lists/*
 WORKDIR /srv/encore
 COPY requirements.txt requirements.lock ./
 COPY scripts/disable_torchaudio_ext.py scripts/
@@ -10,5 +10,5 @@ RUN pip install --no-cache-dir "$TORCH_SPEC" \
  && pip install --no-cache-dir -r requirements.txt -c requirements.lock \
  && python scripts/disable_torchaudio_ext.py
 COPY . .
-ENV ENCORE_ARTIFACT_DIR=/data/artifacts ENCORE_MODEL_DIR=/models
+ENV ENCORE_ARTIFACT_DIR=/data/artifacts PYTHONUNBUFFERED=1
 CMD ["gunicorn", "-w", "4", "-b", "0.0.0.0:8000", "app.web:create_app()"]

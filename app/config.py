@@ -61,6 +61,8 @@ class Settings:
     max_audio_s: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_S", "600")))
     upload_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_UPLOAD_DIR", "var/uploads")).resolve())
     ffmpeg_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_FFMPEG_TIMEOUT_S", "600")))
+    api_tokens: tuple[str, ...] = field(default_factory=lambda: tuple(
+        t.strip() for t in _env("API_TOKEN", "").split(",") if t.strip()))
     log_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_LOG_DIR", "logs")).resolve())
 
     def __post_init__(self) -> None:

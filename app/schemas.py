@@ -79,3 +79,20 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str]:
     if first["type"] == "extra_forbidden":
         message = "unknown field"
     return field, message
+
+
+class Accepted(BaseModel):
+    """202 reply to a submission."""
+
+    job_id: str
+    status_url: str
+    queue_position: int
+    state: str
+    note: str | None = None
+
+
+class ErrorReply(BaseModel):
+    """Every 4xx/5xx body: a message that names the field when one is at fault."""
+
+    error: str
+    field: str | None = None

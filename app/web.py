@@ -4,6 +4,7 @@ Speaks HTTP and job records only; no model code is imported here.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import secrets
@@ -11,18 +12,21 @@ import time
 from typing import Any
 
 import redis
-from flask import Flask, jsonify, request, send_file
+from flask import Flask, Response, jsonify, request, send_file
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
 from app.celery_app import make_celery
 from app.config import Settings, load_settings
+from app.metrics import count_submission, make_registry
+from app.openapi import build_spec, documented
 from app.pipeline.lyrics import clean_lyrics
 from app.pipeline.profiles import load_lipsync_profile, load_profile
 from app.routing import queue_loads, route_job
-from app.schemas import MusicRequest, describe_validation_error
+from app.schemas import Accepted, ErrorReply, MusicRequest, describe_validation_error
 from app.services import Services, build_services
-from app.uploads import UploadError, receive_lipsync
+from app.uploads import LipsyncForm, UploadError, receive_lipsync
 
 log = logging.getLogger("encore.web")
 
@@ -59,9 +63,22 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Bodies larger than both upload limits together are refused before they are read (413).
     app.config["MAX_CONTENT_LENGTH"] = int((settings.max_video_mb + settings.max_audio_mb + 1) * 2**20)
     _register_errors(app)
+    _require_token(app, settings.api_tokens)
+    registry = make_registry(svc)
+
+    @app.get("/metrics")
+    def metrics():
+        """Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers (no auth)."""
+        return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    def index():
+        """The operator/user page (static; it talks to the JSON API like any other client)."""
+        return app.send_static_file("index.html")
 
     @app.get("/healthz")
     def healthz():
+        """Liveness of the web and its Redis."""
         try:
             svc.redis.ping()
         except redis.RedisError as exc:
@@ -69,6 +86,9 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify({"web": "ok", "redis": "ok"})
 
     @app.post("/api/v1/music")
+    @documented("Submit a music job (one chain of stages per track)", json_body=MusicRequest,
+                responses={202: ("accepted", Accepted), 400: ("invalid field", ErrorReply),
+                           401: ("token required", ErrorReply)})
     def submit_music():
         body = request.get_json(silent=True)
         if not isinstance(body, dict):
@@ -90,12 +110,16 @@ def create_app(settings: Settings | None = None) -> Flask:
         }
         tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
         job_id = svc.jobs.create("music", params, tracks, cost=float(req.duration_s))
+        count_submission(svc, "music")
         log.info("job=%s event=submitted kind=music tracks=%d duration_s=%g",
                  job_id, req.num_tracks, req.duration_s)
         route_job(svc, celery_app, job_id, req.num_tracks)
         return _accepted(svc, job_id)
 
     @app.post("/api/v1/lipsync")
+    @documented("Submit a lip-sync job (face video + driving audio)", form=LipsyncForm, files=("video", "audio"),
+                responses={202: ("accepted", Accepted), 400: ("invalid field or media", ErrorReply),
+                           413: ("upload too large", ErrorReply)})
     def submit_lipsync():
         if not request.mimetype == "multipart/form-data":
             return error(400, "body: expected multipart/form-data with video and audio files", "body")
@@ -105,6 +129,7 @@ def create_app(settings: Settings | None = None) -> Flask:
             return error(exc.status, str(exc), exc.field)
         try:
             job_id = svc.jobs.create("lipsync", upload.params, [{}], cost=float(upload.params["audio_duration_s"]))
+            count_submission(svc, "lipsync")
             for path in upload.files.values():
                 svc.artifacts.put(job_id, path.name, path, settings.job_ttl_s)
         finally:
@@ -115,17 +140,22 @@ def create_app(settings: Settings | None = None) -> Flask:
         return _accepted(svc, job_id)
 
     @app.get("/api/v1/jobs/<job_id>/video.mp4")
+    @documented("Download a lip-sync job's video (Range requests honoured)", media="video/mp4",
+                responses={200: ("the MP4", None), 404: ("unknown job or not done", ErrorReply)})
     def download_video(job_id: str):
+        """The lip-sync output."""
         return _serve_artifact(svc, job_id, 0, "output.mp4", "mp4")
 
     @app.get("/api/v1/jobs")
     def list_jobs():
+        """Recent jobs, newest first (?limit=50, at most 500)."""
         limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
         records = [svc.jobs.record(job_id) for job_id in svc.jobs.recent_job_ids(limit)]
         return jsonify({"jobs": [r for r in records if r]})
 
     @app.get("/api/v1/jobs/<job_id>")
     def get_job(job_id: str):
+        """A job's record: state, queue position, per-track stages and progress, downloads."""
         record = svc.jobs.record(job_id)
         if record is None:
             return error(404, f"job {job_id} not found")
@@ -133,6 +163,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.delete("/api/v1/jobs/<job_id>")
     def cancel_job(job_id: str):
+        """Cancel a job: queued stages never start, a running stage stops within seconds."""
         if svc.jobs.job(job_id) is None:
             return error(404, f"job {job_id} not found")
         task_ids = svc.jobs.request_cancel(job_id)
@@ -142,6 +173,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify(_public(svc.jobs.record(job_id)))
 
     @app.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
+    @documented("Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)", media="audio/mpeg",
+                responses={200: ("the audio file", None), 404: ("unknown job, track or not done", ErrorReply)})
     def download_track(job_id: str, file_name: str):
         match = TRACK_FILE.match(file_name)
         if not match:
@@ -149,8 +182,16 @@ def create_app(settings: Settings | None = None) -> Flask:
         index, fmt = int(match.group(1)), match.group(2)
         return _serve_artifact(svc, job_id, index, f"track{index}.{fmt}", fmt)
 
+    @app.get("/api/v1/openapi.json")
+    def openapi():
+        """This API's OpenAPI 3.1 document, generated from the routes and the request models."""
+        if "OPENAPI" not in app.config:
+            app.config["OPENAPI"] = build_spec(app)
+        return jsonify(app.config["OPENAPI"])
+
     @app.get("/api/v1/status")
     def status():
+        """Every worker (idle/busy/offline, current job and stage, device) and every queue's depth."""
         workers = svc.workers.workers()
         queues = sorted({w["queue"] for w in workers if w.get("queue")} | _queues_with_work(svc))
         loads = queue_loads(svc, queues)
@@ -227,6 +268,25 @@ def _broker_depth(svc: Services, queue: str) -> int:
     """Messages in the broker for `queue` (same Redis), every priority list summed: LLEN of the bare
     name only counts priority 0."""
     return sum(svc.redis.llen(queue if p == 0 else f"{queue}:{p}") for p in range(10))
+
+
+def _require_token(app: Flask, tokens: tuple[str, ...]) -> None:
+    """With API_TOKEN set, every /api/* route needs `Authorization: Bearer <token>` (health and metrics
+    live outside /api and stay open for probes and Prometheus)."""
+    if not tokens:
+        return
+
+    @app.before_request
+    def check_token():
+        if not request.path.startswith("/api/"):
+            return None
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip(), t) for t in tokens):
+            return None
+        reply, status = error(401, "authorization: a valid 'Authorization: Bearer <token>' header is required",
+                              "authorization")
+        reply.headers["WWW-Authenticate"] = 'Bearer realm="encore"'
+        return reply, status
 
 
 def _register_errors(app: Flask) -> None:

@@ -26,6 +26,7 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from app.celery_app import celery
 from app.kinds import CANCELED, DONE, JobKind, Stage
+from app.metrics import observe_stage
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.runtime import device_report, release_memory
 from app.services import Services, services
@@ -230,6 +231,7 @@ class StageTask(Task):
         else:
             svc.jobs.update(run.job_id, run.track, stages=stages, state=following.state, stage=following.name,
                             progress=0.0, detail="waiting for the worker", running="0")
+        observe_stage(svc, self.kind.name, self.stage.name, seconds)
         log.info("job=%s track=%d worker=%s event=stage_finished stage=%s duration_s=%.3f loaded=%s",
                  run.job_id, run.track, worker, self.stage.name, seconds, ",".join(run.loaded) or "-")
 

@@ -1,0 +1,123 @@
+"""Prometheus metrics for the web's GET /metrics, gathered from Redis at scrape time.
+
+Stages run in worker processes on other hosts, so their durations are aggregated in Redis (a histogram's
+bucket counters per kind/stage, HINCRBY) and exposed by the web; job, queue and worker gauges are read
+from the job records and the worker registry when Prometheus scrapes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from app.jobs import overall_state
+from app.kinds import KINDS
+from app.services import Services
+
+STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, math.inf)
+
+
+def _histogram_key(prefix: str, kind: str, stage: str) -> str:
+    return f"{prefix}:metrics:stage_seconds:{kind}:{stage}"
+
+
+def observe_stage(svc: Services, kind: str, stage: str, seconds: float) -> None:
+    """Count one finished stage in its duration buckets (cumulative, as Prometheus expects)."""
+    key = _histogram_key(svc.settings.key_prefix, kind, stage)
+    pipe = svc.redis.pipeline()
+    for bound in STAGE_BUCKETS:
+        if seconds <= bound:
+            pipe.hincrby(key, _bucket_label(bound), 1)
+    pipe.hincrbyfloat(key, "sum", seconds)
+    pipe.hincrby(key, "count", 1)
+    pipe.execute()
+
+
+def count_submission(svc: Services, kind: str) -> None:
+    svc.redis.hincrby(f"{svc.settings.key_prefix}:metrics:submitted", kind, 1)
+
+
+def _bucket_label(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else f"{bound:g}"
+
+
+class EncoreCollector(Collector):
+    def __init__(self, svc: Services):
+        self.svc = svc
+
+    def collect(self) -> Iterator:
+        yield self._jobs()
+        yield self._submitted()
+        yield from self._queues()
+        yield self._workers()
+        yield self._stage_durations()
+
+    def _jobs(self) -> GaugeMetricFamily:
+        gauge = GaugeMetricFamily("encore_jobs", "Jobs still held in Redis, by kind and state",
+                                  labels=["kind", "state"])
+        counts: dict[tuple[str, str], int] = {}
+        for job_id in self.svc.jobs.recent_job_ids(limit=100_000):
+            job = self.svc.jobs.job(job_id)
+            if job is None:
+                continue
+            states = [t["state"] for t in self.svc.jobs.tracks(job_id, job["num_tracks"])]
+            key = (job["kind"], overall_state(states))
+            counts[key] = counts.get(key, 0) + 1
+        for (kind, state), value in sorted(counts.items()):
+            gauge.add_metric([kind, state], value)
+        return gauge
+
+    def _submitted(self) -> CounterMetricFamily:
+        counter = CounterMetricFamily("encore_jobs_submitted", "Jobs accepted since Redis was created",
+                                      labels=["kind"])
+        raw = self.svc.redis.hgetall(f"{self.svc.settings.key_prefix}:metrics:submitted")
+        for kind in sorted(KINDS):
+            counter.add_metric([kind], float(raw.get(kind, 0)))
+        return counter
+
+    def _queues(self) -> Iterator[GaugeMetricFamily]:
+        waiting = GaugeMetricFamily("encore_queue_waiting_tracks", "Tracks not started yet, per queue",
+                                    labels=["queue"])
+        outstanding = GaugeMetricFamily("encore_queue_outstanding_tracks", "Tracks queued or running, per queue",
+                                        labels=["queue"])
+        for queue in self._queue_names():
+            waiting.add_metric([queue], self.svc.redis.zcard(self.svc.jobs.waiting_key(queue)))
+            outstanding.add_metric([queue], self.svc.redis.zcard(self.svc.jobs.load_key(queue)))
+        unrouted = GaugeMetricFamily("encore_unrouted_tracks", "Tracks waiting for any live worker")
+        unrouted.add_metric([], self.svc.redis.llen(f"{self.svc.settings.key_prefix}:unrouted"))
+        yield waiting
+        yield outstanding
+        yield unrouted
+
+    def _queue_names(self) -> list[str]:
+        prefix = f"{self.svc.settings.key_prefix}:queue:"
+        from_keys = {key[len(prefix):].rsplit(":", 1)[0] for key in self.svc.redis.scan_iter(f"{prefix}*")}
+        from_workers = {w["queue"] for w in self.svc.workers.workers() if w.get("queue")}
+        return sorted(from_keys | from_workers)
+
+    def _workers(self) -> GaugeMetricFamily:
+        gauge = GaugeMetricFamily("encore_workers", "Known workers by status", labels=["status"])
+        statuses = [w["status"] for w in self.svc.workers.workers()]
+        for status in ("idle", "busy", "offline"):
+            gauge.add_metric([status], statuses.count(status))
+        return gauge
+
+    def _stage_durations(self) -> HistogramMetricFamily:
+        histogram = HistogramMetricFamily("encore_stage_duration_seconds", "Wall time of finished stages",
+                                          labels=["kind", "stage"])
+        for kind in sorted(KINDS):
+            for stage in KINDS[kind].stages:
+                raw = self.svc.redis.hgetall(_histogram_key(self.svc.settings.key_prefix, kind, stage.name))
+                if not raw:
+                    continue
+                buckets = [(_bucket_label(b), float(raw.get(_bucket_label(b), 0))) for b in STAGE_BUCKETS]
+                histogram.add_metric([kind, stage.name], buckets, float(raw.get("sum", 0)))
+        return histogram
+
+
+def make_registry(svc: Services) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EncoreCollector(svc))
+    return registry

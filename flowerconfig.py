@@ -1,0 +1,22 @@
+"""Flower settings, read by `celery -A app flower` from the working directory (Flower's --conf default).
+
+Basic auth always: ENCORE_FLOWER_BASIC_AUTH="user:password[,user2:password2]"; without it a random
+password is generated and printed once, so neither the UI nor the API is ever open. State (tasks seen,
+workers) persists in ENCORE_FLOWER_DB across restarts.
+"""
+import os
+import secrets
+import sys
+
+_credentials = os.environ.get("ENCORE_FLOWER_BASIC_AUTH", "").strip()
+if not _credentials:
+    _credentials = f"admin:{secrets.token_urlsafe(12)}"
+    print(f"[flower] ENCORE_FLOWER_BASIC_AUTH not set; generated credentials {_credentials}", file=sys.stderr)
+
+basic_auth = [pair.strip() for pair in _credentials.split(",") if pair.strip()]
+port = int(os.environ.get("ENCORE_FLOWER_PORT", "5555"))
+address = os.environ.get("ENCORE_FLOWER_ADDRESS", "0.0.0.0")
+persistent = True
+db = os.environ.get("ENCORE_FLOWER_DB", "var/flower.db")
+state_save_interval = 60_000  # ms: persist the state every minute, not only at shutdown
+max_tasks = 100_000

@@ -1,0 +1,73 @@
+"""Operator surfaces: bearer-token auth on /api/*, Prometheus metrics after a real job."""
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_api_token_guards_api_routes_only(make_stack):
+    stack = make_stack(API_TOKEN="s3cret, second")
+    client = stack.client
+    for path in ("/api/v1/status", "/api/v1/jobs", "/api/v1/jobs/" + "0" * 32):
+        reply = client.get(path)
+        assert reply.status_code == 401, path
+        assert reply.get_json()["field"] == "authorization"
+        assert reply.headers["WWW-Authenticate"].startswith("Bearer")
+    assert client.get("/api/v1/status", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/api/v1/status", headers={"Authorization": "Basic s3cret"}).status_code == 401
+    assert client.get("/api/v1/status", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/api/v1/status", headers={"Authorization": "Bearer second"}).status_code == 200
+    reply = client.post("/api/v1/music", json={"mode": "instrumental", "tags": "x", "duration_s": 2})
+    assert reply.status_code == 401 and client.get("/api/v1/jobs", headers={
+        "Authorization": "Bearer s3cret"}).get_json()["jobs"] == []
+    assert client.get("/healthz").status_code == 200
+    assert client.get("/metrics").status_code == 200
+
+
+def test_metrics_after_a_job(make_stack):
+    stack = make_stack()
+    stack.start_worker(0)
+    assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
+    reply = stack.client.get("/metrics")
+    assert reply.status_code == 200 and reply.mimetype == "text/plain"
+    samples = _samples(reply.get_data(as_text=True))
+    assert samples[("encore_jobs", (("kind", "music"), ("state", "done")))] == 1
+    assert samples[("encore_jobs_submitted_total", (("kind", "music"),))] == 1
+    assert samples[("encore_jobs_submitted_total", (("kind", "lipsync"),))] == 0
+    for stage in ("backbone", "superres", "decode", "export"):
+        labels = (("kind", "music"), ("stage", stage))
+        assert samples[("encore_stage_duration_seconds_count", labels)] == 1
+        assert samples[("encore_stage_duration_seconds_sum", labels)] > 0
+        assert samples[("encore_stage_duration_seconds_bucket", tuple(sorted(labels + (("le", "+Inf"),))))] == 1
+    assert samples[("encore_workers", (("status", "idle"),))] == 1
+    assert samples[("encore_workers", (("status", "offline"),))] == 0
+    assert samples[("encore_queue_waiting_tracks", (("queue", "gpu0"),))] == 0
+    assert samples[("encore_queue_outstanding_tracks", (("queue", "gpu0"),))] == 0
+
+
+def test_openapi_lists_every_route_with_request_schemas(make_stack):
+    stack = make_stack()
+    reply = stack.client.get("/api/v1/openapi.json")
+    assert reply.status_code == 200
+    spec = reply.get_json()
+    assert spec["openapi"].startswith("3.1")
+    import re
+    for rule in stack.app.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        path = re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule.rule)
+        assert path in spec["paths"], path
+        for method in rule.methods - {"HEAD", "OPTIONS"}:
+            assert method.lower() in spec["paths"][path], (path, method)
+    music = spec["paths"]["/api/v1/music"]["post"]
+    assert music["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/MusicRequest")
+    schema = spec["components"]["schemas"]["MusicRequest"]
+    assert schema["properties"]["top_k"]["maximum"] == 200 and schema["additionalProperties"] is False
+    lipsync = spec["paths"]["/api/v1/lipsync"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert set(lipsync["allOf"][1]["required"]) == {"video", "audio"}
+    assert "413" in spec["paths"]["/api/v1/lipsync"]["post"]["responses"]
+    assert spec["paths"]["/api/v1/jobs/{job_id}"]["get"]["parameters"][0]["name"] == "job_id"
