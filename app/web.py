@@ -151,7 +151,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         """Recent jobs, newest first (?limit=50, at most 500)."""
         limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
         records = [svc.jobs.record(job_id) for job_id in svc.jobs.recent_job_ids(limit)]
-        return jsonify({"jobs": [r for r in records if r]})
+        return jsonify({"jobs": [_public(r) for r in records if r]})
 
     @app.get("/api/v1/jobs/<job_id>")
     def get_job(job_id: str):

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/install_browser.sh  # headless Chromium for tests/test_web_page.py
 exec .venv/bin/python -m pytest -q "$@"

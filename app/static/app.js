@@ -1,0 +1,434 @@
+"use strict";
+// Encore's page: a plain client of the JSON API (the same endpoints curl uses). No framework, no build.
+// Every piece of server or user text goes into the DOM as a text node (see el()), never as HTML.
+
+const POLL_MS = 1000;
+const HIDDEN_POLL_MS = 5000;       // a background tab still updates, just less often
+const TOKEN_KEY = "encore.apiToken";
+const STAGES = {                   // app/kinds.py: stage key (the track's `stage`) and its label
+  music: [["backbone", "backbone"], ["superres", "super-res"], ["decode", "decode"], ["export", "export"]],
+  lipsync: [["prepare", "prepare"], ["lipsync", "lip-sync"], ["mux", "mux"]],
+};
+const TERMINAL = new Set(["done", "failed", "canceled", "partial"]);
+
+const $ = (selector, root = document) => root.querySelector(selector);
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key === "class") node.className = value;
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value === true ? "" : String(value));
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child !== null && child !== undefined && child !== false) node.append(child); // strings become text
+  }
+  return node;
+}
+
+// ---- token + API -------------------------------------------------------------------------------------------
+
+function getToken() {
+  try { return localStorage.getItem(TOKEN_KEY) || ""; } catch (_) { return ""; }
+}
+
+function setToken(value) {
+  try {
+    if (value) localStorage.setItem(TOKEN_KEY, value); else localStorage.removeItem(TOKEN_KEY);
+  } catch (_) { /* storage disabled: the token lasts until reload */ memoryToken = value; }
+}
+let memoryToken = "";
+const token = () => getToken() || memoryToken;
+
+function authHeaders() {
+  const value = token();
+  return value ? { Authorization: `Bearer ${value}` } : {};
+}
+
+class ApiError extends Error {
+  constructor(status, message, field) { super(message); this.status = status; this.field = field; }
+}
+
+async function api(path, options = {}) {
+  const reply = await fetch(path, { ...options, headers: { ...authHeaders(), ...(options.headers || {}) } });
+  let body = null;
+  try { body = await reply.json(); } catch (_) { /* not JSON (a proxy error page): reported below */ }
+  $("#token-needed").hidden = reply.status !== 401;
+  if (!reply.ok) {
+    const message = (body && body.error) || `${reply.status} ${reply.statusText}`;
+    throw new ApiError(reply.status, message, body && body.field);
+  }
+  return body;
+}
+
+// ---- polling ---------------------------------------------------------------------------------------------
+
+let inFlight = null;
+let timer = 0;
+
+function pollSoon() {
+  clearTimeout(timer);
+  if (inFlight) return; // the running poll schedules the next one
+  inFlight = poll().finally(() => {
+    inFlight = null;
+    timer = setTimeout(pollSoon, document.hidden ? HIDDEN_POLL_MS : POLL_MS);
+  });
+}
+
+async function poll() {
+  try {
+    const [jobs, status] = await Promise.all([api("/api/v1/jobs?limit=100"), api("/api/v1/status")]);
+    renderJobs(jobs.jobs || []);
+    renderStatus(status);
+    setConn("live", `live · ${new Date().toLocaleTimeString()}`);
+  } catch (err) {
+    setConn(err.status === 401 ? "token" : "error", err.status === 401 ? "API token needed" : `offline: ${err.message}`);
+  }
+}
+
+function setConn(state, text) {
+  const conn = $("#conn");
+  conn.dataset.state = state;
+  conn.textContent = text;
+}
+
+// ---- workers and queues -------------------------------------------------------------------------------------
+
+function renderStatus(status) {
+  const now = status.time || Date.now() / 1000; // the server's clock: "seen" never suffers from client skew
+  const workers = status.workers || [];
+  $("#workers tbody").replaceChildren(...workers.map((w) => {
+    const current = w.current
+      ? `${shortId(w.current.job_id)} #${w.current.track + 1} · ${w.current.stage} · ${ago(now - w.current.since)}`
+      : "";
+    const memory = w.gpu_total_bytes ? ` · ${gib(w.gpu_free_bytes)}/${gib(w.gpu_total_bytes)} GiB free` : "";
+    return el("tr", { "data-worker": w.name, "data-status": w.status },
+      el("td", null, w.name),
+      el("td", null, el("span", { class: `badge s-${w.status}` }, w.status)),
+      el("td", null, w.queue || ""),
+      el("td", null, `${w.device || ""}${memory}`, w.runtime_mode ? el("div", { class: "hint" }, w.runtime_mode) : null),
+      el("td", null, current),
+      el("td", null, w.last_seen ? `${ago(now - Number(w.last_seen))} ago` : ""));
+  }));
+  $("#workers-empty").hidden = workers.length > 0;
+  const queues = status.queues || [];
+  $("#queues").hidden = queues.length === 0;
+  $("#queues tbody").replaceChildren(...queues.map((q) => el("tr", { "data-queue": q.name },
+    el("td", null, q.name), el("td", null, q.waiting), el("td", null, q.outstanding),
+    el("td", null, Math.round(q.estimated_load || 0)))));
+  $("#unrouted").textContent = status.unrouted ? `${status.unrouted} track(s) waiting for a worker to start` : "";
+}
+
+// ---- jobs -------------------------------------------------------------------------------------------------
+
+const views = new Map(); // job_id -> {root, tracks: [{root, media}], blobUrls: []}
+
+function renderJobs(jobs) {
+  const list = $("#jobs");
+  const seen = new Set();
+  jobs.forEach((job, index) => {
+    seen.add(job.job_id);
+    let view = views.get(job.job_id);
+    if (!view) {
+      view = createJobView(job);
+      views.set(job.job_id, view);
+    }
+    updateJobView(view, job);
+    // Only move a node that is out of place: moving a playing <audio> pauses it.
+    if (list.children[index] !== view.root) list.insertBefore(view.root, list.children[index] || null);
+  });
+  for (const [id, view] of views) {
+    if (!seen.has(id)) dropView(id, view);
+  }
+  $("#jobs-empty").hidden = jobs.length > 0;
+}
+
+function dropView(id, view) {
+  view.root.remove();
+  view.blobUrls.forEach((url) => URL.revokeObjectURL(url));
+  views.delete(id);
+}
+
+function createJobView(job) {
+  const view = { root: null, tracks: [], blobUrls: [] };
+  view.cancel = el("button", { type: "button", class: "cancel", onclick: () => cancelJob(job.job_id, view) }, "Cancel");
+  view.state = el("span", { class: "badge" });
+  view.position = el("span", { class: "position" });
+  view.message = el("p", { class: "error" });
+  view.trackList = el("div", { class: "tracks" });
+  view.root = el("article", { class: "job", "data-job-id": job.job_id, "data-kind": job.kind },
+    el("header", null,
+      el("span", { class: "kind" }, job.kind), " ",
+      el("code", { title: job.job_id }, shortId(job.job_id)), " ", view.state, " ", view.position,
+      el("span", { class: "when" }, new Date(job.created_at * 1000).toLocaleTimeString()),
+      view.cancel),
+    el("p", { class: "summary" }, summary(job)),
+    view.message,
+    view.trackList);
+  return view;
+}
+
+function summary(job) {
+  const p = job.params || {};
+  if (job.kind === "lipsync") {
+    return [`${num(p.audio_duration_s)} s audio`, `${p.output_frames} frames at ${p.fps} fps`,
+      p.width ? `${p.width}×${p.height} video` : ""].filter(Boolean).join(" · ");
+  }
+  return [p.mode, p.tags, p.prompt, `${num(p.duration_s)} s`, `${job.num_tracks} track${job.num_tracks > 1 ? "s" : ""}`,
+    p.seed !== undefined ? `seed ${p.seed}` : ""].filter(Boolean).join(" · ");
+}
+
+function updateJobView(view, job) {
+  view.root.dataset.state = job.state;
+  view.state.className = `badge s-${job.state}`;
+  view.state.textContent = job.state;
+  view.position.textContent = job.state === "queued" && job.queue_position > 0 ? `#${job.queue_position} in queue` : "";
+  view.cancel.hidden = TERMINAL.has(job.state);
+  if (view.cancel.hidden) view.cancel.disabled = false;
+  job.tracks.forEach((track, index) => {
+    if (!view.tracks[index]) {
+      view.tracks[index] = createTrackView(job, index);
+      view.trackList.append(view.tracks[index].root);
+    }
+    updateTrackView(view, view.tracks[index], job, track);
+  });
+}
+
+function createTrackView(job, index) {
+  const tv = { media: null };
+  tv.state = el("span", { class: "badge" });
+  tv.info = el("span", { class: "info" });
+  tv.error = el("p", { class: "error" });
+  tv.stages = {};
+  const bars = (STAGES[job.kind] || []).map(([key, label]) => {
+    const fill = el("div", { class: "fill" });
+    const text = el("span", { class: "stage-text" });
+    tv.stages[key] = { root: null, fill, text };
+    tv.stages[key].root = el("div", { class: "stage", "data-stage": key, "data-status": "pending" },
+      el("div", { class: "stage-label" }, el("span", null, label), text),
+      el("div", { class: "bar", role: "progressbar", "aria-label": label, "aria-valuemin": 0, "aria-valuemax": 100 }, fill));
+    return tv.stages[key].root;
+  });
+  tv.mediaBox = el("div", { class: "media" });
+  const label = job.kind === "music" ? `Track ${index + 1}` : "Output";
+  tv.root = el("div", { class: "track", "data-track": index },
+    el("div", { class: "track-head" }, el("strong", null, label), " ", tv.state, " ", tv.info),
+    el("div", { class: "stages" }, bars), tv.error, tv.mediaBox);
+  return tv;
+}
+
+function updateTrackView(view, tv, job, track) {
+  tv.root.dataset.state = track.state;
+  tv.state.className = `badge s-${track.state}`;
+  tv.state.textContent = track.state;
+  const info = [];
+  if (track.state === "queued") {
+    info.push(track.queue ? `queue ${track.queue}` : "", track.queue_position ? `position ${track.queue_position}` : "");
+  }
+  info.push(track.detail && track.detail !== track.state ? track.detail : "", track.worker || "");
+  tv.info.textContent = info.filter(Boolean).join(" · ");
+  tv.error.textContent = track.error || "";
+
+  const stages = track.stages || {};
+  const keys = (STAGES[job.kind] || []).map(([key]) => key);
+  const reached = keys.indexOf(track.stage);
+  keys.forEach((key, i) => {
+    const bar = tv.stages[key];
+    const timing = stages[key] || {};
+    let status = "pending";
+    let fraction = 0;
+    if (timing.finished_at) {
+      status = "done";
+      fraction = 1;
+    } else if (i === reached && track.stage) {
+      // The stage the track is in (or stopped in): its own progress, coloured by how it ended.
+      status = TERMINAL.has(track.state) ? track.state : "running";
+      fraction = Math.max(0, Math.min(1, Number(track.progress) || 0));
+    }
+    bar.root.dataset.status = status;
+    bar.fill.style.width = `${(fraction * 100).toFixed(1)}%`;
+    bar.root.lastChild.setAttribute("aria-valuenow", Math.round(fraction * 100));
+    bar.text.textContent = status === "done" ? `${num(timing.duration_s)} s`
+      : status === "running" ? `${Math.round(fraction * 100)}%` : "";
+    bar.root.title = status === "running" && track.detail ? track.detail : status;
+  });
+
+  if (track.state === "done" && !tv.media) {
+    tv.media = true; // set at once: the next poll must not start a second download
+    showMedia(view, tv, job, track).catch((err) => { tv.error.textContent = `media: ${err.message}`; tv.media = null; });
+  }
+}
+
+function downloadsOf(job, track) {
+  if (track.downloads) return track.downloads;
+  // A record without `downloads`: the same URLs GET /api/v1/jobs/<id> would list.
+  const urls = {};
+  for (const name of track.artifacts || []) {
+    if (name === "output.mp4") urls.mp4 = `/api/v1/jobs/${job.job_id}/video.mp4`;
+    const match = /^track(\d+)\.(mp3|wav)$/.exec(name);
+    if (match) urls[match[2]] = `/api/v1/jobs/${job.job_id}/tracks/${match[1]}.${match[2]}`;
+  }
+  return urls;
+}
+
+async function blobUrl(view, url) {
+  // <audio src> and <a href> cannot send headers: with a token, fetch the file and hand over a blob: URL.
+  const reply = await fetch(url, { headers: authHeaders() });
+  if (!reply.ok) throw new Error(`${reply.status} ${reply.statusText}`);
+  const local = URL.createObjectURL(await reply.blob());
+  view.blobUrls.push(local);
+  return local;
+}
+
+async function showMedia(view, tv, job, track) {
+  const downloads = downloadsOf(job, track);
+  const formats = Object.keys(downloads);
+  if (!formats.length) return;
+  const playable = downloads.mp4 ? "mp4" : downloads.mp3 ? "mp3" : formats[0];
+  const player = playable === "mp4"
+    ? el("video", { controls: true, preload: "metadata", playsinline: true })
+    : el("audio", { controls: true, preload: "metadata" });
+  const playUrl = token() ? await blobUrl(view, downloads[playable]) : downloads[playable];
+  player.src = playUrl;
+  const base = `encore-${shortId(job.job_id)}-${job.kind === "music" ? `track${track.track}` : "lipsync"}`;
+  const links = formats.map((fmt) => {
+    const link = el("a", { href: fmt === playable ? playUrl : downloads[fmt], download: `${base}.${fmt}`,
+      "data-format": fmt }, `⬇ ${fmt}`);
+    // With a token, other formats (a WAV can be large) are fetched only when clicked.
+    if (token()) link.addEventListener("click", (event) => tokenDownload(event, view, link, downloads[fmt]));
+    return [link, " "];
+  });
+  tv.mediaBox.replaceChildren(player, el("span", { class: "downloads" }, links));
+}
+
+async function tokenDownload(event, view, link, url) {
+  if (link.href.startsWith("blob:")) return; // fetched already: let the browser save it
+  event.preventDefault();
+  try {
+    link.href = await blobUrl(view, url);
+    link.click();
+  } catch (err) {
+    link.title = `download failed: ${err.message}`;
+    link.classList.add("failed");
+  }
+}
+
+async function cancelJob(jobId, view) {
+  view.cancel.disabled = true;
+  view.message.textContent = "";
+  try {
+    const record = await api(`/api/v1/jobs/${encodeURIComponent(jobId)}`, { method: "DELETE" });
+    updateJobView(view, record);
+  } catch (err) {
+    view.message.textContent = `cancel failed: ${err.message}`;
+    view.cancel.disabled = false;
+  }
+  pollSoon();
+}
+
+// ---- forms ------------------------------------------------------------------------------------------------
+
+function numberField(form, name) {
+  const raw = form.elements[name].value.trim();
+  return raw === "" ? undefined : Number(raw); // a number, not a string: the API is strict about types
+}
+
+function musicBody(form) {
+  const body = { mode: form.elements.mode.value };
+  for (const name of ["tags", "prompt"]) {
+    const value = form.elements[name].value.trim();
+    if (value) body[name] = value;
+  }
+  if (body.mode === "vocal") body.lyrics = form.elements.lyrics.value;
+  for (const name of ["duration_s", "num_tracks", "seed", "temperature", "top_k"]) {
+    const value = numberField(form, name);
+    if (value !== undefined) body[name] = value;
+  }
+  return body;
+}
+
+function lipsyncBody(form) {
+  const data = new FormData();
+  for (const name of ["video", "audio"]) {
+    const file = form.elements[name].files[0];
+    if (file) data.append(name, file);
+  }
+  for (const name of ["fps", "extra_margin", "batch_size"]) {
+    const value = form.elements[name].value.trim();
+    if (value !== "") data.append(name, value);
+  }
+  return data;
+}
+
+async function submit(form, message, request) {
+  const button = form.querySelector("button[type=submit]");
+  button.disabled = true;
+  form.querySelectorAll("[aria-invalid]").forEach((input) => input.removeAttribute("aria-invalid"));
+  message.className = "msg";
+  message.textContent = "submitting…";
+  delete message.dataset.jobId;
+  try {
+    const reply = await request();
+    message.replaceChildren("Submitted job ", el("code", null, shortId(reply.job_id)),
+      reply.queue_position ? ` · #${reply.queue_position} in queue` : "", reply.note ? ` · ${reply.note}` : "");
+    message.dataset.jobId = reply.job_id;
+    pollSoon();
+  } catch (err) {
+    message.className = "msg error";
+    message.textContent = err.message;
+    const input = err.field && form.elements[err.field];
+    if (input && input.setAttribute) {
+      input.setAttribute("aria-invalid", "true");
+      input.focus();
+    }
+  } finally {
+    button.disabled = false;
+  }
+}
+
+function setUpForms() {
+  const music = $("#music-form");
+  const syncLyrics = () => { music.querySelector(".lyrics").hidden = music.elements.mode.value !== "vocal"; };
+  music.elements.mode.addEventListener("change", syncLyrics);
+  syncLyrics();
+  music.addEventListener("submit", (event) => {
+    event.preventDefault();
+    submit(music, $("#music-msg"), () => api("/api/v1/music", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(musicBody(music)),
+    }));
+  });
+
+  const lipsync = $("#lipsync-form");
+  lipsync.addEventListener("submit", (event) => {
+    event.preventDefault();
+    submit(lipsync, $("#lipsync-msg"), () => api("/api/v1/lipsync", { method: "POST", body: lipsyncBody(lipsync) }));
+  });
+
+  const tokenForm = $("#token-form");
+  const tokenInput = $("#token");
+  tokenInput.value = token();
+  const changed = (value) => {
+    setToken(value);
+    memoryToken = value;
+    // Players made with the old token (plain URLs or old blobs) are rebuilt by the next poll.
+    for (const [id, view] of views) dropView(id, view);
+    pollSoon();
+  };
+  tokenForm.addEventListener("submit", (event) => { event.preventDefault(); changed(tokenInput.value.trim()); });
+  $("#token-clear").addEventListener("click", () => { tokenInput.value = ""; changed(""); });
+}
+
+// ---- small formatting helpers --------------------------------------------------------------------------------
+
+function shortId(id) { return String(id || "").slice(0, 8); }
+function num(value) { return value === undefined || value === null ? "?" : String(Math.round(Number(value) * 10) / 10); }
+function gib(bytes) { return (Number(bytes || 0) / 2 ** 30).toFixed(1); }
+function ago(seconds) {
+  const s = Math.max(0, Math.round(Number(seconds) || 0));
+  return s < 120 ? `${s} s` : s < 7200 ? `${Math.round(s / 60)} min` : `${Math.round(s / 3600)} h`;
+}
+
+document.addEventListener("visibilitychange", () => { if (!document.hidden) pollSoon(); });
+setUpForms();
+pollSoon();

@@ -1,0 +1,151 @@
+"""`python -m app` as a real subprocess against a real stack (redis-server, one CPU worker, live HTTP server):
+submit music/lip-sync with --wait (progress, downloads, exit codes), status, jobs, cancel, HTTP errors, tokens."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import lipsync_media
+from tests.conftest import REPO, Stack, free_port, wait_until
+
+JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+TINY_MUSIC = ["submit", "music", "--mode", "instrumental", "--tags", "x", "--duration-s", "2", "--tracks", "1",
+              "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def stack(redis_base_url, tiny_models, tmp_path_factory):
+    """One stack and one worker for the whole module: starting a worker is the slow part."""
+    stack = Stack(redis_base_url, tiny_models, tmp_path_factory.mktemp("cli-stack"))
+    stack.start_worker(0)
+    yield stack
+    stack.close()
+
+
+def cli(stack: Stack, *args: str, cwd: Path = REPO, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """Run the CLI exactly as a user would; ENCORE_URL points at the stack unless overridden."""
+    environ = {k: v for k, v in os.environ.items() if k != "ENCORE_API_TOKEN"}
+    environ.update({"ENCORE_URL": stack.base_url, "PYTHONPATH": str(REPO), **env})
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ffprobe(path: Path) -> dict:
+    probe = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration:stream=codec_type",
+                            "-of", "json", str(path)], capture_output=True, text=True, check=True, timeout=30)
+    return json.loads(probe.stdout)
+
+
+def test_status_shows_the_idle_worker_and_its_queue(stack):
+    stack.wait_worker(0, "idle")
+    result = cli(stack, "status")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.strip()}
+    worker = next(row for name, row in rows.items() if name.startswith("gpu0@"))
+    assert worker[1:3] == ["idle", "gpu0"], result.stdout
+    assert worker[-1] == "-", result.stdout  # no current job/stage
+    assert "WORKERS" in result.stdout and "QUEUES" in result.stdout
+    assert rows["gpu0"][1:] == ["0", "0"], result.stdout  # queue row: nothing waiting or outstanding
+
+    raw = json.loads(cli(stack, "status", "--json").stdout)
+    assert [w["status"] for w in raw["workers"]] == ["idle"]
+
+
+def test_submit_music_wait_shows_bars_and_downloads_both_files(stack, tmp_path):
+    out = tmp_path / "music"
+    result = cli(stack, *TINY_MUSIC, "--wait", "--progress", "bars", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = result.stdout.splitlines()[0]
+    assert JOB_ID.match(job_id), result.stdout
+    assert result.stdout.splitlines()[1] == f"{stack.base_url}/api/v1/jobs/{job_id}"
+    assert f"job {job_id} done" in result.stdout
+    assert "track 0 done" in result.stderr and "100%" in result.stderr, result.stderr  # the tqdm bar ended full
+
+    assert sorted(p.name for p in out.iterdir()) == ["track0.mp3", "track0.wav"]
+    assert (out / "track0.wav").read_bytes() == stack.client.get(f"/api/v1/jobs/{job_id}/tracks/0.wav").data
+    probe = ffprobe(out / "track0.mp3")
+    assert [s["codec_type"] for s in probe["streams"]] == ["audio"]
+    assert abs(float(probe["format"]["duration"]) - 2.0) < 0.15
+
+    status = cli(stack, "status").stdout  # the child reported its device while it ran the job
+    assert re.search(r"^gpu0@\S+\s+idle\s+gpu0\s+cpu\s", status, re.M), status
+
+    listing = cli(stack, "jobs")
+    assert listing.returncode == 0, listing.stderr
+    row = next(line.split() for line in listing.stdout.splitlines() if line.startswith(job_id))
+    assert row[1:4] == ["music", "done", "1"], listing.stdout
+
+
+def test_submit_lipsync_wait_downloads_the_video_into_the_default_folder(stack, tmp_path):
+    video = lipsync_media.face_video(tmp_path / "face.mp4", seconds=3.2)
+    audio = lipsync_media.tone(tmp_path / "tone.wav", seconds=1.0)
+    result = cli(stack, "submit", "lipsync", str(video), str(audio), "--fps", "10", "--batch-size", "4", "--wait",
+                 cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = result.stdout.splitlines()[0]
+    assert "track 0 done" in result.stderr, result.stderr  # plain progress lines when stderr is not a terminal
+    assert "\r" not in result.stderr
+
+    output = tmp_path / f"encore-{job_id[:8]}" / "lipsync.mp4"
+    assert output.stat().st_size > 0
+    probe = ffprobe(output)
+    assert sorted(s["codec_type"] for s in probe["streams"]) == ["audio", "video"]
+    assert abs(float(probe["format"]["duration"]) - 1.0) < 0.3
+
+
+def test_cancel_a_running_long_job(stack):
+    stack.wait_worker(0, "idle")
+    submitted = cli(stack, "submit", "music", "--mode", "instrumental", "--tags", "x", "--duration-s", "60",
+                    "--tracks", "1")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id, status_url = submitted.stdout.splitlines()[:2]
+    assert JOB_ID.match(job_id) and status_url.endswith(f"/api/v1/jobs/{job_id}")
+    wait_until(lambda: stack.job(job_id)["state"] == "running", 60, 0.1, "the long job to start")
+
+    result = cli(stack, "cancel", job_id, "--wait")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"job {job_id} canceled" in result.stdout
+    assert stack.job(job_id)["tracks"][0]["state"] == "canceled"
+    stack.wait_worker(0, "idle", timeout=30)
+
+
+def test_http_and_usage_errors_exit_2_with_the_servers_message(stack, tmp_path):
+    bad = cli(stack, *TINY_MUSIC, "--temperature", "9")
+    assert bad.returncode == 2 and "temperature" in bad.stderr, bad.stderr
+    assert bad.stdout == ""
+    vocal = cli(stack, "submit", "music", "--tags", "x", "--duration-s", "2")
+    assert vocal.returncode == 2 and "lyrics: required in vocal mode" in vocal.stderr, vocal.stderr
+
+    missing = cli(stack, "cancel", "0" * 32)
+    assert missing.returncode == 2 and "not found" in missing.stderr and "404" in missing.stderr
+    no_file = cli(stack, "submit", "lipsync", str(tmp_path / "none.mp4"), str(tmp_path / "none.wav"))
+    assert no_file.returncode == 2 and "video: no such file" in no_file.stderr
+    unreachable = cli(stack, "status", ENCORE_URL=f"http://127.0.0.1:{free_port()}")
+    assert unreachable.returncode == 2 and "cannot reach Encore" in unreachable.stderr
+    # --url wins over ENCORE_URL, before or after the subcommand.
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert cli(stack, "status", "--url", stack.base_url, ENCORE_URL=dead).returncode == 0
+    assert cli(stack, "--url", stack.base_url, "status", ENCORE_URL=dead).returncode == 0
+
+
+def test_token_from_flag_or_env_and_401_without_it(make_stack):
+    secured = make_stack(API_TOKEN="s3cret")  # no worker needed: submitted jobs just wait
+    missing = cli(secured, "status")
+    assert missing.returncode == 2 and "authorization" in missing.stderr and "401" in missing.stderr
+    wrong = cli(secured, "status", "--token", "nope")
+    assert wrong.returncode == 2 and "authorization" in wrong.stderr
+    assert cli(secured, "status", "--token", "s3cret").returncode == 0
+
+    submitted = cli(secured, *TINY_MUSIC, ENCORE_API_TOKEN="s3cret")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.splitlines()[0]
+    record = secured.client.get(f"/api/v1/jobs/{job_id}", headers={"Authorization": "Bearer s3cret"}).get_json()
+    assert record["tracks"][0]["state"] == "queued", record
+    canceled = cli(secured, "cancel", job_id, "--token", "s3cret")
+    assert canceled.returncode == 0 and f"job {job_id} canceled" in canceled.stdout, canceled.stderr

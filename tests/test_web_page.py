@@ -1,0 +1,261 @@
+"""The operator/user page (app/static) in real headless Chromium: Debian's chromium + chromedriver, driven by
+selenium, against a live HTTP server of the app, a real worker and the tiny models. It submits a music job from
+the form, watches the stages reach done, checks that the <audio> element's source is a playable file, cancels a
+running job from its button, and works against a server that requires an API token.
+Needs scripts/install_browser.sh (scripts/test.sh runs it): without the browser the tests fail."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import requests
+
+from tests.conftest import REPO, wait_until
+from tests.lipsync_media import face_video, tone
+
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", "--window-size=1280,1000", "--autoplay-policy=no-user-gesture-required")
+RUNNING_STATES = {"backbone", "superres", "decoding", "exporting"}
+TERMINAL_STATES = {"done", "failed", "canceled", "partial"}
+
+
+@pytest.fixture
+def browser(tmp_path):
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        webdriver = None
+    missing = [name for name, found in (("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER),
+                                        ("selenium", webdriver)) if not found]
+    if missing:  # scripts/test.sh installs them: a missing browser is a broken set-up, never a skip
+        pytest.fail(f"{', '.join(missing)} missing: run scripts/install_browser.sh and scripts/setup.sh")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM  # both paths given: Selenium Manager never tries to download anything
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log")),
+                              options=options)
+    driver.set_page_load_timeout(30)
+    driver.set_script_timeout(30)
+    yield driver
+    driver.quit()
+
+
+# ---- page helpers ---------------------------------------------------------------------------------------------
+
+def css(driver, selector: str):
+    from selenium.webdriver.common.by import By
+    return driver.find_elements(By.CSS_SELECTOR, selector)
+
+
+def job_selector(job_id: str) -> str:
+    return f'article[data-job-id="{job_id}"]'
+
+
+def page_state(driver, job_id: str, what: str = "job") -> str | None:
+    """The state the page shows for the job (its article) or its first track."""
+    nodes = css(driver, job_selector(job_id) + (" .track" if what == "track" else ""))
+    return nodes[0].get_attribute("data-state") if nodes else None
+
+
+def submit_music(driver, **fields: str) -> str:
+    """Fill the music form like a person would, press the button, return the job id the page reports."""
+    from selenium.webdriver.support.ui import Select
+    form = css(driver, "#music-form")[0]
+    Select(css(form, "[name=mode]")[0]).select_by_value(fields.pop("mode"))
+    css(form, "summary")[0].click()  # open "Sampling" so the seed field can be typed into
+    for name, value in fields.items():
+        field = css(form, f"[name={name}]")[0]
+        field.clear()
+        field.send_keys(value)
+    css(form, "button[type=submit]")[0].click()
+
+    def reported():
+        message = css(driver, "#music-msg")[0]
+        if "error" in (message.get_attribute("class") or ""):
+            raise AssertionError(f"the page reported an error: {message.text}")
+        return message.get_attribute("data-job-id")
+    return wait_until(reported, 15, 0.1, "the page to report the submitted job")
+
+
+def wait_page_state(driver, job_id: str, states: set[str], timeout: float, what: str = "job",
+                    seen: set[str] | None = None) -> str:
+    def check():
+        state = page_state(driver, job_id, what)
+        if seen is not None and state:
+            seen.add(state)
+            seen.update(b.get_attribute("data-status") for b in css(driver, job_selector(job_id) + " .stage"))
+        return state if state in states else None
+    return wait_until(check, timeout, 0.1, f"the page to show {what} {job_id} in {sorted(states)}")
+
+
+def media_metadata(driver, element) -> dict:
+    """Let Chromium itself load the element's source: duration and error code once metadata is in."""
+    return driver.execute_async_script("""
+        const [media, done] = arguments;
+        const report = () => done({duration: media.duration, error: media.error && media.error.code});
+        if (media.readyState >= 1 || media.error) report();
+        else { media.addEventListener('loadedmetadata', report); media.addEventListener('error', report); }
+    """, element)
+
+
+def console_errors(driver, ignore: str | None = None) -> list[str]:
+    return [entry["message"] for entry in driver.get_log("browser")
+            if entry["level"] == "SEVERE" and not (ignore and ignore in entry["message"])]
+
+
+def ffprobe_duration(data: bytes, path) -> float:
+    path.write_bytes(data)
+    probe = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0", str(path)],
+                           capture_output=True, text=True, check=True, timeout=30)
+    return float(probe.stdout.strip())
+
+
+# ---- tests ----------------------------------------------------------------------------------------------------
+
+def test_page_submits_music_job_shows_progress_and_plays_it(make_stack, browser, tmp_path):
+    stack = make_stack()
+    stack.start_worker(0)
+    browser.get(stack.base_url + "/")
+    wait_until(lambda: css(browser, "#workers tr[data-status=idle]"), 15, 0.1, "the page to list the idle worker")
+
+    tags = 'lo-fi <i>piano</i> & "keys"'  # user text with markup: the page must show it, not parse it
+    job_id = submit_music(browser, mode="vocal", tags=tags, lyrics="[verse]\nla la la\nna na",
+                          duration_s="2", num_tracks="1", seed="5")
+    params = stack.job(job_id)["params"]
+    assert (params["tags"], params["duration_s"], params["num_tracks"], params["seed"]) == (tags, 2.0, 1, 5)
+    assert params["mode"] == "vocal" and "la la la" in params["lyrics"]
+
+    seen: set[str] = set()
+    final = wait_page_state(browser, job_id, TERMINAL_STATES, 180, "track", seen)
+    assert final == "done", stack.job(job_id)
+    # The page showed the job live before it finished: a stage state and a bar that was running.
+    assert seen & RUNNING_STATES and "running" in seen, seen
+    assert page_state(browser, job_id) == "done"
+
+    article = css(browser, job_selector(job_id))[0]
+    bars = [(b.get_attribute("data-stage"), b.get_attribute("data-status")) for b in css(article, ".stage")]
+    assert bars == [("backbone", "done"), ("superres", "done"), ("decode", "done"), ("export", "done")]
+    assert tags in css(article, ".summary")[0].text and not css(article, ".summary i")
+    assert not css(article, ".cancel")[0].is_displayed()
+
+    audio = wait_until(lambda: css(article, "audio"), 15, 0.1, "the audio player")[0]
+    src = audio.get_attribute("src")
+    assert src == f"{stack.base_url}/api/v1/jobs/{job_id}/tracks/0.mp3"
+    meta = media_metadata(browser, audio)
+    assert meta["error"] is None and 1.5 < meta["duration"] < 3.0, meta
+    reply = requests.get(src, timeout=10)
+    assert reply.status_code == 200 and reply.headers["Content-Type"] == "audio/mpeg"
+    assert abs(ffprobe_duration(reply.content, tmp_path / "page.mp3") - 2.0) < 0.3
+
+    links = {a.get_attribute("data-format"): a for a in css(article, ".downloads a")}
+    assert set(links) == {"mp3", "wav"}
+    assert links["wav"].get_attribute("download").endswith("track0.wav")
+    wav = requests.get(links["wav"].get_attribute("href"), timeout=10)
+    assert wav.status_code == 200 and wav.content[:4] == b"RIFF"
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "web_page.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    assert console_errors(browser) == []
+
+
+def test_cancel_button_cancels_a_running_job(make_stack, browser):
+    stack = make_stack()
+    stack.start_worker(0)
+    browser.get(stack.base_url + "/")
+    job_id = submit_music(browser, mode="instrumental", tags="ambient, drone", duration_s="60", num_tracks="1")
+    wait_page_state(browser, job_id, RUNNING_STATES, 90, "track")
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "web_page_running.png"))
+
+    css(browser, job_selector(job_id) + " .cancel")[0].click()
+    wait_page_state(browser, job_id, {"canceled"}, 30)
+    record = stack.job(job_id)
+    assert record["state"] == "canceled" and record["tracks"][0]["state"] == "canceled", record
+    article = css(browser, job_selector(job_id))[0]
+    assert page_state(browser, job_id, "track") == "canceled"
+    assert "canceled" in [b.get_attribute("data-status") for b in css(article, ".stage")]
+    assert not css(article, ".cancel")[0].is_displayed() and not css(article, "audio")
+    # The worker dropped the stage: the page shows it idle again.
+    wait_until(lambda: css(browser, "#workers tr[data-status=idle]"), 30, 0.1, "the worker to show idle")
+    assert console_errors(browser) == []
+
+
+def test_page_submits_lipsync_uploads_and_plays_the_video(make_stack, browser, tmp_path):
+    stack = make_stack()
+    stack.start_worker(0)
+    video = face_video(tmp_path / "face.mp4", 3.2, 25)
+    audio = tone(tmp_path / "speech.wav", 1.0)
+    browser.get(stack.base_url + "/")
+    form = css(browser, "#lipsync-form")[0]
+    css(form, "[name=video]")[0].send_keys(str(video))  # a file input takes a local path: a real upload
+    css(form, "[name=audio]")[0].send_keys(str(audio))
+    css(form, "summary")[0].click()
+    css(form, "[name=fps]")[0].send_keys("10")
+    css(form, "button[type=submit]")[0].click()
+    job_id = wait_until(lambda: css(browser, "#lipsync-msg")[0].get_attribute("data-job-id"), 30, 0.1,
+                        "the page to report the lip-sync job")
+    assert stack.job(job_id)["params"]["output_frames"] == 10  # 1 s of audio at the 10 fps typed in
+
+    assert wait_page_state(browser, job_id, TERMINAL_STATES, 180, "track") == "done", stack.job(job_id)
+    article = css(browser, job_selector(job_id))[0]
+    assert [b.get_attribute("data-stage") for b in css(article, ".stage")] == ["prepare", "lipsync", "mux"]
+    player = wait_until(lambda: css(article, "video"), 15, 0.1, "the video player")[0]
+    assert player.get_attribute("src") == f"{stack.base_url}/api/v1/jobs/{job_id}/video.mp4"
+    meta = media_metadata(browser, player)
+    assert meta["error"] is None and 0.8 < meta["duration"] < 1.3, meta
+    assert [a.get_attribute("data-format") for a in css(article, ".downloads a")] == ["mp4"]
+    assert console_errors(browser) == []
+
+
+def test_page_with_api_token(make_stack, browser):
+    token = "s3cret-page-token"
+    stack = make_stack(API_TOKEN=token)
+    stack.start_worker(0, wait=False)  # Stack.wait_worker asks /api/v1/status without a token
+    auth = {"Authorization": f"Bearer {token}"}
+
+    def worker_idle():
+        workers = requests.get(f"{stack.base_url}/api/v1/status", headers=auth, timeout=5).json()["workers"]
+        return any(w["status"] == "idle" for w in workers)
+    wait_until(worker_idle, 90, 0.2, "worker gpu0 idle")
+
+    browser.get(stack.base_url + "/")
+    wait_until(lambda: css(browser, "#token-needed")[0].is_displayed(), 15, 0.1, "the page to ask for a token")
+    assert css(browser, "#conn")[0].get_attribute("data-state") == "token"
+    assert not css(browser, "#workers tr")[1:]  # header row only: nothing was readable without the token
+
+    css(browser, "#token")[0].send_keys(token)
+    css(browser, "#token-form button[type=submit]")[0].click()
+    wait_until(lambda: css(browser, "#workers tr[data-status=idle]"), 15, 0.1, "the worker listed with the token")
+    assert not css(browser, "#token-needed")[0].is_displayed()
+    assert browser.execute_script("return localStorage.getItem('encore.apiToken')") == token
+
+    job_id = submit_music(browser, mode="instrumental", tags="jazz", duration_s="2", num_tracks="1")
+    assert wait_page_state(browser, job_id, TERMINAL_STATES, 180, "track") == "done"
+
+    # A reload keeps the token; the player gets the file through fetch + Authorization, as a blob: URL.
+    browser.refresh()
+    article_audio = job_selector(job_id) + " audio"
+    audio = wait_until(lambda: css(browser, article_audio), 15, 0.1, "the audio player after a reload")[0]
+    assert audio.get_attribute("src").startswith("blob:")
+    meta = media_metadata(browser, audio)
+    assert meta["error"] is None and 1.5 < meta["duration"] < 3.0, meta
+    plain = requests.get(f"{stack.base_url}/api/v1/jobs/{job_id}/tracks/0.mp3", timeout=10)
+    assert plain.status_code == 401  # why the page cannot hand the plain URL to <audio>
+
+    # Other formats are fetched with the token only when their link is clicked.
+    wav = css(browser, job_selector(job_id) + " .downloads a[data-format=wav]")[0]
+    assert wav.get_attribute("href").endswith("/tracks/0.wav")
+    wav.click()
+    wait_until(lambda: wav.get_attribute("href").startswith("blob:"), 15, 0.1, "the WAV fetched with the token")
+    assert console_errors(browser, ignore="401") == []
