@@ -14,6 +14,7 @@ import uuid
 
 from celery import Celery, chain
 
+from app.joblog import job_event
 from app.kinds import KINDS, QUEUED, JobKind
 from app.services import Services
 
@@ -70,7 +71,7 @@ def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue:
     workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue)
     svc.jobs.assign_queue(job_id, track, queue, task_ids, float(record["cost"]))
     workflow.apply_async()
-    log.info("job=%s track=%d event=routed queue=%s", job_id, track, queue)
+    job_event(log, "routed", job_id, track=track, queue=queue)
 
 
 def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> None:
@@ -80,6 +81,7 @@ def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> No
         if queue is None:
             svc.redis.rpush(_unrouted_key(svc), f"{job_id}:{track}")
             svc.jobs.update(job_id, track, detail="waiting for a worker")
+            job_event(log, "parked", job_id, track=track, reason="no live worker")
         else:
             enqueue_track(svc, celery, job_id, track, queue)
 

@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from app.celery_app import make_celery
 from app.config import Settings, load_settings
+from app.joblog import job_event
 from app.metrics import count_submission, make_registry
 from app.openapi import build_spec, documented
 from app.pipeline.lyrics import clean_lyrics
@@ -111,8 +112,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
         job_id = svc.jobs.create("music", params, tracks, cost=float(req.duration_s))
         count_submission(svc, "music")
-        log.info("job=%s event=submitted kind=music tracks=%d duration_s=%g",
-                 job_id, req.num_tracks, req.duration_s)
+        job_event(log, "submitted", job_id, kind="music", tracks=req.num_tracks, duration_s=req.duration_s)
         route_job(svc, celery_app, job_id, req.num_tracks)
         return _accepted(svc, job_id)
 
@@ -134,8 +134,8 @@ def create_app(settings: Settings | None = None) -> Flask:
                 svc.artifacts.put(job_id, path.name, path, settings.job_ttl_s)
         finally:
             upload.discard()
-        log.info("job=%s event=submitted kind=lipsync frames=%d audio_s=%.2f", job_id,
-                 upload.params["output_frames"], upload.params["audio_duration_s"])
+        job_event(log, "submitted", job_id, kind="lipsync", frames=upload.params["output_frames"],
+                  audio_s=round(upload.params["audio_duration_s"], 3))
         route_job(svc, celery_app, job_id, 1)
         return _accepted(svc, job_id)
 
@@ -169,7 +169,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         task_ids = svc.jobs.request_cancel(job_id)
         if task_ids:
             celery_app.control.revoke(task_ids)
-        log.info("job=%s event=cancel_requested", job_id)
+        job_event(log, "cancel_requested", job_id)
         return jsonify(_public(svc.jobs.record(job_id)))
 
     @app.get("/api/v1/jobs/<job_id>/tracks/<file_name>")

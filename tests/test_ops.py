@@ -1,6 +1,8 @@
 """Operator surfaces: bearer-token auth on /api/*, Prometheus metrics after a real job."""
 from __future__ import annotations
 
+import logging
+
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -28,10 +30,22 @@ def test_api_token_guards_api_routes_only(make_stack):
     assert client.get("/metrics").status_code == 200
 
 
-def test_metrics_after_a_job(make_stack):
+def test_metrics_and_job_event_logs_after_a_job(make_stack, caplog):
+    caplog.set_level(logging.INFO, logger="encore")
     stack = make_stack()
     stack.start_worker(0)
-    assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
+    job_id = stack.submit_music(duration_s=2.0)
+    assert stack.wait_job(job_id)["state"] == "done"
+    web_lines = [r.getMessage() for r in caplog.records if f"job={job_id}" in r.getMessage()]
+    assert any("event=submitted" in line and "kind=music" in line for line in web_lines), web_lines
+    assert any("track=0 queue=gpu0" in line and "event=routed" in line for line in web_lines), web_lines
+    worker_lines = [line for line in stack.worker_log(0).splitlines() if f"job={job_id}" in line]
+    for stage in ("backbone", "superres", "decode", "export"):
+        assert any(f"track=0 queue=gpu0 worker=gpu0@" in line and "event=stage_started" in line
+                   and f"stage={stage}" in line for line in worker_lines), stage
+        assert any("event=stage_finished" in line and f"stage={stage}" in line and "duration_s=" in line
+                   for line in worker_lines), stage
+    assert any("event=track_done" in line for line in worker_lines)
     reply = stack.client.get("/metrics")
     assert reply.status_code == 200 and reply.mimetype == "text/plain"
     samples = _samples(reply.get_data(as_text=True))

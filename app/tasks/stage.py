@@ -25,6 +25,7 @@ from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from app.celery_app import celery
+from app.joblog import job_event
 from app.kinds import CANCELED, DONE, JobKind, Stage
 from app.metrics import observe_stage
 from app.pipeline.control import Canceled, StageControl
@@ -143,7 +144,7 @@ class CancelWatch:
         self.canceled.set()
         if self._done.wait(self.grace_s):
             return
-        log.error("job=%s track=%d event=cancel_hard_kill pid=%d", self.job_id, self.track, os.getpid())
+        job_event(log, "cancel_hard_kill", self.job_id, track=self.track, level=logging.ERROR, pid=os.getpid())
         self.svc.jobs.finish(self.job_id, self.track, CANCELED, detail="canceled (stage stopped by force)")
         drop_scratch(self.svc, self.job_id, self.track)
         os._exit(75)  # the prefork master replaces this child; the redelivered message sees 'canceled'
@@ -169,8 +170,8 @@ class StageTask(Task):
         svc.jobs.update(job_id, track, state=self.stage.state, stage=self.stage.name, running="1",
                         worker=worker, progress=0.0, detail="starting", stages=stages)
         svc.workers.set_current(worker, job_id, track, self.stage.name)
-        log.info("job=%s track=%d queue=%s worker=%s event=stage_started stage=%s",
-                 job_id, track, record["queue"], worker, self.stage.name)
+        job_event(log, "stage_started", job_id, track=track, queue=record["queue"], worker=worker,
+                  stage=self.stage.name, attempt=record["attempts"])
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"encore-{job_id[:8]}-{self.stage.name}-"))
         succeeded = False
@@ -184,7 +185,7 @@ class StageTask(Task):
         except Canceled:
             svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
             drop_scratch(svc, job_id, track)
-            log.info("job=%s track=%d worker=%s event=canceled stage=%s", job_id, track, worker, self.stage.name)
+            job_event(log, "canceled", job_id, track=track, queue=record["queue"], worker=worker, stage=self.stage.name)
             raise Ignore()
         except SoftTimeLimitExceeded:
             soft, _ = svc.settings.time_limits.get(self.stage.name, (None, 0))
@@ -228,18 +229,26 @@ class StageTask(Task):
         if following is None:
             svc.jobs.finish(run.job_id, run.track, DONE, stages=stages, progress=1.0, detail="done", running="0")
             drop_scratch(svc, run.job_id, run.track)
+            job_event(log, "track_done", run.job_id, track=run.track, queue=self._queue(svc, run.job_id, run.track),
+                      worker=worker)
         else:
             svc.jobs.update(run.job_id, run.track, stages=stages, state=following.state, stage=following.name,
                             progress=0.0, detail="waiting for the worker", running="0")
         observe_stage(svc, self.kind.name, self.stage.name, seconds)
-        log.info("job=%s track=%d worker=%s event=stage_finished stage=%s duration_s=%.3f loaded=%s",
-                 run.job_id, run.track, worker, self.stage.name, seconds, ",".join(run.loaded) or "-")
+        job_event(log, "stage_finished", run.job_id, track=run.track, queue=self._queue(svc, run.job_id, run.track),
+                  worker=worker, stage=self.stage.name, duration_s=f"{seconds:.3f}",
+                  loaded=",".join(run.loaded) or "-")
 
     def _fail(self, svc: Services, job_id: str, track: int, worker: str, message: str) -> None:
         svc.jobs.fail(job_id, track, message)
         drop_scratch(svc, job_id, track)
-        log.error("job=%s track=%d worker=%s event=failed stage=%s error=%s",
-                  job_id, track, worker, self.stage.name, message)
+        job_event(log, "failed", job_id, track=track, queue=self._queue(svc, job_id, track), worker=worker,
+                  level=logging.ERROR, stage=self.stage.name, error=repr(message))
+
+    @staticmethod
+    def _queue(svc: Services, job_id: str, track: int) -> str:
+        record = svc.jobs.track(job_id, track)
+        return record["queue"] if record else ""
 
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
         """Also runs in the worker's master when a hard time limit killed the child."""
