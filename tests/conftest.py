@@ -53,12 +53,13 @@ def redis_server_binary() -> str:
 
 @pytest.fixture(scope="session")
 def redis_base_url(tmp_path_factory) -> str:
-    """A private redis-server (32 databases) for the whole test session."""
+    """A private redis-server for the whole test session: one database per Stack (1..499), 500+ for unit
+    tests that talk to Redis directly."""
     port = free_port()
     data = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(data), "--databases", "64"],
+         "--dir", str(data), "--databases", "512"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = redis.Redis(port=port)
 
@@ -88,6 +89,7 @@ class Stack:
 
     def __init__(self, redis_base_url: str, models: Path, root: Path, **env: str):
         self.db = next(_databases)
+        assert self.db < 500, "out of Redis databases for test stacks (500+ are reserved for unit tests)"
         self.redis_url = f"{redis_base_url}/{self.db}"
         self.root = root
         self.env = {

@@ -11,7 +11,7 @@ from app.services import build_services
 
 @pytest.fixture
 def svc(redis_base_url, tmp_path):
-    settings = Settings(redis_url=f"{redis_base_url}/61", artifact_dir=tmp_path)
+    settings = Settings(redis_url=f"{redis_base_url}/511", artifact_dir=tmp_path)
     services = build_services(settings)
     services.redis.flushdb()
     return services

@@ -13,7 +13,7 @@ from tests.conftest import wait_until
 
 @pytest.fixture
 def client(redis_base_url):
-    text = redis.Redis.from_url(f"{redis_base_url}/60", decode_responses=True)
+    text = redis.Redis.from_url(f"{redis_base_url}/510", decode_responses=True)
     text.flushdb()
     yield text
     text.flushdb()
@@ -21,7 +21,7 @@ def client(redis_base_url):
 
 @pytest.fixture
 def binary(redis_base_url):
-    return redis.Redis.from_url(f"{redis_base_url}/60")
+    return redis.Redis.from_url(f"{redis_base_url}/510")
 
 
 def test_terminal_track_refuses_late_writes(client):
