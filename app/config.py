@@ -63,6 +63,9 @@ class Settings:
     ffmpeg_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_FFMPEG_TIMEOUT_S", "600")))
     api_tokens: tuple[str, ...] = field(default_factory=lambda: tuple(
         t.strip() for t in _env("API_TOKEN", "").split(",") if t.strip()))
+    compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))
+    tags_file: Path | None = field(default_factory=lambda: Path(os.environ["ENCORE_TAGS_FILE"])
+                                   if os.environ.get("ENCORE_TAGS_FILE") else None)
     log_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_LOG_DIR", "logs")).resolve())
 
     def __post_init__(self) -> None:

@@ -7,26 +7,25 @@ from __future__ import annotations
 import hmac
 import logging
 import re
-import secrets
 import time
 from typing import Any
 
 import redis
 from flask import Flask, Response, jsonify, request, send_file
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
 from app.celery_app import make_celery
 from app.config import Settings, load_settings
 from app.joblog import job_event
+from app.khala_api import make_blueprint
 from app.metrics import count_submission, make_registry
 from app.openapi import build_spec, documented
-from app.pipeline.lyrics import clean_lyrics
 from app.pipeline.profiles import load_lipsync_profile, load_profile
 from app.routing import queue_loads, route_job
-from app.schemas import Accepted, ErrorReply, MusicRequest, describe_validation_error
+from app.schemas import Accepted, ErrorReply, MusicRequest
 from app.services import Services, build_services
+from app.submissions import RequestError, submit_music as submit_music_job, validate_music
 from app.uploads import LipsyncForm, UploadError, receive_lipsync
 
 log = logging.getLogger("encore.web")
@@ -65,6 +64,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = int((settings.max_video_mb + settings.max_audio_mb + 1) * 2**20)
     _register_errors(app)
     _require_token(app, settings.api_tokens)
+    _register_khala_contract(app, svc, celery_app, settings, profile)
     registry = make_registry(svc)
 
     @app.get("/metrics")
@@ -94,26 +94,11 @@ def create_app(settings: Settings | None = None) -> Flask:
         body = request.get_json(silent=True)
         if not isinstance(body, dict):
             return error(400, "body: expected a JSON object (Content-Type: application/json)", "body")
-        limits = {"min_duration_s": profile.min_duration_s, "max_duration_s": profile.max_duration_s,
-                  "default_duration_s": profile.default_duration_s, "max_tracks": settings.max_tracks,
-                  "max_lyrics_chars": settings.max_lyrics_chars, "max_text_chars": settings.max_text_chars}
         try:
-            req = MusicRequest.model_validate(body, context=limits)
-        except ValidationError as exc:
-            field, message = describe_validation_error(exc)
-            return error(400, f"{field}: {message}", field)
-        seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - req.num_tracks)
-        params = {
-            "mode": req.mode, "tags": req.tags or "", "prompt": req.prompt or "",
-            "lyrics": clean_lyrics(req.lyrics) if req.mode == "vocal" and req.lyrics else "",
-            "duration_s": req.duration_s, "num_tracks": req.num_tracks, "seed": seed,
-            "temperature": req.temperature, "top_k": req.top_k, "profile": profile.name,
-        }
-        tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
-        job_id = svc.jobs.create("music", params, tracks, cost=float(req.duration_s))
-        count_submission(svc, "music")
-        job_event(log, "submitted", job_id, kind="music", tracks=req.num_tracks, duration_s=req.duration_s)
-        route_job(svc, celery_app, job_id, req.num_tracks)
+            req = validate_music(body, settings, profile)
+        except RequestError as exc:
+            return error(400, str(exc), exc.field)
+        job_id = submit_music_job(svc, celery_app, req, profile)
         return _accepted(svc, job_id)
 
     @app.post("/api/v1/lipsync")
@@ -270,15 +255,33 @@ def _broker_depth(svc: Services, queue: str) -> int:
     return sum(svc.redis.llen(queue if p == 0 else f"{queue}:{p}") for p in range(10))
 
 
+PUBLIC_ENDPOINTS = {"index", "static", "healthz", "metrics"}
+
+
+def _register_khala_contract(app: Flask, svc: Services, celery_app, settings: Settings, profile) -> None:
+    """The reference backend's routes, at ENCORE_COMPAT_PREFIX (none by default) and under /api."""
+    def submit(req):
+        return submit_music_job(svc, celery_app, req, profile, api="khala")
+
+    def validate(body):
+        return validate_music(body, settings, profile)
+
+    for name, prefix in (("khala", settings.compat_prefix), ("khala_api", "/api")):
+        if name == "khala_api" and prefix == settings.compat_prefix:
+            continue
+        app.register_blueprint(make_blueprint(name, svc, submit, validate, settings.tags_file),
+                               url_prefix=prefix or None)
+
+
 def _require_token(app: Flask, tokens: tuple[str, ...]) -> None:
-    """With API_TOKEN set, every /api/* route needs `Authorization: Bearer <token>` (health and metrics
-    live outside /api and stay open for probes and Prometheus)."""
+    """With API_TOKEN set, every route but the page, health and metrics (open for probes and Prometheus)
+    needs `Authorization: Bearer <token>`: the native /api/v1 routes and the Khala-compatible ones."""
     if not tokens:
         return
 
     @app.before_request
     def check_token():
-        if not request.path.startswith("/api/"):
+        if request.endpoint in PUBLIC_ENDPOINTS:
             return None
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip(), t) for t in tokens):

@@ -41,7 +41,7 @@ def test_metrics_and_job_event_logs_after_a_job(make_stack, caplog):
     assert any("track=0 queue=gpu0" in line and "event=routed" in line for line in web_lines), web_lines
     worker_lines = [line for line in stack.worker_log(0).splitlines() if f"job={job_id}" in line]
     for stage in ("backbone", "superres", "decode", "export"):
-        assert any(f"track=0 queue=gpu0 worker=gpu0@" in line and "event=stage_started" in line
+        assert any("track=0 queue=gpu0 worker=gpu0@" in line and "event=stage_started" in line
                    and f"stage={stage}" in line for line in worker_lines), stage
         assert any("event=stage_finished" in line and f"stage={stage}" in line and "duration_s=" in line
                    for line in worker_lines), stage

@@ -1,7 +1,6 @@
 """Job records and the artifact store against a real redis-server."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import redis

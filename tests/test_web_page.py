@@ -5,7 +5,6 @@ running job from its button, and works against a server that requires an API tok
 Needs scripts/install_browser.sh (scripts/test.sh runs it): without the browser the tests fail."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 

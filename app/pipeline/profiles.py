@@ -115,7 +115,7 @@ def _tiny(model_dir: Path) -> MusicProfile:
         superres=transformer(text_vocab + NUM_CODEBOOKS * codebook_size),
         codec=CodecSpec(codebook_size=codebook_size, codebook_dim=16, decoder_channels=32,
                         chunk_frames=64, overlap_frames=16),
-        model_dir=model_dir, min_duration_s=1.0, max_duration_s=120.0, default_duration_s=5.0,
+        model_dir=model_dir, min_duration_s=1.0, max_duration_s=600.0, default_duration_s=5.0,
     )
 
 

@@ -1,0 +1,237 @@
+"""Drop-in HTTP contract of the Khala reference backend (POST /generate, GET /job/<id>, track downloads,
+GET /status, GET /tags), served as a thin layer over Encore's own jobs: requests are translated into the
+native MusicRequest and submitted through app.submissions; replies are read from the same job records.
+Field names and strings are the reference's, exactly.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from flask import Blueprint, jsonify, request, send_file
+
+from app.kinds import CANCELED, DONE, FAILED, QUEUED
+from app.services import Services
+from app.submissions import RequestError
+
+NUM_TRACKS = 2
+DEFAULT_TAGS = Path(__file__).with_name("khala_tags.json")
+TRACK_STATUS = {QUEUED: "queued", "backbone": "generating", "superres": "superres", "decoding": "decoding",
+                "exporting": "decoding", DONE: "done", FAILED: "error", CANCELED: "error"}
+# Share of a track's 0-100 progress each stage covers (export is part of "decoding" for the reference).
+PROGRESS_SPAN = {"backbone": (0, 70), "superres": (70, 88), "decoding": (88, 97), "exporting": (97, 100)}
+NATIVE_TO_CONTRACT_FIELD = {"duration_s": "duration", "top_k": "top_k_bb"}
+TOKENS = re.compile(r"^(\d+)/(\d+) tokens$")
+
+
+def _error(status: int, message: str):
+    return jsonify({"status": "error", "error": message}), status
+
+
+def _translate(body: dict[str, Any]) -> dict[str, Any]:
+    """The reference's fields → a native MusicRequest body (unknown fields are ignored, as it does)."""
+    mode = body.get("mode", "vocal")
+    prompt_mode = body.get("prompt_mode", "tags")
+    if prompt_mode not in ("natural", "tags"):
+        raise RequestError("prompt_mode", "must be 'natural' or 'tags'")
+    minutes = body.get("duration", 2)
+    if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 10:
+        raise RequestError("duration", "must be a whole number of minutes from 1 to 10")
+    temperature = body.get("temperature", 1.0)
+    if isinstance(temperature, int) and not isinstance(temperature, bool):
+        temperature = float(temperature)  # the reference's frontend sends 1, not 1.0
+    text_field = "tags" if prompt_mode == "tags" else "prompt"
+    native = {"mode": mode, text_field: body.get(text_field, ""), "duration_s": float(minutes * 60),
+              "num_tracks": NUM_TRACKS, "temperature": temperature, "top_k": body.get("top_k_bb", 80)}
+    if mode == "vocal":
+        native["lyrics"] = body.get("lyrics", "")
+    return native
+
+
+def _phase(track: dict[str, Any], queue_position: int) -> tuple[str, str, str]:
+    """(status, worker_phase, phase_display) of one track, in the reference's words."""
+    state, detail = track["state"], track["detail"]
+    status = TRACK_STATUS.get(state, "error")
+    loading = detail == "starting"
+    if state == QUEUED:
+        return status, "idle", f"Queued · Position #{max(queue_position, 1)}"
+    if state == "backbone":
+        if loading:
+            return status, "loading_backbone", "Loading backbone model..."
+        return status, "backbone", _backbone_display(track)
+    if state == "superres":
+        if loading:
+            return status, "loading_superres", "Loading super-resolution model..."
+        return status, "superres", f"Super-Resolution Generating · {round(100 * track['progress'])}%"
+    if state in ("decoding", "exporting"):
+        if loading and state == "decoding":
+            return status, "loading_decoder", "Loading decoder model..."
+        return status, "decoding", "Decoding audio..."
+    if state == DONE:
+        return status, "idle", "Done"
+    return status, "idle", "Error"
+
+
+def _backbone_display(track: dict[str, Any]) -> str:
+    percent = round(100 * track["progress"])
+    match = TOKENS.match(track["detail"])
+    if not match:
+        return f"Backbone generating · {percent}%"
+    tokens = int(match.group(1))
+    started = track["stages"].get("backbone", {}).get("started_at")
+    rate = tokens / max(time.time() - started, 1e-3) if started else 0.0
+    return f"Backbone generating · {percent}% · {rate:.0f} tok/s · {tokens} tokens"
+
+
+def _progress(track: dict[str, Any]) -> int:
+    if track["state"] == DONE:
+        return 100
+    low, high = PROGRESS_SPAN.get(track["state"], (0, 0))
+    return int(low + (high - low) * track["progress"])
+
+
+def _job_status(statuses: list[str]) -> str:
+    if all(s == "queued" for s in statuses):
+        return "queued"
+    if all(s in ("done", "error") for s in statuses):
+        return "completed" if all(s == "done" for s in statuses) else "partial"
+    if any(s not in ("queued", "done", "error") for s in statuses):
+        return "generating"
+    return "pending"  # some tracks finished, the others still wait in the queue
+
+
+def job_reply(record: dict[str, Any]) -> dict[str, Any]:
+    tracks = []
+    for track in record["tracks"]:
+        position = track["queue_position"]
+        status, worker_phase, display = _phase(track, position)
+        tracks.append({
+            "index": track["track"], "status": status, "progress": _progress(track), "phase_display": display,
+            "worker_id": track["worker"] or None, "worker_phase": worker_phase,
+            "duration_sec": record["params"]["duration_s"], "error": track["error"] or None,
+        })
+    statuses = [t["status"] for t in tracks]
+    return {
+        "job_id": record["job_id"], "status": _job_status(statuses),
+        "queue_position": record["queue_position"] if all(s == "queued" for s in statuses) else 0,
+        "cleaned_lyrics": record["params"].get("lyrics", ""),
+        "created_at": datetime.fromtimestamp(record["created_at"], timezone.utc).isoformat(),
+        "tracks": tracks,
+    }
+
+
+def _starts_now(svc: Services, record: dict[str, Any]) -> bool:
+    """True when a worker takes the job at once: routed, and no other job's track is ahead on its queue."""
+    first = record["tracks"][0]
+    if not first["queue"]:
+        return False
+    outstanding = svc.redis.zrange(svc.jobs.load_key(first["queue"]), 0, -1)
+    return all(member.startswith(record["job_id"] + ":") for member in outstanding)
+
+
+def status_reply(svc: Services) -> dict[str, Any]:
+    workers = svc.workers.workers()
+    live = [w for w in workers if w["status"] != "offline"]
+    tracks = _open_tracks(svc)
+    return {
+        "total_gpus": len(live), "idle_gpus": sum(w["status"] == "idle" for w in live),
+        "active_jobs": len({job for job, state in tracks if state != QUEUED}),
+        "queued_jobs": len({job for job, state in tracks if state == QUEUED}),
+        "workers": [{"worker_id": w["name"], "status": w["status"],
+                     "phase": _worker_phase(w), "gpu_id": _gpu_index(w.get("queue", "") or w["name"])}
+                    for w in workers],
+    }
+
+
+def _open_tracks(svc: Services) -> list[tuple[str, str]]:
+    """(job id, track state) of every track not finished yet."""
+    open_tracks = []
+    for job_id in svc.jobs.recent_job_ids(limit=10_000):
+        job = svc.jobs.job(job_id)
+        for track in svc.jobs.tracks(job_id, job["num_tracks"]) if job else []:
+            if track["state"] not in (DONE, FAILED, CANCELED):
+                open_tracks.append((job_id, track["state"]))
+    return open_tracks
+
+
+def _worker_phase(worker: dict[str, Any]) -> str:
+    current = worker.get("current")
+    if not current:
+        return "idle"
+    return {"backbone": "backbone", "superres": "superres", "decode": "decoding",
+            "export": "decoding"}.get(current["stage"], current["stage"])
+
+
+def _gpu_index(queue: str) -> int | None:
+    digits = re.search(r"(\d+)", queue)
+    return int(digits.group(1)) if digits else None
+
+
+def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], validate: Callable[[dict], Any],
+                   tags_file: Path | None) -> Blueprint:
+    """The contract's routes; registered once per prefix (none by default, and /api)."""
+    blueprint = Blueprint(name, __name__)
+    catalogue = json.loads((tags_file or DEFAULT_TAGS).read_text())
+
+    @blueprint.get("/tags")
+    def tags():
+        """The tag catalogue the reference frontend offers."""
+        return jsonify(catalogue)
+
+    @blueprint.get("/status")
+    def status():
+        """GPUs (live workers), idle ones, active and queued jobs, per worker phase."""
+        return jsonify(status_reply(svc))
+
+    @blueprint.post("/generate")
+    def generate():
+        """Submit a 2-track song in the reference's format."""
+        body = request.get_json(silent=True)
+        if not isinstance(body, dict):
+            return _error(400, "body: expected a JSON object")
+        try:
+            req = validate(_translate(body))
+        except RequestError as exc:
+            field = NATIVE_TO_CONTRACT_FIELD.get(exc.field, exc.field)
+            if field == "tags" and body.get("prompt_mode") == "natural":
+                field = "prompt"
+            return _error(400, f"{field}: {exc.message}")
+        job_id = submit(req)
+        record = svc.jobs.record(job_id)
+        return jsonify({"status": "accepted" if _starts_now(svc, record) else "queued", "job_id": job_id,
+                        "num_tracks": NUM_TRACKS, "queue_position": record["queue_position"]})
+
+    @blueprint.get("/job/<job_id>")
+    def job(job_id: str):
+        """A job in the reference's shape; both tracks are present from the first reply."""
+        record = svc.jobs.record(job_id)
+        if record is None or record["kind"] != "music":
+            return _error(404, f"Job {job_id} not found.")
+        return jsonify(job_reply(record))
+
+    @blueprint.get("/job/<job_id>/track/<int(signed=True):index>/<fmt>")
+    def track_file(job_id: str, index: int, fmt: str):
+        """mp3 inline (ranges honoured) or wav as an attachment."""
+        record = svc.jobs.record(job_id)
+        if record is None or record["kind"] != "music":
+            return jsonify({"error": f"Job {job_id} not found."}), 404
+        if fmt not in ("mp3", "wav"):
+            return jsonify({"error": "format: use mp3 or wav"}), 404
+        if not 0 <= index < record["num_tracks"]:
+            return jsonify({"error": f"track index {index} out of range (0..{record['num_tracks'] - 1})"}), 400
+        track, name = record["tracks"][index], f"track{index}.{fmt}"
+        if track["state"] != DONE or name not in track["artifacts"]:
+            return jsonify({"error": f"Track {index} is not ready."}), 404
+        path = svc.artifacts.local_path(job_id, name)
+        download_name = f"encore_{job_id[:8]}_track{index}.{fmt}"
+        if fmt == "mp3":
+            return send_file(path, mimetype="audio/mpeg", conditional=True, as_attachment=False,
+                             download_name=download_name)
+        return send_file(path, mimetype="audio/wav", conditional=True, as_attachment=True,
+                         download_name=download_name)
+
+    return blueprint

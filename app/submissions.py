@@ -1,0 +1,58 @@
+"""Turning a validated request into a routed job; shared by the native API and the Khala-compatible one,
+so both create the same records, metrics and log lines."""
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from celery import Celery
+from pydantic import ValidationError
+
+from app.config import Settings
+from app.joblog import job_event
+from app.metrics import count_submission
+from app.pipeline.lyrics import clean_lyrics
+from app.pipeline.profiles import MusicProfile
+from app.routing import route_job
+from app.schemas import MusicRequest, describe_validation_error
+from app.services import Services
+
+log = logging.getLogger("encore.web")
+
+
+class RequestError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+def music_limits(settings: Settings, profile: MusicProfile) -> dict[str, Any]:
+    return {"min_duration_s": profile.min_duration_s, "max_duration_s": profile.max_duration_s,
+            "default_duration_s": profile.default_duration_s, "max_tracks": settings.max_tracks,
+            "max_lyrics_chars": settings.max_lyrics_chars, "max_text_chars": settings.max_text_chars}
+
+
+def validate_music(body: dict[str, Any], settings: Settings, profile: MusicProfile) -> MusicRequest:
+    """MusicRequest from a JSON body; RequestError names the offending field."""
+    try:
+        return MusicRequest.model_validate(body, context=music_limits(settings, profile))
+    except ValidationError as exc:
+        raise RequestError(*describe_validation_error(exc)) from None
+
+
+def submit_music(svc: Services, celery: Celery, req: MusicRequest, profile: MusicProfile, **extra: Any) -> str:
+    """Create the job record (one track per requested track, seeds seed+i) and route its tracks."""
+    seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - req.num_tracks)
+    params = {
+        "mode": req.mode, "tags": req.tags or "", "prompt": req.prompt or "",
+        "lyrics": clean_lyrics(req.lyrics) if req.mode == "vocal" and req.lyrics else "",
+        "duration_s": req.duration_s, "num_tracks": req.num_tracks, "seed": seed,
+        "temperature": req.temperature, "top_k": req.top_k, "profile": profile.name, **extra,
+    }
+    tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
+    job_id = svc.jobs.create("music", params, tracks, cost=float(req.duration_s))
+    count_submission(svc, "music")
+    job_event(log, "submitted", job_id, kind="music", tracks=req.num_tracks, duration_s=req.duration_s)
+    route_job(svc, celery, job_id, req.num_tracks)
+    return job_id

@@ -1,0 +1,124 @@
+"""Contract tests of the Khala reference backend's HTTP API, served by Encore over its own job machinery."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+
+from tests.conftest import wait_until
+
+SONG = {"mode": "vocal", "prompt_mode": "tags", "tags": "synthpop, female vocal", "prompt": "",
+        "lyrics": "[verse]\nＨｅｌｌｏ｜world\n", "duration": 1, "top_k_bb": 50, "temperature": 1}
+TRACK_STATUSES = {"queued", "generating", "superres", "decoding", "done", "error"}
+WORKER_PHASES = {"idle", "loading_backbone", "backbone", "loading_superres", "superres", "loading_decoder",
+                 "decoding"}
+PHASE_DISPLAY = re.compile(r"^(Queued · Position #\d+|Loading backbone model\.\.\.|Loading super-resolution model\.\.\."
+                           r"|Loading decoder model\.\.\.|Backbone generating · \d+%( · \d+ tok/s · \d+ tokens)?"
+                           r"|Super-Resolution Generating · \d+%|Decoding audio\.\.\.|Done|Error)$")
+
+
+def _check_job_shape(body: dict) -> None:
+    assert set(body) == {"job_id", "status", "queue_position", "cleaned_lyrics", "created_at", "tracks"}
+    assert body["status"] in {"queued", "pending", "generating", "completed", "partial"}
+    assert isinstance(body["queue_position"], int) and len(body["tracks"]) == 2
+    for index, track in enumerate(body["tracks"]):
+        assert set(track) == {"index", "status", "progress", "phase_display", "worker_id", "worker_phase",
+                              "duration_sec", "error"}
+        assert track["index"] == index and track["status"] in TRACK_STATUSES
+        assert isinstance(track["progress"], int) and 0 <= track["progress"] <= 100
+        assert track["worker_phase"] in WORKER_PHASES and PHASE_DISPLAY.match(track["phase_display"]), track
+        assert track["duration_sec"] == 60
+
+
+@pytest.mark.parametrize("prefix", ["", "/api"])
+def test_tags_status_and_a_whole_job(make_stack, prefix):
+    stack = make_stack()
+    stack.start_worker(0)
+    base = stack.base_url + prefix
+    tags = requests.get(f"{base}/tags", timeout=5).json()
+    assert set(tags) == {"genre_style", "vocal_instrument", "emotion_mood", "production_other"}
+    assert all(isinstance(g["label"], str) and g["tags"] and all(isinstance(t, str) for t in g["tags"])
+               for g in tags.values())
+    status = requests.get(f"{base}/status", timeout=5).json()
+    assert status == {"total_gpus": 1, "idle_gpus": 1, "active_jobs": 0, "queued_jobs": 0,
+                      "workers": [{"worker_id": status["workers"][0]["worker_id"], "status": "idle",
+                                   "phase": "idle", "gpu_id": 0}]}
+
+    reply = requests.post(f"{base}/generate", json={**SONG, "unknown_field": True}, timeout=10)
+    assert reply.status_code == 200, reply.text
+    accepted = reply.json()
+    assert accepted["status"] == "accepted" and accepted["num_tracks"] == 2
+    assert set(accepted) == {"status", "job_id", "num_tracks", "queue_position"}
+    job_id = accepted["job_id"]
+
+    seen: list[dict] = []
+
+    def finished():
+        body = requests.get(f"{base}/job/{job_id}", timeout=5).json()
+        _check_job_shape(body)
+        seen.append(body)
+        return body if body["status"] in ("completed", "partial") else None
+    final = wait_until(finished, 240, 0.05, "job to complete")
+    assert final["status"] == "completed" and final["cleaned_lyrics"] == "[verse]\nHello-world"
+    assert [t["status"] for t in final["tracks"]] == ["done", "done"]
+    assert all(t["progress"] == 100 and t["phase_display"] == "Done" and t["error"] is None for t in final["tracks"])
+    observed = {t["status"] for body in seen for t in body["tracks"]}
+    assert "generating" in observed and any(body["status"] == "generating" for body in seen)
+    running = [t for body in seen for t in body["tracks"] if t["status"] == "generating"]
+    assert all(t["worker_id"] and t["worker_id"].startswith("gpu0@") for t in running)
+
+    mp3 = requests.get(f"{base}/job/{job_id}/track/1/mp3", headers={"Range": "bytes=10-109"}, timeout=10)
+    assert mp3.status_code == 206 and len(mp3.content) == 100
+    assert mp3.headers["Content-Type"] == "audio/mpeg" and mp3.headers["Content-Disposition"].startswith("inline")
+    wav = requests.get(f"{base}/job/{job_id}/track/0/wav", timeout=10)
+    assert wav.status_code == 200 and wav.headers["Content-Type"] == "audio/wav" and wav.content[:4] == b"RIFF"
+    assert re.match(r'attachment; filename="?[\w.-]+\.wav"?$', wav.headers["Content-Disposition"])
+    out_of_range = requests.get(f"{base}/job/{job_id}/track/2/mp3", timeout=5)
+    assert out_of_range.status_code == 400 and "error" in out_of_range.json()
+    native = stack.job(job_id)  # an ordinary Encore job
+    assert native["kind"] == "music" and native["params"]["num_tracks"] == 2 and native["params"]["top_k"] == 50
+
+
+def test_rejections_and_queued_jobs(make_stack):
+    stack = make_stack()  # no worker: submitted jobs wait
+    client = stack.client
+    cases = [({"mode": "opera"}, "mode"), ({"prompt_mode": "poem"}, "prompt_mode"), ({"duration": 0}, "duration"),
+             ({"duration": 11}, "duration"), ({"duration": "2"}, "duration"), ({"duration": 2.5}, "duration"),
+             ({"top_k_bb": 0}, "top_k_bb"), ({"top_k_bb": 201}, "top_k_bb"), ({"temperature": 0.5}, "temperature"),
+             ({"temperature": "hot"}, "temperature"), ({"lyrics": ""}, "lyrics"), ({"tags": ""}, "tags"),
+             ({"prompt_mode": "natural", "prompt": ""}, "prompt")]
+    for change, field in cases:
+        reply = client.post("/generate", json={**SONG, **change})
+        assert 400 <= reply.status_code < 500, (change, reply.get_json())
+        body = reply.get_json()
+        assert set(body) == {"status", "error"} and body["status"] == "error" and field in body["error"], body
+    reply = client.post("/generate", data="not json", content_type="application/json")
+    assert reply.status_code == 400 and reply.get_json()["status"] == "error"
+    assert client.get("/api/v1/jobs").get_json()["jobs"] == []
+
+    accepted = client.post("/generate", json={**SONG, "mode": "instrumental", "lyrics": None}).get_json()
+    assert accepted["status"] == "queued" and accepted["queue_position"] == 1
+    body = client.get(f"/job/{accepted['job_id']}").get_json()
+    _check_job_shape(body)
+    assert body["status"] == "queued" and body["queue_position"] == 1 and body["cleaned_lyrics"] == ""
+    assert [t["phase_display"] for t in body["tracks"]] == ["Queued · Position #1", "Queued · Position #2"]
+    assert client.get(f"/job/{accepted['job_id']}/track/0/mp3").status_code == 404
+    missing = client.get("/job/" + "0" * 32)
+    assert missing.status_code == 404 and missing.get_json() == {"status": "error",
+                                                               "error": f"Job {'0' * 32} not found."}
+
+    assert client.delete(f"/api/v1/jobs/{accepted['job_id']}").status_code == 200
+    canceled = client.get(f"/job/{accepted['job_id']}").get_json()
+    assert [t["status"] for t in canceled["tracks"]] == ["error", "error"]
+    assert all(t["phase_display"] == "Error" for t in canceled["tracks"]) and canceled["status"] == "partial"
+
+
+def test_failed_tracks_end_as_error(make_stack):
+    stack = make_stack(ENCORE_TIME_LIMITS="backbone=/2", ENCORE_PRELOAD="1")
+    stack.start_worker(0)
+    job_id = stack.client.post("/generate", json=SONG).get_json()["job_id"]
+    body = wait_until(lambda: (lambda b: b if b["status"] in ("completed", "partial") else None)(
+        stack.client.get(f"/job/{job_id}").get_json()), 120, 0.1, "job end")
+    assert [t["status"] for t in body["tracks"]] == ["error", "error"]
+    assert all("time limit" in t["error"] for t in body["tracks"])
