@@ -26,8 +26,13 @@ def test_api_token_guards_api_routes_only(make_stack):
     reply = client.post("/api/v1/music", json={"mode": "instrumental", "tags": "x", "duration_s": 2})
     assert reply.status_code == 401 and client.get("/api/v1/jobs", headers={
         "Authorization": "Bearer s3cret"}).get_json()["jobs"] == []
+    for path in ("/status", "/tags", "/api/status", "/job/" + "0" * 32):  # the Khala-compatible routes too
+        assert client.get(path).status_code == 401, path
+    assert client.post("/generate", json={}).status_code == 401
+    assert client.get("/tags", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.get("/healthz").status_code == 200
     assert client.get("/metrics").status_code == 200
+    assert client.get("/").status_code == 200
 
 
 def test_metrics_and_job_event_logs_after_a_job(make_stack, caplog):
