@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 
 import redis
 import requests
-from tqdm import tqdm
+
+from app import cli
 
 REPO = Path(__file__).resolve().parents[1]
 LYRICS = """[verse]
@@ -102,8 +103,8 @@ def visible_gpus() -> int:
     return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
 
 
-def ensure_workers(services: Services, env: dict[str, str], web: str) -> None:
-    status = requests.get(f"{web}/api/v1/status", timeout=5).json()
+def ensure_workers(services: Services, env: dict[str, str], client: cli.Client) -> None:
+    status = client.json("GET", "/api/v1/status")
     if any(w["status"] != "offline" for w in status["workers"]):
         print(f"[demo] using {sum(w['status'] != 'offline' for w in status['workers'])} live worker(s)")
         return
@@ -113,7 +114,7 @@ def ensure_workers(services: Services, env: dict[str, str], web: str) -> None:
                        ["bash", "worker_entrypoint.sh", str(index)], env, REPO / "logs" / f"demo_worker_{index}.out")
 
     def live() -> bool:
-        workers = requests.get(f"{web}/api/v1/status", timeout=5).json()["workers"]
+        workers = client.json("GET", "/api/v1/status")["workers"]
         return sum(w["status"] != "offline" for w in workers) >= max(gpus, 1)
     wait_for(live, 120, "workers")
 
@@ -146,51 +147,16 @@ def wait_for(check, timeout: float, what: str) -> None:
         time.sleep(0.3)
 
 
-def describe(track: dict) -> str:
-    where = f"#{track['queue_position']} in {track['queue'] or 'no queue yet'}" \
-        if track["state"] == "queued" else track["detail"]
-    return f"track {track['track']} {track['state']:<9} {where}"
-
-
-def follow(web: str, job_id: str) -> dict:
-    """Live per-track progress until every track ends: bars on a terminal, one line per change otherwise."""
-    interactive = sys.stdout.isatty()
-    bars: dict[int, tqdm] = {}
-    last_lines: dict[int, str] = {}
-    try:
-        while True:
-            record = requests.get(f"{web}/api/v1/jobs/{job_id}", timeout=10).json()
-            for track in record["tracks"]:
-                line = describe(track)
-                if interactive:
-                    bar = bars.setdefault(track["track"], tqdm(total=100, position=track["track"], leave=True,
-                                                               bar_format="{desc:<48} {bar} {percentage:3.0f}%"))
-                    bar.set_description_str(line[:48])
-                    bar.n = round(100 * track["progress"])
-                    bar.refresh()
-                elif last_lines.get(track["track"]) != f"{track['state']}{track['stage']}":
-                    last_lines[track["track"]] = f"{track['state']}{track['stage']}"
-                    print(f"[demo] {line} ({100 * track['progress']:.0f}%)", flush=True)
-            if record["state"] not in ("queued", "running"):
-                return record
-            time.sleep(0.25)
-    finally:
-        for bar in bars.values():
-            bar.close()
-
-
-def submit_music(web: str, duration_s: float, tracks: int) -> str:
+def submit_music(client: cli.Client, duration_s: float, tracks: int) -> str:
     body = {"mode": "vocal", "tags": "synthpop, female vocal, 120 bpm", "lyrics": LYRICS,
             "duration_s": duration_s, "num_tracks": tracks, "seed": 2026}
-    reply = requests.post(f"{web}/api/v1/music", json=body, timeout=10)
-    if reply.status_code != 202:
-        raise SystemExit(f"[demo] music submit failed: {reply.status_code} {reply.text}")
-    print(f"[demo] music job {reply.json()['job_id']}: {tracks} tracks x {duration_s:g} s "
+    job_id = client.json("POST", "/api/v1/music", json=body)["job_id"]
+    print(f"[demo] music job {job_id}: {tracks} tracks x {duration_s:g} s "
           f"(tiny random-weight models: the audio is noise)")
-    return reply.json()["job_id"]
+    return job_id
 
 
-def submit_lipsync(web: str, out: Path) -> str:
+def submit_lipsync(client: cli.Client, out: Path) -> str:
     """Build a talking-head clip from a real photo and a spoken line, and submit it."""
     import cv2
     import skimage.data
@@ -202,25 +168,11 @@ def submit_lipsync(web: str, out: Path) -> str:
     face = cv2.resize(skimage.data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)
     video = media.make_face_video(clips / "face.mp4", face, 4.0, 25)
     with open(video, "rb") as v, open(voice, "rb") as a:
-        reply = requests.post(f"{web}/api/v1/lipsync", files={"video": (video.name, v), "audio": (voice.name, a)},
-                              data={"fps": "25"}, timeout=60)
-    if reply.status_code != 202:
-        raise SystemExit(f"[demo] lip-sync submit failed: {reply.status_code} {reply.text}")
-    print(f"[demo] lip-sync job {reply.json()['job_id']}: astronaut photo + {how} speech "
+        job_id = client.json("POST", "/api/v1/lipsync", files={"video": (video.name, v), "audio": (voice.name, a)},
+                             data={"fps": "25"})["job_id"]
+    print(f"[demo] lip-sync job {job_id}: astronaut photo + {how} speech "
           f"(tiny random-weight MuseTalk: the mouth region is noise)")
-    return reply.json()["job_id"]
-
-
-def download(web: str, record: dict, out: Path) -> None:
-    for track in record["tracks"]:
-        if track["state"] != "done":
-            print(f"[demo] {record['kind']} track {track['track']} {track['state']}: {track['error']}")
-            continue
-        for fmt, url in track["downloads"].items():
-            data = requests.get(f"{web}{url}", timeout=60)
-            data.raise_for_status()
-            name = "lipsync.mp4" if fmt == "mp4" else f"track{track['track']}.{fmt}"
-            (out / name).write_bytes(data.content)
+    return job_id
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,18 +192,24 @@ def main(argv: list[str] | None = None) -> int:
                                                       str(REPO / "models" / "lipsync-tiny"))}
     env["REDIS_URL"] = ensure_redis(services, env)
     ensure_web(services, env, args.web)
-    ensure_workers(services, env, args.web)
+    # The token the web may require (API_TOKEN) is the one the demo sends.
+    client = cli.Client(args.web, os.environ.get("ENCORE_API_TOKEN") or os.environ.get("API_TOKEN"))
+    ensure_workers(services, env, client)
 
     args.out.mkdir(parents=True, exist_ok=True)
     jobs = []
     if args.only in (None, "music"):
-        jobs.append(submit_music(args.web, args.duration_s, args.tracks))
+        jobs.append(submit_music(client, args.duration_s, args.tracks))
     if args.only in (None, "lipsync"):
-        jobs.append(submit_lipsync(args.web, args.out))
+        jobs.append(submit_lipsync(client, args.out))
     states = []
     for job_id in jobs:
-        record = follow(args.web, job_id)
-        download(args.web, record, args.out)
+        reporter = cli.make_reporter("auto")  # bars on a terminal, one line per change otherwise
+        try:
+            record = cli.follow(client, job_id, reporter, interval_s=0.25)
+        finally:
+            reporter.close()
+        cli.download_results(client, record, args.out)
         states.append(record["state"])
         print(f"[demo] {record['kind']} job {job_id} {record['state']}")
     print(f"[demo] files in {args.out}")
@@ -261,4 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except cli.ApiError as exc:
+        sys.exit(f"[demo] {exc}")
