@@ -26,7 +26,7 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from app.celery_app import celery
 from app.joblog import job_event
-from app.kinds import CANCELED, DONE, JobKind, Stage
+from app.kinds import CANCELED, DONE, TERMINAL_STATES, JobKind, Stage
 from app.metrics import observe_stage
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.runtime import device_report, release_memory
@@ -207,7 +207,7 @@ class StageTask(Task):
 
     def _check_can_start(self, svc: Services, job_id: str, track: int, worker: str) -> None:
         record = svc.jobs.track(job_id, track)
-        if record is None or record["state"] in (DONE, "failed", CANCELED):
+        if record is None or record["state"] in TERMINAL_STATES:
             drop_scratch(svc, job_id, track)
             raise Ignore()
         if svc.jobs.cancel_requested(job_id):
