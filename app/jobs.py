@@ -48,7 +48,7 @@ def _flatten(fields: dict[str, str]) -> list[str]:
     return [item for pair in fields.items() for item in pair]
 
 
-_JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "loaded", "track", "cost")
+_JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost")
 
 
 def _decode_track(raw: dict[str, str]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from app.jobs import overall_state
 from app.kinds import KINDS
+from app.routing import known_queues
 from app.services import Services
 
 STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, math.inf)
@@ -82,7 +83,7 @@ class EncoreCollector(Collector):
                                     labels=["queue"])
         outstanding = GaugeMetricFamily("encore_queue_outstanding_tracks", "Tracks queued or running, per queue",
                                         labels=["queue"])
-        for queue in self._queue_names():
+        for queue in known_queues(self.svc):
             waiting.add_metric([queue], self.svc.redis.zcard(self.svc.jobs.waiting_key(queue)))
             outstanding.add_metric([queue], self.svc.redis.zcard(self.svc.jobs.load_key(queue)))
         unrouted = GaugeMetricFamily("encore_unrouted_tracks", "Tracks waiting for any live worker")
@@ -90,12 +91,6 @@ class EncoreCollector(Collector):
         yield waiting
         yield outstanding
         yield unrouted
-
-    def _queue_names(self) -> list[str]:
-        prefix = f"{self.svc.settings.key_prefix}:queue:"
-        from_keys = {key[len(prefix):].rsplit(":", 1)[0] for key in self.svc.redis.scan_iter(f"{prefix}*")}
-        from_workers = {w["queue"] for w in self.svc.workers.workers() if w.get("queue")}
-        return sorted(from_keys | from_workers)
 
     def _workers(self) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily("encore_workers", "Known workers by status", labels=["status"])

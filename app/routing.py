@@ -36,6 +36,14 @@ def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
     return loads
 
 
+def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
+    """Queues with a worker (live or not) or with outstanding tracks (every waiting track is outstanding)."""
+    prefix = f"{svc.settings.key_prefix}:queue:"
+    with_work = {key[len(prefix):].rsplit(":", 1)[0] for key in svc.redis.scan_iter(f"{prefix}*:load")}
+    workers = svc.workers.workers() if workers is None else workers
+    return sorted(with_work | {w["queue"] for w in workers if w.get("queue")})
+
+
 def pick_queue(svc: Services) -> str | None:
     """The live queue with the least outstanding estimated work; ties go to the lowest queue name."""
     queues = svc.workers.live_queues()

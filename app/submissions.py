@@ -51,8 +51,15 @@ def submit_music(svc: Services, celery: Celery, req: MusicRequest, profile: Musi
         "temperature": req.temperature, "top_k": req.top_k, "profile": profile.name, **extra,
     }
     tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
-    job_id = svc.jobs.create("music", params, tracks, cost=float(req.duration_s))
-    count_submission(svc, "music")
-    job_event(log, "submitted", job_id, kind="music", tracks=req.num_tracks, duration_s=req.duration_s)
+    job_id = create_job(svc, "music", params, tracks, float(req.duration_s), duration_s=req.duration_s)
     route_job(svc, celery, job_id, req.num_tracks)
+    return job_id
+
+
+def create_job(svc: Services, kind: str, params: dict[str, Any], tracks: list[dict[str, Any]], cost: float,
+               **log_fields: Any) -> str:
+    """Write the record, count the submission and log it; the caller routes once the job's inputs exist."""
+    job_id = svc.jobs.create(kind, params, tracks, cost=cost)
+    count_submission(svc, kind)
+    job_event(log, "submitted", job_id, kind=kind, tracks=len(tracks), **log_fields)
     return job_id

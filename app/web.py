@@ -19,13 +19,13 @@ from app.celery_app import make_celery
 from app.config import Settings, load_settings
 from app.joblog import job_event
 from app.khala_api import make_blueprint
-from app.metrics import count_submission, make_registry
+from app.metrics import make_registry
 from app.openapi import build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile, load_profile
-from app.routing import queue_loads, route_job
+from app.routing import known_queues, queue_loads, route_job
 from app.schemas import Accepted, ErrorReply, MusicRequest
 from app.services import Services, build_services
-from app.submissions import RequestError, submit_music as submit_music_job, validate_music
+from app.submissions import RequestError, create_job, submit_music as submit_music_job, validate_music
 from app.uploads import LipsyncForm, UploadError, receive_lipsync
 
 log = logging.getLogger("encore.web")
@@ -113,14 +113,13 @@ def create_app(settings: Settings | None = None) -> Flask:
         except UploadError as exc:
             return error(exc.status, str(exc), exc.field)
         try:
-            job_id = svc.jobs.create("lipsync", upload.params, [{}], cost=float(upload.params["audio_duration_s"]))
-            count_submission(svc, "lipsync")
+            job_id = create_job(svc, "lipsync", upload.params, [{}], float(upload.params["audio_duration_s"]),
+                                frames=upload.params["output_frames"],
+                                audio_s=round(upload.params["audio_duration_s"], 3))
             for path in upload.files.values():
                 svc.artifacts.put(job_id, path.name, path, settings.job_ttl_s)
         finally:
             upload.discard()
-        job_event(log, "submitted", job_id, kind="lipsync", frames=upload.params["output_frames"],
-                  audio_s=round(upload.params["audio_duration_s"], 3))
         route_job(svc, celery_app, job_id, 1)
         return _accepted(svc, job_id)
 
@@ -178,7 +177,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     def status():
         """Every worker (idle/busy/offline, current job and stage, device) and every queue's depth."""
         workers = svc.workers.workers()
-        queues = sorted({w["queue"] for w in workers if w.get("queue")} | _queues_with_work(svc))
+        queues = known_queues(svc, workers)
         loads = queue_loads(svc, queues)
         return jsonify({
             "workers": [_public_worker(w) for w in workers],
@@ -242,11 +241,6 @@ def _public_worker(worker: dict[str, Any]) -> dict[str, Any]:
     keys = ("name", "status", "queue", "pinned_to", "device", "runtime_mode", "gpu_free_bytes", "gpu_total_bytes",
             "pid", "last_seen", "current", "hostname", "profile")
     return {k: worker.get(k) for k in keys if k in worker}
-
-
-def _queues_with_work(svc: Services) -> set[str]:
-    prefix = f"{svc.settings.key_prefix}:queue:"
-    return {key[len(prefix):].rsplit(":", 1)[0] for key in svc.redis.scan_iter(f"{prefix}*:load")}
 
 
 def _broker_depth(svc: Services, queue: str) -> int:

@@ -4,7 +4,6 @@ or a live HTTP server). Each Stack gets its own Redis database, so stacks never 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -207,6 +206,3 @@ def make_stack(redis_base_url, tiny_models, tmp_path):
     for stack in stacks:
         stack.close()
 
-
-def json_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -32,9 +32,6 @@ class ModelCache:
                     loaded.append(name)
             return self._models[name]
 
-    def is_loaded(self, name: str) -> bool:
-        return name in self._models
-
     def after_stage(self, names: list[str]) -> None:
         """Free `names` unless the runtime mode keeps them."""
         if self.mode == "keep_loaded":
