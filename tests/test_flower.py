@@ -30,6 +30,14 @@ def test_flower_requires_auth_and_sees_the_worker(make_stack, tmp_path):
         assert requests.get(f"{base}/api/workers", timeout=10).status_code == 401
         assert requests.get(f"{base}/", timeout=10).status_code == 401
         assert requests.get(f"{base}/api/workers", auth=("ops", "wrong"), timeout=10).status_code == 401
+
+        def event_stream_live():
+            # Worker events are fan-out: Flower sees only those sent after its receiver subscribed. A worker
+            # heartbeat reaching Flower's metrics proves the receiver is live before the job's events flow.
+            metrics_text = requests.get(f"{base}/metrics", timeout=10).text
+            return any(line.startswith('flower_worker_online{worker="gpu0@') and line.endswith(" 1.0")
+                       for line in metrics_text.splitlines())
+        wait_until(event_stream_live, 60, 0.5, "a gpu0 heartbeat event in Flower")
         assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
 
         def worker_listed():
@@ -43,7 +51,7 @@ def test_flower_requires_auth_and_sees_the_worker(make_stack, tmp_path):
             return {"encore.music.backbone", "encore.music.export"} <= names
         wait_until(tasks_listed, 30, 0.5, "stage tasks in Flower (worker events)")
         metrics = requests.get(f"{base}/metrics", timeout=10)
-        assert metrics.status_code == 200 and "flower_events_total" in metrics.text
+        assert metrics.status_code == 200 and 'type="task-succeeded"' in metrics.text
     finally:
         os.killpg(flower.pid, signal.SIGTERM)
         flower.wait(15)
