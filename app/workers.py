@@ -38,8 +38,12 @@ class WorkerRegistry:
     def _drop_stale_current(self, name: str) -> None:
         """A child killed mid-stage (hard limit, OOM, kill -9) cannot clear its own entry."""
         pid = self.redis.hget(self._key(name) + ":current", "pid")
-        if pid and not _pid_alive(int(pid)):
+        if pid and not pid_alive(int(pid)):
             self.redis.delete(self._key(name) + ":current")
+
+    def info(self, name: str) -> dict[str, str]:
+        """The worker's heartbeat hash; empty once it missed three heartbeats."""
+        return self.redis.hgetall(self._key(name))
 
     def update(self, name: str, **fields: Any) -> None:
         """Fields only the child knows (device, free GPU memory, model loads); kept until the next restart."""
@@ -75,7 +79,7 @@ class WorkerRegistry:
         return sorted({w["queue"] for w in self.workers() if w["status"] != "offline" and w.get("queue")})
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

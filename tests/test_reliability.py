@@ -69,3 +69,27 @@ def test_keep_loaded_loads_nothing_again_and_one_shot_reloads_stage_models(make_
     second = _loads(stack.wait_job(stack.submit_music(duration_s=2.0)))
     assert sorted(m for ms in first.values() for m in ms) == ["backbone", "codec", "superres", "tokenizer"]
     assert second == {"backbone": [], "superres": ["superres"], "decode": ["codec"], "export": []}
+
+
+def test_restarted_worker_requeues_the_stage_its_crashed_predecessor_was_running(make_stack):
+    """Without the start-up check the message would wait in `unacked` for the ~1 h visibility timeout."""
+    stack = make_stack(ENCORE_PRELOAD="1")
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=20.0)
+
+    def backbone_running():
+        track = stack.job(job_id)["tracks"][0]
+        return track["state"] == "backbone" and track["progress"] > 0
+    wait_until(backbone_running, 60, 0.1, "backbone progress")
+    stack.stop_worker(0)  # SIGKILL to master and child: nobody acks or restores the delivery
+    assert stack.redis.hlen("unacked") == 1
+    assert stack.job(job_id)["tracks"][0]["state"] == "backbone"
+
+    stack.start_worker(0)
+    record = stack.wait_job(job_id, timeout=120)
+    track = record["tracks"][0]
+    assert record["state"] == "done"
+    assert track["stages"]["backbone"]["attempt"] == 2 and track["stages"]["superres"]["attempt"] == 1
+    assert stack.redis.hlen("unacked") == 0
+    assert any(f"job={job_id} track=0 queue=gpu0 " in line and "event=requeued_after_crash" in line
+               for line in stack.worker_log(0).splitlines())

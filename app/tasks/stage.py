@@ -166,7 +166,7 @@ class StageTask(Task):
         job = svc.jobs.job(job_id)
         svc.jobs.mark_started(job_id, track, record["queue"])
         stages = record["stages"]
-        stages[self.stage.name] = {"started_at": time.time(), "worker": worker}
+        stages[self.stage.name] = {"started_at": time.time(), "worker": worker, "attempt": record["attempts"]}
         svc.jobs.update(job_id, track, state=self.stage.state, stage=self.stage.name, running="1",
                         worker=worker, progress=0.0, detail="starting", stages=stages)
         svc.workers.set_current(worker, job_id, track, self.stage.name)

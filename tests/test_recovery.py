@@ -1,0 +1,72 @@
+"""Orphaned deliveries (a worker's master died mid-stage) against a real Redis broker and kombu channel."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from app.celery_app import make_celery
+from app.config import Settings
+from app.recovery import restore, unacked_before, why_not_safe
+from app.services import build_services
+
+
+@pytest.fixture
+def svc(redis_base_url, tmp_path):
+    settings = Settings(redis_url=f"{redis_base_url}/509", artifact_dir=tmp_path)
+    services = build_services(settings)
+    services.redis.flushdb()
+    return services
+
+
+def _deliver_without_ack(svc, queue: str, ref: dict) -> tuple[object, object]:
+    """Publish a stage message the way the web does, then take it like a worker that never acks."""
+    app = make_celery(svc.settings)
+    app.signature("encore.music.backbone", args=(ref,)).set(queue=queue, priority=0).apply_async()
+    connection = app.connection_for_write()
+    channel = connection.default_channel
+    message = channel.basic_get(queue, no_ack=False)
+    assert message is not None
+    return connection, channel
+
+
+def test_unacked_delivery_is_found_and_restored_to_the_head_of_its_queue(svc):
+    connection, channel = _deliver_without_ack(svc, "gpu7", {"job_id": "j1", "track": 1})
+    try:
+        assert svc.redis.hlen("unacked") == 1
+        assert unacked_before(channel, {"gpu3"}, time.time()) == []  # another queue's delivery is left alone
+        assert unacked_before(channel, {"gpu7"}, time.time() - 3600) == []  # delivered after the cut-off
+        [orphan] = unacked_before(channel, {"gpu7"}, time.time())
+        assert (orphan.task_name, orphan.queue, orphan.args) == ("encore.music.backbone", "gpu7",
+                                                                  ({"job_id": "j1", "track": 1},))
+        restore(channel, orphan)
+        assert svc.redis.hlen("unacked") == 0 and svc.redis.zcard("unacked_index") == 0
+        again = channel.basic_get("gpu7", no_ack=True)
+        assert again is not None and again.headers["id"] == orphan.task_id
+    finally:
+        connection.release()
+
+
+def test_not_safe_while_a_predecessor_lives_or_another_worker_shares_the_queue(svc):
+    me = "gpu0@host"
+    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) is None  # nobody else: safe
+    svc.workers.heartbeat(me, {"queue": "gpu0", "pid": os.getpid()})  # my own earlier heartbeat: safe
+    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) is None
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        svc.workers.heartbeat(me, {"queue": "gpu0", "pid": sleeper.pid})  # a living process under my name
+        assert "still running" in why_not_safe(svc.workers, me, {"gpu0"}, os.getpid())
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) is None  # it died: safe again
+
+    svc.workers.heartbeat("other@host", {"queue": "gpu1,gpu0", "pid": 1})
+    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) == "other@host also consumes gpu0"
+    assert why_not_safe(svc.workers, me, {"gpu2"}, os.getpid()) is None
+    svc.workers.forget("other@host")
+    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) is None
