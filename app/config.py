@@ -42,6 +42,7 @@ class Settings:
     music_profile: str = field(default_factory=lambda: _env("ENCORE_MUSIC_PROFILE", "tiny"))
     model_dir: str | None = field(default_factory=lambda: os.environ.get("ENCORE_MODEL_DIR"))
     runtime_mode: str = field(default_factory=lambda: _env("ENCORE_RUNTIME_MODE", "keep_loaded"))
+    music_engine: str = field(default_factory=lambda: _env("ENCORE_MUSIC_ENGINE", "torch"))
     preload_models: bool = field(default_factory=lambda: _env("ENCORE_PRELOAD", "0") == "1")
     torch_threads: int = field(default_factory=lambda: int(_env("ENCORE_TORCH_THREADS", "0")))
     max_tracks: int = field(default_factory=lambda: int(_env("ENCORE_MAX_TRACKS", "4")))
@@ -71,6 +72,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.runtime_mode not in ("keep_loaded", "one_shot"):
             raise ValueError(f"ENCORE_RUNTIME_MODE must be keep_loaded or one_shot, not {self.runtime_mode!r}")
+        if self.music_engine not in ("torch", "megatron"):
+            raise ValueError(f"ENCORE_MUSIC_ENGINE must be torch or megatron, not {self.music_engine!r}")
         if self.artifact_backend not in ("dir", "redis"):
             raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir or redis, not {self.artifact_backend!r}")
 

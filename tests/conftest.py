@@ -83,6 +83,12 @@ def tiny_models(tmp_path_factory) -> Path:
     return base / "tiny"
 
 
+# Tests that need a music stage still running seconds after it starts (cancel, kill, time limits) use the
+# reference engine: Megatron's forward is ~2.4x slower per token than the default plain-PyTorch engine, which
+# would finish those tiny songs before the test acts. Everything else runs the default engine.
+REFERENCE_ENGINE = {"ENCORE_MUSIC_ENGINE": "megatron"}
+
+
 class Stack:
     """Redis database + workers + web app, configured like a deployment."""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import lipsync_media
-from tests.conftest import REPO, Stack, free_port, wait_until
+from tests.conftest import REFERENCE_ENGINE, REPO, Stack, free_port, wait_until
 
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 TINY_MUSIC = ["submit", "music", "--mode", "instrumental", "--tags", "x", "--duration-s", "2", "--tracks", "1",
@@ -22,7 +22,7 @@ TINY_MUSIC = ["submit", "music", "--mode", "instrumental", "--tags", "x", "--dur
 @pytest.fixture(scope="module")
 def stack(redis_base_url, tiny_models, tmp_path_factory):
     """One stack and one worker for the whole module: starting a worker is the slow part."""
-    stack = Stack(redis_base_url, tiny_models, tmp_path_factory.mktemp("cli-stack"))
+    stack = Stack(redis_base_url, tiny_models, tmp_path_factory.mktemp("cli-stack"), **REFERENCE_ENGINE)
     stack.start_worker(0)
     yield stack
     stack.close()

@@ -6,7 +6,7 @@ import re
 import pytest
 import requests
 
-from tests.conftest import wait_until
+from tests.conftest import REFERENCE_ENGINE, wait_until
 
 SONG = {"mode": "vocal", "prompt_mode": "tags", "tags": "synthpop, female vocal", "prompt": "",
         "lyrics": "[verse]\nＨｅｌｌｏ｜world\n", "duration": 1, "top_k_bb": 50, "temperature": 1}
@@ -115,7 +115,7 @@ def test_rejections_and_queued_jobs(make_stack):
 
 
 def test_failed_tracks_end_as_error(make_stack):
-    stack = make_stack(ENCORE_TIME_LIMITS="backbone=/2", ENCORE_PRELOAD="1")
+    stack = make_stack(ENCORE_TIME_LIMITS="backbone=/2", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
     stack.start_worker(0)
     job_id = stack.client.post("/generate", json=SONG).get_json()["job_id"]
     body = wait_until(lambda: (lambda b: b if b["status"] in ("completed", "partial") else None)(

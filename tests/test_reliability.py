@@ -4,13 +4,13 @@ from __future__ import annotations
 import os
 import signal
 
-from tests.conftest import wait_until
+from tests.conftest import REFERENCE_ENGINE, wait_until
 
 LONG_S = 120.0
 
 
 def test_hard_time_limit_fails_the_track_and_worker_goes_on(make_stack):
-    stack = make_stack(ENCORE_TIME_LIMITS="backbone=/3", ENCORE_PRELOAD="1")
+    stack = make_stack(ENCORE_TIME_LIMITS="backbone=/3", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
     stack.start_worker(0)
     slow = stack.submit_music(duration_s=LONG_S)
     record = stack.wait_job(slow, timeout=60)
@@ -22,7 +22,7 @@ def test_hard_time_limit_fails_the_track_and_worker_goes_on(make_stack):
 
 
 def test_soft_time_limit_fails_with_timeout_message(make_stack):
-    stack = make_stack(ENCORE_TIME_LIMITS="backbone=2/60", ENCORE_PRELOAD="1")
+    stack = make_stack(ENCORE_TIME_LIMITS="backbone=2/60", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
     stack.start_worker(0)
     record = stack.wait_job(stack.submit_music(duration_s=LONG_S), timeout=60)
     assert record["state"] == "failed"
@@ -31,7 +31,7 @@ def test_soft_time_limit_fails_with_timeout_message(make_stack):
 
 
 def test_stage_that_keeps_killing_its_worker_is_given_up(make_stack):
-    stack = make_stack(ENCORE_MAX_DELIVERIES="2")
+    stack = make_stack(ENCORE_MAX_DELIVERIES="2", **REFERENCE_ENGINE)
     stack.start_worker(0)
     job_id = stack.submit_music(duration_s=LONG_S)
     killed: set[int] = set()
@@ -73,9 +73,9 @@ def test_keep_loaded_loads_nothing_again_and_one_shot_reloads_stage_models(make_
 
 def test_restarted_worker_requeues_the_stage_its_crashed_predecessor_was_running(make_stack):
     """Without the start-up check the message would wait in `unacked` for the ~1 h visibility timeout."""
-    stack = make_stack(ENCORE_PRELOAD="1")
+    stack = make_stack(ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
     stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=20.0)
+    job_id = stack.submit_music(duration_s=30.0)
 
     def backbone_running():
         track = stack.job(job_id)["tracks"][0]

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import REPO, wait_until
+from tests.conftest import REFERENCE_ENGINE, REPO, wait_until
 
 LONG_S = 120.0  # the tiny backbone needs several seconds for this many tokens on a CPU
 
@@ -24,7 +24,7 @@ def test_fifo_across_stages_on_one_worker(make_stack):
 
 
 def test_cancel_queued_and_running_jobs(make_stack):
-    stack = make_stack()
+    stack = make_stack(**REFERENCE_ENGINE)
     stack.start_worker(0)
     running = stack.submit_music(duration_s=LONG_S)
     waiting = stack.submit_music(duration_s=2.0)
@@ -86,7 +86,7 @@ def test_plain_celery_command_serves_jobs_with_redis_artifacts(make_stack):
 
 def test_cancel_falls_back_to_killing_a_stage_that_does_not_stop(make_stack):
     """With no grace the watcher kills the child at once: the hard-kill fallback path."""
-    stack = make_stack(ENCORE_CANCEL_GRACE_S="0")
+    stack = make_stack(ENCORE_CANCEL_GRACE_S="0", **REFERENCE_ENGINE)
     stack.start_worker(0)
     job_id = stack.submit_music(duration_s=LONG_S)
     wait_until(lambda: stack.job(job_id)["tracks"][0]["state"] == "backbone" and stack.child_pid(0), 60,

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import requests
 
-from tests.conftest import REPO, wait_until
+from tests.conftest import REFERENCE_ENGINE, REPO, wait_until
 from tests.lipsync_media import face_video, tone
 
 ARTIFACTS = REPO / "test-artifacts"
@@ -169,7 +169,7 @@ def test_page_submits_music_job_shows_progress_and_plays_it(make_stack, browser,
 
 
 def test_cancel_button_cancels_a_running_job(make_stack, browser):
-    stack = make_stack()
+    stack = make_stack(**REFERENCE_ENGINE)
     stack.start_worker(0)
     browser.get(stack.base_url + "/")
     job_id = submit_music(browser, mode="instrumental", tags="ambient, drone", duration_s="60", num_tracks="1")

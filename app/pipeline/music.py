@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from app.pipeline import backbone, codec, export, megatron_backend, prompt, superres
+from app.pipeline import backbone, codec, export, megatron_backend, prompt, superres, torch_engine
 from app.pipeline.control import StageControl
-from app.pipeline.profiles import MusicProfile
+from app.pipeline.profiles import MusicProfile, TransformerSpec
 from app.pipeline.runtime import ModelCache
 
 # Models freed after each stage in one_shot mode (tokenizer and backbone stay, like the reference backend).
@@ -26,24 +26,39 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def load_engine(engine: str, spec: TransformerSpec, directory: Path, *, causal: bool, device: torch.device):
+    """Megatron-core loads the checkpoint either way; `torch` then runs its weights in plain PyTorch
+    (torch_engine.py, the fast path), `megatron` runs Megatron's own forward (the reference)."""
+    if engine not in ("torch", "megatron"):
+        raise ValueError(f"unknown engine {engine!r} (torch or megatron)")
+    model = megatron_backend.load_gpt(spec, directory, causal=causal, device=device)
+    if engine == "megatron":
+        return megatron_backend.MegatronCausalLM(model) if causal else megatron_backend.MegatronBidirectionalLM(model)
+    plain = torch_engine.from_megatron(model, spec)
+    del model  # only the converted weights stay
+    return torch_engine.TorchCausalLM(plain) if causal else torch_engine.TorchBidirectionalLM(plain)
+
+
 class MusicModels:
     """Lazily loaded models of one profile, held in a ModelCache under the worker's runtime mode."""
 
-    def __init__(self, profile: MusicProfile, mode: str, device: torch.device | None = None):
+    def __init__(self, profile: MusicProfile, mode: str, device: torch.device | None = None,
+                 engine: str = "torch"):
         self.profile = profile
         self.device = device or pick_device()
+        self.engine = engine
         self.cache = ModelCache(mode, ONE_SHOT_RESIDENT)
 
     def tokenizer(self, loaded: list[str] | None = None):
         return self.cache.get("tokenizer", lambda: prompt.load_tokenizer(self.profile.tokenizer_dir), loaded)
 
     def backbone(self, loaded: list[str] | None = None):
-        return self.cache.get("backbone", lambda: megatron_backend.load_causal_lm(
-            self.profile.backbone, self.profile.backbone_dir, device=self.device), loaded)
+        return self.cache.get("backbone", lambda: load_engine(
+            self.engine, self.profile.backbone, self.profile.backbone_dir, causal=True, device=self.device), loaded)
 
     def superres(self, loaded: list[str] | None = None):
-        return self.cache.get("superres", lambda: megatron_backend.load_bidirectional_lm(
-            self.profile.superres, self.profile.superres_dir, device=self.device), loaded)
+        return self.cache.get("superres", lambda: load_engine(
+            self.engine, self.profile.superres, self.profile.superres_dir, causal=False, device=self.device), loaded)
 
     def codec(self, loaded: list[str] | None = None):
         return self.cache.get("codec", lambda: codec.load_codec(

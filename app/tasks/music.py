@@ -28,7 +28,7 @@ def models() -> "MusicModels":
     """This worker child's models (created on first use, after fork)."""
     settings = services().settings
     profile = load_profile(settings.music_profile, settings.model_dir)
-    return _music().MusicModels(profile, settings.runtime_mode)
+    return _music().MusicModels(profile, settings.runtime_mode, engine=settings.music_engine)
 
 
 def preload() -> None:

@@ -32,6 +32,7 @@ def _heartbeat_loop(hostname: str) -> None:
     queues = _consumed_queues()
     info = {"queue": ",".join(queues), "pid": os.getpid(), "hostname": hostname,
             "runtime_mode": svc.settings.runtime_mode, "profile": svc.settings.music_profile,
+            "music_engine": svc.settings.music_engine,
             "pinned_to": _device_claim(), "started_at": time.time()}
     last_sweep = 0.0
     while not _stop.is_set():

@@ -1,0 +1,274 @@
+"""The Khala transformer in plain PyTorch, with a static KV cache: the fast engine behind engine.py.
+
+Megatron-core stays the loader and the reference (megatron_backend.py); this module takes the weights of a
+loaded Megatron GPTModel and runs them without Megatron's per-call machinery (inference contexts, parallel
+layers, rotary caches). The decode step has fixed shapes (a whole-length cache and a position mask, as in
+gpt-fast), so it can later be captured in a CUDA graph.
+
+Megatron's layouts, converted once at load:
+  linear_qkv   rows grouped per query group g: [heads_per_group x q | k | v] x head_dim
+  linear_fc1   [gate | up] halves: silu(gate) * up      (gated_linear_unit with F.silu)
+  RoPE         non-interleaved halves, inv_freq = base^(-2i/d), the same table for every head
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .profiles import TransformerSpec
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    max_len: int
+    rotary_base: float
+    eps: float
+
+    @classmethod
+    def of(cls, spec: TransformerSpec) -> "Shape":
+        return cls(spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_query_groups,
+                   spec.head_dim, spec.ffn_hidden_size, spec.vocab_size, spec.max_sequence_length,
+                   float(spec.rotary_base), spec.norm_epsilon)
+
+
+def rope_tables(shape: Shape, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos, sin [length, head_dim] in float32 for positions 0..length-1."""
+    inv_freq = 1.0 / shape.rotary_base ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32,
+                                                        device=device) / shape.head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, T, d] rotated by the tables for its T positions [T, d]."""
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.shape = shape
+        self.q = nn.Linear(shape.hidden, shape.heads * shape.head_dim)
+        self.k = nn.Linear(shape.hidden, shape.groups * shape.head_dim)
+        self.v = nn.Linear(shape.hidden, shape.groups * shape.head_dim)
+        self.out = nn.Linear(shape.heads * shape.head_dim, shape.hidden)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                cache: "KVCache | None" = None, positions: Tensor | None = None) -> Tensor:
+        batch, length, _ = x.shape
+        s = self.shape
+        q = self.q(x).view(batch, length, s.heads, s.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, length, s.groups, s.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, length, s.groups, s.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(k, v, positions)
+        # GQA without copying keys and values: the query heads of a group become extra query rows of that
+        # group (heads are numbered group by group), so each group's K/V is read once, unrepeated.
+        per_group = s.heads // s.groups
+        q = q.reshape(batch, s.groups, per_group * length, s.head_dim)
+        if mask is not None:
+            mask = mask.repeat(1, 1, per_group, 1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(batch, s.heads, length, s.head_dim)
+        return self.out(y.transpose(1, 2).reshape(batch, length, s.heads * s.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.gate = nn.Linear(shape.hidden, shape.ffn)
+        self.up = nn.Linear(shape.hidden, shape.ffn)
+        self.down = nn.Linear(shape.ffn, shape.hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(shape.hidden, eps=shape.eps)
+        self.attention = Attention(shape)
+        self.ffn_norm = nn.RMSNorm(shape.hidden, eps=shape.eps)
+        self.ffn = FeedForward(shape)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                cache: "KVCache | None" = None, positions: Tensor | None = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, positions)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class KVCache(nn.Module):
+    """Keys and values of one layer for `max_len` positions, written in place at given positions."""
+
+    def __init__(self, shape: Shape, max_len: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        size = (1, shape.groups, max_len, shape.head_dim)
+        self.register_buffer("keys", torch.zeros(size, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("values", torch.zeros(size, device=device, dtype=dtype), persistent=False)
+
+    def write(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        self.keys.index_copy_(2, positions, k)
+        self.values.index_copy_(2, positions, v)
+        return self.keys, self.values
+
+
+class KhalaTransformer(nn.Module):
+    """Embedding -> blocks -> final RMSNorm -> untied output projection."""
+
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.shape = shape
+        self.embedding = nn.Embedding(shape.vocab, shape.hidden)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.num_layers))
+        self.norm = nn.RMSNorm(shape.hidden, eps=shape.eps)
+        self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
+
+    def hidden_states(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                      caches: Sequence[KVCache] | None = None, positions: Tensor | None = None) -> Tensor:
+        """Input embeddings [B, T, hidden] -> final-norm hidden states [B, T, hidden]."""
+        for index, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, caches[index] if caches else None, positions)
+        return self.norm(x)
+
+
+# --- weights from Megatron --------------------------------------------------------------------------
+
+def megatron_to_plain(state: dict[str, Tensor], shape: Shape) -> dict[str, Tensor]:
+    """A Megatron GPTModel state dict (local spec) as KhalaTransformer's state dict."""
+    plain = {"embedding.weight": state["embedding.word_embeddings.weight"],
+             "norm.weight": state["decoder.final_layernorm.weight"],
+             "output.weight": state["output_layer.weight"]}
+    per_group = shape.heads // shape.groups
+    for i in range(shape.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"blocks.{i}."
+        for kind in ("weight", "bias"):
+            grouped = state[f"{src}self_attention.linear_qkv.{kind}"]
+            grouped = grouped.reshape(shape.groups, per_group + 2, shape.head_dim, *grouped.shape[1:])
+            plain[f"{dst}attention.q.{kind}"] = grouped[:, :per_group].reshape(-1, *grouped.shape[3:])
+            plain[f"{dst}attention.k.{kind}"] = grouped[:, per_group].reshape(-1, *grouped.shape[3:])
+            plain[f"{dst}attention.v.{kind}"] = grouped[:, per_group + 1].reshape(-1, *grouped.shape[3:])
+            plain[f"{dst}attention.out.{kind}"] = state[f"{src}self_attention.linear_proj.{kind}"]
+            gate, up = state[f"{src}mlp.linear_fc1.{kind}"].chunk(2, dim=0)
+            plain[f"{dst}ffn.gate.{kind}"], plain[f"{dst}ffn.up.{kind}"] = gate, up
+            plain[f"{dst}ffn.down.{kind}"] = state[f"{src}mlp.linear_fc2.{kind}"]
+        plain[f"{dst}attention_norm.weight"] = state[f"{src}input_layernorm.weight"]
+        plain[f"{dst}ffn_norm.weight"] = state[f"{src}pre_mlp_layernorm.weight"]
+    return {name: tensor.contiguous() for name, tensor in plain.items()}
+
+
+def from_megatron(megatron_model: nn.Module, spec: TransformerSpec) -> KhalaTransformer:
+    """A KhalaTransformer holding `megatron_model`'s weights, on its device and in its dtype."""
+    reference = next(megatron_model.parameters())
+    shape = Shape.of(spec)
+    state = {k: v for k, v in megatron_model.state_dict().items() if not k.endswith("_extra_state")}
+    with torch.device("meta"):
+        model = KhalaTransformer(shape)
+    model.load_state_dict(megatron_to_plain(state, shape), strict=True, assign=True)
+    return model.to(device=reference.device, dtype=reference.dtype).eval().requires_grad_(False)
+
+
+# --- engines ------------------------------------------------------------------------------------------
+
+class TorchCausalLM:
+    """CausalLM (engine.py) over KhalaTransformer with a static KV cache for one sequence."""
+
+    def __init__(self, model: KhalaTransformer):
+        self.model = model
+        self.vocab_size = model.shape.vocab
+        self.device = model.output.weight.device
+        self.dtype = model.output.weight.dtype
+        self._caches: list[KVCache] = []
+        self._rope: tuple[Tensor, Tensor] | None = None
+        self._length = 0
+        self._max_len = 0
+
+    def reset(self, max_len: int) -> None:
+        if max_len > self.model.shape.max_len:
+            raise ValueError(f"{max_len} positions exceed the model's {self.model.shape.max_len}")
+        self._caches = []  # drop the old cache before allocating the new one
+        self._caches = [KVCache(self.model.shape, max_len, self.device, self.dtype)
+                        for _ in range(self.model.shape.num_layers)]
+        self._rope = rope_tables(self.model.shape, max_len, self.device)
+        self._length, self._max_len = 0, max_len
+
+    def _step(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """Run tokens at `positions` through the cache; logits [T, vocab] (float32)."""
+        cos, sin = (table[positions] for table in self._rope)
+        visible = torch.arange(self._max_len, device=self.device)[None, :] <= positions[:, None]  # [T, max_len]
+        x = self.model.embedding(ids)[None]
+        hidden = self.model.hidden_states(x, cos, sin, visible[None, None], self._caches, positions)
+        return self.model.output(hidden[0]).float()
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> Tensor:
+        if not self._caches:
+            raise RuntimeError("call reset(max_len) before prefill()")
+        if self._length:
+            raise RuntimeError("prefill() needs a fresh cache: call reset(max_len) first")
+        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        if tokens.numel() > self._max_len:
+            raise ValueError(f"a {tokens.numel()}-token prompt does not fit in {self._max_len} positions")
+        logits = self._step(tokens, torch.arange(tokens.numel(), device=self.device))
+        self._length = tokens.numel()
+        return logits[-1]
+
+    @torch.inference_mode()
+    def decode(self, token_id: int) -> Tensor:
+        if not self._length:
+            raise RuntimeError("decode() needs prefill() first")
+        if self._length >= self._max_len:
+            raise ValueError(f"the cache holds {self._max_len} positions; reset() with a larger max_len")
+        tokens = torch.tensor([token_id], dtype=torch.long, device=self.device)
+        logits = self._step(tokens, torch.tensor([self._length], device=self.device))
+        self._length += 1
+        return logits[0]
+
+    @torch.inference_mode()
+    def logits(self, ids: Sequence[int]) -> Tensor:
+        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        cos, sin = rope_tables(self.model.shape, tokens.numel(), self.device)
+        causal = torch.ones(tokens.numel(), tokens.numel(), dtype=torch.bool, device=self.device).tril()
+        hidden = self.model.hidden_states(self.model.embedding(tokens)[None], cos, sin, causal[None, None])
+        return self.model.output(hidden[0]).float()
+
+    def release(self) -> None:
+        self._caches, self._rope, self._length, self._max_len = [], None, 0, 0
+
+
+class TorchBidirectionalLM:
+    """BidirectionalLM (engine.py) over KhalaTransformer: full attention, logits for one id window."""
+
+    def __init__(self, model: KhalaTransformer):
+        self.model = model
+        self.vocab_size = model.shape.vocab
+        self.device = model.output.weight.device
+
+    @property
+    def input_embeddings(self) -> Tensor:
+        return self.model.embedding.weight
+
+    @torch.inference_mode()
+    def logits(self, embeddings: Tensor, vocab: slice | None = None) -> Tensor:
+        x = embeddings.to(self.device, self.model.output.weight.dtype)[None]
+        cos, sin = rope_tables(self.model.shape, x.shape[1], self.device)
+        hidden = self.model.hidden_states(x, cos, sin, None)[0]
+        weight = self.model.output.weight if vocab is None else self.model.output.weight[vocab]
+        return (hidden @ weight.t()).float()
+
+    def release(self) -> None:
+        pass

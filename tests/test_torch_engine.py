@@ -1,0 +1,100 @@
+"""The plain-PyTorch engine against Megatron-core's forward, the reference, on the same weights (CPU, fp32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.pipeline.backbone import generate_coarse
+from app.pipeline.control import StageControl
+from app.pipeline.engine import BidirectionalLM, CausalLM
+from app.pipeline.music import load_engine
+from app.pipeline.profiles import load_profile
+from app.pipeline.superres import fill_fine
+from app.pipeline.torch_engine import TorchBidirectionalLM, TorchCausalLM
+
+torch.set_num_threads(2)
+PROMPT = [1, 42, 7, 300, 5, 99]
+TOLERANCE = 1e-5  # float32 rounding; a wrong head, group or half shows up as O(0.1)
+
+
+@pytest.fixture(scope="module")
+def profile(tiny_models):
+    return load_profile("tiny", tiny_models)
+
+
+@pytest.fixture(scope="module")
+def backbones(profile):
+    reference = load_engine("megatron", profile.backbone, profile.backbone_dir, causal=True, device=torch.device("cpu"))
+    fast = load_engine("torch", profile.backbone, profile.backbone_dir, causal=True, device=torch.device("cpu"))
+    return reference, fast
+
+
+@pytest.fixture(scope="module")
+def superres(profile):
+    reference = load_engine("megatron", profile.superres, profile.superres_dir, causal=False, device=torch.device("cpu"))
+    fast = load_engine("torch", profile.superres, profile.superres_dir, causal=False, device=torch.device("cpu"))
+    return reference, fast
+
+
+def test_engines_implement_the_protocols(backbones, superres):
+    assert isinstance(backbones[1], TorchCausalLM) and isinstance(backbones[1], CausalLM)
+    assert isinstance(superres[1], TorchBidirectionalLM) and isinstance(superres[1], BidirectionalLM)
+    assert backbones[0].vocab_size == backbones[1].vocab_size
+
+
+def test_full_forward_prefill_and_cached_decode_match_megatron(backbones):
+    reference, fast = backbones
+    assert fast.model.shape.groups < fast.model.shape.heads  # the tiny backbone uses grouped-query attention
+    assert reference.logits(PROMPT).abs().max() > 0.1  # so TOLERANCE is small against the logits
+    assert torch.allclose(fast.logits(PROMPT), reference.logits(PROMPT), atol=TOLERANCE)
+    for lm in backbones:
+        lm.reset(len(PROMPT) + 8)
+    assert torch.allclose(fast.prefill(PROMPT), reference.prefill(PROMPT), atol=TOLERANCE)
+    for token in (3, 250, 17, 17, 0):
+        assert torch.allclose(fast.decode(token), reference.decode(token), atol=TOLERANCE)
+    for lm in backbones:
+        lm.release()
+
+
+def test_same_seed_generates_the_same_coarse_codes_on_both_engines(backbones, profile):
+    def generate(lm):
+        return generate_coarse(lm, PROMPT, profile=profile, num_frames=10, temperature=1.0, top_k=50, seed=5,
+                               control=StageControl())
+    assert torch.equal(generate(backbones[0]), generate(backbones[1]))
+
+
+def test_superres_windows_and_codes_match_megatron(superres, profile):
+    reference, fast = superres
+    embeddings = torch.randn(12, fast.input_embeddings.shape[1], generator=torch.Generator().manual_seed(1))
+    window = slice(profile.audio_token_offset(2), profile.audio_token_offset(2) + profile.codebook_size)
+    assert torch.allclose(fast.logits(embeddings, window), reference.logits(embeddings, window), atol=TOLERANCE)
+    assert torch.equal(fast.input_embeddings, reference.input_embeddings)
+    coarse = torch.randint(0, profile.codebook_size, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def fill(lm):
+        return fill_fine(lm, coarse, profile=profile, seed=3, control=StageControl(), prompt_ids=PROMPT)
+    assert torch.equal(fill(reference), fill(fast))
+
+
+def test_cache_misuse_raises(backbones):
+    fast = backbones[1]
+    fast.release()
+    with pytest.raises(RuntimeError, match="reset"):
+        fast.prefill(PROMPT)
+    fast.reset(len(PROMPT) + 1)
+    with pytest.raises(RuntimeError, match="prefill"):
+        fast.decode(1)
+    fast.prefill(PROMPT)
+    with pytest.raises(RuntimeError, match="fresh cache"):
+        fast.prefill(PROMPT)
+    fast.decode(1)
+    with pytest.raises(ValueError, match="holds"):
+        fast.decode(2)
+    with pytest.raises(ValueError, match="exceed"):
+        fast.reset(fast.model.shape.max_len + 1)
+    fast.release()
+
+
+def test_unknown_engine_is_refused(profile):
+    with pytest.raises(ValueError, match="unknown engine"):
+        load_engine("tensorrt", profile.backbone, profile.backbone_dir, causal=True, device=torch.device("cpu"))
