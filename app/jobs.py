@@ -164,12 +164,38 @@ class JobStore:
         return job
 
     def recent_job_ids(self, limit: int = 100) -> list[str]:
+        """Newest first; ids whose record expired are dropped from the index on the way."""
         ids = self.redis.zrevrange(self.jobs_key, 0, limit - 1)
-        alive = [job_id for job_id in ids if self.redis.exists(self.job_key(job_id))]
+        alive = []
+        for chunk in _chunks(ids, PIPELINE_CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in chunk:
+                pipe.exists(self.job_key(job_id))
+            alive += [job_id for job_id, exists in zip(chunk, pipe.execute()) if exists]
         gone = set(ids) - set(alive)
         if gone:
             self.redis.zrem(self.jobs_key, *gone)
         return alive
+
+    def track_states(self, job_ids: list[str]) -> dict[str, tuple[str, list[str]]]:
+        """{job id: (kind, track states)} in two pipelined round trips per chunk of jobs, for gauges that
+        look at every job (a record per job would cost 2 + tracks round trips each)."""
+        result: dict[str, tuple[str, list[str]]] = {}
+        for chunk in _chunks(job_ids, PIPELINE_CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in chunk:
+                pipe.hmget(self.job_key(job_id), "kind", "num_tracks")
+            heads = [(job_id, kind, int(count)) for job_id, (kind, count) in zip(chunk, pipe.execute())
+                     if kind is not None and count is not None]
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id, _, count in heads:
+                for index in range(count):
+                    pipe.hget(self.track_key(job_id, index), "state")
+            states = iter(pipe.execute())
+            for job_id, kind, count in heads:
+                found = [state for state in (next(states) for _ in range(count)) if state is not None]
+                result[job_id] = (kind, found)
+        return result
 
     # -- update -------------------------------------------------------------------------------------
     def update(self, job_id: str, track: int, **fields: Any) -> bool:
@@ -236,6 +262,13 @@ class JobStore:
 
     def fail(self, job_id: str, track: int, message: str) -> bool:
         return self.finish(job_id, track, FAILED, error=message, detail="failed")
+
+
+PIPELINE_CHUNK = 500
+
+
+def _chunks(items: list[str], size: int) -> list[list[str]]:
+    return [items[start:start + size] for start in range(0, len(items), size)]
 
 
 def overall_state(states: list[str]) -> str:

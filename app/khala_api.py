@@ -149,13 +149,9 @@ def status_reply(svc: Services) -> dict[str, Any]:
 
 def _open_tracks(svc: Services) -> list[tuple[str, str]]:
     """(job id, track state) of every track not finished yet."""
-    open_tracks = []
-    for job_id in svc.jobs.recent_job_ids(limit=10_000):
-        job = svc.jobs.job(job_id)
-        for track in svc.jobs.tracks(job_id, job["num_tracks"]) if job else []:
-            if track["state"] not in (DONE, FAILED, CANCELED):
-                open_tracks.append((job_id, track["state"]))
-    return open_tracks
+    jobs = svc.jobs.track_states(svc.jobs.recent_job_ids(limit=10_000))
+    return [(job_id, state) for job_id, (_, states) in jobs.items() for state in states
+            if state not in (DONE, FAILED, CANCELED)]
 
 
 def _worker_phase(worker: dict[str, Any]) -> str:

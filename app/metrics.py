@@ -59,12 +59,9 @@ class EncoreCollector(Collector):
         gauge = GaugeMetricFamily("encore_jobs", "Jobs still held in Redis, by kind and state",
                                   labels=["kind", "state"])
         counts: dict[tuple[str, str], int] = {}
-        for job_id in self.svc.jobs.recent_job_ids(limit=100_000):
-            job = self.svc.jobs.job(job_id)
-            if job is None:
-                continue
-            states = [t["state"] for t in self.svc.jobs.tracks(job_id, job["num_tracks"])]
-            key = (job["kind"], overall_state(states))
+        jobs = self.svc.jobs.track_states(self.svc.jobs.recent_job_ids(limit=100_000))
+        for kind, states in jobs.values():
+            key = (kind, overall_state(states))
             counts[key] = counts.get(key, 0) + 1
         for (kind, state), value in sorted(counts.items()):
             gauge.add_metric([kind, state], value)

@@ -52,6 +52,27 @@ def test_queue_positions_follow_submission_order(client):
     assert [jobs.record(j)["queue_position"] for j in ids] == [0, 1, 2]
 
 
+def test_index_drops_expired_jobs_and_states_agree_with_records(client, monkeypatch):
+    monkeypatch.setattr("app.jobs.PIPELINE_CHUNK", 2)  # several chunks with a handful of jobs
+    jobs = JobStore(client, "t", ttl_s=60)
+    music = jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=1.0)
+    lipsync = jobs.create("lipsync", {}, [{}], cost=1.0)
+    gone = jobs.create("music", {}, [{"seed": 3}], cost=1.0)
+    newest = jobs.create("music", {}, [{"seed": 4}], cost=1.0)
+    jobs.update(music, 0, state="backbone")
+    jobs.finish(music, 1, "done")
+    jobs.fail(lipsync, 0, "no face detected")
+    client.delete(jobs.job_key(gone))  # expired
+    assert jobs.recent_job_ids(limit=10) == [newest, lipsync, music]
+    assert client.zrange(jobs.jobs_key, 0, -1) == [music, lipsync, newest]
+    states = jobs.track_states([music, lipsync, gone, newest])
+    assert states == {music: ("music", ["backbone", "done"]), lipsync: ("lipsync", ["failed"]),
+                      newest: ("music", ["queued"])}
+    for job_id, (kind, track_states) in states.items():
+        record = jobs.record(job_id)
+        assert (record["kind"], [t["state"] for t in record["tracks"]]) == (kind, track_states)
+
+
 def test_overall_state():
     assert overall_state(["queued", "queued"]) == "queued"
     assert overall_state(["backbone", "queued"]) == "running"
