@@ -52,6 +52,7 @@ class Settings:
         default_factory=lambda: {**_time_limits(DEFAULT_TIME_LIMITS), **_time_limits(_env("ENCORE_TIME_LIMITS", ""))})
     max_deliveries: int = field(default_factory=lambda: int(_env("ENCORE_MAX_DELIVERIES", "3")))
     cancel_grace_s: float = field(default_factory=lambda: float(_env("ENCORE_CANCEL_GRACE_S", "3")))
+    reroute_after_s: float = field(default_factory=lambda: float(_env("ENCORE_REROUTE_AFTER_S", "60")))
     heartbeat_s: float = field(default_factory=lambda: float(_env("ENCORE_HEARTBEAT_S", "2")))
     result_expires_s: int = field(default_factory=lambda: int(_env("ENCORE_RESULT_EXPIRES_S", str(24 * 3600))))
     lipsync_profile: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PROFILE", "tiny"))

@@ -7,6 +7,7 @@ Layout (prefix `encore` by default, every key expires with the job):
   {p}:jobs                  zset of job ids by creation time (pruned lazily)
   {p}:queue:{q}:waiting     zset of "job:track" not started yet, by submission order (queue positions)
   {p}:queue:{q}:load        zset of "job:track" not finished yet, scored by estimated cost (routing)
+  {p}:queues                set of every queue a track was ever assigned to
   {p}:events:{id}           pub/sub channel: every state/progress change of the job
 
 Workers and the web both write track hashes; a Lua script refuses any write to a track that already
@@ -87,6 +88,14 @@ class JobStore:
     def events_channel(self, job_id: str) -> str:
         """Pub/sub channel carrying every state and progress change of a job (live views, tests)."""
         return f"{self.prefix}:events:{job_id}"
+
+    @property
+    def queues_key(self) -> str:
+        return f"{self.prefix}:queues"
+
+    def queues(self) -> set[str]:
+        """Every queue a track was ever assigned to."""
+        return set(self.redis.smembers(self.queues_key))
 
     @property
     def jobs_key(self) -> str:
@@ -213,6 +222,7 @@ class JobStore:
         pipe = self.redis.pipeline()
         pipe.zadd(self.waiting_key(queue), {member: seq})
         pipe.zadd(self.load_key(queue), {member: cost})
+        pipe.sadd(self.queues_key, queue)
         pipe.execute()
         self.update(job_id, track, queue=queue, task_ids=task_ids, seq=seq, detail="queued")
 

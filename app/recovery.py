@@ -1,4 +1,6 @@
-"""Give a crashed worker's interrupted stage back to its queue when the worker starts again.
+"""Work a dead worker held or was queued to: give it back, or move it to a live worker.
+
+1. A crashed worker's interrupted stage goes back to its queue when the worker starts again.
 
 With acks_late, kombu's Redis transport keeps every delivered message in its `unacked` hash until the task
 ends. When a worker's *master* dies (OOM killer, kill -9, node reboot) nobody acks or restores it, and kombu
@@ -10,13 +12,20 @@ before it started, while no other live worker consumes that queue and the previo
 gone, was orphaned by that predecessor: it goes back to the head of its queue at once (kombu's own atomic
 restore, so it is never both restored and acked). The stage's delivery counter still caps a stage that keeps
 killing its worker.
+
+2. Tracks that have not started, waiting on a queue whose worker has been offline longer than
+ENCORE_REROUTE_AFTER_S, are taken off it (with their first-stage message, atomically, so a worker that
+comes back cannot also run them) and routed again to a live queue. Started tracks stay: their next stages
+need the worker-local scratch of the worker that ran the earlier ones.
 """
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from app.services import Services
 from app.workers import WorkerRegistry, pid_alive
 
 
@@ -78,3 +87,77 @@ def why_not_safe(registry: WorkerRegistry, name: str, queues: set[str], own_pid:
 def restore(channel: Any, orphan: Orphan) -> None:
     """Put the delivery back at the head of its queue, atomically with removing it from `unacked`."""
     channel.qos.restore_by_tag(orphan.tag, leftmost=False)
+
+
+# --- tracks waiting on a queue whose worker is gone ------------------------------------------------------
+
+# Atomically: the track has not started, its first-stage message is still in the broker list (LREM finds
+# it, so no worker took it), then it leaves that queue's bookkeeping and is parked for routing again.
+_DETACH_QUEUED = """
+if redis.call('HGET', KEYS[4], 'state') ~= 'queued' then return 0 end
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return 0 end
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('HSET', KEYS[4], 'queue', '', 'task_ids', '[]', 'detail', ARGV[3], 'updated_at', ARGV[4])
+redis.call('RPUSH', KEYS[5], ARGV[2])
+return 1
+"""
+
+
+def broker_lists(queue: str, transport_options: dict[str, Any]) -> list[str]:
+    """The Redis lists kombu keeps for `queue`, one per priority step (step 0 is the bare name)."""
+    sep = transport_options.get("sep", "\x06\x16")
+    steps = transport_options.get("priority_steps", [0, 3, 6, 9])
+    return [queue if step == 0 else f"{queue}{sep}{step}" for step in steps]
+
+
+def find_message(client: Any, lists: list[str], task_id: str) -> tuple[str, str] | None:
+    """(list key, exact payload) of the queued message of `task_id`, or None once a worker took it."""
+    for key in lists:
+        for payload in client.lrange(key, 0, -1):
+            try:
+                headers = json.loads(payload).get("headers") or {}
+            except ValueError:
+                continue
+            if headers.get("id") == task_id:
+                return key, payload
+    return None
+
+
+def stranded(svc: Services, queues: list[str], after_s: float, now: float) -> list[str]:
+    """Those of `queues` with tracks waiting whose consumers have all been offline for more than `after_s`."""
+    live = set(svc.workers.live_queues())
+    result = []
+    for queue in queues:
+        if queue in live or not svc.redis.zcard(svc.jobs.waiting_key(queue)):
+            continue
+        seen = svc.workers.queue_live_at(queue)
+        if seen is None or now - seen > after_s:
+            result.append(queue)
+    return result
+
+
+def detach_waiting_tracks(svc: Services, queue: str, transport_options: dict[str, Any],
+                          parked_key: str) -> list[str]:
+    """Take every not-started track off `queue` (and its message out of the broker), parking it for routing.
+
+    Returns the "job:track" members detached. A track whose message a worker already took stays put.
+    """
+    broker = svc.redis  # the broker is the job store's Redis (app.celery_app.make_celery)
+    detach = broker.register_script(_DETACH_QUEUED)
+    lists = broker_lists(queue, transport_options)
+    detached = []
+    for member in svc.redis.zrange(svc.jobs.waiting_key(queue), 0, -1):
+        job_id, _, track = member.rpartition(":")
+        record = svc.jobs.track(job_id, int(track))
+        if record is None or not record["task_ids"]:
+            continue
+        found = find_message(broker, lists, record["task_ids"][0])
+        if found is None:
+            continue
+        key, payload = found
+        keys = [key, svc.jobs.waiting_key(queue), svc.jobs.load_key(queue), svc.jobs.track_key(job_id, int(track)),
+                parked_key]
+        if detach(keys=keys, args=[payload, member, f"moving: no worker on {queue}", str(time.time())]) == 1:
+            detached.append(member)
+    return detached

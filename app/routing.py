@@ -10,12 +10,14 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 from celery import Celery, chain
 
 from app.joblog import job_event
 from app.kinds import KINDS, QUEUED, JobKind
+from app.recovery import detach_waiting_tracks, stranded
 from app.services import Services
 
 log = logging.getLogger("encore.routing")
@@ -37,11 +39,9 @@ def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
 
 
 def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
-    """Queues with a worker (live or not) or with outstanding tracks (every waiting track is outstanding)."""
-    prefix = f"{svc.settings.key_prefix}:queue:"
-    with_work = {key[len(prefix):].rsplit(":", 1)[0] for key in svc.redis.scan_iter(f"{prefix}*:load")}
+    """Queues that ever had a track or have a live worker (no keyspace scan: this runs on every heartbeat)."""
     workers = svc.workers.workers() if workers is None else workers
-    return sorted(with_work | {w["queue"] for w in workers if w.get("queue")})
+    return sorted(svc.jobs.queues() | {w["queue"] for w in workers if w.get("queue")})
 
 
 def pick_queue(svc: Services) -> str | None:
@@ -92,6 +92,28 @@ def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> No
             job_event(log, "parked", job_id, track=track, reason="no live worker")
         else:
             enqueue_track(svc, celery, job_id, track, queue)
+
+
+def reroute_stranded(svc: Services, celery: Celery) -> int:
+    """Move not-started tracks off queues whose worker has been offline > ENCORE_REROUTE_AFTER_S to live
+    queues; returns how many moved. One process at a time (a short Redis lock)."""
+    after_s = svc.settings.reroute_after_s
+    lock = f"{svc.settings.key_prefix}:lock:reroute"
+    if after_s <= 0 or not svc.redis.set(lock, "1", nx=True, ex=60):
+        return 0
+    try:
+        moved = 0
+        options = dict(celery.conf.broker_transport_options or {})
+        for queue in stranded(svc, known_queues(svc), after_s, time.time()):
+            for member in detach_waiting_tracks(svc, queue, options, _unrouted_key(svc)):
+                job_id, _, track = member.rpartition(":")
+                job_event(log, "rerouting", job_id, track=int(track), queue=queue, reason="worker offline")
+                moved += 1
+        if moved:
+            dispatch_unrouted(svc, celery)
+        return moved
+    finally:
+        svc.redis.delete(lock)
 
 
 def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:

@@ -4,6 +4,7 @@ what it is doing. Routing and /api/v1/status read it (no broadcast `inspect` rou
   {p}:workers                 set of every worker name ever seen (so an expired one shows as offline)
   {p}:worker:{name}           hash, expires after 3 missed heartbeats: queue, pid, runtime_mode, device, ...
   {p}:worker:{name}:current   hash while a stage runs: job_id, track, stage, since, pid
+  {p}:queue:{q}:live_at       last heartbeat of a worker consuming q (how long a queue has been orphaned)
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import time
 from typing import Any
 
 import redis
+
+
+LIVE_AT_TTL_S = 7 * 24 * 3600
 
 
 class WorkerRegistry:
@@ -32,6 +36,8 @@ class WorkerRegistry:
         pipe.sadd(f"{self.prefix}:workers", name)
         pipe.hset(self._key(name), mapping={**{k: str(v) for k, v in info.items()}, "last_seen": time.time()})
         pipe.expire(self._key(name), self.ttl_s)
+        for queue in filter(None, str(info.get("queue", "")).split(",")):
+            pipe.set(self._queue_live_key(queue), time.time(), ex=LIVE_AT_TTL_S)
         pipe.execute()
         self._drop_stale_current(name)
 
@@ -40,6 +46,14 @@ class WorkerRegistry:
         pid = self.redis.hget(self._key(name) + ":current", "pid")
         if pid and not pid_alive(int(pid)):
             self.redis.delete(self._key(name) + ":current")
+
+    def _queue_live_key(self, queue: str) -> str:
+        return f"{self.prefix}:queue:{queue}:live_at"
+
+    def queue_live_at(self, queue: str) -> float | None:
+        """When a worker consuming `queue` last sent a heartbeat (None if not within a week)."""
+        value = self.redis.get(self._queue_live_key(queue))
+        return float(value) if value else None
 
     def info(self, name: str) -> dict[str, str]:
         """The worker's heartbeat hash; empty once it missed three heartbeats."""

@@ -70,3 +70,29 @@ def test_not_safe_while_a_predecessor_lives_or_another_worker_shares_the_queue(s
     assert why_not_safe(svc.workers, me, {"gpu2"}, os.getpid()) is None
     svc.workers.forget("other@host")
     assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) is None
+
+
+def test_waiting_tracks_are_detached_only_while_their_message_is_still_queued(svc):
+    from app.routing import enqueue_track
+    from app.recovery import detach_waiting_tracks, stranded
+    app = make_celery(svc.settings)
+    options = dict(app.conf.broker_transport_options)
+    first, second = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
+    for job_id in (first, second):
+        enqueue_track(svc, app, job_id, 0, "gpu5")
+    svc.workers.heartbeat("gpu5@host", {"queue": "gpu5", "pid": 1})
+    now = time.time()
+    assert stranded(svc, ["gpu5"], after_s=60, now=now) == []  # its worker is live
+    svc.workers.forget("gpu5@host")
+    assert stranded(svc, ["gpu5"], after_s=60, now=now) == []  # offline for less than 60 s
+    assert stranded(svc, ["gpu5"], after_s=60, now=now + 120) == ["gpu5"]
+
+    taken = svc.redis.rpop("gpu5:9")  # a worker took the first job's message (kombu pops from the right)
+    assert taken is not None
+    moved = detach_waiting_tracks(svc, "gpu5", options, "test:parked")
+    assert moved == [f"{second}:0"] and svc.redis.lrange("test:parked", 0, -1) == moved
+    assert svc.redis.llen("gpu5:9") == 0
+    assert svc.jobs.record(second)["tracks"][0]["queue"] == "" and svc.jobs.record(second)["tracks"][0]["task_ids"] == []
+    assert svc.jobs.record(first)["tracks"][0]["queue"] == "gpu5"  # its message was taken: it stays
+    assert svc.redis.zrange(svc.jobs.waiting_key("gpu5"), 0, -1) == [f"{first}:0"]
+    assert detach_waiting_tracks(svc, "gpu5", options, "test:parked") == []  # idempotent

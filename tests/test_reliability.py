@@ -93,3 +93,31 @@ def test_restarted_worker_requeues_the_stage_its_crashed_predecessor_was_running
     assert stack.redis.hlen("unacked") == 0
     assert any(f"job={job_id} track=0 queue=gpu0 " in line and "event=requeued_after_crash" in line
                for line in stack.worker_log(0).splitlines())
+
+
+def test_waiting_tracks_move_off_a_dead_workers_queue_and_the_started_one_stays(make_stack):
+    """gpu0 dies with one job running and one waiting: the waiting one runs on gpu1 once gpu0 has been offline
+    ENCORE_REROUTE_AFTER_S; the started one is neither moved nor duplicated, and finishes when gpu0 returns."""
+    stack = make_stack(ENCORE_REROUTE_AFTER_S="1", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    stack.start_worker(0)
+    running = stack.submit_music(duration_s=30.0)
+    waiting = stack.submit_music(duration_s=2.0)
+    wait_until(lambda: stack.job(running)["tracks"][0]["progress"] > 0, 60, 0.1, "the first job's backbone")
+    assert stack.job(waiting)["tracks"][0]["queue"] == "gpu0" and stack.job(waiting)["queue_position"] == 1
+    stack.stop_worker(0)
+
+    stack.start_worker(1)
+    moved = stack.wait_job(waiting, timeout=120)
+    assert moved["state"] == "done" and moved["tracks"][0]["queue"] == "gpu1"
+    assert moved["tracks"][0]["stages"]["backbone"]["worker"].startswith("gpu1@")
+    assert any(f"job={waiting} track=0 queue=gpu0 " in line and "event=rerouting" in line
+               for line in stack.worker_log(1).splitlines())
+    stuck = stack.job(running)["tracks"][0]
+    assert (stuck["queue"], stuck["state"]) == ("gpu0", "backbone")  # started: not moved
+    # The moved job's message left gpu0's broker lists; the started job's delivery is still unacked there.
+    assert [stack.redis.llen(name) for name in ("gpu0", "gpu0:9")] == [0, 0] and stack.redis.hlen("unacked") == 1
+
+    stack.start_worker(0)
+    record = stack.wait_job(running, timeout=120)
+    assert record["state"] == "done" and record["tracks"][0]["stages"]["backbone"]["worker"].startswith("gpu0@")
+    assert "event=stale_delivery" not in stack.worker_log(0) + stack.worker_log(1)
