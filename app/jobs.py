@@ -49,7 +49,7 @@ def _flatten(fields: dict[str, str]) -> list[str]:
     return [item for pair in fields.items() for item in pair]
 
 
-_JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost")
+_JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts")
 
 
 def _decode_track(raw: dict[str, str]) -> dict[str, Any]:
@@ -118,7 +118,7 @@ class JobStore:
             pipe.hset(key, mapping=_encode({
                 "track": index, "state": QUEUED, "stage": "", "progress": 0.0,
                 "detail": "waiting for a worker", "queue": "", "worker": "", "error": "",
-                "artifacts": [], "stages": {}, "task_ids": [], "cost": cost, "attempts": 0,
+                "artifacts": [], "stages": {}, "task_ids": [], "cost": cost, "attempts": 0, "restarts": 0,
                 "params": json.dumps(extra), "updated_at": str(now),
             }))
             pipe.expire(key, self.ttl_s)

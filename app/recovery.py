@@ -13,10 +13,13 @@ gone, was orphaned by that predecessor: it goes back to the head of its queue at
 restore, so it is never both restored and acked). The stage's delivery counter still caps a stage that keeps
 killing its worker.
 
-2. Tracks that have not started, waiting on a queue whose worker has been offline longer than
-ENCORE_REROUTE_AFTER_S, are taken off it (with their first-stage message, atomically, so a worker that
-comes back cannot also run them) and routed again to a live queue. Started tracks stay: their next stages
-need the worker-local scratch of the worker that ran the earlier ones.
+2. When a queue's worker has been offline longer than ENCORE_REROUTE_AFTER_S, its tracks move to live
+queues. One that has not started is taken off with its first-stage message, atomically, so a worker that
+comes back cannot also run it. One that had started (its worker died mid-track and did not come back)
+starts over from its first stage: its next stages would need the dead worker's local scratch. Its old
+chain's messages may still be delivered one day (restored from `unacked` when that worker returns); the
+stage guard ignores any message that is not of the track's current chain. A track restarted this way more
+than ENCORE_MAX_DELIVERIES times fails instead: something in it may be what kills workers.
 """
 from __future__ import annotations
 
@@ -104,6 +107,22 @@ return 1
 """
 
 
+# Atomically: the track is still open and on `queue`; it leaves the queue's bookkeeping, counts one restart
+# and is parked, as a new track, for routing again.
+_RESTART_STARTED = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if (not state) or state == 'done' or state == 'failed' or state == 'canceled' then return -1 end
+if redis.call('HGET', KEYS[1], 'queue') ~= ARGV[2] then return -1 end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+local restarts = redis.call('HINCRBY', KEYS[1], 'restarts', 1)
+redis.call('HSET', KEYS[1], 'state', 'queued', 'stage', '', 'progress', '0.0', 'running', '0', 'queue', '',
+           'task_ids', '[]', 'detail', ARGV[3], 'updated_at', ARGV[4])
+redis.call('RPUSH', KEYS[4], ARGV[1])
+return restarts
+"""
+
+
 def broker_lists(queue: str, transport_options: dict[str, Any]) -> list[str]:
     """The Redis lists kombu keeps for `queue`, one per priority step (step 0 is the bare name)."""
     sep = transport_options.get("sep", "\x06\x16")
@@ -125,11 +144,11 @@ def find_message(client: Any, lists: list[str], task_id: str) -> tuple[str, str]
 
 
 def stranded(svc: Services, queues: list[str], after_s: float, now: float) -> list[str]:
-    """Those of `queues` with tracks waiting whose consumers have all been offline for more than `after_s`."""
+    """Those of `queues` with open tracks whose consumers have all been offline for more than `after_s`."""
     live = set(svc.workers.live_queues())
     result = []
     for queue in queues:
-        if queue in live or not svc.redis.zcard(svc.jobs.waiting_key(queue)):
+        if queue in live or not svc.redis.zcard(svc.jobs.load_key(queue)):
             continue
         seen = svc.workers.queue_live_at(queue)
         if seen is None or now - seen > after_s:
@@ -161,3 +180,34 @@ def detach_waiting_tracks(svc: Services, queue: str, transport_options: dict[str
         if detach(keys=keys, args=[payload, member, f"moving: no worker on {queue}", str(time.time())]) == 1:
             detached.append(member)
     return detached
+
+
+def restart_started_tracks(svc: Services, queue: str, parked_key: str) -> tuple[list[str], list[str]]:
+    """Park every open track of `queue` that had started, to run again from its first stage elsewhere.
+
+    Returns (restarted, failed) "job:track" members; a track already restarted ENCORE_MAX_DELIVERIES times
+    fails with a message instead of being tried on yet another worker.
+    """
+    restart = svc.redis.register_script(_RESTART_STARTED)
+    waiting = set(svc.redis.zrange(svc.jobs.waiting_key(queue), 0, -1))
+    restarted, failed = [], []
+    for member in svc.redis.zrange(svc.jobs.load_key(queue), 0, -1):
+        if member in waiting:
+            continue
+        job_id, _, track = member.rpartition(":")
+        record = svc.jobs.track(job_id, int(track))
+        if record is None:
+            svc.redis.zrem(svc.jobs.load_key(queue), member)
+            continue
+        worker = record["worker"] or queue
+        if int(record.get("restarts", 0)) >= svc.settings.max_deliveries:
+            if svc.jobs.fail(job_id, int(track), f"its worker went offline {int(record.get('restarts', 0)) + 1} "
+                                                 f"times while running it (last {worker}); giving up"):
+                failed.append(member)
+            continue
+        keys = [svc.jobs.track_key(job_id, int(track)), svc.jobs.waiting_key(queue), svc.jobs.load_key(queue),
+                parked_key]
+        detail = f"restarting: {worker} went offline during {record['stage'] or 'its chain'}"
+        if restart(keys=keys, args=[member, queue, detail, str(time.time())]) > 0:
+            restarted.append(member)
+    return restarted, failed

@@ -17,7 +17,7 @@ from celery import Celery, chain
 
 from app.joblog import job_event
 from app.kinds import KINDS, QUEUED, JobKind
-from app.recovery import detach_waiting_tracks, stranded
+from app.recovery import detach_waiting_tracks, restart_started_tracks, stranded
 from app.services import Services
 
 log = logging.getLogger("encore.routing")
@@ -95,8 +95,8 @@ def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> No
 
 
 def reroute_stranded(svc: Services, celery: Celery) -> int:
-    """Move not-started tracks off queues whose worker has been offline > ENCORE_REROUTE_AFTER_S to live
-    queues; returns how many moved. One process at a time (a short Redis lock)."""
+    """Move the open tracks of queues whose worker has been offline > ENCORE_REROUTE_AFTER_S to live queues
+    (app/recovery.py); returns how many moved. One process at a time (a short Redis lock)."""
     after_s = svc.settings.reroute_after_s
     lock = f"{svc.settings.key_prefix}:lock:reroute"
     if after_s <= 0 or not svc.redis.set(lock, "1", nx=True, ex=60):
@@ -105,10 +105,15 @@ def reroute_stranded(svc: Services, celery: Celery) -> int:
         moved = 0
         options = dict(celery.conf.broker_transport_options or {})
         for queue in stranded(svc, known_queues(svc), after_s, time.time()):
-            for member in detach_waiting_tracks(svc, queue, options, _unrouted_key(svc)):
-                job_id, _, track = member.rpartition(":")
-                job_event(log, "rerouting", job_id, track=int(track), queue=queue, reason="worker offline")
-                moved += 1
+            # started tracks first: they were submitted before the ones still waiting
+            restarted, failed = restart_started_tracks(svc, queue, _unrouted_key(svc))
+            detached = detach_waiting_tracks(svc, queue, options, _unrouted_key(svc))
+            for event, members in (("restarting", restarted), ("rerouting", detached), ("failed", failed)):
+                for member in members:
+                    job_id, _, track = member.rpartition(":")
+                    job_event(log, event, job_id, track=int(track), queue=queue, reason="worker offline",
+                              level=logging.ERROR if event == "failed" else logging.WARNING)
+            moved += len(restarted) + len(detached)
         if moved:
             dispatch_unrouted(svc, celery)
         return moved

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
 from app.celery_app import make_celery
+from app.recovery import broker_lists
 from app.config import Settings, load_settings
 from app.joblog import job_event
 from app.khala_api import make_blueprint
@@ -183,7 +184,7 @@ def create_app(settings: Settings | None = None) -> Flask:
             "workers": [_public_worker(w) for w in workers],
             "queues": [{"name": q, "waiting": svc.redis.zcard(svc.jobs.waiting_key(q)),
                         "outstanding": svc.redis.zcard(svc.jobs.load_key(q)),
-                        "estimated_load": loads[q], "broker_messages": _broker_depth(svc, q)}
+                        "estimated_load": loads[q], "broker_messages": _broker_depth(svc, celery_app, q)}
                        for q in queues],
             "unrouted": svc.redis.llen(f"{settings.key_prefix}:unrouted"),
             "time": time.time(),
@@ -239,14 +240,15 @@ def _download_urls(job_id: str, track: dict[str, Any]) -> dict[str, str]:
 
 def _public_worker(worker: dict[str, Any]) -> dict[str, Any]:
     keys = ("name", "status", "queue", "pinned_to", "device", "runtime_mode", "gpu_free_bytes", "gpu_total_bytes",
-            "pid", "last_seen", "current", "hostname", "profile")
+            "pid", "last_seen", "current", "hostname", "profile", "music_engine")
     return {k: worker.get(k) for k in keys if k in worker}
 
 
-def _broker_depth(svc: Services, queue: str) -> int:
+def _broker_depth(svc: Services, celery_app, queue: str) -> int:
     """Messages in the broker for `queue` (same Redis), every priority list summed: LLEN of the bare
     name only counts priority 0."""
-    return sum(svc.redis.llen(queue if p == 0 else f"{queue}:{p}") for p in range(10))
+    options = dict(celery_app.conf.broker_transport_options or {})
+    return sum(svc.redis.llen(key) for key in broker_lists(queue, options))
 
 
 PUBLIC_ENDPOINTS = {"index", "static", "healthz", "metrics"}

@@ -83,6 +83,15 @@ def tiny_models(tmp_path_factory) -> Path:
     return base / "tiny"
 
 
+def unit_services(redis_base_url: str, db: int, root: Path):
+    """Services on one of the unit tests' Redis databases (500+), emptied first."""
+    from app.config import Settings
+    from app.services import build_services
+    services = build_services(Settings(redis_url=f"{redis_base_url}/{db}", artifact_dir=root))
+    services.redis.flushdb()
+    return services
+
+
 # Tests that need a music stage still running seconds after it starts (cancel, kill, time limits) use the
 # reference engine: Megatron's forward is ~2.4x slower per token than the default plain-PyTorch engine, which
 # would finish those tiny songs before the test acts. Everything else runs the default engine.

@@ -103,7 +103,7 @@ def test_full_music_job_over_http_on_two_workers(make_stack, tmp_path):
     status = requests.get(f"{stack.base_url}/api/v1/status", timeout=5).json()
     by_queue = {w["queue"]: w for w in status["workers"]}
     assert by_queue["gpu0"]["status"] == "idle" and by_queue["gpu0"]["device"] == "cpu"
-    assert by_queue["gpu1"]["runtime_mode"] == "keep_loaded"
+    assert by_queue["gpu1"]["runtime_mode"] == "keep_loaded" and by_queue["gpu1"]["music_engine"] == "torch"
     assert all(q["outstanding"] == 0 for q in status["queues"])
     for gpu, proc in stack.workers.items():
         maps = open(f"/proc/{proc.pid}/maps").read()

@@ -9,17 +9,15 @@ import time
 import pytest
 
 from app.celery_app import make_celery
-from app.config import Settings
-from app.recovery import restore, unacked_before, why_not_safe
-from app.services import build_services
+from app.recovery import (detach_waiting_tracks, restart_started_tracks, restore, stranded, unacked_before,
+                          why_not_safe)
+from app.routing import enqueue_track
+from tests.conftest import unit_services
 
 
 @pytest.fixture
 def svc(redis_base_url, tmp_path):
-    settings = Settings(redis_url=f"{redis_base_url}/509", artifact_dir=tmp_path)
-    services = build_services(settings)
-    services.redis.flushdb()
-    return services
+    return unit_services(redis_base_url, 509, tmp_path)
 
 
 def _deliver_without_ack(svc, queue: str, ref: dict) -> tuple[object, object]:
@@ -73,8 +71,6 @@ def test_not_safe_while_a_predecessor_lives_or_another_worker_shares_the_queue(s
 
 
 def test_waiting_tracks_are_detached_only_while_their_message_is_still_queued(svc):
-    from app.routing import enqueue_track
-    from app.recovery import detach_waiting_tracks, stranded
     app = make_celery(svc.settings)
     options = dict(app.conf.broker_transport_options)
     first, second = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
@@ -96,3 +92,22 @@ def test_waiting_tracks_are_detached_only_while_their_message_is_still_queued(sv
     assert svc.jobs.record(first)["tracks"][0]["queue"] == "gpu5"  # its message was taken: it stays
     assert svc.redis.zrange(svc.jobs.waiting_key("gpu5"), 0, -1) == [f"{first}:0"]
     assert detach_waiting_tracks(svc, "gpu5", options, "test:parked") == []  # idempotent
+
+
+def test_a_track_restarted_too_often_fails_instead_of_moving_again(svc):
+    job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
+    svc.jobs.assign_queue(job_id, 0, "gpu3", ["t1", "t2", "t3", "t4"], 1.0)
+    for restart in range(1, svc.settings.max_deliveries + 1):
+        svc.jobs.mark_started(job_id, 0, "gpu3")
+        svc.jobs.update(job_id, 0, state="superres", stage="superres", running="1", worker="gpu3@dead")
+        assert restart_started_tracks(svc, "gpu3", "test:parked") == ([f"{job_id}:0"], [])
+        track = svc.jobs.track(job_id, 0)
+        assert (track["state"], track["queue"], track["task_ids"], track["restarts"]) == ("queued", "", [], restart)
+        assert track["detail"] == "restarting: gpu3@dead went offline during superres"
+        svc.jobs.assign_queue(job_id, 0, "gpu3", [f"t{restart}"], 1.0)
+    svc.jobs.mark_started(job_id, 0, "gpu3")
+    svc.jobs.update(job_id, 0, state="backbone", stage="backbone", running="1", worker="gpu3@dead")
+    assert restart_started_tracks(svc, "gpu3", "test:parked") == ([], [f"{job_id}:0"])
+    track = svc.jobs.track(job_id, 0)
+    assert track["state"] == "failed" and "went offline 4 times" in track["error"]
+    assert svc.redis.zcard(svc.jobs.load_key("gpu3")) == 0

@@ -95,29 +95,53 @@ def test_restarted_worker_requeues_the_stage_its_crashed_predecessor_was_running
                for line in stack.worker_log(0).splitlines())
 
 
-def test_waiting_tracks_move_off_a_dead_workers_queue_and_the_started_one_stays(make_stack):
-    """gpu0 dies with one job running and one waiting: the waiting one runs on gpu1 once gpu0 has been offline
-    ENCORE_REROUTE_AFTER_S; the started one is neither moved nor duplicated, and finishes when gpu0 returns."""
+def test_tracks_of_a_dead_workers_queue_move_to_a_live_one_and_its_old_messages_never_run(make_stack):
+    """gpu0 dies with one job running and one waiting. Once it has been offline ENCORE_REROUTE_AFTER_S, gpu1
+    runs both: the waiting one moved (its message taken out of gpu0's list), the started one from its first
+    stage. When gpu0 comes back, the started job's old delivery is restored to it and ignored as stale."""
     stack = make_stack(ENCORE_REROUTE_AFTER_S="1", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
     stack.start_worker(0)
-    running = stack.submit_music(duration_s=30.0)
+    started = stack.submit_music(duration_s=30.0)
     waiting = stack.submit_music(duration_s=2.0)
-    wait_until(lambda: stack.job(running)["tracks"][0]["progress"] > 0, 60, 0.1, "the first job's backbone")
+    wait_until(lambda: stack.job(started)["tracks"][0]["progress"] > 0, 60, 0.1, "the first job's backbone")
     assert stack.job(waiting)["tracks"][0]["queue"] == "gpu0" and stack.job(waiting)["queue_position"] == 1
     stack.stop_worker(0)
 
     stack.start_worker(1)
-    moved = stack.wait_job(waiting, timeout=120)
-    assert moved["state"] == "done" and moved["tracks"][0]["queue"] == "gpu1"
-    assert moved["tracks"][0]["stages"]["backbone"]["worker"].startswith("gpu1@")
-    assert any(f"job={waiting} track=0 queue=gpu0 " in line and "event=rerouting" in line
-               for line in stack.worker_log(1).splitlines())
-    stuck = stack.job(running)["tracks"][0]
-    assert (stuck["queue"], stuck["state"]) == ("gpu0", "backbone")  # started: not moved
-    # The moved job's message left gpu0's broker lists; the started job's delivery is still unacked there.
+    for job_id in (started, waiting):
+        record = stack.wait_job(job_id, timeout=180)
+        track = record["tracks"][0]
+        assert record["state"] == "done" and track["queue"] == "gpu1", record
+        assert all(stage["worker"].startswith("gpu1@") for stage in track["stages"].values())
+    assert stack.job(started)["tracks"][0]["restarts"] == 1 and stack.job(waiting)["tracks"][0]["restarts"] == 0
+    log = stack.worker_log(1).splitlines()
+    assert any(f"job={started} track=0 queue=gpu0 " in line and "event=restarting" in line for line in log)
+    assert any(f"job={waiting} track=0 queue=gpu0 " in line and "event=rerouting" in line for line in log)
+    # Nothing of either job is left in gpu0's broker lists; the started job's old delivery is still unacked.
     assert [stack.redis.llen(name) for name in ("gpu0", "gpu0:9")] == [0, 0] and stack.redis.hlen("unacked") == 1
 
+    before = stack.job(started)
     stack.start_worker(0)
-    record = stack.wait_job(running, timeout=120)
-    assert record["state"] == "done" and record["tracks"][0]["stages"]["backbone"]["worker"].startswith("gpu0@")
-    assert "event=stale_delivery" not in stack.worker_log(0) + stack.worker_log(1)
+    wait_until(lambda: stack.redis.hlen("unacked") == 0, 60, 0.1, "the old delivery restored, received and acked")
+    log = stack.worker_log(0).splitlines()
+    assert any(f"job={started} track=0 queue=gpu0 " in line and "event=requeued_after_crash" in line for line in log)
+    assert sum(f"job={started} track=0 " in line and "event=stage_started" in line for line in log) == 1  # not rerun
+    assert stack.job(started)["tracks"][0] == before["tracks"][0]  # the record did not move
+
+
+
+def test_a_stage_message_not_of_the_tracks_current_chain_is_ignored(make_stack):
+    """What keeps a moved track from running twice: a delivery whose id the record no longer lists."""
+    from app.celery_app import make_celery
+    stack = make_stack()
+    stack.start_worker(0)
+    svc = stack.app.config["SERVICES"]
+    job_id = svc.jobs.create("music", {"mode": "instrumental"}, [{"seed": 1}], cost=1.0)
+    svc.jobs.assign_queue(job_id, 0, "gpu0", ["current-chain-id"], 1.0)
+    make_celery(stack.settings).signature("encore.music.backbone", args=({"job_id": job_id, "track": 0},)).set(
+        queue="gpu0", priority=9, task_id="old-chain-id").apply_async()
+    wait_until(lambda: any(f"job={job_id} track=0 " in line and "event=stale_delivery" in line
+                           and "task_id=old-chain-id" in line for line in stack.worker_log(0).splitlines()),
+               60, 0.1, "the stale delivery to be ignored")
+    track = stack.job(job_id)["tracks"][0]
+    assert (track["state"], track["stages"], track["attempts"]) == ("queued", {}, 0)

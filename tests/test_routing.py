@@ -3,18 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import Settings
 from app.routing import build_chain, pick_queue, queue_loads
 from app.celery_app import make_celery
-from app.services import build_services
+from tests.conftest import unit_services
 
 
 @pytest.fixture
 def svc(redis_base_url, tmp_path):
-    settings = Settings(redis_url=f"{redis_base_url}/511", artifact_dir=tmp_path)
-    services = build_services(settings)
-    services.redis.flushdb()
-    return services
+    return unit_services(redis_base_url, 511, tmp_path)
 
 
 def test_least_outstanding_work_wins_and_offline_queues_are_skipped(svc):

@@ -31,6 +31,9 @@ def test_cancel_queued_and_running_jobs(make_stack):
     wait_until(lambda: (lambda t: t["state"] == "backbone" and t["progress"] > 0.02)(stack.job(running)["tracks"][0]),
                60, what="backbone progress")
     assert stack.job(waiting)["queue_position"] == 1
+    gpu0 = next(q for q in stack.client.get("/api/v1/status").get_json()["queues"] if q["name"] == "gpu0")
+    # the waiting job's first stage sits in the broker; the running one's delivery is unacked, not listed
+    assert (gpu0["waiting"], gpu0["outstanding"], gpu0["broker_messages"]) == (1, 2, 1)
 
     reply = stack.client.delete(f"/api/v1/jobs/{waiting}")
     assert reply.status_code == 200 and reply.get_json()["state"] == "canceled"

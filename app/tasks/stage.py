@@ -210,7 +210,7 @@ class StageTask(Task):
         if record is None or record["state"] in TERMINAL_STATES:
             drop_scratch(svc, job_id, track)
             raise Ignore()
-        if record["task_ids"] and self.request.id not in record["task_ids"]:
+        if self.request.id not in record["task_ids"]:
             job_event(log, "stale_delivery", job_id, track=track, worker=worker, level=logging.WARNING,
                       stage=self.stage.name, task_id=self.request.id)
             raise Ignore()  # the track was moved to another queue; this message belongs to its old chain
