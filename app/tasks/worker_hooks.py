@@ -81,7 +81,8 @@ def requeue_orphaned_stages(sender: str | None = None, **_: object) -> None:
 def _note_requeued(svc: Services, hostname: str, orphan: Orphan) -> None:
     ref = orphan.args[0] if orphan.args and isinstance(orphan.args[0], dict) else {}
     job_id, track = ref.get("job_id"), ref.get("track")
-    if job_id is not None and track is not None:
+    record = svc.jobs.track(job_id, int(track)) if job_id is not None and track is not None else None
+    if record is not None and orphan.task_id in record["task_ids"]:  # not a track since moved elsewhere
         svc.jobs.update(job_id, int(track), running="0", detail="requeued: its worker stopped mid-stage")
     job_event(log, "requeued_after_crash", job_id or "-", track=track, queue=orphan.queue, worker=hostname,
               level=logging.WARNING, task=orphan.task_name, task_id=orphan.task_id,
