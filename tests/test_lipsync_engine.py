@@ -11,8 +11,8 @@ import torch
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.faces import crop_box, detect_faces, fill_missing
 from app.pipeline.frames import output_frame_count, pingpong_index
-from app.pipeline.lipsync import (audio_features, read_wav_16k, run_lipsync, whisper_hidden_states,
-                                  window_features)
+from app.pipeline.lipsync import (SourceLatents, audio_features, read_wav_16k, run_lipsync,
+                                  whisper_hidden_states, window_features)
 from app.pipeline.musetalk import load_musetalk, write_tiny_musetalk
 from app.pipeline.profiles import load_lipsync_profile
 from tests.test_faces import astronaut_frames
@@ -95,6 +95,47 @@ def test_batch_size_does_not_change_the_frames(models, clip, features):
     assert len(whole) == len(single) == 3
     for a, b in zip(whole, single):
         assert np.abs(a.astype(int) - b).max() <= 1
+
+
+def test_cycling_output_encodes_each_source_frame_once(models, clip, features):
+    """11 output frames over 5 source frames: 5 crops through the VAE encoder, not 11, and the same frames."""
+    frames, boxes = clip
+    sources = [pingpong_index(i, len(frames)) for i in range(11)]
+    originals = [frames[s] for s in sources]
+    regions = [crop_box(boxes[s], frames[s].shape, MARGIN) for s in sources]
+    kept, fresh = SourceLatents(models, keep=True), SourceLatents(models, keep=False)
+    cached = torch.cat([kept(sources[i:i + 4], originals[i:i + 4], regions[i:i + 4]) for i in range(0, 11, 4)])
+    direct = torch.cat([fresh(sources[i:i + 4], originals[i:i + 4], regions[i:i + 4]) for i in range(0, 11, 4)])
+    assert (kept.encoded, fresh.encoded) == (len(frames), 11)
+    assert torch.allclose(cached, direct, atol=1e-4)
+
+    crops_encoded = []
+    encode = models.vae.encode
+    models.vae.encode = lambda images, **kw: (crops_encoded.append(images.shape[0] // 2), encode(images, **kw))[1]
+    try:
+        run_lipsync(models, frames, boxes, features, num_frames=11, batch_size=4, extra_margin=MARGIN,
+                    sink=lambda frame: None, control=StageControl())
+        assert sum(crops_encoded) == len(frames)  # cycling: kept
+        crops_encoded.clear()
+        run_lipsync(models, frames, boxes, features, num_frames=4, batch_size=4, extra_margin=MARGIN,
+                    sink=lambda frame: None, control=StageControl())
+        assert sum(crops_encoded) == 4  # no cycle: nothing worth keeping
+    finally:
+        del models.vae.encode
+
+
+def test_a_failing_sink_stops_the_run_with_its_error(models, clip, features):
+    frames, boxes = clip
+    written = []
+
+    def sink(frame):
+        if len(written) == 5:
+            raise BrokenPipeError("ffmpeg went away")
+        written.append(frame)
+    with pytest.raises(BrokenPipeError, match="ffmpeg went away"):
+        run_lipsync(models, frames, boxes, features, num_frames=11, batch_size=2, extra_margin=MARGIN,
+                    sink=sink, control=StageControl())
+    assert len(written) == 5
 
 
 def test_audio_drives_the_mouth(models, clip, features):

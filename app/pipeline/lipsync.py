@@ -15,11 +15,17 @@ The procedure of public repo TMElyralab/MuseTalk (scripts/inference.py and the m
            download, so the mask here is the box's lower half, inset and blurred so its edges fade out).
 
 Output frame i shows source frame pingpong_index(i, n). Memory stays flat in the number of output frames:
-one batch of frames lives at a time and each finished frame goes straight to the sink.
+a few batches of frames live at a time and each finished frame goes straight to the sink. Per frame, only
+the UNet step and the VAE decode are unavoidable; around them: source latents are encoded once per source
+frame when the output cycles (SourceLatents), the blend and the sink run in a thread beside the next batch
+(BlendWriter), and blend masks are cached per box size.
 """
 from __future__ import annotations
 
+import functools
 import math
+import queue
+import threading
 import wave
 from pathlib import Path
 
@@ -136,9 +142,33 @@ def unet_latents(models: MuseTalkModels, crops: np.ndarray) -> torch.Tensor:
     return torch.cat([masked_latents, reference_latents], dim=1)
 
 
-def generate_faces(models: MuseTalkModels, crops: np.ndarray, prompts: torch.Tensor) -> np.ndarray:
-    """Re-drawn crops (uint8 [B, s, s, 3]) for crops [B, s, s, 3] and audio prompts [B, seq, d_model]."""
-    latents = unet_latents(models, crops)
+class SourceLatents:
+    """UNet input latents per source frame. When the output cycles over the source (audio longer than the
+    video: a short clip driven by a long speech), each source frame is VAE-encoded once and its latents kept
+    on the model's device, instead of encoded again on every ping-pong pass."""
+
+    def __init__(self, models: MuseTalkModels, *, keep: bool):
+        self.models, self.keep = models, keep
+        self._kept: dict[int, torch.Tensor] = {}
+        self.encoded = 0  # source crops sent through the VAE encoder
+
+    def __call__(self, sources: list[int], originals: list[np.ndarray], regions: list[Box]) -> torch.Tensor:
+        """[B, 8, s/8, s/8] for output frames showing `sources` (their frames and face regions given)."""
+        size = self.models.crop_size
+        if not self.keep:
+            self.encoded += len(sources)
+            return unet_latents(self.models, np.stack([face_crop(f, r, size) for f, r in zip(originals, regions)]))
+        todo = {s: (f, r) for s, f, r in zip(sources, originals, regions) if s not in self._kept}
+        if todo:
+            self.encoded += len(todo)
+            latents = unet_latents(self.models, np.stack([face_crop(f, r, size) for f, r in todo.values()]))
+            self._kept.update(zip(todo, latents))
+        return torch.stack([self._kept[s] for s in sources])
+
+
+def generate_faces(models: MuseTalkModels, latents: torch.Tensor, prompts: torch.Tensor) -> np.ndarray:
+    """Re-drawn crops (uint8 [B, s, s, 3]) for UNet input latents [B, 8, s/8, s/8] (`unet_latents`) and
+    audio prompts [B, seq, d_model]."""
     audio = prompts.to(device=models.device, dtype=models.dtype)
     audio = audio + models.positional_encoding(audio.shape[1])
     timestep = torch.tensor([UNET_TIMESTEP], device=models.device)
@@ -148,12 +178,14 @@ def generate_faces(models: MuseTalkModels, crops: np.ndarray, prompts: torch.Ten
     return images.permute(0, 2, 3, 1).cpu().numpy()
 
 
+@functools.lru_cache(maxsize=256)
 def mouth_mask(height: int, width: int) -> np.ndarray:
     """Blend weights [height, width, 1] over the face box: 1 on its lower half, fading to 0 at the edges.
 
     MuseTalk keeps the face mask below the middle of a 1.5x context square (the face box's centre row) and
     blurs it with a kernel of 5% of that square; here the region is inset by half a kernel so the blur
-    reaches 0 at the box's edges instead of leaving a seam there.
+    reaches 0 at the box's edges instead of leaving a seam there. Cached per size (read-only: the face box
+    barely changes between frames, the blur is the costliest part of the blend).
     """
     side = 2 * int(max(width, height) // 2 * BLEND_EXPAND)
     kernel = int(BLEND_BLUR_RATIO * side // 2 * 2) + 1
@@ -162,7 +194,9 @@ def mouth_mask(height: int, width: int) -> np.ndarray:
     mask[height // 2:height - inset, inset:width - inset] = 1.0
     if kernel > 1:
         mask = cv2.GaussianBlur(mask, (kernel, kernel), 0, borderType=cv2.BORDER_CONSTANT)
-    return mask[:, :, None]
+    mask = mask[:, :, None]
+    mask.flags.writeable = False
+    return mask
 
 
 def blend_mouth(frame: np.ndarray, face: np.ndarray, box: Box) -> np.ndarray:
@@ -177,6 +211,54 @@ def blend_mouth(frame: np.ndarray, face: np.ndarray, box: Box) -> np.ndarray:
 
 
 # -- the stage ---------------------------------------------------------------------------------------------
+
+MAX_KEPT_SOURCE_FRAMES = 8192  # latents kept for ping-pong: 16 KB each in fp16 at MuseTalk's size
+
+
+class BlendWriter:
+    """Blends re-drawn faces into their frames and hands them to the sink in a background thread, in order,
+    so that CPU work overlaps the model's work on the next batch. At most `depth` batches wait; an error in
+    the sink is raised in the caller at its next `put` or at exit."""
+
+    def __init__(self, sink: FrameSink, depth: int = 2):
+        self.sink = sink
+        self._batches: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="lipsync-blend", daemon=True)
+
+    def __enter__(self) -> "BlendWriter":
+        self._thread.start()
+        return self
+
+    def put(self, originals: list[np.ndarray], faces: np.ndarray, regions: list[Box]) -> None:
+        while True:
+            self._raise_error()
+            try:
+                self._batches.put((originals, faces, regions), timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _run(self) -> None:
+        while (batch := self._batches.get()) is not None:
+            if self._error is not None:
+                continue  # keep draining so `put` never blocks on a dead writer
+            try:
+                for frame, face, region in zip(*batch):
+                    self.sink(blend_mouth(frame, face, region))
+            except BaseException as error:  # handed to the caller's thread
+                self._error = error
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def __exit__(self, exc_type, *_: object) -> None:
+        self._batches.put(None)  # the writer always drains, so this returns
+        self._thread.join()
+        if exc_type is None:
+            self._raise_error()
+
 
 @torch.inference_mode()
 def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box], features: torch.Tensor, *,
@@ -195,17 +277,16 @@ def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box],
         raise ValueError(f"audio features cover {features.shape[0]} frames, {num_frames} requested")
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
-    size = models.crop_size
-    for start in range(0, num_frames, batch_size):
-        stop = min(start + batch_size, num_frames)
-        sources = [pingpong_index(i, len(frames)) for i in range(start, stop)]
-        originals = [np.asarray(frames[s]) for s in sources]
-        regions = [crop_box(boxes[s], frame.shape, extra_margin) for s, frame in zip(sources, originals)]
-        crops = np.stack([face_crop(frame, region, size) for frame, region in zip(originals, regions)])
-        faces = generate_faces(models, crops, features[start:stop])
-        for frame, face, region in zip(originals, faces, regions):
-            sink(blend_mouth(frame, face, region))
-        control.step(stop, num_frames, "frames")
+    latents_of = SourceLatents(models, keep=len(frames) < num_frames and len(frames) <= MAX_KEPT_SOURCE_FRAMES)
+    with BlendWriter(sink) as writer:
+        for start in range(0, num_frames, batch_size):
+            stop = min(start + batch_size, num_frames)
+            sources = [pingpong_index(i, len(frames)) for i in range(start, stop)]
+            originals = [np.asarray(frames[s]) for s in sources]
+            regions = [crop_box(boxes[s], frame.shape, extra_margin) for s, frame in zip(sources, originals)]
+            writer.put(originals, generate_faces(models, latents_of(sources, originals, regions),
+                                                 features[start:stop]), regions)
+            control.step(stop, num_frames, "frames")
     if num_frames == 0:
         control.step(0, 0, "frames")
     return num_frames
