@@ -326,6 +326,18 @@ def gpu_memory(worker: dict[str, Any]) -> str:
     return f"{(total - free) / 2**30:.1f}/{total / 2**30:.1f} GiB" if free is not None and total else ""
 
 
+def cmd_drain(client: Client, args: argparse.Namespace) -> int:
+    reply = client.json("POST", f"/api/v1/queues/{args.queue}/drain")
+    print(f"queue {reply['queue']} draining: {reply['moved']} waiting track(s) moved to other queues")
+    return EXIT_OK
+
+
+def cmd_resume(client: Client, args: argparse.Namespace) -> int:
+    reply = client.json("DELETE", f"/api/v1/queues/{args.queue}/drain")
+    print(f"queue {reply['queue']} takes new tracks again")
+    return EXIT_OK
+
+
 def cmd_status(client: Client, args: argparse.Namespace) -> int:
     status = client.json("GET", "/api/v1/status")
     if args.json:
@@ -334,13 +346,14 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     now = status.get("time") or time.time()
     workers = [(w["name"], w["status"], w.get("queue"), w.get("device"), gpu_memory(w), current_work(w, now))
                for w in status["workers"]]
-    queues = [(q["name"], q["waiting"], q["outstanding"]) for q in status["queues"]]
+    queues = [(q["name"], q["waiting"], q["outstanding"], "draining" if q.get("draining") else "routing")
+              for q in status["queues"]]
     print("WORKERS" if workers else "WORKERS: none registered")
     if workers:
         print(format_table(["name", "status", "queue", "device", "gpu mem", "current job/stage"], workers))
     print("\nQUEUES" if queues else "\nQUEUES: none")
     if queues:
-        print(format_table(["name", "waiting", "outstanding"], queues))
+        print(format_table(["name", "waiting", "outstanding", "new tracks"], queues))
     if status.get("unrouted"):
         print(f"\n{status['unrouted']} track(s) waiting for a worker to start")
     return EXIT_OK
@@ -432,6 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_argument("--limit", type=int, default=20)
     jobs.add_argument("--json", action="store_true", help="print the raw job records")
     jobs.set_defaults(handler=cmd_jobs)
+
+    drain = commands.add_parser("drain", parents=[common],
+                                help="stop routing to a queue and move its waiting tracks elsewhere")
+    drain.add_argument("queue", help="e.g. gpu0")
+    drain.set_defaults(handler=cmd_drain)
+    resume = commands.add_parser("resume", parents=[common], help="route to a drained queue again")
+    resume.add_argument("queue", help="e.g. gpu0")
+    resume.set_defaults(handler=cmd_resume)
     return parser
 
 

@@ -44,9 +44,37 @@ def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
     return sorted(svc.jobs.queues() | {w["queue"] for w in workers if w.get("queue")})
 
 
+def draining(svc: Services) -> set[str]:
+    """Queues an operator drained: no new tracks go there."""
+    return set(svc.redis.smembers(_draining_key(svc)))
+
+
+def _draining_key(svc: Services) -> str:
+    return f"{svc.settings.key_prefix}:draining"
+
+
+def drain_queue(svc: Services, celery: Celery, queue: str) -> int:
+    """Stop routing to `queue` and move its tracks that have not started to other live queues (parked when
+    there is none); its running stage and started tracks finish there. Returns how many tracks moved."""
+    svc.redis.sadd(_draining_key(svc), queue)
+    options = dict(celery.conf.broker_transport_options or {})
+    moved = detach_waiting_tracks(svc, queue, options, _unrouted_key(svc))
+    for member in moved:
+        job_id, _, track = member.rpartition(":")
+        job_event(log, "rerouting", job_id, track=int(track), queue=queue, reason="queue drained")
+    dispatch_unrouted(svc, celery)
+    return len(moved)
+
+
+def resume_queue(svc: Services, celery: Celery, queue: str) -> None:
+    """Route to `queue` again (parked tracks may go there at once)."""
+    svc.redis.srem(_draining_key(svc), queue)
+    dispatch_unrouted(svc, celery)
+
+
 def pick_queue(svc: Services) -> str | None:
-    """The live queue with the least outstanding estimated work; ties go to the lowest queue name."""
-    queues = svc.workers.live_queues()
+    """The live, not drained queue with the least outstanding estimated work; ties go to the lowest name."""
+    queues = sorted(set(svc.workers.live_queues()) - draining(svc))
     if not queues:
         return None
     loads = queue_loads(svc, queues)

@@ -23,7 +23,7 @@ from app.khala_api import make_blueprint
 from app.metrics import make_registry
 from app.openapi import build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile, load_profile
-from app.routing import known_queues, queue_loads, route_job
+from app.routing import drain_queue, draining, known_queues, queue_loads, resume_queue, route_job
 from app.schemas import Accepted, ErrorReply, MusicRequest
 from app.services import Services, build_services
 from app.submissions import RequestError, create_job, submit_music as submit_music_job, validate_music
@@ -167,6 +167,25 @@ def create_app(settings: Settings | None = None) -> Flask:
         index, fmt = int(match.group(1)), match.group(2)
         return _serve_artifact(svc, job_id, index, f"track{index}.{fmt}", fmt)
 
+    @app.post("/api/v1/queues/<queue>/drain")
+    def drain(queue: str):
+        """Drain a queue (GPU maintenance): no new tracks go there and its tracks not started move to other
+        queues; its running stage and started tracks finish there."""
+        if queue not in known_queues(svc):
+            return error(404, f"queue {queue} not found", "queue")
+        moved = drain_queue(svc, celery_app, queue)
+        log.info("queue=%s event=drained moved=%d", queue, moved)
+        return jsonify({"queue": queue, "draining": True, "moved": moved})
+
+    @app.delete("/api/v1/queues/<queue>/drain")
+    def resume(queue: str):
+        """Route tracks to a drained queue again."""
+        if queue not in known_queues(svc):
+            return error(404, f"queue {queue} not found", "queue")
+        resume_queue(svc, celery_app, queue)
+        log.info("queue=%s event=resumed", queue)
+        return jsonify({"queue": queue, "draining": False})
+
     @app.get("/api/v1/openapi.json")
     def openapi():
         """This API's OpenAPI 3.1 document, generated from the routes and the request models."""
@@ -180,11 +199,13 @@ def create_app(settings: Settings | None = None) -> Flask:
         workers = svc.workers.workers()
         queues = known_queues(svc, workers)
         loads = queue_loads(svc, queues)
+        drained = draining(svc)
         return jsonify({
             "workers": [_public_worker(w) for w in workers],
             "queues": [{"name": q, "waiting": svc.redis.zcard(svc.jobs.waiting_key(q)),
                         "outstanding": svc.redis.zcard(svc.jobs.load_key(q)),
-                        "estimated_load": loads[q], "broker_messages": _broker_depth(svc, celery_app, q)}
+                        "estimated_load": loads[q], "broker_messages": _broker_depth(svc, celery_app, q),
+                        "draining": q in drained}
                        for q in queues],
             "unrouted": svc.redis.llen(f"{settings.key_prefix}:unrouted"),
             "time": time.time(),

@@ -51,7 +51,7 @@ def test_status_shows_the_idle_worker_and_its_queue(stack):
     assert worker[1:3] == ["idle", "gpu0"], result.stdout
     assert worker[-1] == "-", result.stdout  # no current job/stage
     assert "WORKERS" in result.stdout and "QUEUES" in result.stdout
-    assert rows["gpu0"][1:] == ["0", "0"], result.stdout  # queue row: nothing waiting or outstanding
+    assert rows["gpu0"][1:] == ["0", "0", "routing"], result.stdout  # queue row: nothing waiting, routed to
 
     raw = json.loads(cli(stack, "status", "--json").stdout)
     assert [w["status"] for w in raw["workers"]] == ["idle"]

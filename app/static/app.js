@@ -114,9 +114,9 @@ function renderStatus(status) {
   $("#workers-empty").hidden = workers.length > 0;
   const queues = status.queues || [];
   $("#queues").hidden = queues.length === 0;
-  $("#queues tbody").replaceChildren(...queues.map((q) => el("tr", { "data-queue": q.name },
+  $("#queues tbody").replaceChildren(...queues.map((q) => el("tr", { "data-queue": q.name, "data-draining": q.draining ? "1" : "0" },
     el("td", null, q.name), el("td", null, q.waiting), el("td", null, q.outstanding),
-    el("td", null, Math.round(q.estimated_load || 0)))));
+    el("td", null, Math.round(q.estimated_load || 0)), el("td", null, q.draining ? "draining" : "routed here"))));
   $("#unrouted").textContent = status.unrouted ? `${status.unrouted} track(s) waiting for a worker to start` : "";
 }
 

@@ -1,0 +1,46 @@
+"""Draining a queue for maintenance, with real workers: new tracks avoid it, its waiting tracks move."""
+from __future__ import annotations
+
+from tests.conftest import REFERENCE_ENGINE, wait_until
+from tests.test_cli import cli
+
+
+def queue_row(stack, name: str) -> dict:
+    return next(q for q in stack.client.get("/api/v1/status").get_json()["queues"] if q["name"] == name)
+
+
+def test_drain_moves_waiting_tracks_and_new_ones_avoid_the_queue_until_resumed(make_stack):
+    stack = make_stack(**REFERENCE_ENGINE)
+    stack.start_worker(0)
+    running = stack.submit_music(duration_s=120.0)
+    waiting = stack.submit_music(duration_s=2.0)
+    wait_until(lambda: stack.job(running)["tracks"][0]["state"] == "backbone", 60, 0.1, "the long job to start")
+    assert stack.job(waiting)["tracks"][0]["queue"] == "gpu0"
+    stack.start_worker(1)
+
+    drained = cli(stack, "drain", "gpu0")
+    assert drained.returncode == 0, drained.stderr
+    assert "queue gpu0 draining: 1 waiting track(s) moved" in drained.stdout
+    moved = stack.wait_job(waiting)
+    assert moved["state"] == "done" and moved["tracks"][0]["queue"] == "gpu1"
+    assert queue_row(stack, "gpu0")["draining"] is True and queue_row(stack, "gpu1")["draining"] is False
+    status = cli(stack, "status").stdout
+    assert any(line.split()[:1] == ["gpu0"] and line.split()[-1] == "draining" for line in status.splitlines())
+
+    stack.client.delete(f"/api/v1/jobs/{running}")  # gpu0 now idle with no load, and still avoided
+    stack.wait_worker(0, "idle")
+    avoided = stack.wait_job(stack.submit_music(duration_s=2.0))
+    assert avoided["tracks"][0]["queue"] == "gpu1"
+
+    resumed = cli(stack, "resume", "gpu0")
+    assert resumed.returncode == 0 and "queue gpu0 takes new tracks again" in resumed.stdout
+    again = stack.wait_job(stack.submit_music(duration_s=2.0))
+    assert again["tracks"][0]["queue"] == "gpu0"  # both idle: the lowest index wins again
+    assert queue_row(stack, "gpu0")["draining"] is False
+
+
+def test_drain_of_an_unknown_queue_is_404_naming_it(make_stack):
+    stack = make_stack()
+    reply = stack.client.post("/api/v1/queues/gpu9/drain")
+    assert reply.status_code == 404 and reply.get_json()["error"] == "queue gpu9 not found"
+    assert stack.client.delete("/api/v1/queues/gpu9/drain").status_code == 404
