@@ -16,13 +16,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
 from app.celery_app import make_celery
-from app.recovery import broker_lists
 from app.config import Settings, load_settings
 from app.joblog import job_event
 from app.khala_api import make_blueprint
+from app.kinds import TERMINAL_STATES
 from app.metrics import make_registry
 from app.openapi import build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile, load_profile
+from app.recovery import broker_lists
 from app.routing import drain_queue, draining, known_queues, queue_loads, resume_queue, route_job
 from app.schemas import Accepted, ErrorReply, MusicRequest
 from app.services import Services, build_services
@@ -136,7 +137,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         """Recent jobs, newest first (?limit=50, at most 500)."""
         limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
         records = [svc.jobs.record(job_id) for job_id in svc.jobs.recent_job_ids(limit)]
-        return jsonify({"jobs": [_public(r) for r in records if r]})
+        statuses = _worker_statuses(svc)
+        return jsonify({"jobs": [_public(r, statuses) for r in records if r]})
 
     @app.get("/api/v1/jobs/<job_id>")
     def get_job(job_id: str):
@@ -144,7 +146,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         record = svc.jobs.record(job_id)
         if record is None:
             return error(404, f"job {job_id} not found")
-        return jsonify(_public(record))
+        return jsonify(_public(record, _worker_statuses(svc)))
 
     @app.delete("/api/v1/jobs/<job_id>")
     def cancel_job(job_id: str):
@@ -155,7 +157,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         if task_ids:
             celery_app.control.revoke(task_ids)
         job_event(log, "cancel_requested", job_id)
-        return jsonify(_public(svc.jobs.record(job_id)))
+        return jsonify(_public(svc.jobs.record(job_id), _worker_statuses(svc)))
 
     @app.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
     @documented("Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)", media="audio/mpeg",
@@ -238,11 +240,18 @@ def _accepted(svc: Services, job_id: str):
     return jsonify(body), 202
 
 
-def _public(record: dict[str, Any]) -> dict[str, Any]:
-    """The record as clients see it: internal bookkeeping (Celery ids, costs) left out."""
+def _worker_statuses(svc: Services) -> dict[str, str]:
+    return {w["name"]: w["status"] for w in svc.workers.workers()}
+
+
+def _public(record: dict[str, Any], worker_statuses: dict[str, str]) -> dict[str, Any]:
+    """The record as clients see it: internal bookkeeping (Celery ids, costs) left out; a track whose stage
+    runs (or last ran) on a worker gets that worker's status, so a client sees `offline` when it died."""
     tracks = []
     for track in record["tracks"]:
         public = {k: v for k, v in track.items() if k not in ("task_ids", "cost", "seq", "params")}
+        if track["state"] not in TERMINAL_STATES and track.get("worker"):
+            public["worker_status"] = worker_statuses.get(track["worker"], "offline")
         public["seed"] = track["params"].get("seed")
         public["downloads"] = _download_urls(record["job_id"], track)
         tracks.append(public)

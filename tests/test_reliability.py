@@ -105,7 +105,10 @@ def test_tracks_of_a_dead_workers_queue_move_to_a_live_one_and_its_old_messages_
     waiting = stack.submit_music(duration_s=2.0)
     wait_until(lambda: stack.job(started)["tracks"][0]["progress"] > 0, 60, 0.1, "the first job's backbone")
     assert stack.job(waiting)["tracks"][0]["queue"] == "gpu0" and stack.job(waiting)["queue_position"] == 1
+    assert stack.job(started)["tracks"][0]["worker_status"] == "busy"
     stack.stop_worker(0)
+    wait_until(lambda: stack.job(started)["tracks"][0]["worker_status"] == "offline", 30, 0.1,
+               "the record to show its worker offline")
 
     stack.start_worker(1)
     for job_id in (started, waiting):
@@ -114,6 +117,7 @@ def test_tracks_of_a_dead_workers_queue_move_to_a_live_one_and_its_old_messages_
         assert record["state"] == "done" and track["queue"] == "gpu1", record
         assert all(stage["worker"].startswith("gpu1@") for stage in track["stages"].values())
     assert stack.job(started)["tracks"][0]["restarts"] == 1 and stack.job(waiting)["tracks"][0]["restarts"] == 0
+    assert "worker_status" not in stack.job(started)["tracks"][0]  # ended: no worker to watch
     log = stack.worker_log(1).splitlines()
     assert any(f"job={started} track=0 queue=gpu0 " in line and "event=restarting" in line for line in log)
     assert any(f"job={waiting} track=0 queue=gpu0 " in line and "event=rerouting" in line for line in log)
