@@ -51,6 +51,20 @@ def browser(tmp_path):
 
 # ---- page helpers ---------------------------------------------------------------------------------------------
 
+def click_button(driver, selector: str, label: str) -> bool:
+    """Click the button labelled `label`; False when it is not there yet or the page re-rendered it meanwhile
+    (the status table is rebuilt on every poll)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    try:
+        buttons = [b for b in css(driver, selector) if b.text == label]
+        if buttons:
+            buttons[0].click()
+            return True
+    except StaleElementReferenceException:
+        pass
+    return False
+
+
 def css(driver, selector: str):
     from selenium.webdriver.common.by import By
     return driver.find_elements(By.CSS_SELECTOR, selector)
@@ -187,6 +201,15 @@ def test_cancel_button_cancels_a_running_job(make_stack, browser):
     assert not css(article, ".cancel")[0].is_displayed() and not css(article, "audio")
     # The worker dropped the stage: the page shows it idle again.
     wait_until(lambda: css(browser, "#workers tr[data-status=idle]"), 30, 0.1, "the worker to show idle")
+
+    # Steering: drain the queue from its row, then resume it.
+    for action, flag in (("Drain", "1"), ("Resume", "0")):
+        wait_until(lambda: click_button(browser, '#queues tr[data-queue="gpu0"] button.drain', action), 30, 0.1,
+                   f"a click on {action}")
+        wait_until(lambda: css(browser, f'#queues tr[data-queue="gpu0"][data-draining="{flag}"]'), 30, 0.1,
+                   f"the queue row to show draining={flag}")
+        gpu0 = next(q for q in stack.client.get("/api/v1/status").get_json()["queues"] if q["name"] == "gpu0")
+        assert gpu0["draining"] is (flag == "1")
     assert console_errors(browser) == []
 
 

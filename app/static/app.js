@@ -116,7 +116,10 @@ function renderStatus(status) {
   $("#queues").hidden = queues.length === 0;
   $("#queues tbody").replaceChildren(...queues.map((q) => el("tr", { "data-queue": q.name, "data-draining": q.draining ? "1" : "0" },
     el("td", null, q.name), el("td", null, q.waiting), el("td", null, q.outstanding),
-    el("td", null, Math.round(q.estimated_load || 0)), el("td", null, q.draining ? "draining" : "routed here"))));
+    el("td", null, Math.round(q.estimated_load || 0)),
+    el("td", null, q.draining ? "draining " : "routed here ",
+      el("button", { type: "button", class: "drain", onclick: (event) => setDraining(q.name, !q.draining, event.target) },
+        q.draining ? "Resume" : "Drain")))));
   $("#unrouted").textContent = status.unrouted ? `${status.unrouted} track(s) waiting for a worker to start` : "";
 }
 
@@ -323,6 +326,17 @@ async function cancelJob(jobId, view) {
   } catch (err) {
     view.message.textContent = `cancel failed: ${err.message}`;
     view.cancel.disabled = false;
+  }
+  pollSoon();
+}
+
+async function setDraining(queue, drain, button) {
+  button.disabled = true;
+  try {
+    await api(`/api/v1/queues/${encodeURIComponent(queue)}/drain`, { method: drain ? "POST" : "DELETE" });
+  } catch (err) {
+    button.title = `${drain ? "drain" : "resume"} failed: ${err.message}`;
+    button.disabled = false;
   }
   pollSoon();
 }
