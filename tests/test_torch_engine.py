@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.pipeline.backbone import generate_coarse
+from app.pipeline.backbone import generate_coarse, generate_coarse_tracks
 from app.pipeline.control import StageControl
-from app.pipeline.engine import BidirectionalLM, CausalLM
+from app.pipeline.engine import BatchedCausalLM, BidirectionalLM, CausalLM
 from app.pipeline.music import load_engine
 from app.pipeline.profiles import load_profile
 from app.pipeline.superres import fill_fine
@@ -61,6 +61,39 @@ def test_same_seed_generates_the_same_coarse_codes_on_both_engines(backbones, pr
         return generate_coarse(lm, PROMPT, profile=profile, num_frames=10, temperature=1.0, top_k=50, seed=5,
                                control=StageControl())
     assert torch.equal(generate(backbones[0]), generate(backbones[1]))
+
+
+def test_a_batch_of_sequences_decodes_like_each_sequence_alone(backbones):
+    fast = backbones[1]
+    assert isinstance(fast, BatchedCausalLM) and not isinstance(backbones[0], BatchedCausalLM)
+    steps = [(3, 250), (17, 4), (0, 0)]
+    fast.reset(len(PROMPT) + len(steps), batch=2)
+    batched = [fast.prefill_batch(PROMPT)] + [fast.decode_batch(list(pair)) for pair in steps]
+    for row in (0, 1):
+        fast.reset(len(PROMPT) + len(steps))
+        alone = [fast.prefill(PROMPT)] + [fast.decode(pair[row]) for pair in steps]
+        for together, single in zip(batched, alone):
+            assert torch.allclose(together[row], single, atol=TOLERANCE)
+    assert not torch.allclose(batched[1][0], batched[1][1])  # different tokens, different rows
+    fast.reset(len(PROMPT) + 1, batch=2)
+    with pytest.raises(RuntimeError, match="batch of 2"):
+        fast.prefill(PROMPT)
+    fast.prefill_batch(PROMPT)
+    with pytest.raises(ValueError, match="batch of 2"):
+        fast.decode_batch([1])
+    fast.release()
+
+
+def test_tracks_generated_together_get_the_codes_they_get_alone(backbones, profile):
+    """Batched on the fast engine, one after the other on Megatron's: the same codes per seed either way."""
+    args = dict(profile=profile, num_frames=8, temperature=1.0, top_k=50, control=StageControl())
+    reference, fast = backbones
+    together = generate_coarse_tracks(fast, PROMPT, seeds=[5, 6, 7], **args)
+    alone = [generate_coarse(fast, PROMPT, seed=seed, **args) for seed in (5, 6, 7)]
+    sequential = generate_coarse_tracks(reference, PROMPT, seeds=[5, 6, 7], **args)
+    for a, b, c in zip(together, alone, sequential):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not torch.equal(together[0], together[1])
 
 
 def test_superres_windows_and_codes_match_megatron(superres, profile):

@@ -36,6 +36,21 @@ class CausalLM(Protocol):
 
 
 @runtime_checkable
+class BatchedCausalLM(CausalLM, Protocol):
+    """A CausalLM that also runs several sequences sharing one prompt in lockstep (the tracks of one song):
+    on a memory-bound GPU a batch of B tokens costs about what one token costs."""
+
+    def reset(self, max_len: int, batch: int = 1) -> None:
+        """Start `batch` new sequences of at most `max_len` positions each."""
+
+    def prefill_batch(self, ids: Sequence[int]) -> Tensor:
+        """Feed the shared prompt to every sequence; logits of its last position [batch, vocab]."""
+
+    def decode_batch(self, token_ids: Sequence[int]) -> Tensor:
+        """Append one token to each sequence; their logits [batch, vocab]."""
+
+
+@runtime_checkable
 class BidirectionalLM(Protocol):
     """Non-causal transformer run over a whole sequence of input embeddings at once."""
 

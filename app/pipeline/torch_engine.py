@@ -115,9 +115,9 @@ class Block(nn.Module):
 class KVCache(nn.Module):
     """Keys and values of one layer for `max_len` positions, written in place at given positions."""
 
-    def __init__(self, shape: Shape, max_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, shape: Shape, max_len: int, device: torch.device, dtype: torch.dtype, batch: int = 1):
         super().__init__()
-        size = (1, shape.groups, max_len, shape.head_dim)
+        size = (batch, shape.groups, max_len, shape.head_dim)
         self.register_buffer("keys", torch.zeros(size, device=device, dtype=dtype), persistent=False)
         self.register_buffer("values", torch.zeros(size, device=device, dtype=dtype), persistent=False)
 
@@ -185,7 +185,8 @@ def from_megatron(megatron_model: nn.Module, spec: TransformerSpec) -> KhalaTran
 # --- engines ------------------------------------------------------------------------------------------
 
 class TorchCausalLM:
-    """CausalLM (engine.py) over KhalaTransformer with a static KV cache for one sequence."""
+    """BatchedCausalLM (engine.py) over KhalaTransformer with a static KV cache: one sequence, or a batch of
+    sequences that share a prompt (the tracks of one song) and decode in lockstep."""
 
     def __init__(self, model: KhalaTransformer):
         self.model = model
@@ -196,26 +197,30 @@ class TorchCausalLM:
         self._rope: tuple[Tensor, Tensor] | None = None
         self._length = 0
         self._max_len = 0
+        self._batch = 0
 
-    def reset(self, max_len: int) -> None:
+    def reset(self, max_len: int, batch: int = 1) -> None:
         if max_len > self.model.shape.max_len:
             raise ValueError(f"{max_len} positions exceed the model's {self.model.shape.max_len}")
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
         self._caches = []  # drop the old cache before allocating the new one
-        self._caches = [KVCache(self.model.shape, max_len, self.device, self.dtype)
+        self._caches = [KVCache(self.model.shape, max_len, self.device, self.dtype, batch)
                         for _ in range(self.model.shape.num_layers)]
         self._rope = rope_tables(self.model.shape, max_len, self.device)
-        self._length, self._max_len = 0, max_len
+        self._length, self._max_len, self._batch = 0, max_len, batch
 
     def _step(self, ids: Tensor, positions: Tensor) -> Tensor:
-        """Run tokens at `positions` through the cache; logits [T, vocab] (float32)."""
+        """Run tokens [B, T] at `positions` [T] through the cache; logits [B, T, vocab] (float32)."""
         cos, sin = (table[positions] for table in self._rope)
         visible = torch.arange(self._max_len, device=self.device)[None, :] <= positions[:, None]  # [T, max_len]
-        x = self.model.embedding(ids)[None]
-        hidden = self.model.hidden_states(x, cos, sin, visible[None, None], self._caches, positions)
-        return self.model.output(hidden[0]).float()
+        hidden = self.model.hidden_states(self.model.embedding(ids), cos, sin, visible[None, None], self._caches,
+                                          positions)
+        return self.model.output(hidden).float()
 
     @torch.inference_mode()
-    def prefill(self, ids: Sequence[int]) -> Tensor:
+    def prefill_batch(self, ids: Sequence[int]) -> Tensor:
+        """Feed the shared prompt to every sequence of the batch; logits of its last position [B, vocab]."""
         if not self._caches:
             raise RuntimeError("call reset(max_len) before prefill()")
         if self._length:
@@ -223,20 +228,35 @@ class TorchCausalLM:
         tokens = torch.tensor(list(ids), dtype=torch.long, device=self.device)
         if tokens.numel() > self._max_len:
             raise ValueError(f"a {tokens.numel()}-token prompt does not fit in {self._max_len} positions")
-        logits = self._step(tokens, torch.arange(tokens.numel(), device=self.device))
+        logits = self._step(tokens.expand(self._batch, -1), torch.arange(tokens.numel(), device=self.device))
         self._length = tokens.numel()
-        return logits[-1]
+        return logits[:, -1]
 
     @torch.inference_mode()
-    def decode(self, token_id: int) -> Tensor:
+    def decode_batch(self, token_ids: Sequence[int]) -> Tensor:
+        """Append one token to each sequence (in batch order); their logits [B, vocab]."""
         if not self._length:
             raise RuntimeError("decode() needs prefill() first")
         if self._length >= self._max_len:
             raise ValueError(f"the cache holds {self._max_len} positions; reset() with a larger max_len")
-        tokens = torch.tensor([token_id], dtype=torch.long, device=self.device)
+        if len(token_ids) != self._batch:
+            raise ValueError(f"{len(token_ids)} tokens for a batch of {self._batch}")
+        tokens = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)[:, None]
         logits = self._step(tokens, torch.tensor([self._length], device=self.device))
         self._length += 1
-        return logits[0]
+        return logits[:, 0]
+
+    def prefill(self, ids: Sequence[int]) -> Tensor:
+        self._require_single()
+        return self.prefill_batch(ids)[0]
+
+    def decode(self, token_id: int) -> Tensor:
+        self._require_single()
+        return self.decode_batch([token_id])[0]
+
+    def _require_single(self) -> None:
+        if self._batch > 1:
+            raise RuntimeError(f"the cache holds a batch of {self._batch}: use prefill_batch/decode_batch")
 
     @torch.inference_mode()
     def logits(self, ids: Sequence[int]) -> Tensor:
@@ -247,7 +267,7 @@ class TorchCausalLM:
         return self.model.output(hidden[0]).float()
 
     def release(self) -> None:
-        self._caches, self._rope, self._length, self._max_len = [], None, 0, 0
+        self._caches, self._rope, self._length, self._max_len, self._batch = [], None, 0, 0, 0
 
 
 class TorchBidirectionalLM:
