@@ -42,6 +42,7 @@ class Settings:
     music_profile: str = field(default_factory=lambda: _env("ENCORE_MUSIC_PROFILE", "tiny"))
     model_dir: str | None = field(default_factory=lambda: os.environ.get("ENCORE_MODEL_DIR"))
     runtime_mode: str = field(default_factory=lambda: _env("ENCORE_RUNTIME_MODE", "keep_loaded"))
+    batch_tracks: int = field(default_factory=lambda: int(_env("ENCORE_BATCH_TRACKS", "2")))
     music_engine: str = field(default_factory=lambda: _env("ENCORE_MUSIC_ENGINE", "torch"))
     preload_models: bool = field(default_factory=lambda: _env("ENCORE_PRELOAD", "0") == "1")
     torch_threads: int = field(default_factory=lambda: int(_env("ENCORE_TORCH_THREADS", "0")))

@@ -60,6 +60,18 @@ def _decode_track(raw: dict[str, str]) -> dict[str, Any]:
     return track
 
 
+# A sibling track taken over by a running first stage: still waiting, on the same queue, with a chain.
+_CLAIM_WAITING = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return 0 end
+if redis.call('HGET', KEYS[1], 'queue') ~= ARGV[2] then return 0 end
+if redis.call('HGET', KEYS[1], 'task_ids') == '[]' then return 0 end
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[3], 'stage', ARGV[4], 'running', '1', 'worker', ARGV[5], 'detail', ARGV[6],
+           'progress', '0.0', 'updated_at', ARGV[7])
+return 1
+"""
+
+
 class JobStore:
     """Create, read and update job records; the only code that knows their Redis layout."""
 
@@ -68,6 +80,7 @@ class JobStore:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self._write_if_live = client.register_script(_WRITE_IF_LIVE)
+        self._claim_waiting = client.register_script(_CLAIM_WAITING)
 
     # -- keys ---------------------------------------------------------------------------------------
     def job_key(self, job_id: str) -> str:
@@ -225,6 +238,13 @@ class JobStore:
         pipe.sadd(self.queues_key, queue)
         pipe.execute()
         self.update(job_id, track, queue=queue, task_ids=task_ids, seq=seq, detail="queued")
+
+    def claim_waiting(self, job_id: str, track: int, queue: str, *, state: str, stage: str, worker: str,
+                      detail: str) -> bool:
+        """Take a track that waits on `queue` into a stage another track of its job is running (batching)."""
+        keys = [self.track_key(job_id, track), self.waiting_key(queue)]
+        args = [f"{job_id}:{track}", queue, state, stage, worker, detail, str(time.time())]
+        return self._claim_waiting(keys=keys, args=args) == 1
 
     def mark_started(self, job_id: str, track: int, queue: str) -> None:
         self.redis.zrem(self.waiting_key(queue), f"{job_id}:{track}")

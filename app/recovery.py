@@ -117,7 +117,7 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 local restarts = redis.call('HINCRBY', KEYS[1], 'restarts', 1)
 redis.call('HSET', KEYS[1], 'state', 'queued', 'stage', '', 'progress', '0.0', 'running', '0', 'queue', '',
-           'task_ids', '[]', 'detail', ARGV[3], 'updated_at', ARGV[4])
+           'task_ids', '[]', 'stages', '{}', 'detail', ARGV[3], 'updated_at', ARGV[4])
 redis.call('RPUSH', KEYS[4], ARGV[1])
 return restarts
 """

@@ -14,6 +14,7 @@ import torch
 
 from app.pipeline import backbone, codec, export, megatron_backend, prompt, superres, torch_engine
 from app.pipeline.control import StageControl
+from app.pipeline.engine import BatchedCausalLM
 from app.pipeline.profiles import MusicProfile, TransformerSpec
 from app.pipeline.runtime import ModelCache
 
@@ -64,6 +65,10 @@ class MusicModels:
         return self.cache.get("codec", lambda: codec.load_codec(
             self.profile.codec, self.profile.codec_path, device=self.device), loaded)
 
+    def backbone_batches(self, loaded: list[str] | None = None) -> bool:
+        """Whether the backbone engine generates several tracks in one batch."""
+        return isinstance(self.backbone(loaded), BatchedCausalLM)
+
     def after_stage(self, stage: str) -> None:
         self.cache.after_stage(FREED_AFTER.get(stage, []))
 
@@ -79,18 +84,27 @@ def _load_codes(path: Path) -> torch.Tensor:
 def run_backbone(models: MusicModels, params: dict[str, Any], seed: int, out: Path,
                  control: StageControl, loaded: list[str] | None = None) -> dict[str, Any]:
     """Prompt → coarse codes [2, frames] (q0, q1), saved to `out`."""
+    return run_backbone_tracks(models, params, [seed], [out], control, loaded)
+
+
+def run_backbone_tracks(models: MusicModels, params: dict[str, Any], seeds: list[int], outs: list[Path],
+                        control: StageControl, loaded: list[str] | None = None) -> dict[str, Any]:
+    """Coarse codes of several tracks of one song (one seed and one output path each), generated in one
+    batch when the engine batches (`backbone_batches`)."""
     profile = models.profile
     tokenizer = models.tokenizer(loaded)
     lm = models.backbone(loaded)
     prompt_ids = _prompt_ids(tokenizer, profile, params)
     started = time.monotonic()
-    coarse = backbone.generate_coarse(
+    tracks = backbone.generate_coarse_tracks(
         lm, prompt_ids, profile=profile, num_frames=profile.frames_for(params["duration_s"]),
-        temperature=params["temperature"], top_k=params["top_k"], seed=seed, control=control)
-    _save_codes(coarse, out)
+        temperature=params["temperature"], top_k=params["top_k"], seeds=seeds, control=control)
+    for coarse, out in zip(tracks, outs):
+        _save_codes(coarse, out)
     seconds = time.monotonic() - started
-    return {"prompt_tokens": len(prompt_ids), "frames": int(coarse.shape[1]),
-            "tokens_per_s": round(2 * coarse.shape[1] / max(seconds, 1e-9), 1)}
+    tokens = 2 * int(tracks[0].shape[1])
+    return {"prompt_tokens": len(prompt_ids), "frames": tokens // 2, "tracks_together": len(seeds),
+            "tokens_per_s": round(len(seeds) * tokens / max(seconds, 1e-9), 1)}
 
 
 def _prompt_ids(tokenizer, profile: MusicProfile, params: dict[str, Any]) -> list[int]:

@@ -6,6 +6,7 @@ breaks after fork ("Cannot re-initialize CUDA in forked subprocess", seen on an 
 """
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -52,9 +53,26 @@ def _seed(run: StageRun) -> int:
 
 
 def backbone_work(run: StageRun) -> None:
-    out = run.workdir / _names(run)["coarse"]
-    run.info.update(_music().run_backbone(models(), run.params, _seed(run), out, run.control, run.loaded))
-    run.keep(out.name, out)
+    """The track's coarse codes, and those of up to ENCORE_BATCH_TRACKS - 1 other tracks of the song waiting
+    on this queue, in one batch when the engine batches (a memory-bound GPU decodes 2 tracks for about the
+    price of 1)."""
+    batch = run.svc.settings.batch_tracks
+    siblings = run.adopt_waiting_siblings(batch - 1) if batch > 1 and models().backbone_batches(run.loaded) else []
+    tracks = [run.track, *siblings]
+    seeds = [_seed(run), *(int(run.sibling_params(track)["seed"]) for track in siblings)]
+    outs = [run.workdir / f"track{track}.coarse.pt" for track in tracks]
+    started = time.time()
+    try:
+        info = _music().run_backbone_tracks(models(), run.params, seeds, outs, run.shared_control(siblings),
+                                            run.loaded)
+    except BaseException:
+        run.release_siblings(siblings)
+        raise
+    for out in outs:
+        run.keep(out.name, out)
+    for track in siblings:
+        run.finish_sibling(track, started)
+    run.info.update(info, **({"with_tracks": siblings} if siblings else {}))
     models().after_stage("backbone")
 
 

@@ -26,7 +26,7 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from app.celery_app import celery
 from app.joblog import job_event
-from app.kinds import CANCELED, DONE, TERMINAL_STATES, JobKind, Stage
+from app.kinds import CANCELED, DONE, QUEUED, TERMINAL_STATES, JobKind, Stage
 from app.metrics import observe_stage
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.runtime import device_report, release_memory
@@ -52,6 +52,10 @@ class StageRun:
     control: StageControl
     loaded: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)  # facts about the stage's work, kept in its record
+    kind: JobKind | None = None
+    queue: str = ""
+    worker: str = ""
+    adopted: list[int] = field(default_factory=list)  # other tracks of the job this run also serves
 
     @property
     def scratch(self) -> Path:
@@ -74,6 +78,68 @@ class StageRun:
         record = self.svc.jobs.track(self.job_id, self.track) or {"artifacts": []}
         artifacts = sorted(set(record["artifacts"]) | {name})
         self.svc.jobs.update(self.job_id, self.track, artifacts=artifacts)
+
+    # -- tracks of the same job served by this run (batching) ------------------------------------------
+    def adopt_waiting_siblings(self, limit: int) -> list[int]:
+        """Take over up to `limit` tracks of this job that wait on this queue for this same stage, so one
+        batched pass serves them all. Each one's own message, when it comes, finds the stage done and moves
+        on; if this run fails, `release_siblings` puts them back to wait for their own message."""
+        job = self.svc.jobs.job(self.job_id)
+        adopted: list[int] = []
+        for other in range(job["num_tracks"] if job else 0):
+            if len(adopted) >= limit:
+                break
+            if other != self.track and self.svc.jobs.claim_waiting(
+                    self.job_id, other, self.queue, state=self.stage.state, stage=self.stage.name,
+                    worker=self.worker, detail=f"{self.stage.name} together with track {self.track}"):
+                adopted.append(other)
+                self.adopted.append(other)
+        return adopted
+
+    def sibling_params(self, track: int) -> dict[str, Any]:
+        record = self.svc.jobs.track(self.job_id, track)
+        return record["params"] if record else {}
+
+    def shared_control(self, siblings: list[int]) -> StageControl:
+        """This run's control, whose progress also goes to the adopted tracks."""
+        if not siblings:
+            return self.control
+        others = [_Throttled(self.svc, self.job_id, track) for track in siblings]
+
+        def report(fraction: float, detail: str) -> None:
+            self.control.report(fraction, detail)
+            for other in others:
+                other(fraction, detail)
+        return StageControl(report=report, cancel_requested=self.control.cancel_requested)
+
+    def finish_sibling(self, track: int, started_at: float) -> None:
+        """Record this stage done for an adopted track, as `_finish` does for the run's own track."""
+        record = self.svc.jobs.track(self.job_id, track)
+        if record is None:
+            return
+        stages = record["stages"]
+        now = time.time()
+        stages[self.stage.name] = {"started_at": started_at, "finished_at": now, "duration_s": round(now - started_at, 3),
+                                   "worker": self.worker, "loaded": [], "with_track": self.track}
+        following = self.kind.next_stage(self.stage.name)
+        self.svc.jobs.update(self.job_id, track, stages=stages, state=following.state, stage=following.name,
+                             progress=0.0, detail="waiting for the worker", running="0")
+        job_event(log, "stage_finished", self.job_id, track=track, queue=self.queue, worker=self.worker,
+                  stage=self.stage.name, with_track=self.track)
+
+    def release_siblings(self, tracks: list[int]) -> None:
+        """Adopted tracks go back to waiting for their own message (this run failed or was stopped); on a
+        cancel they end now, as the canceled job's messages were revoked."""
+        if self.svc.jobs.cancel_requested(self.job_id):
+            for track in tracks:
+                self.svc.jobs.finish(self.job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
+            return
+        for track in tracks:
+            record = self.svc.jobs.track(self.job_id, track)
+            if record is None or not self.svc.jobs.update(self.job_id, track, state=QUEUED, stage="", running="0",
+                                                          progress=0.0, detail="queued"):
+                continue
+            self.svc.redis.zadd(self.svc.jobs.waiting_key(self.queue), {f"{self.job_id}:{track}": record["seq"]})
 
     def _ttl(self) -> float:
         job = self.svc.jobs.job(self.job_id)
@@ -118,8 +184,9 @@ class _Throttled:
 class CancelWatch:
     """Polls the job's cancel flag in a thread; hard-kills this process if the work ignores it."""
 
-    def __init__(self, svc: Services, job_id: str, track: int, grace_s: float):
+    def __init__(self, svc: Services, job_id: str, track: int, grace_s: float, adopted: list[int] | None = None):
         self.svc, self.job_id, self.track, self.grace_s = svc, job_id, track, grace_s
+        self.adopted = adopted if adopted is not None else []  # filled by the run as it adopts tracks
         self.canceled = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"cancel-watch-{job_id[:8]}", daemon=True)
@@ -145,7 +212,8 @@ class CancelWatch:
         if self._done.wait(self.grace_s):
             return
         job_event(log, "cancel_hard_kill", self.job_id, track=self.track, level=logging.ERROR, pid=os.getpid())
-        self.svc.jobs.finish(self.job_id, self.track, CANCELED, detail="canceled (stage stopped by force)")
+        for track in [self.track, *self.adopted]:
+            self.svc.jobs.finish(self.job_id, track, CANCELED, detail="canceled (stage stopped by force)")
         drop_scratch(self.svc, self.job_id, self.track)
         os._exit(75)  # the prefork master replaces this child; the redelivered message sees 'canceled'
 
@@ -163,6 +231,12 @@ class StageTask(Task):
         worker = self.request.hostname or "unknown"
         self._check_can_start(svc, job_id, track, worker)
         record = svc.jobs.track(job_id, track)
+        done = record["stages"].get(self.stage.name, {})
+        if done.get("finished_at"):  # run already: with another track of the job, or before a redelivery
+            job_event(log, "stage_skipped", job_id, track=track, queue=record["queue"], worker=worker,
+                      stage=self.stage.name, reason="already done" + (
+                          f" with track {done['with_track']}" if "with_track" in done else ""))
+            return ref
         job = svc.jobs.job(job_id)
         svc.jobs.mark_started(job_id, track, record["queue"])
         stages = record["stages"]
@@ -176,10 +250,12 @@ class StageTask(Task):
         workdir = Path(tempfile.mkdtemp(prefix=f"encore-{job_id[:8]}-{self.stage.name}-"))
         succeeded = False
         try:
-            with CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s) as watch:
+            adopted: list[int] = []
+            with CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s, adopted) as watch:
                 control = StageControl(report=_Throttled(svc, job_id, track),
                                        cancel_requested=watch.canceled.is_set)
-                run = StageRun(svc, job_id, track, self.stage, job["params"], record["params"], workdir, control)
+                run = StageRun(svc, job_id, track, self.stage, job["params"], record["params"], workdir, control,
+                               kind=self.kind, queue=record["queue"], worker=worker, adopted=adopted)
                 self._work(run)
             succeeded = True
         except Canceled:

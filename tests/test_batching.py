@@ -1,0 +1,39 @@
+"""Tracks of one song on one worker share one batched backbone pass, with real workers and the default engine."""
+from __future__ import annotations
+
+import time
+
+from tests.conftest import wait_until
+
+
+def test_two_tracks_on_one_worker_share_a_backbone_pass_and_sound_as_they_would_alone(make_stack):
+    stack = make_stack()
+    stack.start_worker(0)
+    together = stack.wait_job(stack.submit_music(duration_s=3.0, num_tracks=2, seed=11))
+    assert together["state"] == "done", together
+    first, second = (track["stages"]["backbone"] for track in together["tracks"])
+    assert first["info"]["with_tracks"] == [1] and first["info"]["tracks_together"] == 2
+    assert second["with_track"] == 0 and abs(second["finished_at"] - first["finished_at"]) < 1.0
+    log = stack.worker_log(0).splitlines()
+    assert any(f"job={together['job_id']} track=1 " in line and "event=stage_skipped" in line
+               and "stage=backbone" in line and "with track 0" in line for line in log)
+
+    alone = stack.wait_job(stack.submit_music(duration_s=3.0, num_tracks=1, seed=12))  # track 1 above: seed 12
+    assert "with_tracks" not in alone["tracks"][0]["stages"]["backbone"]["info"]
+    batched_wav = stack.client.get(f"/api/v1/jobs/{together['job_id']}/tracks/1.wav").data
+    alone_wav = stack.client.get(f"/api/v1/jobs/{alone['job_id']}/tracks/0.wav").data
+    assert len(batched_wav) > 44 and batched_wav == alone_wav
+
+
+def test_cancel_during_a_batched_backbone_ends_both_tracks(make_stack):
+    stack = make_stack()
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=150.0, num_tracks=2)
+    wait_until(lambda: all(t["state"] == "backbone" and t["progress"] > 0.02 for t in stack.job(job_id)["tracks"]),
+               60, 0.05, "both tracks' shared backbone progress")
+    asked = time.monotonic()
+    assert stack.client.delete(f"/api/v1/jobs/{job_id}").status_code == 200
+    record = stack.wait_job(job_id, timeout=10, interval=0.05)
+    assert time.monotonic() - asked < 5
+    assert [t["state"] for t in record["tracks"]] == ["canceled", "canceled"], record
+    assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
