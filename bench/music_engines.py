@@ -1,9 +1,10 @@
 """Backbone decode speed: plain-PyTorch engine vs Megatron-core's forward on the same weights, one run.
 
 Both engines get the same random-weight Khala-shaped model (built by megatron_backend, converted once by
-torch_engine.from_megatron) and generate the same coarse tokens with backbone.generate_coarse; the
+torch_engine.from_megatron) and generate the same coarse tokens with backbone.generate_coarse_tracks; the
 Megatron engine is the in-run baseline, so the ratio is what to read (machines here are noisy). The
-codes must come out identical (fp32) or the run reports it.
+codes must come out identical (fp32) or the run reports it. Also: two tracks in one batch on the torch
+engine against twice one track (memory-bound GPUs should get close to 2x; a CPU is compute-bound).
 
     python bench/music_engines.py [--size small|medium|khala] [--frames 64] [--repeats 3]
 
@@ -23,7 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from app.pipeline import megatron_backend as mb  # noqa: E402
-from app.pipeline.backbone import generate_coarse  # noqa: E402
+from app.pipeline.backbone import generate_coarse_tracks  # noqa: E402
 from app.pipeline.control import StageControl  # noqa: E402
 from app.pipeline.profiles import MusicProfile, TransformerSpec, load_profile  # noqa: E402
 from app.pipeline.torch_engine import TorchCausalLM, from_megatron  # noqa: E402
@@ -45,12 +46,13 @@ def spec_for(size: str, profile: MusicProfile) -> TransformerSpec:
                            max_sequence_length=4096)
 
 
-def timed_generation(lm, profile: MusicProfile, frames: int, device: torch.device) -> tuple[torch.Tensor, float]:
+def timed_generation(lm, profile: MusicProfile, frames: int, device: torch.device,
+                     seeds: tuple[int, ...] = (1,)) -> tuple[list[torch.Tensor], float]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
-    codes = generate_coarse(lm, PROMPT, profile=profile, num_frames=frames, temperature=1.0, top_k=50, seed=1,
-                            control=StageControl())
+    codes = generate_coarse_tracks(lm, PROMPT, profile=profile, num_frames=frames, temperature=1.0, top_k=50,
+                                   seeds=list(seeds), control=StageControl())
     if device.type == "cuda":
         torch.cuda.synchronize()
     return codes, time.perf_counter() - started
@@ -69,22 +71,26 @@ def main() -> None:
     model = mb.build_gpt(spec, causal=True, device=device)
     mb.init_random_weights(model, seed=0)
     engines = {"megatron": mb.MegatronCausalLM(model), "torch": TorchCausalLM(from_megatron(model, spec))}
-    seconds: dict[str, list[float]] = {name: [] for name in engines}
+    seconds: dict[str, list[float]] = {name: [] for name in (*engines, "torch_2_tracks_batched")}
     codes = {}
     for name, lm in engines.items():
         timed_generation(lm, profile, 4, device)  # warm-up
-    for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits both
+    for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits all
         for name, lm in engines.items():
             codes[name], elapsed = timed_generation(lm, profile, args.frames, device)
             seconds[name].append(elapsed)
+        _, elapsed = timed_generation(engines["torch"], profile, args.frames, device, seeds=(1, 2))
+        seconds["torch_2_tracks_batched"].append(elapsed)
     tokens = 2 * args.frames
     median = {name: statistics.median(values) for name, values in seconds.items()}
     print(json.dumps({
         "device": str(device), "dtype": str(next(model.parameters()).dtype), "size": args.size,
         "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "tokens": tokens,
-        "tokens_per_s": {name: round(tokens / value, 1) for name, value in median.items()},
+        "tokens_per_s": {name: round(tokens * (2 if "2_tracks" in name else 1) / value, 1)
+                         for name, value in median.items()},
         "speedup_torch_over_megatron": round(median["megatron"] / median["torch"], 2),
-        "codes_equal": bool(torch.equal(codes["megatron"], codes["torch"])),
+        "two_tracks_batched_vs_one_after_the_other": round(2 * median["torch"] / median["torch_2_tracks_batched"], 2),
+        "codes_equal": bool(torch.equal(codes["megatron"][0], codes["torch"][0])),
         "seconds": seconds,
     }))
 
