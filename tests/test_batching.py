@@ -37,3 +37,35 @@ def test_cancel_during_a_batched_backbone_ends_both_tracks(make_stack):
     assert time.monotonic() - asked < 5
     assert [t["state"] for t in record["tracks"]] == ["canceled", "canceled"], record
     assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
+
+
+def test_adopted_tracks_go_back_to_waiting_or_end_with_a_cancel(redis_base_url, tmp_path):
+    """What a failed or killed batched run leaves behind (the child's list of adopted tracks may be gone)."""
+    from app.tasks.music import backbone
+    from app.tasks.stage import release_adopted
+    from tests.conftest import unit_services
+    svc = unit_services(redis_base_url, 507, tmp_path)
+    job_id = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}, {"seed": 3}], cost=1.0)
+    for track in range(3):
+        svc.jobs.assign_queue(job_id, track, "gpu0", [f"t{track}"], 1.0)
+    svc.jobs.mark_started(job_id, 0, "gpu0")
+    svc.jobs.update(job_id, 0, state="backbone", running="1", worker="gpu0@a")
+    assert svc.jobs.claim_waiting(job_id, 1, "gpu0", state="backbone", stage="backbone", worker="gpu0@a",
+                                  detail="backbone together with track 0")
+    assert not svc.jobs.claim_waiting(job_id, 1, "gpu0", state="backbone", stage="backbone", worker="gpu0@a",
+                                      detail="again")  # already taken
+    assert not svc.jobs.claim_waiting(job_id, 2, "gpu1", state="backbone", stage="backbone", worker="gpu1@b",
+                                      detail="other queue")
+    assert svc.redis.zrange(svc.jobs.waiting_key("gpu0"), 0, -1) == [f"{job_id}:2"]
+
+    assert backbone._adopted_by_killed_run(svc, job_id, 0, "gpu0@a") == [1]
+    release_adopted(svc, job_id, [1], "backbone")
+    track = svc.jobs.track(job_id, 1)
+    assert (track["state"], track["running"], track["detail"]) == ("queued", "0", "queued")
+    assert svc.redis.zrange(svc.jobs.waiting_key("gpu0"), 0, -1) == [f"{job_id}:1", f"{job_id}:2"]  # its place
+
+    assert svc.jobs.claim_waiting(job_id, 1, "gpu0", state="backbone", stage="backbone", worker="gpu0@a",
+                                  detail="backbone together with track 0")
+    svc.jobs.request_cancel(job_id)
+    release_adopted(svc, job_id, [1], "backbone")
+    assert svc.jobs.track(job_id, 1)["state"] == "canceled"

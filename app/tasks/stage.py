@@ -128,22 +128,26 @@ class StageRun:
                   stage=self.stage.name, with_track=self.track)
 
     def release_siblings(self, tracks: list[int]) -> None:
-        """Adopted tracks go back to waiting for their own message (this run failed or was stopped); on a
-        cancel they end now, as the canceled job's messages were revoked."""
-        if self.svc.jobs.cancel_requested(self.job_id):
-            for track in tracks:
-                self.svc.jobs.finish(self.job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
-            return
-        for track in tracks:
-            record = self.svc.jobs.track(self.job_id, track)
-            if record is None or not self.svc.jobs.update(self.job_id, track, state=QUEUED, stage="", running="0",
-                                                          progress=0.0, detail="queued"):
-                continue
-            self.svc.redis.zadd(self.svc.jobs.waiting_key(self.queue), {f"{self.job_id}:{track}": record["seq"]})
+        """Adopted tracks go back to waiting for their own message (this run failed or was stopped)."""
+        release_adopted(self.svc, self.job_id, tracks, self.stage.name)
 
     def _ttl(self) -> float:
         job = self.svc.jobs.job(self.job_id)
         return max(1.0, (job["expires_at"] if job else time.time() + self.svc.settings.job_ttl_s) - time.time())
+
+
+def release_adopted(svc: Services, job_id: str, tracks: list[int], stage: str) -> None:
+    """Tracks adopted by a run that did not finish wait again for their own message; on a cancel they end
+    now (the canceled job's messages were revoked, so none would come)."""
+    canceled = svc.jobs.cancel_requested(job_id)
+    for track in tracks:
+        record = svc.jobs.track(job_id, track)
+        if record is None:
+            continue
+        if canceled:
+            svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled during {stage}")
+        elif svc.jobs.update(job_id, track, state=QUEUED, stage="", running="0", progress=0.0, detail="queued"):
+            svc.redis.zadd(svc.jobs.waiting_key(record["queue"]), {f"{job_id}:{track}": record["seq"]})
 
 
 def track_scratch(svc: Services, job_id: str, track: int) -> Path:
@@ -335,8 +339,22 @@ class StageTask(Task):
         if isinstance(exc, TimeLimitExceeded) and args:
             svc = services()
             _, hard = svc.settings.time_limits.get(self.stage.name, (None, 0))
-            self._fail(svc, args[0]["job_id"], int(args[0]["track"]), self.request.hostname or "unknown",
+            job_id, track, worker = args[0]["job_id"], int(args[0]["track"]), self.request.hostname or "unknown"
+            self._fail(svc, job_id, track, worker,
                        f"timed out: {self.stage.name} exceeded its hard time limit of {hard:g} s")
+            release_adopted(svc, job_id, self._adopted_by_killed_run(svc, job_id, track, worker), self.stage.name)
+
+    def _adopted_by_killed_run(self, svc: Services, job_id: str, track: int, worker: str) -> list[int]:
+        """Other tracks of the job marked running this stage on this worker: a worker runs one stage at a
+        time, so the killed run had adopted them (its child took that list with it)."""
+        job = svc.jobs.job(job_id)
+        adopted = []
+        for other in range(job["num_tracks"] if job else 0):
+            record = svc.jobs.track(job_id, other)
+            if other != track and record and record["state"] == self.stage.state and record.get("running") == "1" \
+                    and record["worker"] == worker:
+                adopted.append(other)
+        return adopted
 
 
 def stage_task(kind: JobKind, stage_name: str, work: Callable[[StageRun], None]) -> StageTask:
