@@ -92,6 +92,10 @@ def unit_services(redis_base_url: str, db: int, root: Path):
     return services
 
 
+# The test process never imports the task modules (app.tasks.music, app.tasks.lipsync): Celery registers their
+# tasks on every app made afterwards, and a sender that knows a task puts ITS time limits into the message,
+# overriding the worker's (the web, like these tests, sends stages by name only).
+
 # Tests that need a music stage still running seconds after it starts (cancel, kill, time limits) use the
 # reference engine: Megatron's forward is ~2.4x slower per token than the default plain-PyTorch engine, which
 # would finish those tiny songs before the test acts. Everything else runs the default engine.

@@ -41,8 +41,8 @@ def test_cancel_during_a_batched_backbone_ends_both_tracks(make_stack):
 
 def test_adopted_tracks_go_back_to_waiting_or_end_with_a_cancel(redis_base_url, tmp_path):
     """What a failed or killed batched run leaves behind (the child's list of adopted tracks may be gone)."""
-    from app.tasks.music import backbone
-    from app.tasks.stage import release_adopted
+    from app.kinds import MUSIC
+    from app.tasks.stage import adopted_by_killed_run, release_adopted  # not app.tasks.music: see conftest
     from tests.conftest import unit_services
     svc = unit_services(redis_base_url, 507, tmp_path)
     job_id = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}, {"seed": 3}], cost=1.0)
@@ -58,7 +58,7 @@ def test_adopted_tracks_go_back_to_waiting_or_end_with_a_cancel(redis_base_url, 
                                       detail="other queue")
     assert svc.redis.zrange(svc.jobs.waiting_key("gpu0"), 0, -1) == [f"{job_id}:2"]
 
-    assert backbone._adopted_by_killed_run(svc, job_id, 0, "gpu0@a") == [1]
+    assert adopted_by_killed_run(svc, job_id, 0, "gpu0@a", MUSIC.stage("backbone")) == [1]
     release_adopted(svc, job_id, [1], "backbone")
     track = svc.jobs.track(job_id, 1)
     assert (track["state"], track["running"], track["detail"]) == ("queued", "0", "queued")

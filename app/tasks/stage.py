@@ -150,6 +150,19 @@ def release_adopted(svc: Services, job_id: str, tracks: list[int], stage: str) -
             svc.redis.zadd(svc.jobs.waiting_key(record["queue"]), {f"{job_id}:{track}": record["seq"]})
 
 
+def adopted_by_killed_run(svc: Services, job_id: str, track: int, worker: str, stage: Stage) -> list[int]:
+    """Other tracks of the job marked running `stage` on `worker`: a worker runs one stage at a time, so the
+    run killed there had adopted them (its child took its own list with it)."""
+    job = svc.jobs.job(job_id)
+    adopted = []
+    for other in range(job["num_tracks"] if job else 0):
+        record = svc.jobs.track(job_id, other)
+        if other != track and record and record["state"] == stage.state and record.get("running") == "1" \
+                and record["worker"] == worker:
+            adopted.append(other)
+    return adopted
+
+
 def track_scratch(svc: Services, job_id: str, track: int) -> Path:
     return svc.settings.worker_cache_dir / "tracks" / f"{job_id}-{track}"
 
@@ -342,19 +355,8 @@ class StageTask(Task):
             job_id, track, worker = args[0]["job_id"], int(args[0]["track"]), self.request.hostname or "unknown"
             self._fail(svc, job_id, track, worker,
                        f"timed out: {self.stage.name} exceeded its hard time limit of {hard:g} s")
-            release_adopted(svc, job_id, self._adopted_by_killed_run(svc, job_id, track, worker), self.stage.name)
-
-    def _adopted_by_killed_run(self, svc: Services, job_id: str, track: int, worker: str) -> list[int]:
-        """Other tracks of the job marked running this stage on this worker: a worker runs one stage at a
-        time, so the killed run had adopted them (its child took that list with it)."""
-        job = svc.jobs.job(job_id)
-        adopted = []
-        for other in range(job["num_tracks"] if job else 0):
-            record = svc.jobs.track(job_id, other)
-            if other != track and record and record["state"] == self.stage.state and record.get("running") == "1" \
-                    and record["worker"] == worker:
-                adopted.append(other)
-        return adopted
+            release_adopted(svc, job_id, adopted_by_killed_run(svc, job_id, track, worker, self.stage),
+                            self.stage.name)
 
 
 def stage_task(kind: JobKind, stage_name: str, work: Callable[[StageRun], None]) -> StageTask:
