@@ -83,6 +83,13 @@ def tiny_models(tmp_path_factory) -> Path:
     return base / "tiny"
 
 
+@pytest.fixture(scope="session")
+def tiny_profile(tiny_models):
+    """The tiny music profile over the models `tiny_models` wrote."""
+    from app.pipeline.profiles import load_profile
+    return load_profile("tiny", tiny_models)
+
+
 def unit_services(redis_base_url: str, db: int, root: Path):
     """Services on one of the unit tests' Redis databases (500+), emptied first."""
     from app.config import Settings

@@ -8,7 +8,6 @@ from app.pipeline.backbone import generate_coarse, generate_coarse_tracks
 from app.pipeline.control import StageControl
 from app.pipeline.engine import BatchedCausalLM, BidirectionalLM, CausalLM
 from app.pipeline.music import load_engine
-from app.pipeline.profiles import load_profile
 from app.pipeline.superres import fill_fine
 from app.pipeline.torch_engine import TorchBidirectionalLM, TorchCausalLM
 
@@ -18,21 +17,16 @@ TOLERANCE = 1e-5  # float32 rounding; a wrong head, group or half shows up as O(
 
 
 @pytest.fixture(scope="module")
-def profile(tiny_models):
-    return load_profile("tiny", tiny_models)
-
-
-@pytest.fixture(scope="module")
-def backbones(profile):
-    reference = load_engine("megatron", profile.backbone, profile.backbone_dir, causal=True, device=torch.device("cpu"))
-    fast = load_engine("torch", profile.backbone, profile.backbone_dir, causal=True, device=torch.device("cpu"))
+def backbones(tiny_profile):
+    reference = load_engine("megatron", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu"))
+    fast = load_engine("torch", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu"))
     return reference, fast
 
 
 @pytest.fixture(scope="module")
-def superres(profile):
-    reference = load_engine("megatron", profile.superres, profile.superres_dir, causal=False, device=torch.device("cpu"))
-    fast = load_engine("torch", profile.superres, profile.superres_dir, causal=False, device=torch.device("cpu"))
+def superres(tiny_profile):
+    reference = load_engine("megatron", tiny_profile.superres, tiny_profile.superres_dir, causal=False, device=torch.device("cpu"))
+    fast = load_engine("torch", tiny_profile.superres, tiny_profile.superres_dir, causal=False, device=torch.device("cpu"))
     return reference, fast
 
 
@@ -56,9 +50,9 @@ def test_full_forward_prefill_and_cached_decode_match_megatron(backbones):
         lm.release()
 
 
-def test_same_seed_generates_the_same_coarse_codes_on_both_engines(backbones, profile):
+def test_same_seed_generates_the_same_coarse_codes_on_both_engines(backbones, tiny_profile):
     def generate(lm):
-        return generate_coarse(lm, PROMPT, profile=profile, num_frames=10, temperature=1.0, top_k=50, seed=5,
+        return generate_coarse(lm, PROMPT, profile=tiny_profile, num_frames=10, temperature=1.0, top_k=50, seed=5,
                                control=StageControl())
     assert torch.equal(generate(backbones[0]), generate(backbones[1]))
 
@@ -84,9 +78,9 @@ def test_a_batch_of_sequences_decodes_like_each_sequence_alone(backbones):
     fast.release()
 
 
-def test_tracks_generated_together_get_the_codes_they_get_alone(backbones, profile):
+def test_tracks_generated_together_get_the_codes_they_get_alone(backbones, tiny_profile):
     """Batched on the fast engine, one after the other on Megatron's: the same codes per seed either way."""
-    args = dict(profile=profile, num_frames=8, temperature=1.0, top_k=50, control=StageControl())
+    args = dict(profile=tiny_profile, num_frames=8, temperature=1.0, top_k=50, control=StageControl())
     reference, fast = backbones
     together = generate_coarse_tracks(fast, PROMPT, seeds=[5, 6, 7], **args)
     alone = [generate_coarse(fast, PROMPT, seed=seed, **args) for seed in (5, 6, 7)]
@@ -96,16 +90,16 @@ def test_tracks_generated_together_get_the_codes_they_get_alone(backbones, profi
     assert not torch.equal(together[0], together[1])
 
 
-def test_superres_windows_and_codes_match_megatron(superres, profile):
+def test_superres_windows_and_codes_match_megatron(superres, tiny_profile):
     reference, fast = superres
     embeddings = torch.randn(12, fast.input_embeddings.shape[1], generator=torch.Generator().manual_seed(1))
-    window = slice(profile.audio_token_offset(2), profile.audio_token_offset(2) + profile.codebook_size)
+    window = slice(tiny_profile.audio_token_offset(2), tiny_profile.audio_token_offset(2) + tiny_profile.codebook_size)
     assert torch.allclose(fast.logits(embeddings, window), reference.logits(embeddings, window), atol=TOLERANCE)
     assert torch.equal(fast.input_embeddings, reference.input_embeddings)
-    coarse = torch.randint(0, profile.codebook_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    coarse = torch.randint(0, tiny_profile.codebook_size, (2, 6), generator=torch.Generator().manual_seed(0))
 
     def fill(lm):
-        return fill_fine(lm, coarse, profile=profile, seed=3, control=StageControl(), prompt_ids=PROMPT)
+        return fill_fine(lm, coarse, profile=tiny_profile, seed=3, control=StageControl(), prompt_ids=PROMPT)
     assert torch.equal(fill(reference), fill(fast))
 
 
@@ -128,6 +122,6 @@ def test_cache_misuse_raises(backbones):
     fast.release()
 
 
-def test_unknown_engine_is_refused(profile):
+def test_unknown_engine_is_refused(tiny_profile):
     with pytest.raises(ValueError, match="unknown engine"):
-        load_engine("tensorrt", profile.backbone, profile.backbone_dir, causal=True, device=torch.device("cpu"))
+        load_engine("tensorrt", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu"))
