@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.services import Services
-from app.workers import WorkerRegistry, pid_alive
+from app.workers import WorkerRegistry, consumed_queues, pid_alive
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def why_not_safe(registry: WorkerRegistry, name: str, queues: set[str], own_pid:
     if previous_pid and previous_pid != own_pid and pid_alive(previous_pid):
         return f"the previous {name} (pid {previous_pid}) is still running"
     for worker in registry.workers():
-        shared = queues & set(filter(None, str(worker.get("queue", "")).split(",")))
+        shared = queues & set(consumed_queues(worker))
         if worker["name"] != name and worker["status"] != "offline" and shared:
             return f"{worker['name']} also consumes {','.join(sorted(shared))}"
     return None
@@ -143,9 +143,9 @@ def find_message(client: Any, lists: list[str], task_id: str) -> tuple[str, str]
     return None
 
 
-def stranded(svc: Services, queues: list[str], after_s: float, now: float) -> list[str]:
-    """Those of `queues` with open tracks whose consumers have all been offline for more than `after_s`."""
-    live = set(svc.workers.live_queues())
+def stranded(svc: Services, queues: list[str], live: set[str], after_s: float, now: float) -> list[str]:
+    """Those of `queues` (not in `live`) with open tracks whose consumers have all been offline for more than
+    `after_s`."""
     result = []
     for queue in queues:
         if queue in live or not svc.redis.zcard(svc.jobs.load_key(queue)):

@@ -132,7 +132,9 @@ def reroute_stranded(svc: Services, celery: Celery) -> int:
     try:
         moved = 0
         options = dict(celery.conf.broker_transport_options or {})
-        for queue in stranded(svc, known_queues(svc), after_s, time.time()):
+        workers = svc.workers.workers()
+        live = set(svc.workers.live_queues(workers))
+        for queue in stranded(svc, known_queues(svc, workers), live, after_s, time.time()):
             # started tracks first: they were submitted before the ones still waiting
             restarted, failed = restart_started_tracks(svc, queue, _unrouted_key(svc))
             detached = detach_waiting_tracks(svc, queue, options, _unrouted_key(svc))

@@ -36,7 +36,7 @@ class WorkerRegistry:
         pipe.sadd(f"{self.prefix}:workers", name)
         pipe.hset(self._key(name), mapping={**{k: str(v) for k, v in info.items()}, "last_seen": time.time()})
         pipe.expire(self._key(name), self.ttl_s)
-        for queue in filter(None, str(info.get("queue", "")).split(",")):
+        for queue in consumed_queues(info):
             pipe.set(self._queue_live_key(queue), time.time(), ex=LIVE_AT_TTL_S)
         pipe.execute()
         self._drop_stale_current(name)
@@ -89,8 +89,15 @@ class WorkerRegistry:
             result.append(entry)
         return result
 
-    def live_queues(self) -> list[str]:
-        return sorted({w["queue"] for w in self.workers() if w["status"] != "offline" and w.get("queue")})
+    def live_queues(self, workers: list[dict[str, Any]] | None = None) -> list[str]:
+        """Queues of live workers, from `workers` when the caller already read them."""
+        workers = self.workers() if workers is None else workers
+        return sorted({w["queue"] for w in workers if w["status"] != "offline" and w.get("queue")})
+
+
+def consumed_queues(worker: dict[str, Any]) -> list[str]:
+    """The queues a worker's heartbeat lists ("gpu0" or "gpu0,gpu1")."""
+    return [queue for queue in str(worker.get("queue", "")).split(",") if queue]
 
 
 def pid_alive(pid: int) -> bool:

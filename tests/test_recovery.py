@@ -78,10 +78,10 @@ def test_waiting_tracks_are_detached_only_while_their_message_is_still_queued(sv
         enqueue_track(svc, app, job_id, 0, "gpu5")
     svc.workers.heartbeat("gpu5@host", {"queue": "gpu5", "pid": 1})
     now = time.time()
-    assert stranded(svc, ["gpu5"], after_s=60, now=now) == []  # its worker is live
+    assert stranded(svc, ["gpu5"], set(svc.workers.live_queues()), after_s=60, now=now) == []  # its worker is live
     svc.workers.forget("gpu5@host")
-    assert stranded(svc, ["gpu5"], after_s=60, now=now) == []  # offline for less than 60 s
-    assert stranded(svc, ["gpu5"], after_s=60, now=now + 120) == ["gpu5"]
+    assert stranded(svc, ["gpu5"], set(svc.workers.live_queues()), after_s=60, now=now) == []  # offline for less than 60 s
+    assert stranded(svc, ["gpu5"], set(svc.workers.live_queues()), after_s=60, now=now + 120) == ["gpu5"]
 
     taken = svc.redis.rpop("gpu5:9")  # a worker took the first job's message (kombu pops from the right)
     assert taken is not None

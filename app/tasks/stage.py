@@ -121,9 +121,7 @@ class StageRun:
         now = time.time()
         stages[self.stage.name] = {"started_at": started_at, "finished_at": now, "duration_s": round(now - started_at, 3),
                                    "worker": self.worker, "loaded": [], "with_track": self.track}
-        following = self.kind.next_stage(self.stage.name)
-        self.svc.jobs.update(self.job_id, track, stages=stages, state=following.state, stage=following.name,
-                             progress=0.0, detail="waiting for the worker", running="0")
+        wait_for_stage(self.svc, self.job_id, track, self.kind.next_stage(self.stage.name), stages)
         job_event(log, "stage_finished", self.job_id, track=track, queue=self.queue, worker=self.worker,
                   stage=self.stage.name, with_track=self.track)
 
@@ -134,6 +132,12 @@ class StageRun:
     def _ttl(self) -> float:
         job = self.svc.jobs.job(self.job_id)
         return max(1.0, (job["expires_at"] if job else time.time() + self.svc.settings.job_ttl_s) - time.time())
+
+
+def wait_for_stage(svc: Services, job_id: str, track: int, following: Stage, stages: dict[str, Any]) -> None:
+    """A stage of the track is done: record it and show the track waiting for `following`."""
+    svc.jobs.update(job_id, track, stages=stages, state=following.state, stage=following.name, progress=0.0,
+                    detail="waiting for the worker", running="0")
 
 
 def release_adopted(svc: Services, job_id: str, tracks: list[int], stage: str) -> None:
@@ -329,8 +333,7 @@ class StageTask(Task):
             job_event(log, "track_done", run.job_id, track=run.track, queue=self._queue(svc, run.job_id, run.track),
                       worker=worker)
         else:
-            svc.jobs.update(run.job_id, run.track, stages=stages, state=following.state, stage=following.name,
-                            progress=0.0, detail="waiting for the worker", running="0")
+            wait_for_stage(svc, run.job_id, run.track, following, stages)
         observe_stage(svc, self.kind.name, self.stage.name, seconds)
         job_event(log, "stage_finished", run.job_id, track=run.track, queue=self._queue(svc, run.job_id, run.track),
                   worker=worker, stage=self.stage.name, duration_s=f"{seconds:.3f}",
