@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.pipeline.profiles import MusicProfile
 
 STAGES = ("backbone", "superres", "decode", "export")
 
@@ -25,6 +29,9 @@ def _time_limits(spec: str) -> dict[str, tuple[float | None, float]]:
     return limits
 
 
+MODEL_PATH_VARIABLES = {"tokenizer_subdir": "ENCORE_TOKENIZER_DIR", "backbone_subdir": "ENCORE_BACKBONE_DIR",
+                        "superres_subdir": "ENCORE_SUPERRES_DIR", "codec_file": "ENCORE_CODEC_FILE"}
+
 DEFAULT_TIME_LIMITS = (
     "backbone=1500/1560,superres=900/960,decode=900/960,export=300/330,"
     "prepare=300/330,lipsync=1500/1560,mux=300/330"
@@ -41,6 +48,11 @@ class Settings:
     worker_cache_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_WORKER_CACHE_DIR", "var/worker-cache")).resolve())
     music_profile: str = field(default_factory=lambda: _env("ENCORE_MUSIC_PROFILE", "tiny"))
     model_dir: str | None = field(default_factory=lambda: os.environ.get("ENCORE_MODEL_DIR"))
+    # Each model's location, overriding the profile's layout under ENCORE_MODEL_DIR (absolute, or relative to it).
+    model_paths: dict[str, str] = field(default_factory=lambda: {
+        name: os.environ[variable] for name, variable in MODEL_PATH_VARIABLES.items() if os.environ.get(variable)})
+    song_end: str | None = field(default_factory=lambda: os.environ.get("ENCORE_SONG_END") or None)
+    song_margin_s: float = field(default_factory=lambda: float(_env("ENCORE_SONG_MARGIN_S", "90")))
     runtime_mode: str = field(default_factory=lambda: _env("ENCORE_RUNTIME_MODE", "keep_loaded"))
     batch_tracks: int = field(default_factory=lambda: int(_env("ENCORE_BATCH_TRACKS", "2")))
     music_engine: str = field(default_factory=lambda: _env("ENCORE_MUSIC_ENGINE", "torch"))
@@ -76,8 +88,17 @@ class Settings:
             raise ValueError(f"ENCORE_RUNTIME_MODE must be keep_loaded or one_shot, not {self.runtime_mode!r}")
         if self.music_engine not in ("torch", "megatron"):
             raise ValueError(f"ENCORE_MUSIC_ENGINE must be torch or megatron, not {self.music_engine!r}")
+        if self.song_end not in (None, "model", "duration"):
+            raise ValueError(f"ENCORE_SONG_END must be model or duration, not {self.song_end!r}")
+        if self.song_margin_s < 0:
+            raise ValueError(f"ENCORE_SONG_MARGIN_S must be >= 0, not {self.song_margin_s}")
         if self.artifact_backend not in ("dir", "redis"):
             raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir or redis, not {self.artifact_backend!r}")
+
+    def music(self) -> "MusicProfile":
+        """The music profile these settings select, with its files where the settings put them."""
+        from app.pipeline.profiles import load_profile
+        return load_profile(self.music_profile, self.model_dir, song_end=self.song_end, **self.model_paths)
 
     @property
     def longest_hard_limit_s(self) -> float:

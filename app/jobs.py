@@ -49,7 +49,7 @@ def _flatten(fields: dict[str, str]) -> list[str]:
     return [item for pair in fields.items() for item in pair]
 
 
-_JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts")
+_JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts", "song")
 
 
 def _decode_track(raw: dict[str, str]) -> dict[str, Any]:

@@ -32,8 +32,10 @@ def _error(status: int, message: str):
     return jsonify({"status": "error", "error": message}), status
 
 
-def _translate(body: dict[str, Any]) -> dict[str, Any]:
-    """The reference's fields → a native MusicRequest body (unknown fields are ignored, as it does)."""
+def _translate(body: dict[str, Any], longest_song_s: float) -> dict[str, Any]:
+    """The reference's fields → a native MusicRequest body (unknown fields are ignored, as it does). Ten
+    minutes is longer than the backbone can write (23,552 tokens, ~9.1 min): the reference accepts it and
+    its song stops at that cap; here it becomes the longest song the profile can write."""
     mode = body.get("mode", "vocal")
     prompt_mode = body.get("prompt_mode", "tags")
     if prompt_mode not in ("natural", "tags"):
@@ -45,7 +47,7 @@ def _translate(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(temperature, int) and not isinstance(temperature, bool):
         temperature = float(temperature)  # the reference's frontend sends 1, not 1.0
     text_field = "tags" if prompt_mode == "tags" else "prompt"
-    native = {"mode": mode, text_field: body.get(text_field, ""), "duration_s": float(minutes * 60),
+    native = {"mode": mode, text_field: body.get(text_field, ""), "duration_s": min(float(minutes * 60), longest_song_s),
               "num_tracks": NUM_TRACKS, "temperature": temperature, "top_k": body.get("top_k_bb", 80)}
     if mode == "vocal":
         native["lyrics"] = body.get("lyrics", "")
@@ -104,6 +106,13 @@ def _job_status(statuses: list[str]) -> str:
     return "pending"  # some tracks finished, the others still wait in the queue
 
 
+def _song_seconds(track: dict[str, Any]) -> float:
+    """The track's actual length (known once its backbone is done; the model may end a song early), 0 before,
+    as the reference reports it."""
+    song = track.get("song")
+    return round(song["duration_s"], 1) if song else 0
+
+
 def job_reply(record: dict[str, Any]) -> dict[str, Any]:
     tracks = []
     for track in record["tracks"]:
@@ -112,7 +121,7 @@ def job_reply(record: dict[str, Any]) -> dict[str, Any]:
         tracks.append({
             "index": track["track"], "status": status, "progress": _progress(track), "phase_display": display,
             "worker_id": track["worker"] or None, "worker_phase": worker_phase,
-            "duration_sec": record["params"]["duration_s"], "error": track["error"] or None,
+            "duration_sec": _song_seconds(track), "error": track["error"] or None,
         })
     statuses = [t["status"] for t in tracks]
     return {
@@ -168,7 +177,7 @@ def _gpu_index(queue: str) -> int | None:
 
 
 def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], validate: Callable[[dict], Any],
-                   tags_file: Path | None) -> Blueprint:
+                   tags_file: Path | None, longest_song_s: float) -> Blueprint:
     """The contract's routes; registered once per prefix (none by default, and /api)."""
     blueprint = Blueprint(name, __name__)
     catalogue = json.loads((tags_file or DEFAULT_TAGS).read_text())
@@ -190,7 +199,7 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
         if not isinstance(body, dict):
             return _error(400, "body: expected a JSON object")
         try:
-            req = validate(_translate(body))
+            req = validate(_translate(body, longest_song_s))
         except RequestError as exc:
             field = NATIVE_TO_CONTRACT_FIELD.get(exc.field, exc.field)
             if field == "tags" and body.get("prompt_mode") == "natural":

@@ -22,7 +22,7 @@ from app.khala_api import make_blueprint
 from app.kinds import TERMINAL_STATES
 from app.metrics import make_registry
 from app.openapi import build_spec, documented
-from app.pipeline.profiles import load_lipsync_profile, load_profile
+from app.pipeline.profiles import load_lipsync_profile
 from app.recovery import broker_lists
 from app.routing import drain_queue, draining, known_queues, queue_loads, resume_queue, route_job
 from app.schemas import Accepted, ErrorReply, MusicRequest
@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     _configure_logging()
     svc = build_services(settings)
     celery_app = make_celery(settings)
-    profile = load_profile(settings.music_profile, settings.model_dir)
+    profile = settings.music()
     lipsync_profile = load_lipsync_profile(settings.lipsync_profile, settings.lipsync_model_dir)
     app = Flask(__name__)
     app.config["SERVICES"] = svc
@@ -295,7 +295,8 @@ def _register_khala_contract(app: Flask, svc: Services, celery_app, settings: Se
     for name, prefix in (("khala", settings.compat_prefix), ("khala_api", "/api")):
         if name == "khala_api" and prefix == settings.compat_prefix:
             continue
-        app.register_blueprint(make_blueprint(name, svc, submit, validate, settings.tags_file),
+        app.register_blueprint(make_blueprint(name, svc, submit, validate, settings.tags_file,
+                                              profile.max_duration_s),
                                url_prefix=prefix or None)
 
 

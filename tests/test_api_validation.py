@@ -76,7 +76,7 @@ def test_instrumental_needs_no_lyrics_and_good_request_is_accepted(stack):
 
 
 def test_lyrics_are_cleaned_in_the_record(stack):
-    reply = stack.client.post("/api/v1/music", json={**GOOD, "lyrics": "ＨＥＬＬＯ｜world\u200b★"})
+    reply = stack.client.post("/api/v1/music", json={**GOOD, "lyrics": "ＨＥＬＬＯ|world\u200b★"})
     assert reply.status_code == 202
     assert stack.job(reply.get_json()["job_id"])["params"]["lyrics"] == "HELLO-world"
 

@@ -84,15 +84,112 @@ def test_load_casts_to_model_dtype(profile, backbone):
     assert torch.equal(weight, backbone.decoder.layers[1].mlp.linear_fc1.weight.to(torch.bfloat16))
 
 
-def test_mismatched_checkpoints_are_refused(profile, tmp_path):
-    with pytest.raises(ValueError, match="rotary_base"):
-        mb.load_gpt(dataclasses.replace(profile.backbone, rotary_base=10_000), profile.backbone_dir,
-                    causal=True, device="cpu")
-    with pytest.raises(ValueError, match="ffn_hidden_size"):
-        mb.load_gpt(dataclasses.replace(profile.backbone, ffn_hidden_size=192), profile.backbone_dir,
-                    causal=True, device="cpu")
+def with_saved_args(source, target, **changes):
+    """A copy of checkpoint `source` whose saved training args differ by `changes` (None deletes a field)."""
+    shutil.copytree(source, target)
+    common_path = mb.resolve_checkpoint_dir(target) / "common.pt"
+    common = torch.load(common_path, weights_only=False)
+    for name, value in changes.items():
+        if value is None:
+            delattr(common["args"], name)
+        else:
+            setattr(common["args"], name, value)
+    torch.save(common, common_path)
+    return target
+
+
+def test_architecture_comes_from_the_checkpoint_args(profile, tmp_path):
+    """A checkpoint of another shape (layers, width, heads, groups, head size, FFN, RoPE base) is built as its
+    args say, whatever the profile's spec; both engines run it alike."""
+    from app.pipeline.torch_engine import TorchCausalLM, from_megatron
+    other = dataclasses.replace(profile.backbone, num_layers=3, hidden_size=96, num_attention_heads=6,
+                                num_query_groups=3, kv_channels=24, ffn_hidden_size=128, rotary_base=10_000)
+    mb.write_tiny_checkpoint(other, tmp_path, causal=True, seed=4)
+    model = mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
+    assert mb.model_spec(model) == other
+    assert model.decoder.layers[0].self_attention.linear_qkv.weight.shape == ((6 + 2 * 3) * 24, 96)
+    reference = reference_model(other, seed=4)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    ids = [3, 17, 512, 540, 513, 575]
+    megatron_logits = mb.MegatronCausalLM(model).logits(ids)
+    torch.testing.assert_close(TorchCausalLM(from_megatron(model, mb.model_spec(model))).logits(ids),
+                               megatron_logits, rtol=0, atol=1e-4)
+
+
+def test_profile_supplies_what_the_reference_never_reads_from_a_checkpoint(profile, tmp_path):
+    """Norm epsilon (forced to 1e-6 on the reference's command line), RoPE scaling, QK layernorm and the
+    saved vocabulary size are not read by the reference: a checkpoint saying otherwise still loads, as there."""
+    directory = with_saved_args(profile.backbone_dir, tmp_path / "ckpt", norm_epsilon=1e-5, use_rope_scaling=True,
+                                qk_layernorm=True, padded_vocab_size=130_432, vocab_size=130_304,
+                                max_position_embeddings=4096)
+    model = mb.load_gpt(profile.backbone, directory, causal=True, device="cpu")
+    assert model.config.layernorm_epsilon == profile.backbone.norm_epsilon == 1e-6
+    assert model.vocab_size == profile.backbone.vocab_size and model.max_sequence_length == 25_600
+    assert mb.model_spec(model) == profile.backbone
+
+
+@pytest.mark.parametrize("field, value, shown", [
+    ("rotary_interleaved", True, "rotary_interleaved=True"),
+    ("apply_layernorm_1p", True, "apply_layernorm_1p=True"),
+    ("normalization", "LayerNorm", "normalization='LayerNorm'"),
+    ("swiglu", False, "swiglu=False"),
+    ("swiglu", None, "swiglu=False"),  # not recorded: Megatron's default, GELU
+    ("squared_relu", True, "squared_relu=True"),
+    ("add_bias_linear", False, "add_bias_linear=False"),
+    ("disable_bias_linear", True, "add_bias_linear=False"),  # older checkpoints' name for it
+    ("untie_embeddings_and_output_weights", False, "untie_embeddings_and_output_weights=False"),
+    ("position_embedding_type", "learned_absolute", "position_embedding_type='learned_absolute'"),
+    ("rotary_percent", 0.5, "rotary_percent=0.5"),
+    ("num_experts", 8, "num_experts=8"),
+    ("hybrid_override_pattern", "M*M*", "hybrid_override_pattern='M*M*'"),
+])
+def test_architectures_encore_does_not_implement_are_refused_by_name(profile, tmp_path, field, value, shown):
+    directory = with_saved_args(profile.backbone_dir, tmp_path / "ckpt", **{field: value})
+    with pytest.raises(mb.CheckpointArgsError) as refused:
+        mb.load_gpt(profile.backbone, directory, causal=True, device="cpu")
+    implemented = mb.IMPLEMENTED_ARGS[shown.partition("=")[0]][0]
+    assert f"{shown} (Encore implements {shown.partition('=')[0]}={implemented!r})" in str(refused.value)
+
+
+def test_several_wrong_fields_are_all_named(profile, tmp_path):
+    directory = with_saved_args(profile.backbone_dir, tmp_path / "ckpt", rotary_interleaved=True, apply_layernorm_1p=True)
+    with pytest.raises(mb.CheckpointArgsError, match="rotary_interleaved=True.*apply_layernorm_1p=True"):
+        mb.load_gpt(profile.backbone, directory, causal=True, device="cpu")
+
+
+def test_megatron_defaults_fill_fields_a_checkpoint_does_not_record(profile):
+    """As load_args_from_checkpoint + validate_args: no GQA flag means one KV group per head, no kv_channels
+    means hidden/heads, no FFN size means SwiGLU's 4h*2/3 rounded down to 64, no RoPE base means 10000."""
+    args = mb.checkpoint_args(mb.build_gpt(profile.backbone, causal=True, device="cpu"))
+    for name in ("group_query_attention", "kv_channels", "ffn_hidden_size", "rotary_base"):
+        delattr(args, name)
+    spec = mb.spec_from_args(args, profile.backbone)
+    assert (spec.num_query_groups, spec.head_dim, spec.ffn_hidden_size, spec.rotary_base) == (4, 16, 128, 10_000)
+    args.num_attention_heads = 6
+    with pytest.raises(mb.CheckpointArgsError, match="hidden_size=64 is not a multiple of num_attention_heads=6"):
+        mb.spec_from_args(args, profile.backbone)
+    assert mb.spec_from_args(None, profile.backbone) == profile.backbone  # no saved args: the profile's
+
+
+def test_vocabulary_mismatch_is_named_before_weights_are_read(profile, tmp_path):
+    mb.write_tiny_checkpoint(dataclasses.replace(profile.backbone, vocab_size=640), tmp_path, causal=True, seed=1)
+    with pytest.raises(mb.CheckpointArgsError, match=r"embedding.word_embeddings.weight is \[640, 64\] in the "
+                                                     r"checkpoint but the model needs \[576, 64\]"):
+        mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
+
+
+def test_missing_checkpoint_is_a_clear_error(profile, tmp_path):
     with pytest.raises(FileNotFoundError):
         mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
+
+
+def test_reference_vocabularies_hold_every_audio_id():
+    """130,304 and 193,792 exactly (the reference sets padded_vocab_size to these, no padding): the text ids,
+    then 2 or 64 codebook windows of 1,024 ids."""
+    khala = load_profile("khala", "/nonexistent")
+    assert (khala.backbone.vocab_size, khala.superres.vocab_size) == (130_304, 193_792)
+    assert khala.audio_token_offset(2) == khala.backbone.vocab_size
+    assert khala.audio_token_offset(64) == khala.superres.vocab_size
 
 
 def test_kv_cached_decode_matches_full_forward(backbone):

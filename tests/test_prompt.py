@@ -1,4 +1,4 @@
-"""Lyrics cleaning, the tiny Llama-3-shaped tokenizer and the Khala backbone prompt layout."""
+"""The tiny Llama-3-shaped tokenizer and the Khala backbone and super-resolution prompt layouts."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,51 +8,11 @@ import pytest
 from app.pipeline.lyrics import clean_lyrics
 from app.pipeline.profiles import load_profile
 from app.pipeline.prompt import (AUDIO_START, BOS, EOS, FIELD_END, LINE_BREAK, LYRICS_START, PROMPT_END,
-                                 build_prompt, duration_minutes, duration_token, llama3_special_tokens,
+                                 build_prompt, build_superres_prompt, duration_minutes, duration_token,
+                                 llama3_special_tokens,
                                  load_tokenizer, prompt_token_ids, write_tiny_tokenizer)
 
 UNICODE_LYRICS = "你好世界 🎵🎶\nこんにちは\n안녕하세요\nمرحبا\nПривет жизнь\ne\u0301te\u0301 café\n\U0001F468\u200d\U0001F469\u200d\U0001F467"
-
-
-# ---------------------------------------------------------------- lyrics cleaning
-
-@pytest.mark.parametrize("raw, cleaned", [
-    ("ＡＢＣｘｙｚ１２３！？＃", "ABCxyz123!?#"),  # full-width forms
-    ("你好，世界。「歌」【副歌】《书》、～", '你好,世界."歌"[副歌]<书>,~'),  # CJK punctuation
-    ("“quoted” ‘single’ wait… a—b a——b", "\"quoted\" 'single' wait... a-b a-b"),  # typographic punctuation
-    ("h\u0435ll\u043e \u0441\u0430t", "hello cat"),  # Cyrillic look-alikes
-    ("\u0391\u0392\u0395 \u039c\u039f\u03a4", "ABE MOT"),  # Greek capital look-alikes
-    ("\ufeffla\u200bla\u200c\u200dla", "lalala"),  # BOM and zero-width characters
-    ("a|b", "a-b"),
-    ("don^t", "don't"),
-    ("★star★", "star"),
-    ("ｗａｉｔ｜ｆｏｒ＾ｉｔ", "wait-for'it"),  # full-width | and ^ end up as - and '
-    ("a\u00a0b\u3000c", "a b c"),  # odd spaces
-    ("it\u00e2\u0080\u0099s", "it's"),  # mojibake right quote
-])
-def test_clean_lyrics_rules(raw: str, cleaned: str) -> None:
-    assert clean_lyrics(raw) == cleaned
-
-
-def test_clean_lyrics_keeps_other_scripts() -> None:
-    text = "你好 こんにちは 안녕 жизнь مرحبا 🎵"
-    assert clean_lyrics(text) == text
-
-
-def test_clean_lyrics_whitespace() -> None:
-    raw = "\n  [Verse]  \r\nline one\t\r\n\r\n\r\n\r\nline two \rline three\n\n\n"
-    assert clean_lyrics(raw) == "[Verse]\nline one\n\nline two\nline three"
-
-
-def test_clean_lyrics_keeps_single_blank_line_between_sections() -> None:
-    assert clean_lyrics("[Verse]\na\n\n[Chorus]\nb") == "[Verse]\na\n\n[Chorus]\nb"
-
-
-def test_clean_lyrics_is_idempotent() -> None:
-    messy = "ＡＢ｜ｃ^★\r\n\u3000 “x”——y…\n\n\n\nz\u200b " + UNICODE_LYRICS
-    once = clean_lyrics(messy)
-    assert clean_lyrics(once) == once
-    assert "|" not in once and "^" not in once and "\r" not in once
 
 
 # ---------------------------------------------------------------- tiny tokenizer
@@ -170,13 +130,13 @@ def test_prompt_ids_stay_in_text_vocab_for_any_unicode(tiny) -> None:
     lyrics_ids = ids[ids.index(s.line_break) + 1:-4]
     expected = clean_lyrics(UNICODE_LYRICS + "\n\n\n\nＥＮＤ").replace("\n", LINE_BREAK)
     assert tokenizer.decode(lyrics_ids) == expected
-    assert expected.endswith(f"{LINE_BREAK}{LINE_BREAK}END")  # blank lines collapse to one
+    assert expected.endswith(f"{LINE_BREAK * 4}END")  # every newline is a line-break token, as in Khala
 
 
 def test_prompt_cleans_lyrics(tiny) -> None:
     profile, tokenizer = tiny
     common = dict(mode="vocal", tags="pop", description=None, duration_s=60.0)
-    assert (build_prompt(tokenizer, profile, lyrics="ＨＩ｜ｔｈｅｒｅ\r\n", **common)
+    assert (build_prompt(tokenizer, profile, lyrics="ＨＩ|ｔｈｅｒｅ\u3000\n", **common)
             == build_prompt(tokenizer, profile, lyrics="HI-there", **common))
 
 
@@ -210,3 +170,35 @@ def test_prompt_rejects_bad_mode_and_mismatched_tokenizer(tiny, tmp_path: Path) 
     with pytest.raises(ValueError, match="128256"):
         build_prompt(tokenizer, load_profile("khala", tmp_path), mode="vocal", tags="x", description=None,
                      lyrics="", duration_s=60.0)
+
+
+# ---------------------------------------------------------------- super-resolution prompt
+
+SONG = dict(mode="vocal", lyrics="la la\nlo", duration_s=120.0)
+
+
+def test_superres_prompt_of_a_tagged_song_is_the_backbone_prompt(tiny) -> None:
+    profile, tokenizer = tiny
+    backbone = build_prompt(tokenizer, profile, tags="synthpop, female vocal", description=None, **SONG)
+    assert build_superres_prompt(tokenizer, profile, tags="synthpop, female vocal", description=None, **SONG) == backbone
+
+
+def test_superres_prompt_of_a_described_song_has_empty_metadata(tiny) -> None:
+    """Khala's same_as_backbone_no_description: the description (and any tags beside it) leave the prompt."""
+    profile, tokenizer = tiny
+    s = prompt_token_ids(tokenizer)
+    described = build_superres_prompt(tokenizer, profile, tags="rock", description="a slow ballad", **SONG)
+    assert described == build_prompt(tokenizer, profile, tags=None, description=None, **SONG)
+    assert described[:2] == [s.bos, s.field_end]
+    backbone = build_prompt(tokenizer, profile, tags="rock", description="a slow ballad", **SONG)
+    assert backbone[1:3] != [s.field_end, s.field_end] and backbone[-5:] == described[-5:]
+
+
+def test_superres_prompt_is_cut_at_its_own_limit(tiny) -> None:
+    profile, tokenizer = tiny
+    s = prompt_token_ids(tokenizer)
+    long_song = dict(SONG, lyrics="la la la\n" * 2000)
+    backbone = build_prompt(tokenizer, profile, tags="pop", description=None, **long_song)
+    superres = build_superres_prompt(tokenizer, profile, tags="pop", description=None, **long_song)
+    assert len(superres) == profile.superres_max_prompt_tokens == 2048 < len(backbone)
+    assert superres[-3:] == [s.durations[2], s.prompt_end, s.audio_start]

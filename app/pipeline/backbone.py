@@ -2,8 +2,10 @@
 
 Khala's backbone continues the text prompt with audio tokens interleaved two per frame,
 q0 then q1, each codebook in its own id window (profile.audio_token_offset). Khala samples the whole
-vocabulary and stops at EOD; here the length is fixed (num_frames) and every position samples only
-inside the window of the codebook due there, so the output is always a well-formed [2, frames] grid.
+vocabulary and stops at end-of-text; here every position samples inside the window of the codebook due
+there, plus, when the model may end the song (`end_id`), the end-of-text id: the output is always a
+well-formed [2, frames] grid, and the song ends where the model ends it (or at `max_frames`). With no
+`end_id` the length is fixed (num_frames): the tiny random-weight models, which would end at random.
 Sampling otherwise matches Megatron's sampler Khala uses: temperature, then top-k, then multinomial.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch import Tensor
 
 from .control import StageControl
 from .engine import BatchedCausalLM, CausalLM, sample_top_k
@@ -19,55 +22,102 @@ from .profiles import COARSE_CODEBOOKS, MusicProfile
 
 def generate_coarse(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile,
                     num_frames: int, temperature: float, top_k: int, seed: int,
-                    control: StageControl) -> torch.LongTensor:
-    """Codes [2, num_frames] (values 0..codebook_size-1) for q0 and q1, reproducible per seed.
+                    control: StageControl, end_id: int | None = None, max_frames: int | None = None,
+                    min_frames: int = 1) -> torch.LongTensor:
+    """Codes [2, frames] (values 0..codebook_size-1) for q0 and q1, reproducible per seed.
 
-    Reports "done/total tokens" once per frame through `control`, which raises Canceled to stop.
+    Reports "done/expected tokens" once per frame through `control`, which raises Canceled to stop.
     """
     return generate_coarse_tracks(lm, prompt_ids, profile=profile, num_frames=num_frames, temperature=temperature,
-                                  top_k=top_k, seeds=[seed], control=control)[0]
+                                  top_k=top_k, seeds=[seed], control=control, end_id=end_id,
+                                  max_frames=max_frames, min_frames=min_frames)[0]
 
 
 def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile, num_frames: int,
-                           temperature: float, top_k: int, seeds: Sequence[int],
-                           control: StageControl) -> list[torch.LongTensor]:
+                           temperature: float, top_k: int, seeds: Sequence[int], control: StageControl,
+                           end_id: int | None = None, max_frames: int | None = None,
+                           min_frames: int = 1) -> list[torch.LongTensor]:
     """Coarse codes of several tracks of one song (same prompt, one seed each), in one batch when the engine
     batches (a track's codes are those it gets alone: each track samples from its own seeded generator), else
-    one track after the other."""
+    one track after the other.
+
+    `end_id` None: exactly `num_frames` frames each. Otherwise a track ends when it samples `end_id` (a
+    candidate once `min_frames` frames are written; an unfinished frame is dropped) or after `max_frames`
+    frames; `num_frames` is then only the expected length progress is reported against.
+    """
     if not prompt_ids:
         raise ValueError("the backbone needs a non-empty prompt")
     if num_frames < 1:
         raise ValueError(f"num_frames must be >= 1, got {num_frames}")
     if not seeds:
         raise ValueError("no seeds: nothing to generate")
+    limit = num_frames if end_id is None else (max_frames or num_frames)
+    if limit < 1:
+        raise ValueError(f"max_frames must be >= 1, got {limit}")
     if len(seeds) > 1 and not isinstance(lm, BatchedCausalLM):
         return [generate_coarse_tracks(lm, prompt_ids, profile=profile, num_frames=num_frames,
                                        temperature=temperature, top_k=top_k, seeds=[seed],
-                                       control=control.part(i / len(seeds), (i + 1) / len(seeds), f"track {i + 1}"))[0]
+                                       control=control.part(i / len(seeds), (i + 1) / len(seeds), f"track {i + 1}"),
+                                       end_id=end_id, max_frames=max_frames, min_frames=min_frames)[0]
                 for i, seed in enumerate(seeds)]
     batch = len(seeds)
-    total = COARSE_CODEBOOKS * num_frames
     size = profile.codebook_size
     windows = [slice(profile.audio_token_offset(q), profile.audio_token_offset(q) + size)
                for q in range(COARSE_CODEBOOKS)]
     generators = [torch.Generator(device=lm.device).manual_seed(seed) for seed in seeds]
-    codes = torch.empty(batch, COARSE_CODEBOOKS, num_frames, dtype=torch.long)
+    codes = torch.zeros(batch, COARSE_CODEBOOKS, limit, dtype=torch.long)
+    lengths: list[int | None] = [None] * batch  # frames of each track that has ended
     try:
         if batch == 1:
-            lm.reset(len(prompt_ids) + total)
+            lm.reset(len(prompt_ids) + COARSE_CODEBOOKS * limit)
             logits = lm.prefill(prompt_ids)[None]
         else:
-            lm.reset(len(prompt_ids) + total, batch=batch)
+            lm.reset(len(prompt_ids) + COARSE_CODEBOOKS * limit, batch=batch)
             logits = lm.prefill_batch(prompt_ids)
-        for frame in range(num_frames):
+        for frame in range(limit):
+            may_end = end_id is not None and frame >= min_frames
             for q, window in enumerate(windows):
-                chosen = [int(sample_top_k(logits[row, window], top_k=top_k, temperature=temperature,
-                                           generator=generators[row])) for row in range(batch)]
-                codes[:, q, frame] = torch.tensor(chosen)
-                if frame < num_frames - 1 or q < COARSE_CODEBOOKS - 1:
-                    following = [window.start + code for code in chosen]
+                following = []
+                for row in range(batch):
+                    if lengths[row] is not None:  # ended: its row keeps pace with the batch, its logits unused
+                        following.append(end_id)
+                        continue
+                    candidates = _candidates(logits[row], window, end_id if may_end else None)
+                    choice = int(sample_top_k(candidates, top_k=top_k, temperature=temperature,
+                                              generator=generators[row]))
+                    if choice == size:  # end-of-text
+                        lengths[row] = frame
+                        following.append(end_id)
+                    else:
+                        codes[row, q, frame] = choice
+                        following.append(window.start + choice)
+                if all(length is not None for length in lengths):
+                    break
+                if frame < limit - 1 or q < COARSE_CODEBOOKS - 1:
                     logits = lm.decode(following[0])[None] if batch == 1 else lm.decode_batch(following)
-            control.step(COARSE_CODEBOOKS * (frame + 1), total, "tokens")
+            if all(length is not None for length in lengths):
+                break
+            _report(control, COARSE_CODEBOOKS * (frame + 1), COARSE_CODEBOOKS * num_frames, open_ended=end_id is not None)
     finally:
         lm.release()
-    return list(codes)
+    tracks = [codes[row, :, :limit if length is None else length] for row, length in enumerate(lengths)]
+    if end_id is not None:  # the song's length is known now: report it whole
+        done = COARSE_CODEBOOKS * max(track.shape[1] for track in tracks)
+        _report(control, done, done, open_ended=False)
+    return tracks
+
+
+def _candidates(logits: Tensor, window: slice, end_id: int | None) -> Tensor:
+    """The logits a position samples from: its codebook's window, then end-of-text when the song may end."""
+    if end_id is None:
+        return logits[window]
+    return torch.cat([logits[window], logits[end_id:end_id + 1]])
+
+
+def _report(control: StageControl, done: int, expected: int, *, open_ended: bool) -> None:
+    """Progress against the expected token count; held below 1 while the model, not a count, ends the song."""
+    if open_ended:
+        control.report(min(done / expected, 0.99), f"{done}/{expected} tokens")
+        control.check()
+    else:
+        control.step(done, expected, "tokens")

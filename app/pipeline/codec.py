@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import re
 import warnings
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.pipeline import safe_pickle
 from app.pipeline.control import StageControl
 from app.pipeline.profiles import CodecSpec
 
@@ -101,15 +101,13 @@ class KhalaCodecDecoder(nn.Module):
 # ---------------------------------------------------------------------------------------------- loading
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:
-    """torch.load with weights_only (a .ckpt is untrusted input) and mmap (real ones hold GBs of
-    encoder/discriminator/optimizer state we never touch)."""
+    """The checkpoint's contents, read without running anything it pickled (a .ckpt is untrusted input; a
+    real Lightning one holds hyper-parameters, callbacks and loop states besides the weights: safe_pickle),
+    memory-mapped (real ones hold GBs of encoder/discriminator/optimizer state we never touch)."""
     if not path.is_file():
         raise CodecLoadError(f"codec checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as exc:
-        raise CodecLoadError(f"{path}: holds objects other than tensors and plain containers, which "
-                             f"weights_only loading refuses; re-save its `state_dict` alone ({exc})") from exc
+        ckpt = safe_pickle.load_inert(path)
     except Exception as exc:  # corrupt zip, truncated file, not a torch file
         raise CodecLoadError(f"{path}: not a readable torch checkpoint ({exc})") from exc
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
@@ -123,6 +121,9 @@ def _decoder_state(raw: dict[str, torch.Tensor], path: Path) -> dict[str, torch.
     if not generator:
         raise CodecLoadError(f"{path}: no '{GENERATOR_PREFIX}' keys in state_dict "
                              f"(first keys: {sorted(raw)[:5]})")
+    not_tensors = sorted(k for k, v in generator.items() if not isinstance(v, torch.Tensor))
+    if not_tensors:
+        raise CodecLoadError(f"{path}: state_dict entries that are not tensors: {_list(set(not_tensors))}")
     for key, value in generator.items():
         alias = _LAYER_ALIAS.match(key)
         own = f"quantizer.embed_{alias.group(1)}" if alias else None

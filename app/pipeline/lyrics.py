@@ -1,13 +1,12 @@
-"""Lyrics cleaning in the style Khala's training data was cleaned with.
+"""Lyrics cleaning exactly as Khala's API cleans them before they reach its backbone.
 
-Khala's backbone saw lyrics that were normalised to plain ASCII punctuation, so user text is mapped the same way
-before it is tokenized: full-width forms and CJK punctuation become ASCII, Cyrillic/Greek letters that look like
-Latin ones become Latin, invisible characters are dropped, `|` becomes `-`, `^` becomes `'` and `★` goes away.
-Every newline later becomes a header token in the prompt, so line breaks are normalised too.
-
-Deliberate differences from the reference table (which is applied in a single pass): every full-width ASCII form
-(U+FF01..U+FF5E) is mapped, and the mapping is composed so that the output never contains `|` or `^`, even when
-they came from their full-width forms. A few more zero-width characters (ZWNJ, ZWJ, word joiner) are removed.
+Khala's backbone saw lyrics normalised to plain ASCII punctuation, so user text is mapped the same way: full-width
+forms and CJK punctuation become ASCII, Cyrillic/Greek letters that look like Latin ones become Latin, a few
+invisible characters are dropped and odd spaces become plain ones, `|` becomes `-`, `^` becomes `'` and `★` goes
+away; then outer whitespace is stripped. The reference applies its table in one pass (a character's replacement
+is never replaced again: `＾` gives `^`, not `'`), leaves everything else alone (line breaks, `\r`, inner blank
+lines, trailing spaces: each newline later becomes a header token in the prompt, and `\r` a text token), and
+Encore does the same, character for character (tests/test_lyrics.py checks every BMP character).
 """
 from __future__ import annotations
 
@@ -16,11 +15,11 @@ import re
 _FULLWIDTH_FIRST, _FULLWIDTH_LAST = 0xFF01, 0xFF5E
 _FULLWIDTH_SHIFT = 0xFEE0  # U+FF01 (full-width '!') minus ord('!')
 
-# ASCII characters the model should never see, and what they become.
-_ASCII_RULES: dict[str, str] = {"|": "-", "^": "'"}
-
-# Full-width forms whose ASCII twin is not what Khala writes.
-_FULLWIDTH_EXCEPTIONS: dict[str, str] = {"\uff40": "'"}  # full-width grave accent
+# Full-width forms the reference does not map to their ASCII twin.
+_FULLWIDTH_EXCEPTIONS: dict[str, str | None] = {
+    "\uff40": "'",  # full-width grave accent -> apostrophe
+    "\uff5b": None, "\uff5c": None, "\uff5d": None,  # full-width { | } stay as they are
+}
 
 _PUNCTUATION: dict[str, str] = {
     # CJK and typographic punctuation
@@ -31,6 +30,8 @@ _PUNCTUATION: dict[str, str] = {
     "\u00b4": "'", "\u00a8": '"', "\u2026": "...", "\u2013": "-", "\u2014": "-", "\u2015": "-",
     "\u2236": ":", "\u00b7": ".", "\u00d7": "x", "\u00f7": "/",
     "\u2605": "",  # black star
+    # ASCII characters the model should never see
+    "|": "-", "^": "'",
 }
 
 _LOOKALIKES: dict[str, str] = {
@@ -42,60 +43,48 @@ _LOOKALIKES: dict[str, str] = {
 }
 
 _INVISIBLE: dict[str, str] = {
-    # removed: zero-width characters, BOM, bidi embedding marks, Mongolian vowel separator, a private-use glyph
-    "\u200b": "", "\u200c": "", "\u200d": "", "\u2060": "", "\ufeff": "", "\u202a": "", "\u202c": "",
-    "\u180e": "", "\ue3ac": "",
+    # removed: zero-width space, BOM, bidi embedding marks, Mongolian vowel separator, a private-use glyph
+    "\u200b": "", "\ufeff": "", "\u202a": "", "\u202c": "", "\u180e": "", "\ue3ac": "",
     # odd spaces become a plain space
     "\u00a0": " ", "\u3000": " ", "\u2005": " ", "\u2006": " ", "\u2028": " ",
 }
 
-# Multi-character sequences, replaced before the per-character table.
-_SEQUENCES: dict[str, str] = {
-    "\u2014\u2014": "-",  # Chinese double em dash
+# Multi-character sequences, matched before single characters (their outputs are not in any table, so
+# replacing them first gives what one pass over the text gives).
+SEQUENCES: dict[str, str] = {
+    "\u2014\u2014": "-",  # Chinese double em dash -> one hyphen
     "\u00e2\u0080\u0099": "'",  # UTF-8 right quote mis-decoded as Latin-1
 }
 
 
 def _fullwidth_table() -> dict[str, str]:
     table = {chr(code): chr(code - _FULLWIDTH_SHIFT) for code in range(_FULLWIDTH_FIRST, _FULLWIDTH_LAST + 1)}
-    table.update(_FULLWIDTH_EXCEPTIONS)
+    for char, replacement in _FULLWIDTH_EXCEPTIONS.items():
+        if replacement is None:
+            del table[char]
+        else:
+            table[char] = replacement
     return table
 
 
-def _build_translation() -> dict[int, str]:
-    """One table for str.translate; ASCII rules are applied to every target so the mapping is composed."""
+def character_table() -> dict[str, str]:
+    """Every single character the cleaning replaces, and what it becomes ('' = removed)."""
     combined: dict[str, str] = {}
     for table in (_fullwidth_table(), _PUNCTUATION, _LOOKALIKES, _INVISIBLE):
         combined.update(table)
-    composed = {source: "".join(_ASCII_RULES.get(ch, ch) for ch in target) for source, target in combined.items()}
-    composed.update(_ASCII_RULES)
-    return str.maketrans(composed)
+    return combined
 
 
-_TRANSLATION = _build_translation()
-_SEQUENCE_PATTERN = re.compile("|".join(re.escape(seq) for seq in _SEQUENCES))
-_TRAILING_SPACE = re.compile(r"[ \t]+$", flags=re.MULTILINE)
-_EXTRA_BLANK_LINES = re.compile(r"\n{3,}")
+_TRANSLATION = str.maketrans(character_table())
+_SEQUENCE_PATTERN = re.compile("|".join(re.escape(seq) for seq in SEQUENCES))
 
 
 def normalise_characters(text: str) -> str:
     """Apply the character mapping only (no whitespace changes)."""
-    text = _SEQUENCE_PATTERN.sub(lambda match: _SEQUENCES[match.group(0)], text)
+    text = _SEQUENCE_PATTERN.sub(lambda match: SEQUENCES[match.group(0)], text)
     return text.translate(_TRANSLATION)
 
 
-def normalise_whitespace(text: str) -> str:
-    """CRLF/CR to LF, no trailing spaces, at most one blank line in a row, no outer blank space.
-
-    Each newline turns into a header token in the prompt, so stray blank lines would cost tokens and
-    look unlike the training lyrics (sections separated by a single blank line).
-    """
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    text = _TRAILING_SPACE.sub("", text)
-    text = _EXTRA_BLANK_LINES.sub("\n\n", text)
-    return text.strip()
-
-
 def clean_lyrics(text: str) -> str:
-    """Lyrics as the Khala backbone expects them. Idempotent: cleaning twice changes nothing."""
-    return normalise_whitespace(normalise_characters(text))
+    """Lyrics as the Khala backbone expects them: the reference's mapping, then outer whitespace stripped."""
+    return normalise_characters(text).strip()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -191,43 +192,144 @@ def init_random_weights(model: GPTModel, seed: int) -> None:
 
 
 # --- checkpoints -----------------------------------------------------------------------------------
+#
+# A Megatron save records the training arguments (an argparse.Namespace in common.pt). The reference starts
+# Megatron with --use-checkpoint-args, so its model is built from those: `load_args_from_checkpoint` takes
+# the fields below from the checkpoint, and for a field the checkpoint lacks keeps its own command-line
+# default. What it never reads from a checkpoint (norm epsilon, forced to 1e-6 on its command line; RoPE
+# scaling; QK layernorm; the vocabulary, which it sets to exactly 130304 / 193792) comes from the profile
+# here too, whatever the checkpoint says.
 
-def checkpoint_args(model: GPTModel) -> argparse.Namespace:
-    """The Megatron training arguments describing `model`, under Megatron's own names."""
-    c = model.config
-    return argparse.Namespace(
-        num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
-        num_attention_heads=c.num_attention_heads, group_query_attention=True,
-        num_query_groups=c.num_query_groups, kv_channels=c.kv_channels,
-        padded_vocab_size=model.vocab_size, vocab_size=model.vocab_size,
-        max_position_embeddings=model.max_sequence_length, position_embedding_type="rope",
-        rotary_base=model.rotary_base, rotary_percent=model.rotary_percent, use_rope_scaling=False,
-        normalization="RMSNorm", norm_epsilon=c.layernorm_epsilon, swiglu=True,
-        add_bias_linear=True, untie_embeddings_and_output_weights=True, qk_layernorm=False,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        ckpt_format="torch_dist", bf16=c.bf16, fp16=c.fp16,
-    )
+# Fields that change the math, with the only value Encore implements, and Megatron's default for a
+# checkpoint that does not record the field.
+IMPLEMENTED_ARGS: dict[str, tuple[object, object]] = {  # name: (implemented, Megatron's default)
+    "position_embedding_type": ("rope", "learned_absolute"),
+    "rotary_percent": (1.0, 1.0),
+    "rotary_interleaved": (False, False),
+    "normalization": ("RMSNorm", "LayerNorm"),
+    "apply_layernorm_1p": (False, False),
+    "swiglu": (True, False),
+    "squared_relu": (False, False),
+    "add_bias_linear": (True, True),
+    "untie_embeddings_and_output_weights": (True, False),
+    "num_experts": (None, None),
+    "hybrid_override_pattern": (None, None),
+    "is_hybrid_model": (False, False),
+    "spec": (None, None),
+    "heterogeneous_layers_config_path": (None, None),
+    "heterogeneous_layers_config_encoded_json": (None, None),
+}
+MEGATRON_ROTARY_BASE = 10_000  # --rotary-base default
 
 
-def _check_args(saved: argparse.Namespace | None, model: GPTModel) -> None:
-    """Refuse a checkpoint whose recorded architecture differs from `model`, with a clear message.
+class CheckpointArgsError(ValueError):
+    """A checkpoint whose recorded architecture Encore cannot run (or cannot read)."""
 
-    Runs before any tensor is read: shape mismatches would otherwise surface from torch's
-    checkpoint reader as a BaseException, and RoPE/norm settings would not surface at all.
-    """
+
+def _saved(args: argparse.Namespace, name: str, default: object = None) -> object:
+    """A field as load_args_from_checkpoint would leave it: the checkpoint's value unless that is None."""
+    if name == "add_bias_linear" and hasattr(args, "disable_bias_linear"):  # Megatron's one-off conversion
+        return not args.disable_bias_linear
+    if name == "position_embedding_type" and getattr(args, "use_rotary_position_embeddings", False):
+        return "rope"  # validate_args: the legacy RoPE switch wins
+    value = getattr(args, name, None)
+    return default if value is None or value == [] else value
+
+
+def _same(value: object, implemented: object) -> bool:
+    if implemented is None:
+        return value in (None, "", [], ())
+    if isinstance(implemented, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) == implemented
+    return value == implemented
+
+
+def spec_from_args(saved: argparse.Namespace | None, base: TransformerSpec, *, source: str = "checkpoint"
+                   ) -> TransformerSpec:
+    """The model a checkpoint's saved args describe: its architecture, with the profile's vocabulary, norm
+    epsilon and position limit. No args (not a Megatron training save): the profile's own architecture."""
     if saved is None:
-        return
-    expected = vars(checkpoint_args(model))
-    fields = ["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-              "padded_vocab_size", "position_embedding_type", "rotary_base", "rotary_percent",
-              "use_rope_scaling", "normalization", "norm_epsilon", "swiglu", "add_bias_linear",
-              "untie_embeddings_and_output_weights", "qk_layernorm"]
-    if getattr(saved, "group_query_attention", False):
-        fields.append("num_query_groups")
-    wrong = {f: (getattr(saved, f), expected[f]) for f in fields
-             if getattr(saved, f, None) is not None and getattr(saved, f) != expected[f]}
+        return base
+    wrong = [f"{name}={_saved(saved, name, default)!r} (Encore implements {name}={implemented!r})"
+             for name, (implemented, default) in IMPLEMENTED_ARGS.items()
+             if not _same(_saved(saved, name, default), implemented)]
     if wrong:
-        raise ValueError(f"checkpoint does not match the model (checkpoint, model): {wrong}")
+        raise CheckpointArgsError(f"{source}: cannot run this architecture: " + "; ".join(wrong))
+    missing = [name for name in ("num_layers", "hidden_size", "num_attention_heads") if _saved(saved, name) is None]
+    if missing:
+        raise CheckpointArgsError(f"{source}: saved args lack {', '.join(missing)}")
+    hidden, heads = int(_saved(saved, "hidden_size")), int(_saved(saved, "num_attention_heads"))
+    groups = int(_saved(saved, "num_query_groups", 1)) if _saved(saved, "group_query_attention", False) else heads
+    ffn = _saved(saved, "ffn_hidden_size")
+    if ffn is None:  # Megatron's validate_args: SwiGLU keeps the parameter count of a 4h MLP, in multiples of 64
+        ffn = int((4 * hidden * 2 / 3) / 64) * 64
+    kv_channels = _saved(saved, "kv_channels")
+    if kv_channels is None and hidden % heads:
+        raise CheckpointArgsError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+    if heads % groups:
+        raise CheckpointArgsError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                                  f"num_query_groups={groups}")
+    return dataclasses.replace(
+        base, num_layers=int(_saved(saved, "num_layers")), hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=groups, ffn_hidden_size=int(ffn),
+        kv_channels=int(kv_channels) if kv_channels is not None else hidden // heads,
+        rotary_base=int(_saved(saved, "rotary_base", MEGATRON_ROTARY_BASE)))
+
+
+def checkpoint_spec(directory: str | os.PathLike, base: TransformerSpec) -> TransformerSpec:
+    """The spec of the model stored under `directory` (see spec_from_args), checked against the tensors'
+    stored shapes so that a vocabulary mismatch is named before any weight is read."""
+    init_parallel_state()
+    path = str(resolve_checkpoint_dir(directory))
+    common = dist_checkpointing.load_common_state_dict(path)
+    spec = spec_from_args(common.get("args"), base, source=path)
+    shapes = {key: tuple(tensor.global_shape) for key, tensor in dist_checkpointing.load_tensors_metadata(path).items()
+              if hasattr(tensor, "global_shape")}
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        expected = (spec.vocab_size, spec.hidden_size)
+        if key in shapes and shapes[key] != expected:
+            raise CheckpointArgsError(
+                f"{path}: {key} is {list(shapes[key])} in the checkpoint but the model needs {list(expected)} "
+                f"(vocabulary {spec.vocab_size}, as the reference builds it, by hidden size {spec.hidden_size})")
+    return spec
+
+
+def model_spec(model: GPTModel) -> TransformerSpec:
+    """The TransformerSpec a built model has (what load_gpt read from its checkpoint)."""
+    c = model.config
+    return TransformerSpec(
+        num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_query_groups, ffn_hidden_size=c.ffn_hidden_size, vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length, rotary_base=int(model.rotary_base),
+        norm_epsilon=c.layernorm_epsilon, kv_channels=c.kv_channels)
+
+
+def checkpoint_args(model: GPTModel, **overrides: object) -> argparse.Namespace:
+    """The Megatron training arguments describing `model`, under Megatron's own names: every field
+    load_args_from_checkpoint reads, and the others a training run of this model would have set."""
+    c = model.config
+    args = argparse.Namespace(
+        num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+        seq_length=4096, num_attention_heads=c.num_attention_heads, group_query_attention=True,
+        num_query_groups=c.num_query_groups, kv_channels=c.kv_channels,
+        max_position_embeddings=model.max_sequence_length, position_embedding_type="rope",
+        add_position_embedding=True, use_rotary_position_embeddings=False, rotary_base=int(model.rotary_base),
+        rotary_percent=model.rotary_percent, rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
+        use_rope_scaling=False, add_bias_linear=True, add_qkv_bias=False, squared_relu=False, swiglu=True,
+        untie_embeddings_and_output_weights=True, apply_layernorm_1p=False, normalization="RMSNorm",
+        norm_epsilon=c.layernorm_epsilon, qk_layernorm=False, apply_query_key_layer_scaling=False,
+        attention_dropout=0.0, hidden_dropout=0.0, hybrid_override_pattern=None, spec=None,
+        hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0, num_experts=None, moe_layer_freq=1,
+        moe_ffn_hidden_size=None, moe_router_topk=2, is_hybrid_model=False,
+        heterogeneous_layers_config_path=None, heterogeneous_layers_config_encoded_json=None,
+        tokenizer_type="NullTokenizer", vocab_size=model.vocab_size, padded_vocab_size=model.vocab_size,
+        make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
+        ckpt_format="torch_dist", bf16=c.bf16, fp16=c.fp16, micro_batch_size=1, seed=1234,
+    )
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
 
 
 def resolve_checkpoint_dir(directory: str | os.PathLike) -> Path:
@@ -242,7 +344,8 @@ def resolve_checkpoint_dir(directory: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"no Megatron checkpoint in {directory} (missing {TRACKER_FILE})")
 
 
-def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration: int = 1) -> Path:
+def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration: int = 1,
+                    args: argparse.Namespace | None = None) -> Path:
     """Write `model` as Megatron training would: <dir>/iter_XXXXXXX/ plus the tracker file.
 
     Saving uses multiprocessing (a spawned manager, forked writers): not from a daemonic process.
@@ -253,7 +356,7 @@ def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration:
     target.mkdir(parents=True, exist_ok=True)
     state = {
         "model": model.sharded_state_dict(metadata=dict(SAVE_CONTENT_METADATA)),
-        "args": checkpoint_args(model),
+        "args": args if args is not None else checkpoint_args(model),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
     }
@@ -273,7 +376,6 @@ def load_checkpoint(model: GPTModel, directory: str | os.PathLike) -> None:
     init_parallel_state()
     path = str(resolve_checkpoint_dir(directory))
     common = dist_checkpointing.load_common_state_dict(path)
-    _check_args(common.get("args"), model)
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
     sharded = model.sharded_state_dict(metadata=dict(metadata))
     sharded = {k: v for k, v in sharded.items() if not k.endswith("._extra_state")}
@@ -294,8 +396,9 @@ def write_tiny_checkpoint(spec: TransformerSpec, directory: str | os.PathLike, *
 
 def load_gpt(spec: TransformerSpec, directory: str | os.PathLike, *, causal: bool,
              device: torch.device | str, dtype: torch.dtype | None = None) -> GPTModel:
-    """Build the model for `spec` and fill it from the checkpoint under `directory`."""
-    model = build_gpt(spec, causal=causal, device=device, dtype=dtype)
+    """Build the model the checkpoint under `directory` records (its saved args; `spec` gives the vocabulary,
+    norm epsilon and position limit, and the architecture of a checkpoint without args) and fill it."""
+    model = build_gpt(checkpoint_spec(directory, spec), causal=causal, device=device, dtype=dtype)
     load_checkpoint(model, directory)
     return model
 

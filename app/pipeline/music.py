@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from app.pipeline import backbone, codec, export, megatron_backend, prompt, superres, torch_engine
 from app.pipeline.control import StageControl
 from app.pipeline.engine import BatchedCausalLM
-from app.pipeline.profiles import MusicProfile, TransformerSpec
+from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile, TransformerSpec
 from app.pipeline.runtime import ModelCache
 
 # Models freed after each stage in one_shot mode (tokenizer and backbone stay, like the reference backend).
@@ -35,7 +36,7 @@ def load_engine(engine: str, spec: TransformerSpec, directory: Path, *, causal: 
     model = megatron_backend.load_gpt(spec, directory, causal=causal, device=device)
     if engine == "megatron":
         return megatron_backend.MegatronCausalLM(model) if causal else megatron_backend.MegatronBidirectionalLM(model)
-    plain = torch_engine.from_megatron(model, spec)
+    plain = torch_engine.from_megatron(model, megatron_backend.model_spec(model))
     del model  # only the converted weights stay
     return torch_engine.TorchCausalLM(plain) if causal else torch_engine.TorchBidirectionalLM(plain)
 
@@ -44,8 +45,9 @@ class MusicModels:
     """Lazily loaded models of one profile, held in a ModelCache under the worker's runtime mode."""
 
     def __init__(self, profile: MusicProfile, mode: str, device: torch.device | None = None,
-                 engine: str = "torch"):
+                 engine: str = "torch", song_margin_s: float = 90.0):
         self.profile = profile
+        self.song_margin_s = song_margin_s
         self.device = device or pick_device()
         self.engine = engine
         self.cache = ModelCache(mode, ONE_SHOT_RESIDENT)
@@ -90,35 +92,71 @@ def run_backbone(models: MusicModels, params: dict[str, Any], seed: int, out: Pa
 def run_backbone_tracks(models: MusicModels, params: dict[str, Any], seeds: list[int], outs: list[Path],
                         control: StageControl, loaded: list[str] | None = None) -> dict[str, Any]:
     """Coarse codes of several tracks of one song (one seed and one output path each), generated in one
-    batch when the engine batches (`backbone_batches`)."""
+    batch when the engine batches (`backbone_batches`). `songs` in the result says, per track, how long it
+    came out and what ended it ("model": end-of-text; "length": the cap; "duration": a fixed length)."""
     profile = models.profile
     tokenizer = models.tokenizer(loaded)
     lm = models.backbone(loaded)
     prompt_ids = _prompt_ids(tokenizer, profile, params)
+    length = song_length(profile, params["duration_s"], len(prompt_ids), models.song_margin_s)
+    end_id = prompt.prompt_token_ids(tokenizer).eos if length.model_ends else None
     started = time.monotonic()
     tracks = backbone.generate_coarse_tracks(
-        lm, prompt_ids, profile=profile, num_frames=profile.frames_for(params["duration_s"]),
-        temperature=params["temperature"], top_k=params["top_k"], seeds=seeds, control=control)
+        lm, prompt_ids, profile=profile, num_frames=length.expected_frames, temperature=params["temperature"],
+        top_k=params["top_k"], seeds=seeds, control=control, end_id=end_id, max_frames=length.max_frames,
+        min_frames=length.min_frames)
     for coarse, out in zip(tracks, outs):
         _save_codes(coarse, out)
     seconds = time.monotonic() - started
-    tokens = 2 * int(tracks[0].shape[1])
-    return {"prompt_tokens": len(prompt_ids), "frames": tokens // 2, "tracks_together": len(seeds),
-            "tokens_per_s": round(len(seeds) * tokens / max(seconds, 1e-9), 1)}
+    tokens = sum(2 * int(coarse.shape[1]) for coarse in tracks)
+    songs = [length.describe(int(coarse.shape[1]), profile) for coarse in tracks]
+    return {"prompt_tokens": len(prompt_ids), "frames": songs[0]["frames"], "tracks_together": len(seeds),
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "songs": songs}
+
+
+@dataclass(frozen=True)
+class SongLength:
+    """How long the backbone may write: the expected frames (the requested duration), the cap, the floor."""
+
+    expected_frames: int
+    max_frames: int
+    min_frames: int
+    model_ends: bool
+
+    def describe(self, frames: int, profile: MusicProfile) -> dict[str, Any]:
+        ended_by = "duration" if not self.model_ends else ("model" if frames < self.max_frames else "length")
+        return {"frames": frames, "duration_s": round(frames / profile.frames_per_second, 3), "ended_by": ended_by}
+
+
+def song_length(profile: MusicProfile, duration_s: float, prompt_tokens: int, margin_s: float) -> SongLength:
+    """The profile's `song_end` decides: "duration" writes exactly the requested frames; "model" lets the
+    model end the song (not in its first second), capped at the requested duration plus `margin_s`, at the
+    reference's generated-token cap and at what the backbone's positions hold after the prompt."""
+    expected = profile.frames_for(duration_s)
+    if profile.song_end == "duration":
+        return SongLength(expected, expected, expected, model_ends=False)
+    room = (profile.backbone.max_sequence_length - prompt_tokens) // COARSE_CODEBOOKS
+    cap = min(profile.frames_for(duration_s + margin_s), profile.max_generated_tokens // COARSE_CODEBOOKS, room)
+    if cap < 1:
+        raise ValueError(f"a {prompt_tokens}-token prompt leaves no room for audio in the backbone's "
+                         f"{profile.backbone.max_sequence_length} positions")
+    return SongLength(min(expected, cap), cap, min(profile.frames_for(1.0), cap), model_ends=True)
+
+
+def _prompt_fields(params: dict[str, Any]) -> dict[str, Any]:
+    return {"mode": params["mode"], "tags": params.get("tags") or None, "description": params.get("prompt") or None,
+            "lyrics": params.get("lyrics") or None, "duration_s": params["duration_s"]}
 
 
 def _prompt_ids(tokenizer, profile: MusicProfile, params: dict[str, Any]) -> list[int]:
-    return prompt.build_prompt(
-        tokenizer, profile, mode=params["mode"], tags=params.get("tags") or None,
-        description=params.get("prompt") or None, lyrics=params.get("lyrics") or None,
-        duration_s=params["duration_s"])
+    return prompt.build_prompt(tokenizer, profile, **_prompt_fields(params))
 
 
 def run_superres(models: MusicModels, params: dict[str, Any], seed: int, coarse_path: Path, out: Path,
                  control: StageControl, loaded: list[str] | None = None) -> dict[str, Any]:
     """Coarse codes → all 64 codebooks [64, frames], saved to `out`."""
     profile = models.profile
-    prompt_ids = _prompt_ids(models.tokenizer(loaded), profile, params)
+    prompt_ids = prompt.build_superres_prompt(models.tokenizer(loaded), profile, **_prompt_fields(params))
     lm = models.superres(loaded)
     fine = superres.fill_fine(lm, _load_codes(coarse_path), profile=profile, top_k=profile.superres_top_k,
                               seed=seed, control=control, prompt_ids=prompt_ids)
@@ -145,6 +183,10 @@ def run_export(wav_path: Path, mp3_out: Path, meta_out: Path, metadata: dict[str
     control.step(2, 2, "files")
 
 
-def metadata_json(params: dict[str, Any], seed: int, profile: MusicProfile) -> dict[str, Any]:
+def metadata_json(params: dict[str, Any], seed: int, profile: MusicProfile,
+                  song: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The track's JSON file: the request, the seed, the profile, and the song as it came out (`song`:
+    frames, duration_s, ended_by)."""
     return json.loads(json.dumps({**params, "seed": seed, "profile": profile.name,
-                                  "sample_rate": profile.codec.sample_rate, "channels": 2}))
+                                  "sample_rate": profile.codec.sample_rate, "channels": 2,
+                                  **({"song": song} if song else {})}))

@@ -7,7 +7,7 @@ Audio-token id offsets derive from these numbers, never from literals in stage c
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SAMPLE_RATE = 44100
@@ -29,10 +29,15 @@ class TransformerSpec:
     max_sequence_length: int
     rotary_base: int = 500_000
     norm_epsilon: float = 1e-6
+    kv_channels: int | None = None  # per-head size; None: Megatron's default, hidden / heads
+
+    def __post_init__(self) -> None:
+        if self.kv_channels is None:  # stored resolved, so that equal shapes compare equal
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,11 @@ class MusicProfile:
     default_duration_s: float
     backbone_top_k: int = 80
     superres_top_k: int = 10
+    # "model": the backbone may sample end-of-text and the song ends where the model ends it (Khala);
+    # "duration": exactly the requested number of frames, never end-of-text (random weights would end at random).
+    song_end: str = "model"
+    max_generated_tokens: int = 23_552  # Khala's --num-tokens-to-generate
+    superres_max_prompt_tokens: int = 2048  # Khala clamps super-resolution prompts to this length
     tokenizer_subdir: str = "tokenizer"
     backbone_subdir: str = "backbone"
     superres_subdir: str = "superres"
@@ -88,6 +98,11 @@ class MusicProfile:
         return max(1, round(duration_s * self.frames_per_second))
 
     @property
+    def longest_song_s(self) -> float:
+        """The longest song the backbone can write: its generated-token cap, in whole seconds."""
+        return float(int(self.max_generated_tokens / COARSE_CODEBOOKS / self.frames_per_second))
+
+    @property
     def tokenizer_dir(self) -> Path:
         return self.model_dir / self.tokenizer_subdir
 
@@ -101,46 +116,88 @@ class MusicProfile:
 
     @property
     def codec_path(self) -> Path:
-        return self.model_dir / self.codec_file
+        """The codec checkpoint; a `*` in `codec_file` picks the newest training step among the matches
+        (Khala ships `dac_rvq_<step>.ckpt`)."""
+        if "*" not in self.codec_file:
+            return self.model_dir / self.codec_file
+        matches = sorted(self.model_dir.glob(self.codec_file), key=_training_step)
+        return matches[-1] if matches else self.model_dir / self.codec_file
+
+
+# Positions the backbone's KV cache holds (Khala's --inference-max-seq-length); the super-resolution model sees
+# a prompt of at most 2048 tokens plus one position per frame.
+BACKBONE_MAX_POSITIONS = 25_600
+SUPERRES_MAX_POSITIONS = 32_768
+
+
+def _vocab_sizes(text_vocab: int, codebook_size: int) -> tuple[int, int]:
+    """Backbone and super-resolution vocabularies as the reference builds them: the text ids, then the id
+    windows of the codebooks each model writes, unpadded (Khala sets padded_vocab_size to exactly these)."""
+    return text_vocab + COARSE_CODEBOOKS * codebook_size, text_vocab + NUM_CODEBOOKS * codebook_size
 
 
 def _tiny(model_dir: Path) -> MusicProfile:
+    """Random weights: `song_end="duration"` keeps every song at its requested length (README)."""
     text_vocab, codebook_size = 512, 32
-    def transformer(vocab: int) -> TransformerSpec:
+    backbone_vocab, superres_vocab = _vocab_sizes(text_vocab, codebook_size)
+    def transformer(vocab: int, positions: int) -> TransformerSpec:
         return TransformerSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                               ffn_hidden_size=176, vocab_size=vocab, max_sequence_length=8192)
-    return MusicProfile(
+                               ffn_hidden_size=176, vocab_size=vocab, max_sequence_length=positions)
+    profile = MusicProfile(
         name="tiny", text_vocab_size=text_vocab, codebook_size=codebook_size,
-        backbone=transformer(text_vocab + COARSE_CODEBOOKS * codebook_size),
-        superres=transformer(text_vocab + NUM_CODEBOOKS * codebook_size),
+        backbone=transformer(backbone_vocab, BACKBONE_MAX_POSITIONS),
+        superres=transformer(superres_vocab, SUPERRES_MAX_POSITIONS),
         codec=CodecSpec(codebook_size=codebook_size, codebook_dim=16, decoder_channels=32,
                         chunk_frames=64, overlap_frames=16),
-        model_dir=model_dir, min_duration_s=1.0, max_duration_s=600.0, default_duration_s=5.0,
+        model_dir=model_dir, min_duration_s=1.0, max_duration_s=0.0, default_duration_s=5.0, song_end="duration",
     )
+    return replace(profile, max_duration_s=profile.longest_song_s)
 
 
 def _khala(model_dir: Path) -> MusicProfile:
+    """The real models, in the layout the reference ships (a Khala checkout with its checkpoints/ downloaded):
+    models/Tokenizer/, checkpoints/backbone/, checkpoints/superresolution/, checkpoints/dac_rvq_*.ckpt."""
     text_vocab, codebook_size = 128_256, 1024
-    def transformer(vocab: int) -> TransformerSpec:
+    backbone_vocab, superres_vocab = _vocab_sizes(text_vocab, codebook_size)  # 130304, 193792
+    def transformer(vocab: int, positions: int) -> TransformerSpec:
         return TransformerSpec(num_layers=24, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
-                               ffn_hidden_size=5632, vocab_size=vocab, max_sequence_length=32768)
-    return MusicProfile(
+                               ffn_hidden_size=5632, vocab_size=vocab, max_sequence_length=positions)
+    profile = MusicProfile(
         name="khala", text_vocab_size=text_vocab, codebook_size=codebook_size,
-        backbone=transformer(130_432),  # 130304 padded to a multiple of 128
-        superres=transformer(text_vocab + NUM_CODEBOOKS * codebook_size),
+        backbone=transformer(backbone_vocab, BACKBONE_MAX_POSITIONS),
+        superres=transformer(superres_vocab, SUPERRES_MAX_POSITIONS),
         codec=CodecSpec(codebook_size=codebook_size, codebook_dim=128, decoder_channels=3072),
-        model_dir=model_dir, min_duration_s=60.0, max_duration_s=600.0, default_duration_s=120.0,
+        model_dir=model_dir, min_duration_s=60.0, max_duration_s=0.0, default_duration_s=120.0,
+        tokenizer_subdir="models/Tokenizer", backbone_subdir="checkpoints/backbone",
+        superres_subdir="checkpoints/superresolution", codec_file="checkpoints/dac_rvq_*.ckpt",
     )
+    return replace(profile, max_duration_s=profile.longest_song_s)  # 546 s: 23,552 tokens at 21.53 frames/s
+
+
+def _training_step(path: Path) -> tuple[int, str]:
+    digits = "".join(ch if ch.isdigit() else " " for ch in path.stem).split()
+    return (int(digits[-1]) if digits else -1, path.name)
 
 
 PROFILES = {"tiny": _tiny, "khala": _khala}
 
 
-def load_profile(name: str, model_dir: str | os.PathLike | None = None) -> MusicProfile:
-    """Profile `name` with its files under `model_dir` (default: ./models/<name>)."""
+def load_profile(name: str, model_dir: str | os.PathLike | None = None, *, song_end: str | None = None,
+                 **paths: str) -> MusicProfile:
+    """Profile `name` with its files under `model_dir` (default: ./models/<name>); `paths` override where each
+    model lies (tokenizer_subdir, backbone_subdir, superres_subdir, codec_file: absolute or under model_dir),
+    `song_end` who ends a song ("model" or "duration")."""
     if name not in PROFILES:
         raise ValueError(f"unknown music profile {name!r}; choose one of {sorted(PROFILES)}")
-    return PROFILES[name](Path(model_dir) if model_dir else Path("models") / name)
+    unknown = set(paths) - {"tokenizer_subdir", "backbone_subdir", "superres_subdir", "codec_file"}
+    if unknown:
+        raise ValueError(f"unknown model paths {sorted(unknown)}")
+    profile = PROFILES[name](Path(model_dir) if model_dir else Path("models") / name)
+    if song_end is not None:
+        if song_end not in ("model", "duration"):
+            raise ValueError(f"song_end must be 'model' or 'duration', not {song_end!r}")
+        profile = replace(profile, song_end=song_end)
+    return replace(profile, **paths)
 
 
 @dataclass(frozen=True)

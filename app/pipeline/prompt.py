@@ -154,6 +154,17 @@ def build_prompt(tokenizer: PreTrainedTokenizerFast, profile: MusicProfile, *, m
     return ids
 
 
+def build_superres_prompt(tokenizer: PreTrainedTokenizerFast, profile: MusicProfile, *, mode: str,
+                          tags: str | None, description: str | None, lyrics: str | None,
+                          duration_s: float) -> list[int]:
+    """The super-resolution prompt, as Khala's API builds it (`same_as_backbone_no_description`): the backbone's
+    prompt for a song given by tags; empty metadata for a song described in words (its tags are dropped too).
+    At most `profile.superres_max_prompt_tokens` tokens, cut like the backbone's."""
+    described = bool((description or "").strip())
+    return build_prompt(tokenizer, profile, mode=mode, tags=None if described else tags, description=None,
+                        lyrics=lyrics, duration_s=duration_s, max_tokens=profile.superres_max_prompt_tokens)
+
+
 def _byte_alphabet() -> list[str]:
     """The byte-level BPE alphabet in byte order: printable Latin-1 bytes stand for themselves, the rest are
     shifted above U+00FF so every byte has a visible, unique symbol."""

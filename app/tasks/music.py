@@ -11,7 +11,6 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from app.kinds import MUSIC
-from app.pipeline.profiles import load_profile
 from app.services import services
 from app.tasks.stage import StageRun, stage_task
 
@@ -28,8 +27,8 @@ def _music():
 def models() -> "MusicModels":
     """This worker child's models (created on first use, after fork)."""
     settings = services().settings
-    profile = load_profile(settings.music_profile, settings.model_dir)
-    return _music().MusicModels(profile, settings.runtime_mode, engine=settings.music_engine)
+    return _music().MusicModels(settings.music(), settings.runtime_mode, engine=settings.music_engine,
+                                song_margin_s=settings.song_margin_s)
 
 
 def preload() -> None:
@@ -70,6 +69,8 @@ def backbone_work(run: StageRun) -> None:
         raise
     for out in outs:
         run.keep(out.name, out)
+    for track, song in zip(tracks, info.pop("songs")):  # the song's actual length, known from here on
+        run.svc.jobs.update(run.job_id, track, song=song)
     for track in siblings:
         run.finish_sibling(track, started)
     run.info.update(info, **({"with_tracks": siblings} if siblings else {}))
@@ -95,7 +96,8 @@ def decode_work(run: StageRun) -> None:
 def export_work(run: StageRun) -> None:
     names = _names(run)
     mp3, meta = run.workdir / names["mp3"], run.workdir / names["meta"]
-    metadata = _music().metadata_json(run.params, _seed(run), models().profile)
+    record = run.svc.jobs.track(run.job_id, run.track) or {}
+    metadata = _music().metadata_json(run.params, _seed(run), models().profile, record.get("song"))
     _music().run_export(run.input(names["wav"]), mp3, meta, {**metadata, "job_id": run.job_id, "track": run.track},
                      run.control)
     run.publish(mp3.name, mp3)

@@ -1,0 +1,73 @@
+"""Read a torch checkpoint that may hold arbitrary pickled objects, without running any of them.
+
+A Lightning `.ckpt` keeps, besides its `state_dict`, whatever the training run pickled: hyper-parameters
+(plain dicts, Lightning's AttributeDict, omegaconf DictConfigs), callback states (ModelCheckpoint's best
+paths and scores), loop and optimizer states, sometimes numpy scalars or paths. `torch.load(weights_only=True)`
+refuses such a file; `weights_only=False` would import and call whatever the pickle names (the reference
+does that: a checkpoint is then code). Here torch's own unpickler reads the file (storages, mmap), but every
+global outside torch's weights-only allowlist resolves to an inert stand-in that only records what it was
+given, so nothing named in the file is ever imported or called. Tensors come back as real tensors; the
+other objects come back as `Opaque` records, which callers ignore.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import _weights_only_unpickler
+
+
+class Opaque(dict):
+    """Stands in for a pickled object of a class we do not load: keeps its constructor arguments, its
+    items and its state, runs nothing. A dict so that pickled dict subclasses can fill it."""
+
+    pickled_global = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # called for REDUCE; NEWOBJ only uses __new__
+        super().__init__()
+        self.pickled_args = args
+        self.pickled_kwargs = kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.pickled_state = state
+
+    def append(self, item: Any) -> None:  # pickled list subclasses
+        self.setdefault("__items__", []).append(item)
+
+    def extend(self, items: Any) -> None:
+        self.setdefault("__items__", []).extend(items)
+
+    def __repr__(self) -> str:
+        return f"Opaque({self.pickled_global})"
+
+
+@lru_cache(maxsize=None)
+def _stand_in(full_name: str) -> type[Opaque]:
+    return type(f"Opaque[{full_name}]", (Opaque,), {"pickled_global": full_name})
+
+
+class _InertUnpickler(pickle.Unpickler):
+    """pickle.Unpickler whose globals are torch's weights-only allowlist; anything else is a stand-in."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _weights_only_unpickler._get_allowed_globals()
+        full_name = f"{module}.{name}"
+        if full_name in allowed:
+            return allowed[full_name]
+        return _stand_in(full_name)
+
+
+class _InertPickleModule:
+    """The `pickle_module` torch.load takes: standard pickle with the inert Unpickler."""
+
+    Unpickler = _InertUnpickler
+    load = staticmethod(lambda file, **kwargs: _InertUnpickler(file, **kwargs).load())
+    __name__ = "encore_inert_pickle"
+
+
+def load_inert(path: str | os.PathLike, *, mmap: bool = True) -> Any:
+    """torch.load of `path` on the CPU with every non-tensor object replaced by an `Opaque` record."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=_InertPickleModule)
