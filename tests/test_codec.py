@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import pickle
 import re
+from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
 
+from app.pipeline import safe_pickle
 from app.pipeline.codec import (CodecLoadError, KhalaCodecDecoder, decode_codes, fade_in, load_codec,
                                 plan_chunks, write_tiny_codec)
 from app.pipeline.control import Canceled, StageControl
@@ -129,6 +135,72 @@ def test_unprefixed_or_unreadable_checkpoint(tiny, tmp_path):
         load_codec(profile.codec, junk)
     with pytest.raises(CodecLoadError, match="not found"):
         load_codec(profile.codec, tmp_path / "absent.ckpt")
+
+
+class AttributeDict(dict):
+    """Stands for lightning.fabric.utilities.data.AttributeDict: a dict subclass Lightning pickles hparams as."""
+
+
+class RunsCode:
+    """What a hostile checkpoint could hold: unpickling it with plain pickle runs a command."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_lightning_checkpoint_with_pickled_objects_loads_without_running_them(tiny, tmp_path):
+    """A real training .ckpt: DictConfig hyper-parameters, an AttributeDict, callback and loop states with
+    numpy values and paths, and an object whose unpickling would run a command. The decoder loads exactly;
+    nothing in the file runs."""
+    from omegaconf import OmegaConf
+    profile, written, _ = tiny
+    ckpt = torch.load(profile.codec_path, weights_only=True)
+    marker = tmp_path / "code-ran"
+    ckpt["hyper_parameters"] = OmegaConf.create({"generator": {"n_codebooks": 64, "rates": [8, 8, 8, 4]},
+                                                 "optim": {"lr": 1e-4}})
+    ckpt["hparams"] = AttributeDict(lr=1e-4, batch_size=16)
+    ckpt["callbacks"]["ModelCheckpoint{}"] = {"best_k_models": {Path("/ckpt/a.ckpt"): np.float32(0.25)},
+                                              "kth_value": np.array([0.5]), "dirpath": Path("/ckpt")}
+    ckpt["loops"]["fit_loop"]["state_dict"] = {"hook": RunsCode(marker)}
+    lightning = tmp_path / "dac_rvq_2490000.ckpt"
+    torch.save(ckpt, lightning)
+    with pytest.raises(pickle.UnpicklingError):  # what weights_only loading (the old loader) said of it
+        torch.load(lightning, weights_only=True)
+
+    loaded = load_codec(profile.codec, lightning, "cpu")
+    assert not marker.exists()
+    codes = random_codes(profile.codec, 20)
+    assert torch.equal(full_decode(written, codes), full_decode(loaded, codes))
+    raw = safe_pickle.load_inert(lightning)
+    assert isinstance(raw["hyper_parameters"], safe_pickle.Opaque)
+    assert raw["hyper_parameters"].pickled_global == "omegaconf.dictconfig.DictConfig"
+    assert raw["loops"]["fit_loop"]["state_dict"]["hook"].pickled_global in ("posix.system", "os.system")
+    assert not marker.exists()
+
+
+def test_state_dict_entries_must_be_tensors(tiny, tmp_path):
+    profile = tiny[0]
+    ckpt = torch.load(profile.codec_path, weights_only=True)
+    ckpt["state_dict"]["generator.decoder.model.0.bias"] = AttributeDict(values=[0.0])
+    odd = tmp_path / "odd.ckpt"
+    torch.save(ckpt, odd)
+    with pytest.raises(CodecLoadError, match="not tensors: generator.decoder.model.0.bias"):
+        load_codec(profile.codec, odd)
+
+
+def test_khala_codec_file_is_found_by_its_training_step(tmp_path):
+    """The reference ships checkpoints/dac_rvq_<step>.ckpt; the khala profile takes the newest step."""
+    profile = load_profile("khala", tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    for step in (990_000, 2_490_000, 10_000):
+        (tmp_path / "checkpoints" / f"dac_rvq_{step}.ckpt").write_bytes(b"")
+    assert profile.codec_path == tmp_path / "checkpoints" / "dac_rvq_2490000.ckpt"
+    assert profile.tokenizer_dir == tmp_path / "models" / "Tokenizer"
+    assert profile.backbone_dir == tmp_path / "checkpoints" / "backbone"
+    assert profile.superres_dir == tmp_path / "checkpoints" / "superresolution"
 
 
 def test_layer_alias_must_equal_codebook(tiny, tmp_path):

@@ -199,7 +199,15 @@ def write_tiny_codec(spec: CodecSpec, path: str | os.PathLike, seed: int = 0) ->
     state[GENERATOR_PREFIX + "encoder.block.0.weight_g"] = torch.ones(8, 1, 1)
     state[GENERATOR_PREFIX + "encoder.block.0.bias"] = torch.zeros(8)
     state["discriminator.convs.0.weight"] = torch.randn(4, 1, 3, generator=gen)
-    ckpt = {"epoch": 3, "global_step": 2_490_000, "pytorch-lightning_version": "2.4.0", "state_dict": state}
+    ckpt = {"epoch": 3, "global_step": 2_490_000, "pytorch-lightning_version": "2.4.0", "state_dict": state,
+            # what Lightning's trainer adds (plain types here; tests add pickled objects of other classes)
+            "hparams_name": "kwargs", "hyper_parameters": {"sample_rate": spec.sample_rate, "n_codebooks":
+                                                           spec.num_codebooks, "codebook_size": spec.codebook_size},
+            "callbacks": {"ModelCheckpoint{'monitor': None, 'mode': 'min'}": {
+                "best_model_score": torch.tensor(0.25), "best_model_path": "/ckpt/dac_rvq_2490000.ckpt"}},
+            "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 4, "completed": 3}}}},
+            "optimizer_states": [{"state": {}, "param_groups": [{"lr": 1e-4, "betas": (0.8, 0.99)}]}],
+            "lr_schedulers": [{"gamma": 0.999996, "last_epoch": 2_490_000}]}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -43,6 +43,13 @@ class Opaque(dict):
     def __repr__(self) -> str:
         return f"Opaque({self.pickled_global})"
 
+    # Pickled objects can be dict keys (paths in ModelCheckpoint's best_k_models): hash and compare by identity.
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
 
 @lru_cache(maxsize=None)
 def _stand_in(full_name: str) -> type[Opaque]:
