@@ -232,3 +232,61 @@ def make_stack(redis_base_url, tiny_models, tmp_path):
     for stack in stacks:
         stack.close()
 
+
+# ---- a backbone whose weights end songs on cue (tests/test_song_end.py, tests/test_decode_loop.py)
+
+TRIGGER = 5  # q1 code after which the model ends the song
+A, B = 10.0, 5.0
+
+
+def make_ending(model, end_id: int, trigger_id: int) -> None:
+    """Rewrite a random-weight Megatron GPT in place so that it samples `end_id` right after `trigger_id`.
+
+    Random weights would end songs at random. Here one hidden dimension is written only by the input embedding
+    (attention and MLP outputs leave it at zero): +A for the trigger token, -A for every other token, and the
+    output row of `end_id` reads only that dimension. After the trigger, end-of-text outweighs every code by
+    ~e^80; anywhere else it is ~e^-40 against them.
+    """
+    import torch
+    j = model.config.hidden_size - 1
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            for linear in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
+                linear.weight[j] = 0.0
+                linear.bias[j] = 0.0
+        table = model.embedding.word_embeddings.weight
+        table[:, j] = -A
+        table[trigger_id, j] = A
+        model.decoder.final_layernorm.weight[j] = 1.0
+        model.output_layer.weight[end_id] = 0.0
+        model.output_layer.weight[end_id, j] = B
+
+
+def write_ending_backbone(profile, directory, *, end_id: int, trigger_id: int, seed: int = 3):
+    """A tiny backbone checkpoint, in the real format, that ends a song right after `trigger_id`."""
+    import torch
+    from app.pipeline import megatron_backend as mb
+    model = mb.build_gpt(profile.backbone, causal=True, device="cpu", dtype=torch.float32)
+    mb.init_random_weights(model, seed)
+    make_ending(model, end_id, trigger_id)
+    mb.save_checkpoint(model, directory)
+    return model
+
+
+@pytest.fixture(scope="session")
+def end_id(tiny_profile):
+    """The tiny tokenizer's end-of-text id (the real one's is 128001)."""
+    from app.pipeline import prompt
+    return prompt.prompt_token_ids(prompt.load_tokenizer(tiny_profile.tokenizer_dir)).eos
+
+
+@pytest.fixture(scope="session")
+def ending(tiny_profile, end_id, tmp_path_factory):
+    """Both engines over one ending checkpoint, loaded by the real loader."""
+    from app.pipeline import megatron_backend as mb
+    from app.pipeline.torch_engine import TorchCausalLM, from_megatron
+    directory = tmp_path_factory.mktemp("ending-backbone")
+    write_ending_backbone(tiny_profile, directory, end_id=end_id,
+                          trigger_id=tiny_profile.audio_token_offset(1) + TRIGGER)
+    model = mb.load_gpt(tiny_profile.backbone, directory, causal=True, device="cpu")
+    return {"megatron": mb.MegatronCausalLM(model), "torch": TorchCausalLM(from_megatron(model, mb.model_spec(model)))}

@@ -19,6 +19,7 @@ CASES = [
     ("duration_s", {"duration_s": "3"}),
     ("duration_s", {"duration_s": 0.5}),
     ("duration_s", {"duration_s": 100000}),
+    ("duration_s", {"duration_s": 547}),  # past the longest song the backbone can write (546 s)
     ("duration_s", {"duration_s": True}),
     ("num_tracks", {"num_tracks": 0}),
     ("num_tracks", {"num_tracks": 99}),

@@ -109,6 +109,10 @@ def test_rejections_and_queued_jobs(make_stack):
     assert missing.status_code == 404 and missing.get_json() == {"status": "error",
                                                                "error": f"Job {'0' * 32} not found."}
 
+    longest = client.post("/generate", json={**SONG, "duration": 10}).get_json()
+    assert longest["status"] == "queued"  # 10 minutes: the reference accepts it and stops at its token cap
+    assert stack.job(longest["job_id"])["params"]["duration_s"] == 546.0 == stack.settings.music().max_duration_s
+
     assert client.delete(f"/api/v1/jobs/{accepted['job_id']}").status_code == 200
     canceled = client.get(f"/job/{accepted['job_id']}").get_json()
     assert [t["status"] for t in canceled["tracks"]] == ["error", "error"]

@@ -1,10 +1,7 @@
 """The backbone ends a song where the model ends it: end-of-text sampled beside each codebook window.
 
-Random weights would end at random, so these tests build a tiny backbone whose weights make it end on cue:
-one hidden dimension is written only by the input embedding (attention and MLP outputs leave it at zero), it
-is +A for one trigger token (a q1 code) and -A for every other token, and the output row of end-of-text reads
-only that dimension. After the trigger code, end-of-text outweighs every code by ~e^80; anywhere else it is
-~e^-40 against them. So a track ends on the frame after its first trigger code, at a frame its seed decides.
+Random weights would end at random, so these tests use a tiny backbone whose weights make it end on cue
+(conftest.make_ending): a track ends on the frame after its first trigger code, at a frame its seed decides.
 """
 from __future__ import annotations
 
@@ -15,57 +12,14 @@ import wave
 import pytest
 import torch
 
-from app.pipeline import megatron_backend as mb
-from app.pipeline import prompt
 from app.pipeline.backbone import generate_coarse, generate_coarse_tracks
 from app.pipeline.control import StageControl
 from app.pipeline.music import song_length
-from app.pipeline.torch_engine import TorchCausalLM, from_megatron
 from app.services import build_services
+from tests.conftest import TRIGGER, write_ending_backbone
 
 torch.set_num_threads(2)
 PROMPT = [1, 42, 7, 300]
-TRIGGER = 5  # q1 code after which the model ends the song
-A, B = 10.0, 5.0
-
-
-def make_ending(model, profile, end_id: int, trigger_id: int) -> None:
-    """Rewrite a random-weight Megatron GPT in place so that it samples `end_id` right after `trigger_id`."""
-    j = model.config.hidden_size - 1
-    with torch.no_grad():
-        for layer in model.decoder.layers:
-            for linear in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
-                linear.weight[j] = 0.0
-                linear.bias[j] = 0.0
-        table = model.embedding.word_embeddings.weight
-        table[:, j] = -A
-        table[trigger_id, j] = A
-        model.decoder.final_layernorm.weight[j] = 1.0
-        model.output_layer.weight[end_id] = 0.0
-        model.output_layer.weight[end_id, j] = B
-
-
-def write_ending_backbone(profile, directory, *, end_id: int, trigger_id: int, seed: int = 3):
-    model = mb.build_gpt(profile.backbone, causal=True, device="cpu", dtype=torch.float32)
-    mb.init_random_weights(model, seed)
-    make_ending(model, profile, end_id, trigger_id)
-    mb.save_checkpoint(model, directory)
-    return model
-
-
-@pytest.fixture(scope="module")
-def end_id(tiny_profile):
-    return prompt.prompt_token_ids(prompt.load_tokenizer(tiny_profile.tokenizer_dir)).eos
-
-
-@pytest.fixture(scope="module")
-def ending(tiny_profile, end_id, tmp_path_factory):
-    """Both engines over one ending checkpoint, loaded by the real loader."""
-    directory = tmp_path_factory.mktemp("ending-backbone")
-    write_ending_backbone(tiny_profile, directory, end_id=end_id,
-                          trigger_id=tiny_profile.audio_token_offset(1) + TRIGGER)
-    model = mb.load_gpt(tiny_profile.backbone, directory, causal=True, device="cpu")
-    return {"megatron": mb.MegatronCausalLM(model), "torch": TorchCausalLM(from_megatron(model, mb.model_spec(model)))}
 
 
 def run(lm, profile, end_id, seed=0, **overrides):

@@ -16,27 +16,29 @@ import torch
 from torch import Tensor
 
 from .control import StageControl
-from .engine import BatchedCausalLM, CausalLM, sample_top_k
+from .decode_loop import SongPlan
+from .engine import BatchedCausalLM, CausalLM, DeviceLoopLM, sample_top_k
 from .profiles import COARSE_CODEBOOKS, MusicProfile
 
 
 def generate_coarse(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile,
                     num_frames: int, temperature: float, top_k: int, seed: int,
                     control: StageControl, end_id: int | None = None, max_frames: int | None = None,
-                    min_frames: int = 1) -> torch.LongTensor:
+                    min_frames: int = 1, loop: str = "auto") -> torch.LongTensor:
     """Codes [2, frames] (values 0..codebook_size-1) for q0 and q1, reproducible per seed.
 
-    Reports "done/expected tokens" once per frame through `control`, which raises Canceled to stop.
+    Reports "done/expected tokens" through `control` (per frame, or per block on a device loop), which
+    raises Canceled to stop.
     """
     return generate_coarse_tracks(lm, prompt_ids, profile=profile, num_frames=num_frames, temperature=temperature,
                                   top_k=top_k, seeds=[seed], control=control, end_id=end_id,
-                                  max_frames=max_frames, min_frames=min_frames)[0]
+                                  max_frames=max_frames, min_frames=min_frames, loop=loop)[0]
 
 
 def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile, num_frames: int,
                            temperature: float, top_k: int, seeds: Sequence[int], control: StageControl,
                            end_id: int | None = None, max_frames: int | None = None,
-                           min_frames: int = 1) -> list[torch.LongTensor]:
+                           min_frames: int = 1, loop: str = "auto") -> list[torch.LongTensor]:
     """Coarse codes of several tracks of one song (same prompt, one seed each), in one batch when the engine
     batches (a track's codes are those it gets alone: each track samples from its own seeded generator), else
     one track after the other.
@@ -44,6 +46,9 @@ def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: 
     `end_id` None: exactly `num_frames` frames each. Otherwise a track ends when it samples `end_id` (a
     candidate once `min_frames` frames are written; an unfinished frame is dropped) or after `max_frames`
     frames; `num_frames` is then only the expected length progress is reported against.
+
+    `loop="auto"` runs an engine's own device-side loop when it has one (decode_loop.py: the same codes, no
+    host round trip per token, progress once per block); "reference" always runs the loop below.
     """
     if not prompt_ids:
         raise ValueError("the backbone needs a non-empty prompt")
@@ -54,11 +59,25 @@ def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: 
     limit = num_frames if end_id is None else (max_frames or num_frames)
     if limit < 1:
         raise ValueError(f"max_frames must be >= 1, got {limit}")
+    if loop not in ("auto", "reference"):
+        raise ValueError(f"loop must be 'auto' or 'reference', not {loop!r}")
+    if loop == "auto" and isinstance(lm, DeviceLoopLM):
+        plan = SongPlan(window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
+                        codebook_size=profile.codebook_size, end_id=end_id, limit=limit, min_frames=min_frames,
+                        expected_frames=num_frames, top_k=top_k, temperature=temperature)
+        open_ended = end_id is not None
+        tracks = lm.device_decoder(prompt_ids, plan, seeds).run(
+            control, report=lambda c, done, expected: _report(c, done, expected, open_ended=open_ended))
+        if open_ended:
+            done = COARSE_CODEBOOKS * max(track.shape[1] for track in tracks)
+            _report(control, done, done, open_ended=False)
+        return tracks
     if len(seeds) > 1 and not isinstance(lm, BatchedCausalLM):
         return [generate_coarse_tracks(lm, prompt_ids, profile=profile, num_frames=num_frames,
                                        temperature=temperature, top_k=top_k, seeds=[seed],
                                        control=control.part(i / len(seeds), (i + 1) / len(seeds), f"track {i + 1}"),
-                                       end_id=end_id, max_frames=max_frames, min_frames=min_frames)[0]
+                                       end_id=end_id, max_frames=max_frames, min_frames=min_frames,
+                                       loop=loop)[0]
                 for i, seed in enumerate(seeds)]
     batch = len(seeds)
     size = profile.codebook_size

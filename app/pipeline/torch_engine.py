@@ -6,8 +6,8 @@ layers, rotary caches). The decode step has fixed shapes (a whole-length cache a
 gpt-fast), so it can later be captured in a CUDA graph.
 
 Megatron's layouts, converted once at load:
-  linear_qkv   rows grouped per query group g: [heads_per_group x q | k | v] x head_dim
-  linear_fc1   [gate | up] halves: silu(gate) * up      (gated_linear_unit with F.silu)
+  linear_qkv   rows grouped per query group g: [heads_per_group x q | k | v] x head_dim  -> qkv: [all q | all k | all v]
+  linear_fc1   [gate | up] halves: silu(gate) * up      (gated_linear_unit with F.silu)  -> gate_up, as it is
   RoPE         non-interleaved halves, inv_freq = base^(-2i/d), the same table for every head
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .decode_loop import DeviceDecoder, SongPlan
 from .profiles import TransformerSpec
 
 
@@ -62,18 +63,18 @@ class Attention(nn.Module):
     def __init__(self, shape: Shape):
         super().__init__()
         self.shape = shape
-        self.q = nn.Linear(shape.hidden, shape.heads * shape.head_dim)
-        self.k = nn.Linear(shape.hidden, shape.groups * shape.head_dim)
-        self.v = nn.Linear(shape.hidden, shape.groups * shape.head_dim)
+        # q, k and v in one matmul: rows [all query heads | all key groups | all value groups]
+        self.qkv = nn.Linear(shape.hidden, (shape.heads + 2 * shape.groups) * shape.head_dim)
         self.out = nn.Linear(shape.heads * shape.head_dim, shape.hidden)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                 cache: "KVCache | None" = None, positions: Tensor | None = None) -> Tensor:
         batch, length, _ = x.shape
         s = self.shape
-        q = self.q(x).view(batch, length, s.heads, s.head_dim).transpose(1, 2)
-        k = self.k(x).view(batch, length, s.groups, s.head_dim).transpose(1, 2)
-        v = self.v(x).view(batch, length, s.groups, s.head_dim).transpose(1, 2)
+        q, k, v = self.qkv(x).split([s.heads * s.head_dim, s.groups * s.head_dim, s.groups * s.head_dim], dim=-1)
+        q = q.view(batch, length, s.heads, s.head_dim).transpose(1, 2)
+        k = k.view(batch, length, s.groups, s.head_dim).transpose(1, 2)
+        v = v.view(batch, length, s.groups, s.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(k, v, positions)
@@ -90,12 +91,13 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, shape: Shape):
         super().__init__()
-        self.gate = nn.Linear(shape.hidden, shape.ffn)
-        self.up = nn.Linear(shape.hidden, shape.ffn)
+        self.ffn = shape.ffn
+        self.gate_up = nn.Linear(shape.hidden, 2 * shape.ffn)  # [gate | up] in one matmul, as Megatron's fc1
         self.down = nn.Linear(shape.ffn, shape.hidden)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).split(self.ffn, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -159,12 +161,12 @@ def megatron_to_plain(state: dict[str, Tensor], shape: Shape) -> dict[str, Tenso
         for kind in ("weight", "bias"):
             grouped = state[f"{src}self_attention.linear_qkv.{kind}"]
             grouped = grouped.reshape(shape.groups, per_group + 2, shape.head_dim, *grouped.shape[1:])
-            plain[f"{dst}attention.q.{kind}"] = grouped[:, :per_group].reshape(-1, *grouped.shape[3:])
-            plain[f"{dst}attention.k.{kind}"] = grouped[:, per_group].reshape(-1, *grouped.shape[3:])
-            plain[f"{dst}attention.v.{kind}"] = grouped[:, per_group + 1].reshape(-1, *grouped.shape[3:])
+            q = grouped[:, :per_group].reshape(-1, *grouped.shape[3:])
+            k = grouped[:, per_group].reshape(-1, *grouped.shape[3:])
+            v = grouped[:, per_group + 1].reshape(-1, *grouped.shape[3:])
+            plain[f"{dst}attention.qkv.{kind}"] = torch.cat([q, k, v])
             plain[f"{dst}attention.out.{kind}"] = state[f"{src}self_attention.linear_proj.{kind}"]
-            gate, up = state[f"{src}mlp.linear_fc1.{kind}"].chunk(2, dim=0)
-            plain[f"{dst}ffn.gate.{kind}"], plain[f"{dst}ffn.up.{kind}"] = gate, up
+            plain[f"{dst}ffn.gate_up.{kind}"] = state[f"{src}mlp.linear_fc1.{kind}"]
             plain[f"{dst}ffn.down.{kind}"] = state[f"{src}mlp.linear_fc2.{kind}"]
         plain[f"{dst}attention_norm.weight"] = state[f"{src}input_layernorm.weight"]
         plain[f"{dst}ffn_norm.weight"] = state[f"{src}pre_mlp_layernorm.weight"]
@@ -195,6 +197,7 @@ class TorchCausalLM:
         self.dtype = model.output.weight.dtype
         self._caches: list[KVCache] = []
         self._rope: tuple[Tensor, Tensor] | None = None
+        self._slots: Tensor | None = None
         self._length = 0
         self._max_len = 0
         self._batch = 0
@@ -208,15 +211,20 @@ class TorchCausalLM:
         self._caches = [KVCache(self.model.shape, max_len, self.device, self.dtype, batch)
                         for _ in range(self.model.shape.num_layers)]
         self._rope = rope_tables(self.model.shape, max_len, self.device)
+        self._slots = torch.arange(max_len, device=self.device)
         self._length, self._max_len, self._batch = 0, max_len, batch
+
+    def cached_hidden(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """Run tokens [B, T] at `positions` [T] (a device tensor) through the cache; final-norm hidden states
+        [B, T, hidden]. No host sync: the decode loop (decode_loop.py) calls it with device-side positions."""
+        cos, sin = (table[positions] for table in self._rope)
+        visible = self._slots[None, :] <= positions[:, None]  # [T, max_len]
+        return self.model.hidden_states(self.model.embedding(ids), cos, sin, visible[None, None], self._caches,
+                                        positions)
 
     def _step(self, ids: Tensor, positions: Tensor) -> Tensor:
         """Run tokens [B, T] at `positions` [T] through the cache; logits [B, T, vocab] (float32)."""
-        cos, sin = (table[positions] for table in self._rope)
-        visible = torch.arange(self._max_len, device=self.device)[None, :] <= positions[:, None]  # [T, max_len]
-        hidden = self.model.hidden_states(self.model.embedding(ids), cos, sin, visible[None, None], self._caches,
-                                          positions)
-        return self.model.output(hidden).float()
+        return self.model.output(self.cached_hidden(ids, positions)).float()
 
     @torch.inference_mode()
     def prefill_batch(self, ids: Sequence[int]) -> Tensor:
@@ -266,8 +274,13 @@ class TorchCausalLM:
         hidden = self.model.hidden_states(self.model.embedding(tokens)[None], cos, sin, causal[None, None])
         return self.model.output(hidden[0]).float()
 
+    def device_decoder(self, prompt_ids: Sequence[int], plan: SongPlan, seeds: Sequence[int],
+                       **options) -> DeviceDecoder:
+        """The fast decode loop over this engine (decode_loop.py), for one song."""
+        return DeviceDecoder(self, prompt_ids, plan, seeds, **options)
+
     def release(self) -> None:
-        self._caches, self._rope, self._length, self._max_len, self._batch = [], None, 0, 0, 0
+        self._caches, self._rope, self._slots, self._length, self._max_len, self._batch = [], None, None, 0, 0, 0
 
 
 class TorchBidirectionalLM:

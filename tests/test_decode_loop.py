@@ -1,0 +1,154 @@
+"""The device-side decode loop (decode_loop.py) against the reference loop (backbone.py), tiny profile, fp32.
+
+Same codes, bitwise, alone and batched, fixed-length and ended by the model, on the plain-PyTorch engine and
+against Megatron's; the frame step traces with torch.compile(fullgraph=True), which refuses host syncs and
+generator arguments, i.e. it is what a CUDA graph can capture.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from app.pipeline.backbone import generate_coarse_tracks
+from app.pipeline.control import Canceled, StageControl
+from app.pipeline.decode_loop import DeviceDecoder, SongPlan
+from app.pipeline.engine import DeviceLoopLM
+from app.pipeline.music import load_engine
+
+torch.set_num_threads(2)
+PROMPT = [1, 42, 7, 300, 5, 99]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_profile):
+    cpu = torch.device("cpu")
+    return {name: load_engine(name, tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=cpu)
+            for name in ("torch", "megatron")}
+
+
+def generate(lm, profile, seeds, loop, **overrides):
+    args = dict(profile=profile, num_frames=24, temperature=1.0, top_k=profile.backbone_top_k, seeds=seeds,
+                control=StageControl(), loop=loop)
+    args.update(overrides)
+    return generate_coarse_tracks(lm, PROMPT, **args)
+
+
+def same(first, second) -> bool:
+    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("seeds", [[5], [5, 6, 7]])
+@pytest.mark.parametrize("sampler", [dict(), dict(temperature=0.7, top_k=9), dict(top_k=1)])
+def test_fixed_length_codes_equal_the_reference_loop(engines, tiny_profile, seeds, sampler):
+    fast = generate(engines["torch"], tiny_profile, seeds, "auto", **sampler)
+    assert same(fast, generate(engines["torch"], tiny_profile, seeds, "reference", **sampler))
+    assert same(fast, generate(engines["megatron"], tiny_profile, seeds, "reference", **sampler))
+    assert all(codes.shape == (2, 24) for codes in fast)
+
+
+@pytest.mark.parametrize("seeds", [[0], [0, 1, 2, 3]])
+def test_songs_the_model_ends_equal_the_reference_loop(ending, tiny_profile, end_id, seeds):
+    args = dict(end_id=end_id, max_frames=300, min_frames=2)
+    fast = generate(ending["torch"], tiny_profile, seeds, "auto", **args)
+    assert same(fast, generate(ending["torch"], tiny_profile, seeds, "reference", **args))
+    assert same(fast, generate(ending["megatron"], tiny_profile, seeds, "reference", **args))
+    assert all(2 <= codes.shape[1] < 300 for codes in fast)
+    if len(seeds) > 1:
+        assert len({codes.shape[1] for codes in fast}) > 1  # tracks of one batch end on their own
+
+
+def test_blocks_straddling_min_frames_and_the_cap(ending, tiny_profile, end_id):
+    """Block boundaries (check_every) fall anywhere against the phase change and the cap: codes unchanged."""
+    args = dict(end_id=end_id, min_frames=7, max_frames=11)
+    reference = generate(ending["torch"], tiny_profile, [3, 4], "reference", **args)
+    plan = SongPlan(window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
+                    codebook_size=tiny_profile.codebook_size, end_id=end_id, limit=11, min_frames=7,
+                    expected_frames=24, top_k=tiny_profile.backbone_top_k, temperature=1.0)
+    for check_every in (1, 3, 5, 64):
+        decoder = DeviceDecoder(ending["torch"], PROMPT, plan, [3, 4], check_every=check_every)
+        assert same(decoder.run(StageControl()), reference), check_every
+
+
+def test_engine_offers_the_loop_and_the_head_is_window_only(engines, tiny_profile):
+    """One full-vocabulary projection (the prompt's last position); every token after it projects onto its
+    codebook's window (+ end-of-text) only."""
+    lm = engines["torch"]
+    assert isinstance(lm, DeviceLoopLM) and not isinstance(engines["megatron"], DeviceLoopLM)
+    calls = []
+    handle = lm.model.output.register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
+    try:
+        generate(lm, tiny_profile, [1, 2], "auto", num_frames=10)
+    finally:
+        handle.remove()
+    assert calls == [(2, len(PROMPT), tiny_profile.backbone.vocab_size)]
+
+
+def test_progress_once_per_block_and_cancel_within_one(engines, tiny_profile):
+    plan = SongPlan(window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
+                    codebook_size=tiny_profile.codebook_size, end_id=None, limit=20, min_frames=20,
+                    expected_frames=20, top_k=50, temperature=1.0)
+    reports: list[tuple[int, int]] = []
+    decoder = DeviceDecoder(engines["torch"], PROMPT, plan, [1], check_every=8)
+    decoder.run(StageControl(), report=lambda control, done, total: reports.append((done, total)))
+    assert reports == [(16, 40), (32, 40), (40, 40)]
+
+    control = StageControl(cancel_requested=lambda: True)
+    decoder = DeviceDecoder(engines["torch"], PROMPT, plan, [1], check_every=8)
+    with pytest.raises(Canceled):
+        decoder.run(control, report=lambda c, done, total: c.check())
+    assert int(decoder.frame) == 8  # stopped at the first block's end, the engine's cache released
+    assert engines["torch"]._caches == []
+
+
+class OpLog(TorchDispatchMode):
+    """Every ATen op run while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# What reads a device value on the host (.item(), int(), .tolist(), bool()) or makes a tensor of host values
+# (torch.tensor(list)): each one is a host round trip on a GPU, and a CUDA graph cannot hold it.
+HOST_ROUND_TRIPS = ("aten._local_scalar_dense", "aten.lift_fresh", "aten.item")
+
+
+def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
+    """One frame has no host round trip (no op that reads a device value back or uploads host values), and
+    torch.compile(fullgraph=True) traces it (it breaks on a Python branch on a tensor value or a Generator
+    argument); the traced frame changes the state exactly as the eager one."""
+    lm = engines["torch"]
+    plan = SongPlan(window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
+                    codebook_size=tiny_profile.codebook_size, end_id=end_id, limit=6, min_frames=0,
+                    expected_frames=6, top_k=50, temperature=1.0)
+    states = []
+    for compiled in (False, True):
+        decoder = DeviceDecoder(lm, PROMPT, plan, [1, 2], check_every=4, use_graphs=False)
+        lm.reset(len(PROMPT) + 2 * plan.limit, batch=2)
+        with torch.inference_mode():
+            full = lm.prefill_batch(PROMPT)
+            start = plan.window_starts[0]
+            decoder._allocate(torch.cat([full[:, start:start + plan.codebook_size], full[:, end_id:end_id + 1]], -1))
+            decoder._draw_noise(4, may_end=True)
+            step = torch.compile(decoder.frame_step, backend="eager", fullgraph=True) if compiled else decoder.frame_step
+            for _ in range(3):
+                step(True)
+            if compiled:
+                step(True)
+            else:
+                log = OpLog()
+                with log:
+                    decoder.frame_step(True)
+                assert not [op for op in log.ops if op.startswith(HOST_ROUND_TRIPS)], log.ops
+                per_token = len(log.ops) / 2  # ~57 ATen ops per layer and ~15 for the head and sampling, on the CPU
+                assert per_token < 60 * tiny_profile.backbone.num_layers + 30, log.ops
+        states.append([t.clone() for t in (decoder.codes, decoder.tokens, decoder.position, decoder.logits,
+                                           decoder.ended, decoder.lengths)])
+        lm.release()
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    assert int(states[0][2]) == len(PROMPT) + 2 * 4
