@@ -5,6 +5,8 @@ import logging
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import wait_until
+
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -44,7 +46,11 @@ def test_metrics_and_job_event_logs_after_a_job(make_stack, caplog):
     web_lines = [r.getMessage() for r in caplog.records if f"job={job_id}" in r.getMessage()]
     assert any("event=submitted" in line and "kind=music" in line for line in web_lines), web_lines
     assert any("track=0 queue=gpu0" in line and "event=routed" in line for line in web_lines), web_lines
-    worker_lines = [line for line in stack.worker_log(0).splitlines() if f"job={job_id}" in line]
+    # The record says done before the worker has logged the last stage's end (it logs after writing it).
+    def logged_to_the_end():
+        lines = [line for line in stack.worker_log(0).splitlines() if f"job={job_id}" in line]
+        return lines if any("event=stage_finished" in line and "stage=export" in line for line in lines) else None
+    worker_lines = wait_until(logged_to_the_end, 30, what="the worker's last log lines")
     for stage in ("backbone", "superres", "decode", "export"):
         assert any("track=0 queue=gpu0 worker=gpu0@" in line and "event=stage_started" in line
                    and f"stage={stage}" in line for line in worker_lines), stage
