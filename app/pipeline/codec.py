@@ -170,7 +170,8 @@ def load_codec(spec: CodecSpec, path: str | os.PathLike, device: str | torch.dev
 
 # ---------------------------------------------------------------------------------------------- tiny
 
-def _random_decoder(spec: CodecSpec, seed: int) -> KhalaCodecDecoder:
+def random_decoder(spec: CodecSpec, seed: int) -> KhalaCodecDecoder:
+    """A decoder of `spec` with deterministic random weights (codebooks N(0, 1/64) so their sum stays ~1)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = KhalaCodecDecoder(spec)
@@ -185,7 +186,7 @@ def write_tiny_codec(spec: CodecSpec, path: str | os.PathLike, seed: int = 0) ->
     Besides the decoder it writes what a real training .ckpt carries (encoder, RVQ layer wrappers with EMA
     state, a discriminator, counters), so tests exercise the loader's filtering.
     """
-    model = _random_decoder(spec, seed)
+    model = random_decoder(spec, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     state: dict[str, torch.Tensor] = {GENERATOR_PREFIX + k: v for k, v in model.state_dict().items()}
     for i in range(spec.num_codebooks):
