@@ -2,7 +2,8 @@
 
 Both engines get the same random-weight Khala-shaped model (built by megatron_backend, converted once by
 torch_engine.from_megatron) and generate the same coarse tokens with backbone.generate_coarse_tracks; the
-Megatron engine is the in-run baseline, so the ratio is what to read (machines here are noisy). The
+Megatron engine is the in-run baseline, so the ratio is what to read (machines here are noisy). The torch
+engine runs its device-side loop (decode_loop.py) and, as `torch_reference_loop`, the reference loop. The
 codes must come out identical (fp32) or the run reports it. Also: two tracks in one batch on the torch
 engine against twice one track (memory-bound GPUs should get close to 2x; a CPU is compute-bound).
 
@@ -47,12 +48,12 @@ def spec_for(size: str, profile: MusicProfile) -> TransformerSpec:
 
 
 def timed_generation(lm, profile: MusicProfile, frames: int, device: torch.device,
-                     seeds: tuple[int, ...] = (1,)) -> tuple[list[torch.Tensor], float]:
+                     seeds: tuple[int, ...] = (1,), loop: str = "auto") -> tuple[list[torch.Tensor], float]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
     codes = generate_coarse_tracks(lm, PROMPT, profile=profile, num_frames=frames, temperature=1.0, top_k=50,
-                                   seeds=list(seeds), control=StageControl())
+                                   seeds=list(seeds), control=StageControl(), loop=loop)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return codes, time.perf_counter() - started
@@ -71,7 +72,7 @@ def main() -> None:
     model = mb.build_gpt(spec, causal=True, device=device)
     mb.init_random_weights(model, seed=0)
     engines = {"megatron": mb.MegatronCausalLM(model), "torch": TorchCausalLM(from_megatron(model, spec))}
-    seconds: dict[str, list[float]] = {name: [] for name in (*engines, "torch_2_tracks_batched")}
+    seconds: dict[str, list[float]] = {name: [] for name in (*engines, "torch_reference_loop", "torch_2_tracks_batched")}
     codes = {}
     for name, lm in engines.items():
         timed_generation(lm, profile, 4, device)  # warm-up
@@ -79,6 +80,9 @@ def main() -> None:
         for name, lm in engines.items():
             codes[name], elapsed = timed_generation(lm, profile, args.frames, device)
             seconds[name].append(elapsed)
+        codes["torch_reference_loop"], elapsed = timed_generation(engines["torch"], profile, args.frames, device,
+                                                                  loop="reference")
+        seconds["torch_reference_loop"].append(elapsed)
         _, elapsed = timed_generation(engines["torch"], profile, args.frames, device, seeds=(1, 2))
         seconds["torch_2_tracks_batched"].append(elapsed)
     tokens = 2 * args.frames
@@ -89,8 +93,10 @@ def main() -> None:
         "tokens_per_s": {name: round(tokens * (2 if "2_tracks" in name else 1) / value, 1)
                          for name, value in median.items()},
         "speedup_torch_over_megatron": round(median["megatron"] / median["torch"], 2),
+        "speedup_device_loop_over_reference_loop": round(median["torch_reference_loop"] / median["torch"], 2),
         "two_tracks_batched_vs_one_after_the_other": round(2 * median["torch"] / median["torch_2_tracks_batched"], 2),
-        "codes_equal": bool(torch.equal(codes["megatron"][0], codes["torch"][0])),
+        "codes_equal": bool(torch.equal(codes["megatron"][0], codes["torch"][0])
+                            and torch.equal(codes["torch"][0], codes["torch_reference_loop"][0])),
         "seconds": seconds,
     }))
 
