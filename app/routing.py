@@ -19,6 +19,7 @@ from app.joblog import job_event
 from app.kinds import KINDS, QUEUED, JobKind
 from app.recovery import detach_waiting_tracks, restart_started_tracks, stranded
 from app.services import Services
+from app.workers import consumed_queues
 
 log = logging.getLogger("encore.routing")
 
@@ -41,7 +42,7 @@ def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
 def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
     """Queues that ever had a track or have a live worker (no keyspace scan: this runs on every heartbeat)."""
     workers = svc.workers.workers() if workers is None else workers
-    return sorted(svc.jobs.queues() | {w["queue"] for w in workers if w.get("queue")})
+    return sorted(svc.jobs.queues() | {queue for w in workers for queue in consumed_queues(w)})
 
 
 def draining(svc: Services) -> set[str]:

@@ -92,7 +92,7 @@ class WorkerRegistry:
     def live_queues(self, workers: list[dict[str, Any]] | None = None) -> list[str]:
         """Queues of live workers, from `workers` when the caller already read them."""
         workers = self.workers() if workers is None else workers
-        return sorted({w["queue"] for w in workers if w["status"] != "offline" and w.get("queue")})
+        return sorted({queue for w in workers if w["status"] != "offline" for queue in consumed_queues(w)})
 
 
 def consumed_queues(worker: dict[str, Any]) -> list[str]:

@@ -145,8 +145,9 @@ class Stack:
         return create_app(self.settings)
 
     # -- workers ------------------------------------------------------------------------------------
-    def start_worker(self, gpu: int, wait: bool = True, **env: str) -> subprocess.Popen:
-        proc = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), str(gpu)], cwd=REPO,
+    def start_worker(self, gpu: int, wait: bool = True, args: tuple[str, ...] = (), **env: str) -> subprocess.Popen:
+        """worker_entrypoint.sh <gpu> [args: extra celery worker options, e.g. ("-Q", "gpu0,gpu1")]."""
+        proc = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), str(gpu), *args], cwd=REPO,
                                 env={**os.environ, **self.env, **env}, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.workers[gpu] = proc

@@ -115,3 +115,16 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split()[2] != "Z"
+
+
+def test_a_worker_consuming_two_queues_gets_tracks_on_each_not_on_their_joined_name(make_stack):
+    """`-Q gpu0,gpu1`: the heartbeat lists both; routing, status and metrics see two queues, never "gpu0,gpu1"."""
+    stack = make_stack()
+    stack.start_worker(0, args=("-Q", "gpu0,gpu1"))
+    job_id = stack.submit_music(duration_s=2.0, num_tracks=2)
+    record = stack.wait_job(job_id)
+    assert record["state"] == "done", record
+    assert sorted(t["queue"] for t in record["tracks"]) == ["gpu0", "gpu1"]  # least-loaded routing spreads them
+    status = stack.client.get("/api/v1/status").get_json()
+    assert {q["name"] for q in status["queues"]} == {"gpu0", "gpu1"}
+    assert "gpu0,gpu1" not in stack.client.get("/metrics").get_data(as_text=True)
