@@ -19,7 +19,7 @@ import json
 import re
 import secrets
 import time
-from typing import Any
+from typing import Any, Callable
 
 import redis
 
@@ -263,8 +263,9 @@ class JobStore:
         return changed
 
     # -- cancel -------------------------------------------------------------------------------------
-    def request_cancel(self, job_id: str) -> list[str]:
-        """Flag the job canceled; tracks not started yet end at once. Returns Celery ids to revoke."""
+    def request_cancel(self, job_id: str, worker_live: Callable[[str], bool] = lambda name: True) -> list[str]:
+        """Flag the job canceled; tracks not started yet end at once, and so do running ones whose worker is
+        not live (`worker_live(name)`): nothing would ever see the flag. Returns Celery ids to revoke."""
         job = self.job(job_id)
         if job is None:
             return []
@@ -272,8 +273,14 @@ class JobStore:
         task_ids: list[str] = []
         for track in self.tracks(job_id, job["num_tracks"]):
             task_ids.extend(track["task_ids"])
-            if track["state"] in TERMINAL_STATES or track.get("running") == "1":
-                continue  # a running stage sees the flag and ends the track itself
+            if track["state"] in TERMINAL_STATES:
+                continue
+            if track.get("running") == "1":
+                if worker_live(track["worker"]):
+                    continue  # a running stage sees the flag and ends the track itself
+                self.finish(job_id, track["track"], CANCELED, progress=track["progress"],
+                            detail=f"canceled during {track['stage']} (its worker {track['worker']} is offline)")
+                continue
             # Not started, or between two stages: the revoked next stage would never run, so end it here.
             detail = "canceled before it started" if track["state"] == QUEUED else \
                 f"canceled before {track['stage']}"

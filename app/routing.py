@@ -16,7 +16,7 @@ import uuid
 from celery import Celery, chain
 
 from app.joblog import job_event
-from app.kinds import KINDS, QUEUED, JobKind
+from app.kinds import CANCELED, KINDS, QUEUED, JobKind
 from app.recovery import detach_waiting_tracks, restart_started_tracks, stranded
 from app.services import Services
 from app.workers import consumed_queues
@@ -102,7 +102,11 @@ def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str) -> tuple[c
 def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue: str) -> None:
     job = svc.jobs.job(job_id)
     record = svc.jobs.track(job_id, track)
-    if job is None or record is None or record["state"] != QUEUED or svc.jobs.cancel_requested(job_id):
+    if job is None or record is None or record["state"] != QUEUED:
+        return
+    if svc.jobs.cancel_requested(job_id):  # canceled while it was parked or being moved: it ends here
+        svc.jobs.finish(job_id, track, CANCELED, detail="canceled before it started", progress=0.0)
+        job_event(log, "canceled", job_id, track=track, reason="canceled while waiting to be routed")
         return
     kind = KINDS[job["kind"]]
     workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue)

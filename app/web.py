@@ -153,7 +153,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         """Cancel a job: queued stages never start, a running stage stops within seconds."""
         if svc.jobs.job(job_id) is None:
             return error(404, f"job {job_id} not found")
-        task_ids = svc.jobs.request_cancel(job_id)
+        task_ids = svc.jobs.request_cancel(job_id, worker_live=lambda name: bool(name and svc.workers.info(name)))
         if task_ids:
             celery_app.control.revoke(task_ids)
         job_event(log, "cancel_requested", job_id)

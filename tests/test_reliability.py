@@ -149,3 +149,49 @@ def test_a_stage_message_not_of_the_tracks_current_chain_is_ignored(make_stack):
                60, 0.1, "the stale delivery to be ignored")
     track = stack.job(job_id)["tracks"][0]
     assert (track["state"], track["stages"], track["attempts"]) == ("queued", {}, 0)
+
+
+def _nothing_left(stack) -> None:
+    prefix = stack.settings.key_prefix
+    for queue in ("gpu0", "gpu1"):
+        assert stack.redis.zcard(f"{prefix}:queue:{queue}:waiting") == 0
+        assert stack.redis.zcard(f"{prefix}:queue:{queue}:load") == 0
+        assert sum(stack.redis.llen(name) for name in (queue, *(f"{queue}:{step}" for step in range(1, 10)))) == 0
+    assert stack.redis.llen(f"{prefix}:unrouted") == 0
+
+
+def _running_on_gpu0_then_killed(stack) -> str:
+    job_id = stack.submit_music(duration_s=30.0)
+    wait_until(lambda: stack.job(job_id)["tracks"][0]["progress"] > 0, 60, 0.1, "the job's backbone on gpu0")
+    assert stack.job(job_id)["tracks"][0]["queue"] == "gpu0"
+    stack.stop_worker(0)
+    return job_id
+
+
+def test_cancel_while_the_running_stages_worker_is_dead_is_final_at_once(make_stack):
+    """Issue 10, fault 3: gpu0 dies mid-stage and is seen offline; a cancel then ends the track at once (its
+    stage can never see the flag), with nothing left waiting, parked or in a broker list."""
+    stack = make_stack(ENCORE_REROUTE_AFTER_S="0", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)  # no reroute here
+    stack.start_worker(0)
+    job_id = _running_on_gpu0_then_killed(stack)
+    wait_until(lambda: stack.job(job_id)["tracks"][0]["worker_status"] == "offline", 30, 0.1, "gpu0 seen offline")
+    track = stack.client.delete(f"/api/v1/jobs/{job_id}").get_json()["tracks"][0]
+    assert track["state"] == "canceled" and "its worker gpu0@" in track["detail"] and "offline" in track["detail"]
+    _nothing_left(stack)
+
+
+def test_cancel_before_the_dead_worker_is_noticed_ends_when_the_track_would_move(make_stack):
+    """Issue 10, fault 3, the other order: canceled while gpu0 still looks alive (the stage should see the flag,
+    but it is dead). Once gpu0 is offline ENCORE_REROUTE_AFTER_S, the move to gpu1 ends the track canceled
+    instead of leaving it queued in no list; gpu1 never runs it."""
+    stack = make_stack(ENCORE_REROUTE_AFTER_S="1", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    stack.start_worker(1)
+    stack.client.post("/api/v1/queues/gpu1/drain")
+    stack.start_worker(0)
+    job_id = _running_on_gpu0_then_killed(stack)
+    stack.client.delete("/api/v1/queues/gpu1/drain")
+    assert stack.client.delete(f"/api/v1/jobs/{job_id}").get_json()["tracks"][0]["state"] == "backbone"
+    record = stack.wait_job(job_id, timeout=60)
+    assert record["state"] == "canceled", record
+    _nothing_left(stack)
+    assert not any(f"job={job_id}" in line and "event=stage_started" in line for line in stack.worker_log(1).splitlines())
