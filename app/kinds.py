@@ -16,6 +16,10 @@ class Stage:
 class JobKind:
     name: str
     stages: tuple[Stage, ...]
+    # Its stages pass intermediates through the shared artifact store, so a track moved to another worker can
+    # resume at its first unfinished stage (music); else they sit in the worker's local scratch and a moved
+    # track starts over (lip-sync's decoded frames).
+    resumable: bool = False
 
     def stage(self, name: str) -> Stage:
         for stage in self.stages:
@@ -34,7 +38,7 @@ MUSIC = JobKind("music", (
     Stage("superres", "superres", "encore.music.superres", "layers"),
     Stage("decode", "decoding", "encore.music.decode", "chunks"),
     Stage("export", "exporting", "encore.music.export", "files"),
-))
+), resumable=True)
 
 LIPSYNC = JobKind("lipsync", (
     Stage("prepare", "preparing", "encore.lipsync.prepare", "steps"),

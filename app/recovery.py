@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from app.kinds import KINDS
 from app.services import Services
 from app.workers import WorkerRegistry, consumed_queues, pid_alive
 
@@ -117,7 +118,7 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 local restarts = redis.call('HINCRBY', KEYS[1], 'restarts', 1)
 redis.call('HSET', KEYS[1], 'state', 'queued', 'stage', '', 'progress', '0.0', 'running', '0', 'queue', '',
-           'task_ids', '[]', 'stages', '{}', 'detail', ARGV[3], 'updated_at', ARGV[4])
+           'task_ids', '[]', 'stages', ARGV[5], 'detail', ARGV[3], 'updated_at', ARGV[4])
 redis.call('RPUSH', KEYS[4], ARGV[1])
 return restarts
 """
@@ -141,6 +142,16 @@ def find_message(client: Any, lists: list[str], task_id: str) -> tuple[str, str]
             if headers.get("id") == task_id:
                 return key, payload
     return None
+
+
+def drop_messages(svc: Services, lists: list[str], task_ids: list[str]) -> int:
+    """Remove the queued messages of `task_ids` from the broker lists `lists`; returns how many went."""
+    removed = 0
+    for task_id in task_ids:
+        found = find_message(svc.redis, lists, task_id)
+        if found is not None:
+            removed += svc.redis.lrem(found[0], 1, found[1])
+    return removed
 
 
 def stranded(svc: Services, queues: list[str], live: set[str], after_s: float, now: float) -> list[str]:
@@ -182,8 +193,19 @@ def detach_waiting_tracks(svc: Services, queue: str, transport_options: dict[str
     return detached
 
 
-def restart_started_tracks(svc: Services, queue: str, parked_key: str) -> tuple[list[str], list[str]]:
-    """Park every open track of `queue` that had started, to run again from its first stage elsewhere.
+def finished_stages(svc: Services, job_id: str, record: dict[str, Any]) -> dict[str, Any]:
+    """The stages of a track that a new chain may skip: those finished, when the job's kind keeps its
+    intermediates in the shared artifact store (else nothing: it starts over)."""
+    job = svc.jobs.job(job_id)
+    if job is None or not KINDS[job["kind"]].resumable:
+        return {}
+    return {name: stage for name, stage in record["stages"].items() if stage.get("finished_at")}
+
+
+def restart_started_tracks(svc: Services, queue: str, parked_key: str,
+                           transport_options: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
+    """Park every open track of `queue` that had started, to run again elsewhere: from its first unfinished
+    stage when its kind is resumable (a new chain skips the finished ones), else from its first stage.
 
     Returns (restarted, failed) "job:track" members; a track already restarted ENCORE_MAX_DELIVERIES times
     fails with a message instead of being tried on yet another worker.
@@ -207,7 +229,11 @@ def restart_started_tracks(svc: Services, queue: str, parked_key: str) -> tuple[
             continue
         keys = [svc.jobs.track_key(job_id, int(track)), svc.jobs.waiting_key(queue), svc.jobs.load_key(queue),
                 parked_key]
-        detail = f"restarting: {worker} went offline during {record['stage'] or 'its chain'}"
-        if restart(keys=keys, args=[member, queue, detail, str(time.time())]) > 0:
+        kept = finished_stages(svc, job_id, record)
+        resume = f"after {', '.join(kept)}" if kept else "from its first stage"
+        detail = f"restarting {resume}: {worker} went offline during {record['stage'] or 'its chain'}"
+        if restart(keys=keys, args=[member, queue, detail, str(time.time()), json.dumps(kept)]) > 0:
             restarted.append(member)
+            if transport_options is not None:  # the old chain's next stage, if it waits there, would only be stale
+                drop_messages(svc, broker_lists(queue, transport_options), record["task_ids"])
     return restarted, failed

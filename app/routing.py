@@ -141,7 +141,7 @@ def reroute_stranded(svc: Services, celery: Celery) -> int:
         live = set(svc.workers.live_queues(workers))
         for queue in stranded(svc, known_queues(svc, workers), live, after_s, time.time()):
             # started tracks first: they were submitted before the ones still waiting
-            restarted, failed = restart_started_tracks(svc, queue, _unrouted_key(svc))
+            restarted, failed = restart_started_tracks(svc, queue, _unrouted_key(svc), options)
             detached = detach_waiting_tracks(svc, queue, options, _unrouted_key(svc))
             for event, members in (("restarting", restarted), ("rerouting", detached), ("failed", failed)):
                 for member in members:

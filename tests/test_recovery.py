@@ -103,7 +103,7 @@ def test_a_track_restarted_too_often_fails_instead_of_moving_again(svc):
         assert restart_started_tracks(svc, "gpu3", "test:parked") == ([f"{job_id}:0"], [])
         track = svc.jobs.track(job_id, 0)
         assert (track["state"], track["queue"], track["task_ids"], track["restarts"]) == ("queued", "", [], restart)
-        assert track["detail"] == "restarting: gpu3@dead went offline during superres"
+        assert track["detail"] == "restarting from its first stage: gpu3@dead went offline during superres"
         svc.jobs.assign_queue(job_id, 0, "gpu3", [f"t{restart}"], 1.0)
     svc.jobs.mark_started(job_id, 0, "gpu3")
     svc.jobs.update(job_id, 0, state="backbone", stage="backbone", running="1", worker="gpu3@dead")
@@ -111,3 +111,23 @@ def test_a_track_restarted_too_often_fails_instead_of_moving_again(svc):
     track = svc.jobs.track(job_id, 0)
     assert track["state"] == "failed" and "went offline 4 times" in track["error"]
     assert svc.redis.zcard(svc.jobs.load_key("gpu3")) == 0
+
+
+def test_a_music_track_resumes_after_its_finished_stages_a_lipsync_one_starts_over(svc):
+    """Music intermediates are in the shared artifact store: a moved track keeps its finished stages (the new
+    chain skips them) and drops the one that was running. Lip-sync's are in the dead worker's scratch."""
+    finished = {"backbone": {"started_at": 1.0, "finished_at": 2.0, "worker": "gpu3@dead"},
+                "superres": {"started_at": 2.0, "worker": "gpu3@dead"}}
+    ids = {}
+    for kind in ("music", "lipsync"):
+        ids[kind] = job_id = svc.jobs.create(kind, {}, [{"seed": 1}], cost=1.0)
+        svc.jobs.assign_queue(job_id, 0, "gpu3", ["t1", "t2"], 1.0)
+        svc.jobs.mark_started(job_id, 0, "gpu3")
+        svc.jobs.update(job_id, 0, state="superres", stage="superres", running="1", worker="gpu3@dead",
+                        stages=finished)
+    restarted, failed = restart_started_tracks(svc, "gpu3", "test:parked")
+    assert sorted(restarted) == sorted(f"{job_id}:0" for job_id in ids.values()) and failed == []
+    music, lipsync = svc.jobs.track(ids["music"], 0), svc.jobs.track(ids["lipsync"], 0)
+    assert music["stages"] == {"backbone": finished["backbone"]} and music["state"] == "queued"
+    assert music["detail"] == "restarting after backbone: gpu3@dead went offline during superres"
+    assert lipsync["stages"] == {} and lipsync["detail"].startswith("restarting from its first stage")

@@ -195,3 +195,28 @@ def test_cancel_before_the_dead_worker_is_noticed_ends_when_the_track_would_move
     assert record["state"] == "canceled", record
     _nothing_left(stack)
     assert not any(f"job={job_id}" in line and "event=stage_started" in line for line in stack.worker_log(1).splitlines())
+
+
+def test_warm_shutdown_between_stages_resumes_elsewhere_without_running_the_finished_stage_again(make_stack):
+    """Issue 10, fault 5: SIGTERM to gpu0 during the backbone. The worker finishes it and stops; the next stage's
+    message waits on gpu0. Once gpu0 has been offline ENCORE_REROUTE_AFTER_S, gpu1 takes the track over from
+    the first unfinished stage: the backbone ran once, on gpu0."""
+    stack = make_stack(ENCORE_REROUTE_AFTER_S="1", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    stack.start_worker(1)
+    stack.client.post("/api/v1/queues/gpu1/drain")
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=8.0)
+    wait_until(lambda: stack.job(job_id)["tracks"][0]["progress"] > 0, 60, 0.1, "the backbone on gpu0")
+    stack.client.delete("/api/v1/queues/gpu1/drain")
+    stack.workers[0].send_signal(signal.SIGTERM)  # warm shutdown: the running stage finishes first
+    stack.workers[0].wait(120)
+    record = stack.wait_job(job_id, timeout=120)
+    assert record["state"] == "done", record
+    stages = record["tracks"][0]["stages"]
+    assert stages["backbone"]["worker"].startswith("gpu0@")
+    assert all(stages[name]["worker"].startswith("gpu1@") for name in ("superres", "decode", "export"))
+    started = [line for gpu in (0, 1) for line in stack.worker_log(gpu).splitlines()
+               if f"job={job_id}" in line and "event=stage_started" in line and "stage=backbone" in line]
+    assert len(started) == 1, started
+    assert any(f"job={job_id}" in line and "event=stage_skipped" in line for line in stack.worker_log(1).splitlines())
+    _nothing_left(stack)
