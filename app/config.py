@@ -66,6 +66,7 @@ class Settings:
     max_deliveries: int = field(default_factory=lambda: int(_env("ENCORE_MAX_DELIVERIES", "3")))
     cancel_grace_s: float = field(default_factory=lambda: float(_env("ENCORE_CANCEL_GRACE_S", "3")))
     reroute_after_s: float = field(default_factory=lambda: float(_env("ENCORE_REROUTE_AFTER_S", "60")))
+    lease_s: float = field(default_factory=lambda: float(_env("ENCORE_LEASE_S", "15")))
     heartbeat_s: float = field(default_factory=lambda: float(_env("ENCORE_HEARTBEAT_S", "2")))
     result_expires_s: int = field(default_factory=lambda: int(_env("ENCORE_RESULT_EXPIRES_S", str(24 * 3600))))
     lipsync_profile: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PROFILE", "tiny"))
@@ -90,6 +91,8 @@ class Settings:
             raise ValueError(f"ENCORE_MUSIC_ENGINE must be torch or megatron, not {self.music_engine!r}")
         if self.song_end not in (None, "model", "duration"):
             raise ValueError(f"ENCORE_SONG_END must be model or duration, not {self.song_end!r}")
+        if self.lease_s < 1:
+            raise ValueError(f"ENCORE_LEASE_S must be >= 1, not {self.lease_s}")
         if self.song_margin_s < 0:
             raise ValueError(f"ENCORE_SONG_MARGIN_S must be >= 0, not {self.song_margin_s}")
         if self.artifact_backend not in ("dir", "redis"):

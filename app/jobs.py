@@ -68,6 +68,30 @@ if redis.call('HGET', KEYS[1], 'task_ids') == '[]' then return 0 end
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'state', ARGV[3], 'stage', ARGV[4], 'running', '1', 'worker', ARGV[5], 'detail', ARGV[6],
            'progress', '0.0', 'updated_at', ARGV[7])
+if ARGV[8] ~= '' then redis.call('SET', KEYS[3], ARGV[8], 'PX', ARGV[9]) end
+return 1
+"""
+
+# Leases: a running stage holds {p}:lease:{job}:{track} (its owner: worker, delivery, pid) and renews it every
+# few seconds; a track marked running with no lease is one whose stage died (app/routing.reap_dead_stages).
+# Taking one is atomic with checking that the track is open and the delivery is of its current chain, and
+# restarting a track (recovery._RESTART_STARTED) is atomic with checking that nobody holds its lease: so a
+# stage never starts on a track that was just moved, and a track is never moved under a live stage.
+_TAKE_LEASE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if (not state) or state == 'done' or state == 'failed' or state == 'canceled' then return 0 end
+local ids = redis.call('HGET', KEYS[1], 'task_ids')
+if (not ids) or not string.find(ids, '"' .. ARGV[2] .. '"', 1, true) then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+return 1
+"""
+_RENEW_LEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+_RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 1
 """
 
@@ -81,6 +105,9 @@ class JobStore:
         self.ttl_s = ttl_s
         self._write_if_live = client.register_script(_WRITE_IF_LIVE)
         self._claim_waiting = client.register_script(_CLAIM_WAITING)
+        self._take_lease = client.register_script(_TAKE_LEASE)
+        self._renew_lease = client.register_script(_RENEW_LEASE)
+        self._release_lease = client.register_script(_RELEASE_LEASE)
 
     # -- keys ---------------------------------------------------------------------------------------
     def job_key(self, job_id: str) -> str:
@@ -240,11 +267,33 @@ class JobStore:
         self.update(job_id, track, queue=queue, task_ids=task_ids, seq=seq, detail="queued")
 
     def claim_waiting(self, job_id: str, track: int, queue: str, *, state: str, stage: str, worker: str,
-                      detail: str) -> bool:
-        """Take a track that waits on `queue` into a stage another track of its job is running (batching)."""
-        keys = [self.track_key(job_id, track), self.waiting_key(queue)]
-        args = [f"{job_id}:{track}", queue, state, stage, worker, detail, str(time.time())]
+                      detail: str, lease_owner: str = "", lease_s: float = 0.0) -> bool:
+        """Take a track that waits on `queue` into a stage another track of its job is running (batching),
+        with that run's lease on it when `lease_owner` is given."""
+        keys = [self.track_key(job_id, track), self.waiting_key(queue), self.lease_key(job_id, track)]
+        args = [f"{job_id}:{track}", queue, state, stage, worker, detail, str(time.time()), lease_owner,
+                str(int(lease_s * 1000))]
         return self._claim_waiting(keys=keys, args=args) == 1
+
+    # -- leases ---------------------------------------------------------------------------------------
+    def lease_key(self, job_id: str, track: int) -> str:
+        return f"{self.prefix}:lease:{job_id}:{track}"
+
+    def take_lease(self, job_id: str, track: int, owner: str, task_id: str, lease_s: float) -> bool:
+        """The delivery `task_id` starts a stage of the track: True (and the lease is its) unless the track
+        ended or the delivery is not of its current chain."""
+        keys = [self.track_key(job_id, track), self.lease_key(job_id, track)]
+        return self._take_lease(keys=keys, args=[owner, task_id, int(lease_s * 1000)]) == 1
+
+    def renew_lease(self, job_id: str, track: int, owner: str, lease_s: float) -> bool:
+        """False when the lease is gone or another's: the track was taken from this stage, which must stop."""
+        return self._renew_lease(keys=[self.lease_key(job_id, track)], args=[owner, int(lease_s * 1000)]) == 1
+
+    def release_lease(self, job_id: str, track: int, owner: str) -> None:
+        self._release_lease(keys=[self.lease_key(job_id, track)], args=[owner])
+
+    def has_lease(self, job_id: str, track: int) -> bool:
+        return bool(self.redis.exists(self.lease_key(job_id, track)))
 
     def mark_started(self, job_id: str, track: int, queue: str) -> None:
         self.redis.zrem(self.waiting_key(queue), f"{job_id}:{track}")

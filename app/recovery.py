@@ -114,6 +114,7 @@ _RESTART_STARTED = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if (not state) or state == 'done' or state == 'failed' or state == 'canceled' then return -1 end
 if redis.call('HGET', KEYS[1], 'queue') ~= ARGV[2] then return -1 end
+if redis.call('EXISTS', KEYS[5]) == 1 then return -1 end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 local restarts = redis.call('HINCRBY', KEYS[1], 'restarts', 1)
@@ -204,13 +205,8 @@ def finished_stages(svc: Services, job_id: str, record: dict[str, Any]) -> dict[
 
 def restart_started_tracks(svc: Services, queue: str, parked_key: str,
                            transport_options: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
-    """Park every open track of `queue` that had started, to run again elsewhere: from its first unfinished
-    stage when its kind is resumable (a new chain skips the finished ones), else from its first stage.
-
-    Returns (restarted, failed) "job:track" members; a track already restarted ENCORE_MAX_DELIVERIES times
-    fails with a message instead of being tried on yet another worker.
-    """
-    restart = svc.redis.register_script(_RESTART_STARTED)
+    """Park every open track of `queue` that had started and holds no live lease, to run again elsewhere
+    (restart_track). Returns (restarted, failed) "job:track" members."""
     waiting = set(svc.redis.zrange(svc.jobs.waiting_key(queue), 0, -1))
     restarted, failed = [], []
     for member in svc.redis.zrange(svc.jobs.load_key(queue), 0, -1):
@@ -221,19 +217,50 @@ def restart_started_tracks(svc: Services, queue: str, parked_key: str,
         if record is None:
             svc.redis.zrem(svc.jobs.load_key(queue), member)
             continue
-        worker = record["worker"] or queue
-        if int(record.get("restarts", 0)) >= svc.settings.max_deliveries:
-            if svc.jobs.fail(job_id, int(track), f"its worker went offline {int(record.get('restarts', 0)) + 1} "
-                                                 f"times while running it (last {worker}); giving up"):
-                failed.append(member)
-            continue
-        keys = [svc.jobs.track_key(job_id, int(track)), svc.jobs.waiting_key(queue), svc.jobs.load_key(queue),
-                parked_key]
-        kept = finished_stages(svc, job_id, record)
-        resume = f"after {', '.join(kept)}" if kept else "from its first stage"
-        detail = f"restarting {resume}: {worker} went offline during {record['stage'] or 'its chain'}"
-        if restart(keys=keys, args=[member, queue, detail, str(time.time()), json.dumps(kept)]) > 0:
-            restarted.append(member)
-            if transport_options is not None:  # the old chain's next stage, if it waits there, would only be stale
-                drop_messages(svc, broker_lists(queue, transport_options), record["task_ids"])
+        outcome = restart_track(svc, job_id, int(track), record, queue, parked_key, transport_options,
+                                why=f"{record['worker'] or queue} went offline")
+        (restarted if outcome == "restarted" else failed if outcome == "failed" else []).append(member)
     return restarted, failed
+
+
+def restart_track(svc: Services, job_id: str, track: int, record: dict[str, Any], queue: str, parked_key: str,
+                  transport_options: dict[str, Any] | None, why: str) -> str:
+    """Park one started track of `queue` to run again elsewhere: from its first unfinished stage when its kind
+    is resumable (a new chain skips the finished ones), else from its first stage. Refused while anyone holds
+    its lease (atomically). A track restarted ENCORE_MAX_DELIVERIES times fails instead: something in it may
+    be what kills workers. Returns "restarted", "failed" or "" (left alone)."""
+    member = f"{job_id}:{track}"
+    restarts = int(record.get("restarts", 0))
+    if restarts >= svc.settings.max_deliveries:
+        failed = svc.jobs.fail(job_id, track, f"its stage died {restarts + 1} times ({why}, last on "
+                                              f"{record['worker'] or queue}); giving up")
+        return "failed" if failed else ""
+    keys = [svc.jobs.track_key(job_id, track), svc.jobs.waiting_key(queue), svc.jobs.load_key(queue), parked_key,
+            svc.jobs.lease_key(job_id, track)]
+    kept = finished_stages(svc, job_id, record)
+    resume = f"after {', '.join(kept)}" if kept else "from its first stage"
+    detail = f"restarting {resume}: {why} during {record['stage'] or 'its chain'}"
+    restart = svc.redis.register_script(_RESTART_STARTED)
+    if restart(keys=keys, args=[member, queue, detail, str(time.time()), json.dumps(kept)]) <= 0:
+        return ""
+    if transport_options is not None:  # the old chain's messages would only be stale: out of the broker
+        drop_messages(svc, broker_lists(queue, transport_options), record["task_ids"])
+        drop_unacked(svc, transport_options, record["task_ids"])
+    return "restarted"
+
+
+def drop_unacked(svc: Services, transport_options: dict[str, Any], task_ids: list[str]) -> int:
+    """Remove deliveries of `task_ids` from kombu's `unacked` hash (their stage is dead and the track was
+    moved): kombu would otherwise restore them after the visibility timeout, as stale messages."""
+    unacked = transport_options.get("unacked_key", "unacked")
+    index = transport_options.get("unacked_index_key", "unacked_index")
+    wanted, removed = set(task_ids), 0
+    for tag, raw in svc.redis.hgetall(unacked).items():
+        try:
+            headers = json.loads(raw)[0].get("headers") or {}
+        except (ValueError, IndexError, AttributeError):
+            continue
+        if headers.get("id") in wanted:
+            removed += svc.redis.hdel(unacked, tag)
+            svc.redis.zrem(index, tag)
+    return removed

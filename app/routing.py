@@ -16,8 +16,8 @@ import uuid
 from celery import Celery, chain
 
 from app.joblog import job_event
-from app.kinds import CANCELED, KINDS, QUEUED, JobKind
-from app.recovery import detach_waiting_tracks, restart_started_tracks, stranded
+from app.kinds import CANCELED, KINDS, QUEUED, TERMINAL_STATES, JobKind
+from app.recovery import detach_waiting_tracks, restart_started_tracks, restart_track, stranded
 from app.services import Services
 from app.workers import consumed_queues
 
@@ -154,6 +154,48 @@ def reroute_stranded(svc: Services, celery: Celery) -> int:
         return moved
     finally:
         svc.redis.delete(lock)
+
+
+def reap_dead_stages(svc: Services, celery: Celery) -> int:
+    """Tracks marked running whose stage holds no lease (its worker died, was cut off from Redis, or its
+    child was killed without a word): canceled at once when a cancel is pending, else started again from
+    the first unfinished stage on the least loaded live queue (the same one when it has a live consumer),
+    counted as a restart (app/recovery.restart_track). Runs from live workers' heartbeats, one at a time."""
+    lock = f"{svc.settings.key_prefix}:lock:reap"
+    if not svc.redis.set(lock, "1", nx=True, ex=60):
+        return 0
+    try:
+        options = dict(celery.conf.broker_transport_options or {})
+        reaped = 0
+        for queue in known_queues(svc):
+            for member in svc.redis.zrange(svc.jobs.load_key(queue), 0, -1):
+                job_id, _, track = member.rpartition(":")
+                reaped += _reap(svc, job_id, int(track), queue, options)
+        if reaped:
+            dispatch_unrouted(svc, celery)
+        return reaped
+    finally:
+        svc.redis.delete(lock)
+
+
+def _reap(svc: Services, job_id: str, track: int, queue: str, options: dict) -> int:
+    record = svc.jobs.track(job_id, track)
+    if record is None or record.get("running") != "1" or record["state"] in TERMINAL_STATES:
+        return 0
+    if svc.jobs.has_lease(job_id, track):
+        return 0
+    stage = record["stage"] or "its stage"
+    if svc.jobs.cancel_requested(job_id):
+        if svc.jobs.finish(job_id, track, CANCELED, progress=record["progress"],
+                           detail=f"canceled during {stage} (its stage had stopped)"):
+            job_event(log, "canceled", job_id, track=track, queue=queue, reason="no live lease")
+        return 0
+    outcome = restart_track(svc, job_id, track, record, queue, _unrouted_key(svc), options,
+                            why=f"the lease of {record['worker'] or 'its worker'} expired")
+    if outcome:
+        job_event(log, "restarting" if outcome == "restarted" else "failed", job_id, track=track, queue=queue,
+                  stage=stage, reason="lease expired", level=logging.ERROR if outcome == "failed" else logging.WARNING)
+    return int(outcome == "restarted")
 
 
 def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:

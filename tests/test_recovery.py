@@ -1,6 +1,7 @@
 """Orphaned deliveries (a worker's master died mid-stage) against a real Redis broker and kombu channel."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -109,7 +110,7 @@ def test_a_track_restarted_too_often_fails_instead_of_moving_again(svc):
     svc.jobs.update(job_id, 0, state="backbone", stage="backbone", running="1", worker="gpu3@dead")
     assert restart_started_tracks(svc, "gpu3", "test:parked") == ([], [f"{job_id}:0"])
     track = svc.jobs.track(job_id, 0)
-    assert track["state"] == "failed" and "went offline 4 times" in track["error"]
+    assert track["state"] == "failed" and "its stage died 4 times (gpu3@dead went offline" in track["error"]
     assert svc.redis.zcard(svc.jobs.load_key("gpu3")) == 0
 
 
@@ -131,3 +132,50 @@ def test_a_music_track_resumes_after_its_finished_stages_a_lipsync_one_starts_ov
     assert music["stages"] == {"backbone": finished["backbone"]} and music["state"] == "queued"
     assert music["detail"] == "restarting after backbone: gpu3@dead went offline during superres"
     assert lipsync["stages"] == {} and lipsync["detail"].startswith("restarting from its first stage")
+
+
+def test_leases_are_taken_only_by_a_current_delivery_and_renewed_only_by_their_owner(svc):
+    job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
+    svc.jobs.assign_queue(job_id, 0, "gpu3", ["t1", "t2"], 1.0)
+    assert not svc.jobs.take_lease(job_id, 0, "gpu3@a|old|1", "t0", 5)  # not of the track's current chain
+    assert svc.jobs.take_lease(job_id, 0, "gpu3@a|t1|1", "t1", 5) and svc.jobs.has_lease(job_id, 0)
+    assert svc.jobs.renew_lease(job_id, 0, "gpu3@a|t1|1", 5)
+    assert not svc.jobs.renew_lease(job_id, 0, "gpu3@b|t1|2", 5)  # someone else's
+    svc.jobs.release_lease(job_id, 0, "gpu3@b|t1|2")  # not its own: no effect
+    assert svc.jobs.has_lease(job_id, 0)
+    svc.jobs.release_lease(job_id, 0, "gpu3@a|t1|1")
+    assert not svc.jobs.has_lease(job_id, 0) and not svc.jobs.renew_lease(job_id, 0, "gpu3@a|t1|1", 5)
+    svc.jobs.fail(job_id, 0, "x")
+    assert not svc.jobs.take_lease(job_id, 0, "gpu3@a|t2|1", "t2", 5)  # ended
+
+
+def test_the_reaper_restarts_running_tracks_without_a_lease_cancels_canceled_ones_and_spares_live_ones(svc):
+    """No worker is live here, so a restarted track is parked (unrouted), with its old chain's messages gone
+    from the broker list and from kombu's unacked hash."""
+    from app.routing import reap_dead_stages
+    app = make_celery(svc.settings)
+    jobs = {name: svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0) for name in ("dead", "live", "canceled")}
+    for name, job_id in jobs.items():
+        svc.jobs.assign_queue(job_id, 0, "gpu4", [f"{name}-1", f"{name}-2"], 1.0)
+        svc.jobs.mark_started(job_id, 0, "gpu4")
+        svc.jobs.update(job_id, 0, state="superres", stage="superres", running="1", worker="gpu4@x",
+                        stages={"backbone": {"started_at": 1.0, "finished_at": 2.0}, "superres": {"started_at": 2.0}})
+    assert svc.jobs.take_lease(jobs["live"], 0, "gpu4@x|live-2|1", "live-2", 30)
+    svc.redis.set(svc.jobs.cancel_key(jobs["canceled"]), "1")
+    connection, channel = _deliver_without_ack(svc, "gpu4", {"job_id": jobs["dead"], "track": 0})
+    unacked = svc.redis.hgetall("unacked")
+    tag = next(iter(unacked))
+    svc.redis.hset("unacked", tag, unacked[tag].replace(
+        json.loads(unacked[tag])[0]["headers"]["id"], "dead-2"))  # make it the dead track's running delivery
+    try:
+        assert reap_dead_stages(svc, app) == 1
+    finally:
+        connection.release()
+    dead, live, canceled = (svc.jobs.track(jobs[name], 0) for name in ("dead", "live", "canceled"))
+    assert (dead["state"], dead["queue"], dead["restarts"], list(dead["stages"])) == ("queued", "", 1, ["backbone"])
+    assert dead["detail"] == "restarting after backbone: the lease of gpu4@x expired during superres"
+    assert svc.redis.lrange(f"{svc.settings.key_prefix}:unrouted", 0, -1) == [f"{jobs['dead']}:0"]
+    assert svc.redis.hlen("unacked") == 0
+    assert (live["state"], live["running"]) == ("superres", "1")
+    assert canceled["state"] == "canceled" and "its stage had stopped" in canceled["detail"]
+    assert svc.redis.zrange(svc.jobs.load_key("gpu4"), 0, -1) == [f"{jobs['live']}:0"]

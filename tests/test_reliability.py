@@ -220,3 +220,33 @@ def test_warm_shutdown_between_stages_resumes_elsewhere_without_running_the_fini
     assert len(started) == 1, started
     assert any(f"job={job_id}" in line and "event=stage_skipped" in line for line in stack.worker_log(1).splitlines())
     _nothing_left(stack)
+
+
+def test_one_of_two_workers_of_a_queue_killed_mid_stage_the_other_takes_the_track_over(make_stack):
+    """Issue 10, fault 2: gpu0 is consumed by two workers; the one running a track is killed (master and
+    child). The queue still has a live consumer, so nothing reroutes it and the restarted worker's orphan check
+    cannot tell its delivery from its peer's: only the stage's lease, no longer renewed, says it died. Within
+    a lease (+ a heartbeat) the survivor runs the track from its first unfinished stage; no stage completes
+    twice, and nothing is left in the broker or kombu's unacked hash."""
+    stack = make_stack(ENCORE_LEASE_S="2", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    stack.start_worker(0)
+    stack.start_worker(1, wait=False, args=("-Q", "gpu0", "-n", "gpu0b@%h"))  # named gpu0b: wait below
+    wait_until(lambda: len([w for w in stack.client.get("/api/v1/status").get_json()["workers"]
+                            if w["status"] == "idle"]) == 2, 60, 0.2, "both gpu0 workers idle")
+    job_id = stack.submit_music(duration_s=20.0)
+    wait_until(lambda: stack.job(job_id)["tracks"][0]["progress"] > 0, 60, 0.1, "the backbone")
+    runner = stack.job(job_id)["tracks"][0]["worker"]
+    victim, survivor = (1, 0) if runner.startswith("gpu0b@") else (0, 1)
+    stack.stop_worker(victim)
+    record = stack.wait_job(job_id, timeout=150)
+    assert record["state"] == "done", record
+    track = record["tracks"][0]
+    assert track["restarts"] == 1 and all(not s["worker"].startswith(runner) for s in track["stages"].values())
+    finished = [line for gpu in (0, 1) for line in stack.worker_log(gpu).splitlines()
+                if f"job={job_id}" in line and "event=stage_finished" in line]
+    assert sorted(line.split("stage=")[1].split()[0] for line in finished) == ["backbone", "decode", "export",
+                                                                               "superres"]
+    assert any(f"job={job_id}" in line and "event=restarting" in line and "lease expired" in line
+               for line in stack.worker_log(survivor).splitlines())
+    assert stack.redis.hlen("unacked") == 0
+    _nothing_left(stack)

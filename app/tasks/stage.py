@@ -56,6 +56,7 @@ class StageRun:
     queue: str = ""
     worker: str = ""
     adopted: list[int] = field(default_factory=list)  # other tracks of the job this run also serves
+    lease_owner: str = ""  # this run's lease (jobs.take_lease), also put on the tracks it adopts
 
     @property
     def scratch(self) -> Path:
@@ -91,7 +92,8 @@ class StageRun:
                 break
             if other != self.track and self.svc.jobs.claim_waiting(
                     self.job_id, other, self.queue, state=self.stage.state, stage=self.stage.name,
-                    worker=self.worker, detail=f"{self.stage.name} together with track {self.track}"):
+                    worker=self.worker, detail=f"{self.stage.name} together with track {self.track}",
+                    lease_owner=self.lease_owner, lease_s=self.svc.settings.lease_s):
                 adopted.append(other)
                 self.adopted.append(other)
         return adopted
@@ -122,12 +124,15 @@ class StageRun:
         stages[self.stage.name] = {"started_at": started_at, "finished_at": now, "duration_s": round(now - started_at, 3),
                                    "worker": self.worker, "loaded": [], "with_track": self.track}
         wait_for_stage(self.svc, self.job_id, track, self.kind.next_stage(self.stage.name), stages)
+        self.svc.jobs.release_lease(self.job_id, track, self.lease_owner)
         job_event(log, "stage_finished", self.job_id, track=track, queue=self.queue, worker=self.worker,
                   stage=self.stage.name, with_track=self.track)
 
     def release_siblings(self, tracks: list[int]) -> None:
         """Adopted tracks go back to waiting for their own message (this run failed or was stopped)."""
         release_adopted(self.svc, self.job_id, tracks, self.stage.name)
+        for track in tracks:
+            self.svc.jobs.release_lease(self.job_id, track, self.lease_owner)
 
     def _ttl(self) -> float:
         job = self.svc.jobs.job(self.job_id)
@@ -203,12 +208,18 @@ class _Throttled:
 
 
 class CancelWatch:
-    """Polls the job's cancel flag in a thread; hard-kills this process if the work ignores it."""
+    """In a thread: polls the job's cancel flag and renews the run's leases (its track's and its adopted
+    tracks'); hard-kills this process if the work ignores a cancel. A renewal that finds the lease gone or
+    another's means the track was taken from this stage (it was thought dead): `lost` is set, and the stage
+    stops without writing the track, which is no longer its."""
 
-    def __init__(self, svc: Services, job_id: str, track: int, grace_s: float, adopted: list[int] | None = None):
+    def __init__(self, svc: Services, job_id: str, track: int, grace_s: float, adopted: list[int] | None = None,
+                 lease_owner: str = ""):
         self.svc, self.job_id, self.track, self.grace_s = svc, job_id, track, grace_s
         self.adopted = adopted if adopted is not None else []  # filled by the run as it adopts tracks
+        self.lease_owner = lease_owner
         self.canceled = threading.Event()
+        self.lost = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"cancel-watch-{job_id[:8]}", daemon=True)
 
@@ -220,12 +231,26 @@ class CancelWatch:
         self._done.set()
         self._thread.join(timeout=2)
 
+    def _renew(self) -> bool:
+        lease_s = self.svc.settings.lease_s
+        return all(self.svc.jobs.renew_lease(self.job_id, track, self.lease_owner, lease_s)
+                   for track in [self.track, *self.adopted])
+
     def _watch(self) -> None:
+        renew_every = self.svc.settings.lease_s / 3
+        renewed = time.monotonic()
         while not self._done.wait(CANCEL_POLL_S):
             try:
+                if self.lease_owner and time.monotonic() - renewed >= renew_every:
+                    if not self._renew():
+                        self.lost.set()
+                        job_event(log, "lease_lost", self.job_id, track=self.track, level=logging.ERROR,
+                                  owner=self.lease_owner)
+                        break
+                    renewed = time.monotonic()
                 if self.svc.jobs.cancel_requested(self.job_id):
                     break
-            except Exception:  # Redis blip: keep watching
+            except Exception:  # Redis blip: keep watching (an unrenewed lease is the reaper's to judge)
                 continue
         else:
             return
@@ -233,8 +258,9 @@ class CancelWatch:
         if self._done.wait(self.grace_s):
             return
         job_event(log, "cancel_hard_kill", self.job_id, track=self.track, level=logging.ERROR, pid=os.getpid())
-        for track in [self.track, *self.adopted]:
-            self.svc.jobs.finish(self.job_id, track, CANCELED, detail="canceled (stage stopped by force)")
+        if not self.lost.is_set():
+            for track in [self.track, *self.adopted]:
+                self.svc.jobs.finish(self.job_id, track, CANCELED, detail="canceled (stage stopped by force)")
         drop_scratch(self.svc, self.job_id, self.track)
         os._exit(75)  # the prefork master replaces this child; the redelivered message sees 'canceled'
 
@@ -258,6 +284,11 @@ class StageTask(Task):
                       stage=self.stage.name, reason="already done" + (
                           f" with track {done['with_track']}" if "with_track" in done else ""))
             return ref
+        owner = f"{worker}|{self.request.id}|{os.getpid()}"
+        if not svc.jobs.take_lease(job_id, track, owner, self.request.id, svc.settings.lease_s):
+            job_event(log, "stale_delivery", job_id, track=track, worker=worker, level=logging.WARNING,
+                      stage=self.stage.name, task_id=self.request.id, reason="the track moved or ended")
+            raise Ignore()
         job = svc.jobs.job(job_id)
         svc.jobs.mark_started(job_id, track, record["queue"])
         stages = record["stages"]
@@ -270,16 +301,20 @@ class StageTask(Task):
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"encore-{job_id[:8]}-{self.stage.name}-"))
         succeeded = False
+        watch = CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s, [], lease_owner=owner)
         try:
-            adopted: list[int] = []
-            with CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s, adopted) as watch:
+            with watch:
                 control = StageControl(report=_Throttled(svc, job_id, track),
                                        cancel_requested=watch.canceled.is_set)
                 run = StageRun(svc, job_id, track, self.stage, job["params"], record["params"], workdir, control,
-                               kind=self.kind, queue=record["queue"], worker=worker, adopted=adopted)
+                               kind=self.kind, queue=record["queue"], worker=worker, adopted=watch.adopted,
+                               lease_owner=owner)
                 self._work(run)
             succeeded = True
         except Canceled:
+            if watch.lost.is_set():  # taken from this stage: the track is someone else's now
+                drop_scratch(svc, job_id, track)
+                raise Ignore()
             svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
             drop_scratch(svc, job_id, track)
             job_event(log, "canceled", job_id, track=track, queue=record["queue"], worker=worker, stage=self.stage.name)
@@ -296,7 +331,10 @@ class StageTask(Task):
             svc.workers.clear_current(worker)
             release_memory(collect=not succeeded)
             svc.workers.update(worker, **device_report())
+            if not succeeded:  # the track ended (failed, canceled) or is no longer this stage's
+                svc.jobs.release_lease(job_id, track, owner)
         self._finish(svc, run, stages, time.monotonic() - started, worker)
+        svc.jobs.release_lease(job_id, track, owner)  # after the record says it is no longer running
         return ref
 
     def _work(self, run: StageRun) -> None:

@@ -13,7 +13,7 @@ from celery.signals import celeryd_after_setup, worker_process_init, worker_read
 from app.celery_app import celery
 from app.joblog import job_event
 from app.recovery import Orphan, restore, unacked_before, why_not_safe
-from app.routing import dispatch_unrouted, reroute_stranded
+from app.routing import dispatch_unrouted, reap_dead_stages, reroute_stranded
 from app.services import Services, services
 from app.tasks.stage import sweep_scratch
 
@@ -40,6 +40,7 @@ def _heartbeat_loop(hostname: str) -> None:
             svc.workers.heartbeat(hostname, info)
             dispatch_unrouted(svc, celery)
             reroute_stranded(svc, celery)
+            reap_dead_stages(svc, celery)
             if time.monotonic() - last_sweep > SWEEP_EVERY_S:
                 last_sweep = time.monotonic()
                 removed = svc.artifacts.sweep(lambda job_id: svc.jobs.job(job_id) is not None)
