@@ -232,7 +232,7 @@ def test_one_of_two_workers_of_a_queue_killed_mid_stage_the_other_takes_the_trac
     cannot tell its delivery from its peer's: only the stage's lease, no longer renewed, says it died. Within
     a lease (+ a heartbeat) the survivor runs the track from its first unfinished stage; no stage completes
     twice, and nothing is left in the broker or kombu's unacked hash."""
-    stack = make_stack(ENCORE_LEASE_S="2", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
     stack.start_worker(0)
     stack.start_worker(1, wait=False, args=("-Q", "gpu0", "-n", "gpu0b@%h"))  # named gpu0b: wait below
     wait_until(lambda: len([w for w in stack.client.get("/api/v1/status").get_json()["workers"]
@@ -264,12 +264,12 @@ def test_redis_crash_mid_stage_the_stage_starts_again_when_redis_is_back(tmp_pat
     port, data = free_port(), tmp_path / "aof"
     data.mkdir()
     argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-            "--appendfsync", "always", "--dir", str(data)]
+            "--appendfsync", "always", "--dir", str(data), "--databases", "512"]  # Stack picks a db number
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     stack = None
     try:
         wait_until(lambda: _answers(port), 10, what="the private redis-server")
-        stack = Stack(f"redis://127.0.0.1:{port}", tiny_models, tmp_path / "stack", ENCORE_LEASE_S="2",
+        stack = Stack(f"redis://127.0.0.1:{port}", tiny_models, tmp_path / "stack", ENCORE_LEASE_S="4",
                       ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
         stack.start_worker(0)
         job_id = stack.submit_music(duration_s=20.0)
