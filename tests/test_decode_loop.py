@@ -131,9 +131,7 @@ def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
         decoder = DeviceDecoder(lm, PROMPT, plan, [1, 2], check_every=4, use_graphs=False)
         lm.reset(len(PROMPT) + 2 * plan.limit, batch=2)
         with torch.inference_mode():
-            full = lm.prefill_batch(PROMPT)
-            start = plan.window_starts[0]
-            decoder._allocate(torch.cat([full[:, start:start + plan.codebook_size], full[:, end_id:end_id + 1]], -1))
+            decoder._allocate(lm.prefill_batch(PROMPT).index_select(1, decoder._candidate_rows(0)))
             decoder._draw_noise(4, may_end=True)
             step = torch.compile(decoder.frame_step, backend="eager", fullgraph=True) if compiled else decoder.frame_step
             for _ in range(3):

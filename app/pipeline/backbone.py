@@ -61,17 +61,6 @@ def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: 
         raise ValueError(f"max_frames must be >= 1, got {limit}")
     if loop not in ("auto", "reference"):
         raise ValueError(f"loop must be 'auto' or 'reference', not {loop!r}")
-    if loop == "auto" and isinstance(lm, DeviceLoopLM):
-        plan = SongPlan(window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
-                        codebook_size=profile.codebook_size, end_id=end_id, limit=limit, min_frames=min_frames,
-                        expected_frames=num_frames, top_k=top_k, temperature=temperature)
-        open_ended = end_id is not None
-        tracks = lm.device_decoder(prompt_ids, plan, seeds).run(
-            control, report=lambda c, done, expected: _report(c, done, expected, open_ended=open_ended))
-        if open_ended:
-            done = COARSE_CODEBOOKS * max(track.shape[1] for track in tracks)
-            _report(control, done, done, open_ended=False)
-        return tracks
     if len(seeds) > 1 and not isinstance(lm, BatchedCausalLM):
         return [generate_coarse_tracks(lm, prompt_ids, profile=profile, num_frames=num_frames,
                                        temperature=temperature, top_k=top_k, seeds=[seed],
@@ -79,6 +68,26 @@ def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: 
                                        end_id=end_id, max_frames=max_frames, min_frames=min_frames,
                                        loop=loop)[0]
                 for i, seed in enumerate(seeds)]
+    if loop == "auto" and isinstance(lm, DeviceLoopLM):
+        plan = SongPlan(window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
+                        codebook_size=profile.codebook_size, end_id=end_id, limit=limit, min_frames=min_frames,
+                        expected_frames=num_frames, top_k=top_k, temperature=temperature)
+        open_ended = end_id is not None
+        tracks = lm.device_decoder(prompt_ids, plan, seeds).run(
+            control, report=lambda c, done, expected: _report(c, done, expected, open_ended=open_ended))
+    else:
+        tracks = _reference_loop(lm, prompt_ids, profile, limit, num_frames, temperature, top_k, seeds, control,
+                                 end_id, min_frames)
+    if end_id is not None:  # the song's length is known now: report it whole
+        done = COARSE_CODEBOOKS * max(track.shape[1] for track in tracks)
+        _report(control, done, done, open_ended=False)
+    return tracks
+
+
+def _reference_loop(lm: CausalLM, prompt_ids: Sequence[int], profile: MusicProfile, limit: int, num_frames: int,
+                    temperature: float, top_k: int, seeds: Sequence[int], control: StageControl,
+                    end_id: int | None, min_frames: int) -> list[torch.LongTensor]:
+    """Token by token on the host side of the engine protocol: what every engine can run."""
     batch = len(seeds)
     size = profile.codebook_size
     windows = [slice(profile.audio_token_offset(q), profile.audio_token_offset(q) + size)
@@ -119,11 +128,7 @@ def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: 
             _report(control, COARSE_CODEBOOKS * (frame + 1), COARSE_CODEBOOKS * num_frames, open_ended=end_id is not None)
     finally:
         lm.release()
-    tracks = [codes[row, :, :limit if length is None else length] for row, length in enumerate(lengths)]
-    if end_id is not None:  # the song's length is known now: report it whole
-        done = COARSE_CODEBOOKS * max(track.shape[1] for track in tracks)
-        _report(control, done, done, open_ended=False)
-    return tracks
+    return [codes[row, :, :limit if length is None else length] for row, length in enumerate(lengths)]
 
 
 def _candidates(logits: Tensor, window: slice, end_id: int | None) -> Tensor:

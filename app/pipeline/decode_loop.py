@@ -50,6 +50,11 @@ class SongPlan:
     def candidates(self, may_end: bool) -> int:
         return self.codebook_size + (1 if may_end else 0)
 
+    def candidate_ids(self, q: int) -> list[int]:
+        """The vocabulary ids codebook q's tokens are sampled from: its window, then end-of-text if any."""
+        start = self.window_starts[q]
+        return [*range(start, start + self.codebook_size), *([] if self.end_id is None else [self.end_id])]
+
     def drawn(self, may_end: bool) -> int:
         """Noise values one sampled token takes: the top-k set's size (0 when greedy)."""
         return 0 if self.top_k == 1 else min(self.top_k, self.candidates(may_end))
@@ -73,17 +78,13 @@ class DeviceDecoder:
         self._heads = self._head_weights()
 
     # -- state ----------------------------------------------------------------------------------------
+    def _candidate_rows(self, q: int) -> Tensor:
+        return torch.tensor(self.plan.candidate_ids(q), device=self.device)
+
     def _head_weights(self) -> list[Tensor]:
         """Per codebook, the output rows its tokens can be sampled from: the window, then end-of-text."""
         weight = self.lm.model.output.weight
-        plan = self.plan
-        heads = []
-        for start in plan.window_starts:
-            rows = torch.arange(start, start + plan.codebook_size, device=self.device)
-            if plan.end_id is not None:
-                rows = torch.cat([rows, torch.tensor([plan.end_id], device=self.device)])
-            heads.append(weight.index_select(0, rows).contiguous())
-        return heads
+        return [weight.index_select(0, self._candidate_rows(q)).contiguous() for q in range(COARSE_CODEBOOKS)]
 
     def _allocate(self, first_logits: Tensor) -> None:
         plan, batch, device = self.plan, self.batch, self.device
@@ -147,10 +148,7 @@ class DeviceDecoder:
         try:
             with torch.inference_mode():
                 full = lm.prefill_batch(self.prompt_ids)
-                first = full[:, plan.window_starts[0]:plan.window_starts[0] + plan.codebook_size]
-                if plan.end_id is not None:
-                    first = torch.cat([first, full[:, plan.end_id:plan.end_id + 1]], dim=-1)
-                self._allocate(first)
+                self._allocate(full.index_select(1, self._candidate_rows(0)))
                 frame = 0
                 while frame < plan.limit:
                     may_end = plan.may_end(frame)

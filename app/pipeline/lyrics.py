@@ -51,7 +51,7 @@ _INVISIBLE: dict[str, str] = {
 
 # Multi-character sequences, matched before single characters (their outputs are not in any table, so
 # replacing them first gives what one pass over the text gives).
-SEQUENCES: dict[str, str] = {
+_SEQUENCES: dict[str, str] = {
     "\u2014\u2014": "-",  # Chinese double em dash -> one hyphen
     "\u00e2\u0080\u0099": "'",  # UTF-8 right quote mis-decoded as Latin-1
 }
@@ -67,7 +67,7 @@ def _fullwidth_table() -> dict[str, str]:
     return table
 
 
-def character_table() -> dict[str, str]:
+def _character_table() -> dict[str, str]:
     """Every single character the cleaning replaces, and what it becomes ('' = removed)."""
     combined: dict[str, str] = {}
     for table in (_fullwidth_table(), _PUNCTUATION, _LOOKALIKES, _INVISIBLE):
@@ -75,13 +75,13 @@ def character_table() -> dict[str, str]:
     return combined
 
 
-_TRANSLATION = str.maketrans(character_table())
-_SEQUENCE_PATTERN = re.compile("|".join(re.escape(seq) for seq in SEQUENCES))
+_TRANSLATION = str.maketrans(_character_table())
+_SEQUENCE_PATTERN = re.compile("|".join(re.escape(seq) for seq in _SEQUENCES))
 
 
 def normalise_characters(text: str) -> str:
     """Apply the character mapping only (no whitespace changes)."""
-    text = _SEQUENCE_PATTERN.sub(lambda match: SEQUENCES[match.group(0)], text)
+    text = _SEQUENCE_PATTERN.sub(lambda match: _SEQUENCES[match.group(0)], text)
     return text.translate(_TRANSLATION)
 
 

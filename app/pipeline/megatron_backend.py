@@ -304,11 +304,11 @@ def model_spec(model: GPTModel) -> TransformerSpec:
         norm_epsilon=c.layernorm_epsilon, kv_channels=c.kv_channels)
 
 
-def checkpoint_args(model: GPTModel, **overrides: object) -> argparse.Namespace:
+def checkpoint_args(model: GPTModel) -> argparse.Namespace:
     """The Megatron training arguments describing `model`, under Megatron's own names: every field
     load_args_from_checkpoint reads, and the others a training run of this model would have set."""
     c = model.config
-    args = argparse.Namespace(
+    return argparse.Namespace(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         seq_length=4096, num_attention_heads=c.num_attention_heads, group_query_attention=True,
         num_query_groups=c.num_query_groups, kv_channels=c.kv_channels,
@@ -327,9 +327,6 @@ def checkpoint_args(model: GPTModel, **overrides: object) -> argparse.Namespace:
         virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
         ckpt_format="torch_dist", bf16=c.bf16, fp16=c.fp16, micro_batch_size=1, seed=1234,
     )
-    for name, value in overrides.items():
-        setattr(args, name, value)
-    return args
 
 
 def resolve_checkpoint_dir(directory: str | os.PathLike) -> Path:
@@ -344,8 +341,7 @@ def resolve_checkpoint_dir(directory: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"no Megatron checkpoint in {directory} (missing {TRACKER_FILE})")
 
 
-def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration: int = 1,
-                    args: argparse.Namespace | None = None) -> Path:
+def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration: int = 1) -> Path:
     """Write `model` as Megatron training would: <dir>/iter_XXXXXXX/ plus the tracker file.
 
     Saving uses multiprocessing (a spawned manager, forked writers): not from a daemonic process.
@@ -356,7 +352,7 @@ def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration:
     target.mkdir(parents=True, exist_ok=True)
     state = {
         "model": model.sharded_state_dict(metadata=dict(SAVE_CONTENT_METADATA)),
-        "args": args if args is not None else checkpoint_args(model),
+        "args": checkpoint_args(model),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
     }
