@@ -176,6 +176,13 @@ def track_scratch(svc: Services, job_id: str, track: int) -> Path:
     return svc.settings.worker_cache_dir / "tracks" / f"{job_id}-{track}"
 
 
+def end_track(svc: Services, job_id: str, track: int, state: str, **fields: Any) -> bool:
+    """End a track on this worker: its local scratch goes first, so whoever sees the track ended never
+    finds its scratch still there."""
+    drop_scratch(svc, job_id, track)
+    return svc.jobs.finish(job_id, track, state, **fields)
+
+
 def drop_scratch(svc: Services, job_id: str, track: int) -> None:
     shutil.rmtree(track_scratch(svc, job_id, track), ignore_errors=True)
 
@@ -258,10 +265,10 @@ class CancelWatch:
         if self._done.wait(self.grace_s):
             return
         job_event(log, "cancel_hard_kill", self.job_id, track=self.track, level=logging.ERROR, pid=os.getpid())
+        drop_scratch(self.svc, self.job_id, self.track)
         if not self.lost.is_set():
             for track in [self.track, *self.adopted]:
                 self.svc.jobs.finish(self.job_id, track, CANCELED, detail="canceled (stage stopped by force)")
-        drop_scratch(self.svc, self.job_id, self.track)
         os._exit(75)  # the prefork master replaces this child; the redelivered message sees 'canceled'
 
 
@@ -315,8 +322,7 @@ class StageTask(Task):
             if watch.lost.is_set():  # taken from this stage: the track is someone else's now
                 drop_scratch(svc, job_id, track)
                 raise Ignore()
-            svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
-            drop_scratch(svc, job_id, track)
+            end_track(svc, job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
             job_event(log, "canceled", job_id, track=track, queue=record["queue"], worker=worker, stage=self.stage.name)
             raise Ignore()
         except SoftTimeLimitExceeded:
@@ -350,8 +356,7 @@ class StageTask(Task):
                       stage=self.stage.name, task_id=self.request.id)
             raise Ignore()  # the track was moved to another queue; this message belongs to its old chain
         if svc.jobs.cancel_requested(job_id):
-            svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled before {self.stage.name}")
-            drop_scratch(svc, job_id, track)
+            end_track(svc, job_id, track, CANCELED, detail=f"canceled before {self.stage.name}")
             raise Ignore()
         deliveries = svc.jobs.count_delivery(self.request.id)
         svc.jobs.update(job_id, track, attempts=deliveries)
@@ -366,8 +371,7 @@ class StageTask(Task):
                                        **({"info": run.info} if run.info else {}))
         following = self.kind.next_stage(self.stage.name)
         if following is None:
-            svc.jobs.finish(run.job_id, run.track, DONE, stages=stages, progress=1.0, detail="done", running="0")
-            drop_scratch(svc, run.job_id, run.track)
+            end_track(svc, run.job_id, run.track, DONE, stages=stages, progress=1.0, detail="done", running="0")
             job_event(log, "track_done", run.job_id, track=run.track, queue=self._queue(svc, run.job_id, run.track),
                       worker=worker)
         else:
@@ -378,8 +382,8 @@ class StageTask(Task):
                   loaded=",".join(run.loaded) or "-")
 
     def _fail(self, svc: Services, job_id: str, track: int, worker: str, message: str) -> None:
+        drop_scratch(svc, job_id, track)  # first, as end_track does
         svc.jobs.fail(job_id, track, message)
-        drop_scratch(svc, job_id, track)
         job_event(log, "failed", job_id, track=track, queue=self._queue(svc, job_id, track), worker=worker,
                   level=logging.ERROR, stage=self.stage.name, error=repr(message))
 
