@@ -67,6 +67,8 @@ class Settings:
     cancel_grace_s: float = field(default_factory=lambda: float(_env("ENCORE_CANCEL_GRACE_S", "3")))
     reroute_after_s: float = field(default_factory=lambda: float(_env("ENCORE_REROUTE_AFTER_S", "60")))
     lease_s: float = field(default_factory=lambda: float(_env("ENCORE_LEASE_S", "15")))
+    # A track waiting this long for a message that is in no broker list and not delivered gets it again.
+    stall_after_s: float = field(default_factory=lambda: float(_env("ENCORE_STALL_AFTER_S", "30")))
     heartbeat_s: float = field(default_factory=lambda: float(_env("ENCORE_HEARTBEAT_S", "2")))
     result_expires_s: int = field(default_factory=lambda: int(_env("ENCORE_RESULT_EXPIRES_S", str(24 * 3600))))
     lipsync_profile: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PROFILE", "tiny"))

@@ -138,29 +138,22 @@ def _starts_now(svc: Services, record: dict[str, Any]) -> bool:
     first = record["tracks"][0]
     if not first["queue"]:
         return False
-    outstanding = svc.redis.zrange(svc.jobs.load_key(first["queue"]), 0, -1)
-    return all(member.startswith(record["job_id"] + ":") for member in outstanding)
+    ahead = svc.redis.zrange(svc.jobs.load_key(first["queue"]), 0, record["num_tracks"])  # at most this many
+    return len(ahead) <= record["num_tracks"] and all(m.startswith(record["job_id"] + ":") for m in ahead)
 
 
 def status_reply(svc: Services) -> dict[str, Any]:
     workers = svc.workers.workers()
     live = [w for w in workers if w["status"] != "offline"]
-    tracks = _open_tracks(svc)
+    counts = svc.jobs.job_counts()
     return {
         "total_gpus": len(live), "idle_gpus": sum(w["status"] == "idle" for w in live),
-        "active_jobs": len({job for job, state in tracks if state != QUEUED}),
-        "queued_jobs": len({job for job, state in tracks if state == QUEUED}),
+        "active_jobs": sum(n for (_, state), n in counts.items() if state == "running"),
+        "queued_jobs": sum(n for (_, state), n in counts.items() if state == QUEUED),
         "workers": [{"worker_id": w["name"], "status": w["status"],
                      "phase": _worker_phase(w), "gpu_id": _gpu_index(w.get("queue", "") or w["name"])}
                     for w in workers],
     }
-
-
-def _open_tracks(svc: Services) -> list[tuple[str, str]]:
-    """(job id, track state) of every track not finished yet."""
-    jobs = svc.jobs.track_states(svc.jobs.recent_job_ids(limit=10_000))
-    return [(job_id, state) for job_id, (_, states) in jobs.items() for state in states
-            if state not in (DONE, FAILED, CANCELED)]
 
 
 def _worker_phase(worker: dict[str, Any]) -> str:

@@ -1,8 +1,9 @@
 """Prometheus metrics for the web's GET /metrics, gathered from Redis at scrape time.
 
 Stages run in worker processes on other hosts, so their durations are aggregated in Redis (a histogram's
-bucket counters per kind/stage, HINCRBY) and exposed by the web; job, queue and worker gauges are read
-from the job records and the worker registry when Prometheus scrapes.
+bucket counters per kind/stage, HINCRBY) and exposed by the web; job gauges come from the per-state sets
+the track transitions keep (app/lifecycle.py), queue and worker gauges from the bookkeeping and the worker
+registry: a scrape costs a few round trips, whatever the number of jobs.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from app.jobs import overall_state
 from app.kinds import KINDS
 from app.routing import known_queues
 from app.services import Services
@@ -20,13 +20,9 @@ from app.services import Services
 STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, math.inf)
 
 
-def _histogram_key(prefix: str, kind: str, stage: str) -> str:
-    return f"{prefix}:metrics:stage_seconds:{kind}:{stage}"
-
-
 def observe_stage(svc: Services, kind: str, stage: str, seconds: float) -> None:
     """Count one finished stage in its duration buckets (cumulative, as Prometheus expects)."""
-    key = _histogram_key(svc.settings.key_prefix, kind, stage)
+    key = svc.jobs.keys.metric("stage_seconds", kind, stage)
     pipe = svc.redis.pipeline()
     for bound in STAGE_BUCKETS:
         if seconds <= bound:
@@ -37,7 +33,7 @@ def observe_stage(svc: Services, kind: str, stage: str, seconds: float) -> None:
 
 
 def count_submission(svc: Services, kind: str) -> None:
-    svc.redis.hincrby(f"{svc.settings.key_prefix}:metrics:submitted", kind, 1)
+    svc.redis.hincrby(svc.jobs.keys.metric("submitted"), kind, 1)
 
 
 def _bucket_label(bound: float) -> str:
@@ -58,19 +54,15 @@ class EncoreCollector(Collector):
     def _jobs(self) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily("encore_jobs", "Jobs still held in Redis, by kind and state",
                                   labels=["kind", "state"])
-        counts: dict[tuple[str, str], int] = {}
-        jobs = self.svc.jobs.track_states(self.svc.jobs.recent_job_ids(limit=100_000))
-        for kind, states in jobs.values():
-            key = (kind, overall_state(states))
-            counts[key] = counts.get(key, 0) + 1
-        for (kind, state), value in sorted(counts.items()):
-            gauge.add_metric([kind, state], value)
+        for (kind, state), value in sorted(self.svc.jobs.job_counts().items()):
+            if value:
+                gauge.add_metric([kind, state], value)
         return gauge
 
     def _submitted(self) -> CounterMetricFamily:
         counter = CounterMetricFamily("encore_jobs_submitted", "Jobs accepted since Redis was created",
                                       labels=["kind"])
-        raw = self.svc.redis.hgetall(f"{self.svc.settings.key_prefix}:metrics:submitted")
+        raw = self.svc.redis.hgetall(self.svc.jobs.keys.metric("submitted"))
         for kind in sorted(KINDS):
             counter.add_metric([kind], float(raw.get(kind, 0)))
         return counter
@@ -80,11 +72,18 @@ class EncoreCollector(Collector):
                                     labels=["queue"])
         outstanding = GaugeMetricFamily("encore_queue_outstanding_tracks", "Tracks queued or running, per queue",
                                         labels=["queue"])
-        for queue in known_queues(self.svc):
-            waiting.add_metric([queue], self.svc.redis.zcard(self.svc.jobs.waiting_key(queue)))
-            outstanding.add_metric([queue], self.svc.redis.zcard(self.svc.jobs.load_key(queue)))
+        queues = known_queues(self.svc)
+        pipe = self.svc.redis.pipeline(transaction=False)
+        for queue in queues:
+            pipe.zcard(self.svc.jobs.waiting_key(queue))
+            pipe.zcard(self.svc.jobs.load_key(queue))
+        pipe.zcard(self.svc.jobs.keys.unrouted)
+        replies = pipe.execute()
+        for index, queue in enumerate(queues):
+            waiting.add_metric([queue], replies[2 * index])
+            outstanding.add_metric([queue], replies[2 * index + 1])
         unrouted = GaugeMetricFamily("encore_unrouted_tracks", "Tracks waiting for any live worker")
-        unrouted.add_metric([], self.svc.redis.llen(f"{self.svc.settings.key_prefix}:unrouted"))
+        unrouted.add_metric([], replies[-1])
         yield waiting
         yield outstanding
         yield unrouted
@@ -99,13 +98,14 @@ class EncoreCollector(Collector):
     def _stage_durations(self) -> HistogramMetricFamily:
         histogram = HistogramMetricFamily("encore_stage_duration_seconds", "Wall time of finished stages",
                                           labels=["kind", "stage"])
-        for kind in sorted(KINDS):
-            for stage in KINDS[kind].stages:
-                raw = self.svc.redis.hgetall(_histogram_key(self.svc.settings.key_prefix, kind, stage.name))
-                if not raw:
-                    continue
+        pairs = [(kind, stage.name) for kind in sorted(KINDS) for stage in KINDS[kind].stages]
+        pipe = self.svc.redis.pipeline(transaction=False)
+        for kind, stage in pairs:
+            pipe.hgetall(self.svc.jobs.keys.metric("stage_seconds", kind, stage))
+        for (kind, stage), raw in zip(pairs, pipe.execute()):
+            if raw:
                 buckets = [(_bucket_label(b), float(raw.get(_bucket_label(b), 0))) for b in STAGE_BUCKETS]
-                histogram.add_metric([kind, stage.name], buckets, float(raw.get("sum", 0)))
+                histogram.add_metric([kind, stage], buckets, float(raw.get("sum", 0)))
         return histogram
 
 

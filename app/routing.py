@@ -1,23 +1,29 @@
 """Put tracks on GPU queues and turn them into Celery chains.
 
 - Each track goes to the live queue with the least outstanding work (estimated cost of tracks queued or
-  running there); picking one track at a time spreads a job's tracks across GPUs.
-- With no live worker the track waits in `{p}:unrouted`; workers drain that list on every heartbeat.
+  running there, one counter per queue kept by the transitions); picking one track at a time spreads a
+  job's tracks across GPUs.
+- A track is created parked; with no live worker it stays parked (`{p}:unrouted`) and workers route parked
+  tracks on every heartbeat.
 - Every signature of a chain carries the queue (a chain-level queue only routes its first step) and a
   priority: the first stage is the lowest (9), later stages the highest (0), so a started job's next stage
   overtakes the first stage of any job submitted after it (FIFO across stages).
+- A chain starts at the track's first unfinished stage (a resumed music track skips what it already has);
+  its task ids are those of the kind's last stages, so the id a waiting track expects is known.
 """
 from __future__ import annotations
 
+import json
 import logging
-import time
 import uuid
+from typing import Any
 
 from celery import Celery, chain
 
+from app.broker import broker_lists, find_message
 from app.joblog import job_event
-from app.kinds import CANCELED, KINDS, QUEUED, TERMINAL_STATES, JobKind
-from app.recovery import detach_waiting_tracks, restart_started_tracks, restart_track, stranded
+from app.kinds import KINDS, JobKind
+from app.lifecycle import PARKED, QUEUED, member, parse_member
 from app.services import Services
 from app.workers import consumed_queues
 
@@ -27,16 +33,36 @@ FIRST_STAGE_PRIORITY = 9
 LATER_STAGE_PRIORITY = 0
 
 
-def _unrouted_key(svc: Services) -> str:
-    return f"{svc.settings.key_prefix}:unrouted"
-
-
 def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
-    loads = {}
+    """Outstanding estimated work per queue (one counter each, one round trip)."""
+    pipe = svc.redis.pipeline(transaction=False)
     for queue in queues:
-        scores = svc.redis.zrange(svc.jobs.load_key(queue), 0, -1, withscores=True)
-        loads[queue] = sum(score for _, score in scores)
-    return loads
+        pipe.get(svc.jobs.keys.cost(queue))
+    return {queue: int(value or 0) / 1000 for queue, value in zip(queues, pipe.execute())}
+
+
+def queue_depths(svc: Services, queues: list[str], transport_options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per queue: tracks waiting, tracks outstanding, estimated load, broker messages (every priority list)
+    and whether it is drained, in one round trip."""
+    lists = {queue: broker_lists(queue, transport_options) for queue in queues}
+    pipe = svc.redis.pipeline(transaction=False)
+    for queue in queues:
+        pipe.zcard(svc.jobs.waiting_key(queue))
+        pipe.zcard(svc.jobs.load_key(queue))
+        pipe.get(svc.jobs.keys.cost(queue))
+        for key in lists[queue]:
+            pipe.llen(key)
+    pipe.smembers(svc.jobs.keys.draining)
+    replies = pipe.execute()
+    drained, depths, at = replies[-1], [], 0
+    for queue in queues:
+        waiting, outstanding, cost = replies[at:at + 3]
+        messages = sum(replies[at + 3:at + 3 + len(lists[queue])])
+        at += 3 + len(lists[queue])
+        depths.append({"name": queue, "waiting": waiting, "outstanding": outstanding,
+                       "estimated_load": int(cost or 0) / 1000, "broker_messages": messages,
+                       "draining": queue in drained})
+    return depths
 
 
 def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
@@ -47,35 +73,12 @@ def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
 
 def draining(svc: Services) -> set[str]:
     """Queues an operator drained: no new tracks go there."""
-    return set(svc.redis.smembers(_draining_key(svc)))
+    return set(svc.redis.smembers(svc.jobs.keys.draining))
 
 
-def _draining_key(svc: Services) -> str:
-    return f"{svc.settings.key_prefix}:draining"
-
-
-def drain_queue(svc: Services, celery: Celery, queue: str) -> int:
-    """Stop routing to `queue` and move its tracks that have not started to other live queues (parked when
-    there is none); its running stage and started tracks finish there. Returns how many tracks moved."""
-    svc.redis.sadd(_draining_key(svc), queue)
-    options = dict(celery.conf.broker_transport_options or {})
-    moved = detach_waiting_tracks(svc, queue, options, _unrouted_key(svc))
-    for member in moved:
-        job_id, _, track = member.rpartition(":")
-        job_event(log, "rerouting", job_id, track=int(track), queue=queue, reason="queue drained")
-    dispatch_unrouted(svc, celery)
-    return len(moved)
-
-
-def resume_queue(svc: Services, celery: Celery, queue: str) -> None:
-    """Route to `queue` again (parked tracks may go there at once)."""
-    svc.redis.srem(_draining_key(svc), queue)
-    dispatch_unrouted(svc, celery)
-
-
-def pick_queue(svc: Services) -> str | None:
+def pick_queue(svc: Services, workers: list[dict] | None = None) -> str | None:
     """The live, not drained queue with the least outstanding estimated work; ties go to the lowest name."""
-    queues = sorted(set(svc.workers.live_queues()) - draining(svc))
+    queues = sorted(set(svc.workers.live_queues(workers)) - draining(svc))
     if not queues:
         return None
     loads = queue_loads(svc, queues)
@@ -87,128 +90,124 @@ def _queue_number(queue: str) -> tuple[int, str]:
     return (int(digits) if digits else 0, queue)
 
 
-def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str) -> tuple[chain, list[str]]:
-    signatures, task_ids = [], []
+def first_unfinished(kind: JobKind, stages: dict[str, Any]) -> int:
+    """Index of the first stage of `kind` the track has not finished."""
     for index, stage in enumerate(kind.stages):
+        if not stages.get(stage.name, {}).get("finished_at"):
+            return index
+    return len(kind.stages) - 1
+
+
+def expected_task_id(kind: JobKind, record: dict[str, Any], stage: str) -> str | None:
+    """The id of the message a track's chain has for `stage` (its ids are those of the kind's last stages)."""
+    ids = record["task_ids"]
+    index = [s.name for s in kind.stages].index(stage) - (len(kind.stages) - len(ids))
+    return ids[index] if 0 <= index < len(ids) else None
+
+
+def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str, start: int = 0) -> tuple[chain, list[str]]:
+    """The chain of `kind`'s stages from index `start`, on `queue`, with fresh task ids."""
+    signatures, task_ids = [], []
+    for index, stage in enumerate(kind.stages[start:], start):
         task_id = uuid.uuid4().hex
         priority = FIRST_STAGE_PRIORITY if index == 0 else LATER_STAGE_PRIORITY
-        args = (ref,) if index == 0 else ()
+        args = (ref,) if index == start else ()
         signatures.append(celery.signature(
             stage.task, args=args, queue=queue, priority=priority, task_id=task_id, immutable=False))
         task_ids.append(task_id)
     return chain(*signatures), task_ids
 
 
-def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue: str) -> None:
+def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue: str) -> bool:
+    """Route a parked track to `queue` (the `route` transition) and send its chain; a pending cancel ends it
+    instead. A process that dies between the two leaves a queued track with no message: the reaper sends it
+    again (app/recovery.py)."""
     job = svc.jobs.job(job_id)
     record = svc.jobs.track(job_id, track)
-    if job is None or record is None or record["state"] != QUEUED:
-        return
-    if svc.jobs.cancel_requested(job_id):  # canceled while it was parked or being moved: it ends here
-        svc.jobs.finish(job_id, track, CANCELED, detail="canceled before it started", progress=0.0)
-        job_event(log, "canceled", job_id, track=track, reason="canceled while waiting to be routed")
-        return
+    if job is None or record is None or record["status"] != PARKED:
+        return False
     kind = KINDS[job["kind"]]
-    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue)
-    svc.jobs.assign_queue(job_id, track, queue, task_ids, float(record["cost"]))
+    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue,
+                                     first_unfinished(kind, record["stages"]))
+    outcome = svc.jobs.route(job_id, track, queue, task_ids)
+    if outcome.canceled:
+        job_event(log, "canceled", job_id, track=track, reason="canceled while waiting to be routed")
+        return False
+    if not outcome:
+        return False
     workflow.apply_async()
     job_event(log, "routed", job_id, track=track, queue=queue)
+    return True
+
+
+def resend(svc: Services, celery: Celery, job_id: str, track: int, record: dict[str, Any], queue: str) -> bool:
+    """Send a waiting track's next message again, as a new chain from the stage it waits for (its old ids
+    are dropped, so the lost message, should it ever come back, is stale)."""
+    job = svc.jobs.job(job_id)
+    if job is None:
+        return False
+    kind = KINDS[job["kind"]]
+    start = first_unfinished(kind, record["stages"])
+    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue, start)
+    if not svc.jobs.transition("resend", job_id, track, {"detail": record["detail"]}, task_ids=json.dumps(task_ids)):
+        return False
+    workflow.apply_async()
+    return True
 
 
 def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> None:
-    """Route every track now, or park it until a worker is live."""
+    """Route every track now; with no live worker they stay parked."""
     for track in range(num_tracks):
         queue = pick_queue(svc)
         if queue is None:
-            svc.redis.rpush(_unrouted_key(svc), f"{job_id}:{track}")
-            svc.jobs.update(job_id, track, detail="waiting for a worker")
             job_event(log, "parked", job_id, track=track, reason="no live worker")
         else:
             enqueue_track(svc, celery, job_id, track, queue)
 
 
-def reroute_stranded(svc: Services, celery: Celery) -> int:
-    """Move the open tracks of queues whose worker has been offline > ENCORE_REROUTE_AFTER_S to live queues
-    (app/recovery.py); returns how many moved. One process at a time (a short Redis lock)."""
-    after_s = svc.settings.reroute_after_s
-    lock = f"{svc.settings.key_prefix}:lock:reroute"
-    if after_s <= 0 or not svc.redis.set(lock, "1", nx=True, ex=60):
-        return 0
-    try:
-        moved = 0
-        options = dict(celery.conf.broker_transport_options or {})
-        workers = svc.workers.workers()
-        live = set(svc.workers.live_queues(workers))
-        for queue in stranded(svc, known_queues(svc, workers), live, after_s, time.time()):
-            # started tracks first: they were submitted before the ones still waiting
-            restarted, failed = restart_started_tracks(svc, queue, _unrouted_key(svc), options)
-            detached = detach_waiting_tracks(svc, queue, options, _unrouted_key(svc))
-            for event, members in (("restarting", restarted), ("rerouting", detached), ("failed", failed)):
-                for member in members:
-                    job_id, _, track = member.rpartition(":")
-                    job_event(log, event, job_id, track=int(track), queue=queue, reason="worker offline",
-                              level=logging.ERROR if event == "failed" else logging.WARNING)
-            moved += len(restarted) + len(detached)
-        if moved:
-            dispatch_unrouted(svc, celery)
-        return moved
-    finally:
-        svc.redis.delete(lock)
-
-
-def reap_dead_stages(svc: Services, celery: Celery) -> int:
-    """Tracks marked running whose stage holds no lease (its worker died, was cut off from Redis, or its
-    child was killed without a word): canceled at once when a cancel is pending, else started again from
-    the first unfinished stage on the least loaded live queue (the same one when it has a live consumer),
-    counted as a restart (app/recovery.restart_track). Runs from live workers' heartbeats, one at a time."""
-    lock = f"{svc.settings.key_prefix}:lock:reap"
-    if not svc.redis.set(lock, "1", nx=True, ex=60):
-        return 0
-    try:
-        options = dict(celery.conf.broker_transport_options or {})
-        reaped = 0
-        for queue in known_queues(svc):
-            for member in svc.redis.zrange(svc.jobs.load_key(queue), 0, -1):
-                job_id, _, track = member.rpartition(":")
-                reaped += _reap(svc, job_id, int(track), queue, options)
-        if reaped:
-            dispatch_unrouted(svc, celery)
-        return reaped
-    finally:
-        svc.redis.delete(lock)
-
-
-def _reap(svc: Services, job_id: str, track: int, queue: str, options: dict) -> int:
-    record = svc.jobs.track(job_id, track)
-    if record is None or record.get("running") != "1" or record["state"] in TERMINAL_STATES:
-        return 0
-    if svc.jobs.has_lease(job_id, track):
-        return 0
-    stage = record["stage"] or "its stage"
-    if svc.jobs.cancel_requested(job_id):
-        if svc.jobs.finish(job_id, track, CANCELED, progress=record["progress"],
-                           detail=f"canceled during {stage} (its stage had stopped)"):
-            job_event(log, "canceled", job_id, track=track, queue=queue, reason="no live lease")
-        return 0
-    outcome = restart_track(svc, job_id, track, record, queue, _unrouted_key(svc), options,
-                            why=f"the lease of {record['worker'] or 'its worker'} expired")
-    if outcome:
-        job_event(log, "restarting" if outcome == "restarted" else "failed", job_id, track=track, queue=queue,
-                  stage=stage, reason="lease expired", level=logging.ERROR if outcome == "failed" else logging.WARNING)
-    return int(outcome == "restarted")
-
-
 def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:
-    """Route parked tracks now that a worker is live; returns how many were routed."""
+    """Route parked tracks, oldest submission first, while a worker is live; returns how many were routed."""
     routed = 0
-    while routed < limit:
+    for value in svc.redis.zrange(svc.jobs.keys.unrouted, 0, limit - 1):
         queue = pick_queue(svc)
         if queue is None:
             break
-        member = svc.redis.lpop(_unrouted_key(svc))
-        if member is None:
-            break
-        job_id, _, track = member.rpartition(":")
-        enqueue_track(svc, celery, job_id, int(track), queue)
-        routed += 1
+        job_id, track = parse_member(value)
+        routed += enqueue_track(svc, celery, job_id, track, queue)
     return routed
+
+
+def unroute_waiting(svc: Services, queue: str, transport_options: dict[str, Any]) -> list[str]:
+    """Take every queued track off `queue` together with its first message (the `unroute` transition removes
+    the message atomically, so a worker that took it meanwhile keeps the track). Returns the members moved."""
+    lists = broker_lists(queue, transport_options)
+    moved = []
+    for value in svc.redis.zrange(svc.jobs.waiting_key(queue), 0, -1):
+        job_id, track = parse_member(value)
+        record = svc.jobs.track(job_id, track)
+        if record is None or record["status"] != QUEUED or not record["task_ids"]:
+            continue
+        found = find_message(svc.redis, lists, record["task_ids"][0])
+        if found is not None and svc.jobs.transition(
+                "unroute", job_id, track, {"detail": f"moving: no worker on {queue}"}, lrem=list(found),
+                cancel_detail="canceled before it started"):
+            moved.append(member(job_id, track))
+    return moved
+
+
+def drain_queue(svc: Services, celery: Celery, queue: str) -> int:
+    """Stop routing to `queue` and move its tracks that have not started to other live queues (parked when
+    there is none); its running stage and started tracks finish there. Returns how many tracks moved."""
+    svc.redis.sadd(svc.jobs.keys.draining, queue)
+    moved = unroute_waiting(svc, queue, dict(celery.conf.broker_transport_options or {}))
+    for value in moved:
+        job_id, track = parse_member(value)
+        job_event(log, "rerouting", job_id, track=track, queue=queue, reason="queue drained")
+    dispatch_unrouted(svc, celery)
+    return len(moved)
+
+
+def resume_queue(svc: Services, celery: Celery, queue: str) -> None:
+    """Route to `queue` again (parked tracks may go there at once)."""
+    svc.redis.srem(svc.jobs.keys.draining, queue)
+    dispatch_unrouted(svc, celery)

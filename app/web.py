@@ -19,12 +19,10 @@ from app.celery_app import make_celery
 from app.config import Settings, load_settings
 from app.joblog import job_event
 from app.khala_api import make_blueprint
-from app.kinds import TERMINAL_STATES
 from app.metrics import make_registry
 from app.openapi import build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile
-from app.recovery import broker_lists
-from app.routing import drain_queue, draining, known_queues, queue_loads, resume_queue, route_job
+from app.routing import drain_queue, known_queues, queue_depths, resume_queue, route_job
 from app.schemas import Accepted, ErrorReply, MusicRequest
 from app.services import Services, build_services
 from app.submissions import RequestError, create_job, submit_music as submit_music_job, validate_music
@@ -137,8 +135,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         """Recent jobs, newest first (?limit=50, at most 500)."""
         limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
         records = [svc.jobs.record(job_id) for job_id in svc.jobs.recent_job_ids(limit)]
-        statuses = _worker_statuses(svc)
-        return jsonify({"jobs": [_public(r, statuses) for r in records if r]})
+        return jsonify({"jobs": [_public(r) for r in records if r]})
 
     @app.get("/api/v1/jobs/<job_id>")
     def get_job(job_id: str):
@@ -146,18 +143,18 @@ def create_app(settings: Settings | None = None) -> Flask:
         record = svc.jobs.record(job_id)
         if record is None:
             return error(404, f"job {job_id} not found")
-        return jsonify(_public(record, _worker_statuses(svc)))
+        return jsonify(_public(record))
 
     @app.delete("/api/v1/jobs/<job_id>")
     def cancel_job(job_id: str):
         """Cancel a job: queued stages never start, a running stage stops within seconds."""
         if svc.jobs.job(job_id) is None:
             return error(404, f"job {job_id} not found")
-        task_ids = svc.jobs.request_cancel(job_id, worker_live=lambda name: bool(name and svc.workers.info(name)))
+        task_ids = svc.jobs.request_cancel(job_id)
         if task_ids:
             celery_app.control.revoke(task_ids)
         job_event(log, "cancel_requested", job_id)
-        return jsonify(_public(svc.jobs.record(job_id), _worker_statuses(svc)))
+        return jsonify(_public(svc.jobs.record(job_id)))
 
     @app.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
     @documented("Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)", media="audio/mpeg",
@@ -200,16 +197,10 @@ def create_app(settings: Settings | None = None) -> Flask:
         """Every worker (idle/busy/offline, current job and stage, device) and every queue's depth."""
         workers = svc.workers.workers()
         queues = known_queues(svc, workers)
-        loads = queue_loads(svc, queues)
-        drained = draining(svc)
         return jsonify({
             "workers": [_public_worker(w) for w in workers],
-            "queues": [{"name": q, "waiting": svc.redis.zcard(svc.jobs.waiting_key(q)),
-                        "outstanding": svc.redis.zcard(svc.jobs.load_key(q)),
-                        "estimated_load": loads[q], "broker_messages": _broker_depth(svc, celery_app, q),
-                        "draining": q in drained}
-                       for q in queues],
-            "unrouted": svc.redis.llen(f"{settings.key_prefix}:unrouted"),
+            "queues": queue_depths(svc, queues, dict(celery_app.conf.broker_transport_options or {})),
+            "unrouted": svc.redis.zcard(svc.jobs.keys.unrouted),
             "time": time.time(),
         })
 
@@ -240,18 +231,13 @@ def _accepted(svc: Services, job_id: str):
     return jsonify(body), 202
 
 
-def _worker_statuses(svc: Services) -> dict[str, str]:
-    return {w["name"]: w["status"] for w in svc.workers.workers()}
-
-
-def _public(record: dict[str, Any], worker_statuses: dict[str, str]) -> dict[str, Any]:
+def _public(record: dict[str, Any]) -> dict[str, Any]:
     """The record as clients see it: internal bookkeeping (Celery ids, costs) left out; a track whose stage
-    runs (or last ran) on a worker gets that worker's status, so a client sees `offline` when it died."""
+    runs (or last ran) on a worker has that worker's status (read with the record), so a client sees
+    `offline` when it died."""
     tracks = []
     for track in record["tracks"]:
         public = {k: v for k, v in track.items() if k not in ("task_ids", "cost", "seq", "params")}
-        if track["state"] not in TERMINAL_STATES and track.get("worker"):
-            public["worker_status"] = worker_statuses.get(track["worker"], "offline")
         public["seed"] = track["params"].get("seed")
         public["downloads"] = _download_urls(record["job_id"], track)
         tracks.append(public)
@@ -272,13 +258,6 @@ def _public_worker(worker: dict[str, Any]) -> dict[str, Any]:
     keys = ("name", "status", "queue", "pinned_to", "device", "runtime_mode", "gpu_free_bytes", "gpu_total_bytes",
             "pid", "last_seen", "current", "hostname", "profile", "music_engine")
     return {k: worker.get(k) for k in keys if k in worker}
-
-
-def _broker_depth(svc: Services, celery_app, queue: str) -> int:
-    """Messages in the broker for `queue` (same Redis), every priority list summed: LLEN of the bare
-    name only counts priority 0."""
-    options = dict(celery_app.conf.broker_transport_options or {})
-    return sum(svc.redis.llen(key) for key in broker_lists(queue, options))
 
 
 PUBLIC_ENDPOINTS = {"index", "static", "healthz", "metrics"}

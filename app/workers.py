@@ -1,10 +1,12 @@
-"""Worker registry: each worker's master process writes a heartbeat hash; the child running a stage writes
-what it is doing. Routing and /api/v1/status read it (no broadcast `inspect` round trip on every request).
+"""Worker registry: each worker's master process writes a heartbeat hash; the stage transitions keep what
+its child is running. Routing and /api/v1/status read it (no broadcast `inspect` round trip on every request).
 
   {p}:workers                 set of every worker name ever seen (so an expired one shows as offline)
   {p}:worker:{name}           hash, expires after 3 missed heartbeats: queue, pid, runtime_mode, device, ...
-  {p}:worker:{name}:current   hash while a stage runs: job_id, track, stage, since, pid
+  {p}:worker:{name}:current   hash while a stage runs (written by the `start` transition, removed when its
+                              track leaves that stage): job_id, track, stage, since, pid
   {p}:queue:{q}:live_at       last heartbeat of a worker consuming q (how long a queue has been orphaned)
+(key builders: app/lifecycle.Layout)
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 import redis
 
+from app.lifecycle import Layout
 
 LIVE_AT_TTL_S = 7 * 24 * 3600
 
@@ -21,11 +24,11 @@ LIVE_AT_TTL_S = 7 * 24 * 3600
 class WorkerRegistry:
     def __init__(self, client: redis.Redis, prefix: str = "encore", heartbeat_s: float = 2.0):
         self.redis = client
-        self.prefix = prefix
+        self.keys = Layout(prefix)
         self.heartbeat_s = heartbeat_s
 
     def _key(self, name: str) -> str:
-        return f"{self.prefix}:worker:{name}"
+        return self.keys.worker(name)
 
     @property
     def ttl_s(self) -> int:
@@ -33,7 +36,7 @@ class WorkerRegistry:
 
     def heartbeat(self, name: str, info: dict[str, Any]) -> None:
         pipe = self.redis.pipeline()
-        pipe.sadd(f"{self.prefix}:workers", name)
+        pipe.sadd(self.keys.workers, name)
         pipe.hset(self._key(name), mapping={**{k: str(v) for k, v in info.items()}, "last_seen": time.time()})
         pipe.expire(self._key(name), self.ttl_s)
         for queue in consumed_queues(info):
@@ -43,12 +46,12 @@ class WorkerRegistry:
 
     def _drop_stale_current(self, name: str) -> None:
         """A child killed mid-stage (hard limit, OOM, kill -9) cannot clear its own entry."""
-        pid = self.redis.hget(self._key(name) + ":current", "pid")
+        pid = self.redis.hget(self.keys.worker_current(name), "pid")
         if pid and not pid_alive(int(pid)):
-            self.redis.delete(self._key(name) + ":current")
+            self.redis.delete(self.keys.worker_current(name))
 
     def _queue_live_key(self, queue: str) -> str:
-        return f"{self.prefix}:queue:{queue}:live_at"
+        return self.keys.queue_live_at(queue)
 
     def queue_live_at(self, queue: str) -> float | None:
         """When a worker consuming `queue` last sent a heartbeat (None if not within a week)."""
@@ -64,23 +67,20 @@ class WorkerRegistry:
         if self.redis.exists(self._key(name)):
             self.redis.hset(self._key(name), mapping={k: str(v) for k, v in fields.items()})
 
-    def set_current(self, name: str, job_id: str, track: int, stage: str) -> None:
-        self.redis.hset(self._key(name) + ":current", mapping={
-            "job_id": job_id, "track": track, "stage": stage, "since": time.time(), "pid": os.getpid()})
-
-    def clear_current(self, name: str) -> None:
-        self.redis.delete(self._key(name) + ":current")
-
     def forget(self, name: str) -> None:
-        self.redis.srem(f"{self.prefix}:workers", name)
-        self.redis.delete(self._key(name), self._key(name) + ":current")
+        self.redis.srem(self.keys.workers, name)
+        self.redis.delete(self._key(name), self.keys.worker_current(name))
 
     def workers(self) -> list[dict[str, Any]]:
-        """Every known worker with status idle | busy | offline."""
+        """Every known worker with status idle | busy | offline (two round trips, whatever their number)."""
+        names = sorted(self.redis.smembers(self.keys.workers))
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(self._key(name))
+            pipe.hgetall(self.keys.worker_current(name))
+        replies = pipe.execute()
         result = []
-        for name in sorted(self.redis.smembers(f"{self.prefix}:workers")):
-            info = self.redis.hgetall(self._key(name))
-            current = self.redis.hgetall(self._key(name) + ":current")
+        for name, info, current in zip(names, replies[0::2], replies[1::2]):
             status = "offline" if not info else ("busy" if current else "idle")
             entry: dict[str, Any] = {"name": name, "status": status, **info}
             entry["current"] = ({"job_id": current["job_id"], "track": int(current["track"]),

@@ -42,7 +42,7 @@ def stack(make_stack):
 
 
 def _nothing_queued(stack) -> bool:
-    return stack.client.get("/api/v1/jobs").get_json()["jobs"] == [] and stack.redis.llen("encore:unrouted") == 0
+    return stack.client.get("/api/v1/jobs").get_json()["jobs"] == [] and stack.redis.zcard("encore:unrouted") == 0
 
 
 @pytest.mark.parametrize("field,change", CASES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(CASES)])

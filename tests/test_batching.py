@@ -41,31 +41,34 @@ def test_cancel_during_a_batched_backbone_ends_both_tracks(make_stack):
 
 def test_adopted_tracks_go_back_to_waiting_or_end_with_a_cancel(redis_base_url, tmp_path):
     """What a failed or killed batched run leaves behind (the child's list of adopted tracks may be gone)."""
-    from app.kinds import MUSIC
     from app.tasks.stage import adopted_by_killed_run, release_adopted  # not app.tasks.music: see conftest
     from tests.conftest import unit_services
     svc = unit_services(redis_base_url, 507, tmp_path)
+    owner = "gpu0@a|t0|1"
     job_id = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}, {"seed": 3}], cost=1.0)
     for track in range(3):
-        svc.jobs.assign_queue(job_id, track, "gpu0", [f"t{track}"], 1.0)
-    svc.jobs.mark_started(job_id, 0, "gpu0")
-    svc.jobs.update(job_id, 0, state="backbone", running="1", worker="gpu0@a")
-    assert svc.jobs.claim_waiting(job_id, 1, "gpu0", state="backbone", stage="backbone", worker="gpu0@a",
-                                  detail="backbone together with track 0")
-    assert not svc.jobs.claim_waiting(job_id, 1, "gpu0", state="backbone", stage="backbone", worker="gpu0@a",
-                                      detail="again")  # already taken
-    assert not svc.jobs.claim_waiting(job_id, 2, "gpu1", state="backbone", stage="backbone", worker="gpu1@b",
-                                      detail="other queue")
-    assert svc.redis.zrange(svc.jobs.waiting_key("gpu0"), 0, -1) == [f"{job_id}:2"]
+        svc.jobs.route(job_id, track, "gpu0", [f"t{track}"])
+    assert svc.jobs.transition("start", job_id, 0, stage="backbone", owner=owner, task_id="t0", worker="gpu0@a",
+                               lease_ms=60_000)
 
-    assert adopted_by_killed_run(svc, job_id, 0, "gpu0@a", MUSIC.stage("backbone")) == [1]
-    release_adopted(svc, job_id, [1], "backbone")
+    def adopt(track: int, queue: str = "gpu0"):
+        return svc.jobs.transition("adopt", job_id, track, {"detail": "backbone together with track 0"},
+                                   stage="backbone", queue_is=queue, owner=owner, worker="gpu0@a", lease_ms=60_000)
+    assert adopt(1)
+    assert not adopt(1)  # already taken
+    assert not adopt(2, "gpu1")  # on another queue
+    assert svc.redis.zrange(svc.jobs.waiting_key("gpu0"), 0, -1) == [f"{job_id}:2"]
+    assert svc.redis.hget(svc.jobs.keys.worker_current("gpu0@a"), "track") == "0"  # the run's own track
+
+    assert adopted_by_killed_run(svc, job_id, 0, owner) == [1]
+    release_adopted(svc, job_id, [1], "backbone", owner)
     track = svc.jobs.track(job_id, 1)
-    assert (track["state"], track["running"], track["detail"]) == ("queued", "0", "queued")
+    assert (track["state"], track["status"], track["detail"]) == ("queued", "queued", "queued")
+    assert svc.jobs.lease(job_id, 1) is None
     assert svc.redis.zrange(svc.jobs.waiting_key("gpu0"), 0, -1) == [f"{job_id}:1", f"{job_id}:2"]  # its place
 
-    assert svc.jobs.claim_waiting(job_id, 1, "gpu0", state="backbone", stage="backbone", worker="gpu0@a",
-                                  detail="backbone together with track 0")
+    assert adopt(1)
     svc.jobs.request_cancel(job_id)
-    release_adopted(svc, job_id, [1], "backbone")
+    assert svc.jobs.track(job_id, 1)["state"] == "backbone"  # its lease is live: the run sees the flag
+    release_adopted(svc, job_id, [1], "backbone", owner)
     assert svc.jobs.track(job_id, 1)["state"] == "canceled"

@@ -35,7 +35,7 @@ def _assert_rejected(stack, reply, status: int, field: str, words: str):
     body = reply.get_json()
     assert body["field"] == field and words in body["error"], body
     assert stack.client.get("/api/v1/jobs").get_json()["jobs"] == []
-    assert stack.redis.llen("encore:unrouted") == 0
+    assert stack.redis.zcard("encore:unrouted") == 0
     assert not any((stack.root / "uploads").glob("*/*")), "staged upload left behind"
 
 

@@ -1,18 +1,15 @@
-"""Orphaned deliveries (a worker's master died mid-stage) against a real Redis broker and kombu channel."""
+"""The reaper (app/recovery.py) against a real Redis broker and kombu channel: expired leases, dead queues,
+lost messages; no worker runs here, so a track it restarts stays parked."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from app.celery_app import make_celery
-from app.recovery import (detach_waiting_tracks, restart_started_tracks, restore, stranded, unacked_before,
-                          why_not_safe)
-from app.routing import enqueue_track
+from app.recovery import reap, restart_track
+from app.routing import enqueue_track, unroute_waiting
 from tests.conftest import unit_services
 
 
@@ -32,150 +29,158 @@ def _deliver_without_ack(svc, queue: str, ref: dict) -> tuple[object, object]:
     return connection, channel
 
 
-def test_unacked_delivery_is_found_and_restored_to_the_head_of_its_queue(svc):
-    connection, channel = _deliver_without_ack(svc, "gpu7", {"job_id": "j1", "track": 1})
-    try:
-        assert svc.redis.hlen("unacked") == 1
-        assert unacked_before(channel, {"gpu3"}, time.time()) == []  # another queue's delivery is left alone
-        assert unacked_before(channel, {"gpu7"}, time.time() - 3600) == []  # delivered after the cut-off
-        [orphan] = unacked_before(channel, {"gpu7"}, time.time())
-        assert (orphan.task_name, orphan.queue, orphan.args) == ("encore.music.backbone", "gpu7",
-                                                                  ({"job_id": "j1", "track": 1},))
-        restore(channel, orphan)
-        assert svc.redis.hlen("unacked") == 0 and svc.redis.zcard("unacked_index") == 0
-        again = channel.basic_get("gpu7", no_ack=True)
-        assert again is not None and again.headers["id"] == orphan.task_id
-    finally:
-        connection.release()
+OWNER = "gpu4@x|{}|1"
 
 
-def test_not_safe_while_a_predecessor_lives_or_another_worker_shares_the_queue(svc):
-    me = "gpu0@host"
-    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) is None  # nobody else: safe
-    svc.workers.heartbeat(me, {"queue": "gpu0", "pid": os.getpid()})  # my own earlier heartbeat: safe
-    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) is None
-
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        svc.workers.heartbeat(me, {"queue": "gpu0", "pid": sleeper.pid})  # a living process under my name
-        assert "still running" in why_not_safe(svc.workers, me, {"gpu0"}, os.getpid())
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) is None  # it died: safe again
-
-    svc.workers.heartbeat("other@host", {"queue": "gpu1,gpu0", "pid": 1})
-    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) == "other@host also consumes gpu0"
-    assert why_not_safe(svc.workers, me, {"gpu2"}, os.getpid()) is None
-    svc.workers.forget("other@host")
-    assert why_not_safe(svc.workers, me, {"gpu0"}, os.getpid()) is None
+def _running(svc, job_id: str, stage: str = "superres", worker: str = "gpu4@x", queue: str = "gpu4") -> str:
+    """Route and start the track's stages up to `stage` (running), as a worker would; returns its owner."""
+    kind = svc.jobs.job(job_id)["kind"]
+    names = {"music": ["backbone", "superres", "decode", "export"], "lipsync": ["prepare", "lipsync", "mux"]}[kind]
+    ids = [f"{job_id[:6]}-{i}" for i in range(len(names))]
+    assert svc.jobs.route(job_id, 0, queue, ids)
+    for index, name in enumerate(names[:names.index(stage) + 1]):
+        owner = f"{worker}|{ids[index]}|1"
+        assert svc.jobs.transition("start", job_id, 0, stage=name, owner=owner, task_id=ids[index], worker=worker,
+                                   lease_ms=60_000)
+        if name != stage:
+            stages = {n: {"started_at": 1.0, "finished_at": 2.0} for n in names[:index + 1]}
+            assert svc.jobs.transition("finish", job_id, 0, {"stages": stages}, stage=name, owner=owner)
+    return owner
 
 
-def test_waiting_tracks_are_detached_only_while_their_message_is_still_queued(svc):
+def test_queued_tracks_leave_a_queue_only_while_their_message_is_still_there(svc):
     app = make_celery(svc.settings)
     options = dict(app.conf.broker_transport_options)
     first, second = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     for job_id in (first, second):
         enqueue_track(svc, app, job_id, 0, "gpu5")
-    svc.workers.heartbeat("gpu5@host", {"queue": "gpu5", "pid": 1})
-    now = time.time()
-    assert stranded(svc, ["gpu5"], set(svc.workers.live_queues()), after_s=60, now=now) == []  # its worker is live
-    svc.workers.forget("gpu5@host")
-    assert stranded(svc, ["gpu5"], set(svc.workers.live_queues()), after_s=60, now=now) == []  # offline for less than 60 s
-    assert stranded(svc, ["gpu5"], set(svc.workers.live_queues()), after_s=60, now=now + 120) == ["gpu5"]
-
     taken = svc.redis.rpop("gpu5:9")  # a worker took the first job's message (kombu pops from the right)
     assert taken is not None
-    moved = detach_waiting_tracks(svc, "gpu5", options, "test:parked")
-    assert moved == [f"{second}:0"] and svc.redis.lrange("test:parked", 0, -1) == moved
+    assert unroute_waiting(svc, "gpu5", options) == [f"{second}:0"]
+    assert svc.redis.zrange(svc.jobs.keys.unrouted, 0, -1) == [f"{second}:0"]
     assert svc.redis.llen("gpu5:9") == 0
-    assert svc.jobs.record(second)["tracks"][0]["queue"] == "" and svc.jobs.record(second)["tracks"][0]["task_ids"] == []
-    assert svc.jobs.record(first)["tracks"][0]["queue"] == "gpu5"  # its message was taken: it stays
+    moved = svc.jobs.track(second, 0)
+    assert (moved["status"], moved["queue"], moved["task_ids"]) == ("parked", "", [])
+    assert svc.jobs.track(first, 0)["queue"] == "gpu5"  # its message was taken: it stays
     assert svc.redis.zrange(svc.jobs.waiting_key("gpu5"), 0, -1) == [f"{first}:0"]
-    assert detach_waiting_tracks(svc, "gpu5", options, "test:parked") == []  # idempotent
+    assert unroute_waiting(svc, "gpu5", options) == []  # idempotent
 
 
 def test_a_track_restarted_too_often_fails_instead_of_moving_again(svc):
-    job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
-    svc.jobs.assign_queue(job_id, 0, "gpu3", ["t1", "t2", "t3", "t4"], 1.0)
+    app = make_celery(svc.settings)
+    job_id = svc.jobs.create("lipsync", {}, [{}], cost=1.0)
     for restart in range(1, svc.settings.max_deliveries + 1):
-        svc.jobs.mark_started(job_id, 0, "gpu3")
-        svc.jobs.update(job_id, 0, state="superres", stage="superres", running="1", worker="gpu3@dead")
-        assert restart_started_tracks(svc, "gpu3", "test:parked") == ([f"{job_id}:0"], [])
+        _running(svc, job_id, "lipsync", worker="gpu3@dead", queue="gpu3")
+        svc.redis.delete(svc.jobs.lease_key(job_id, 0))
+        record = svc.jobs.track(job_id, 0)
+        assert restart_track(svc, app, job_id, 0, record, "gpu3@dead went offline") == "restarted"
         track = svc.jobs.track(job_id, 0)
-        assert (track["state"], track["queue"], track["task_ids"], track["restarts"]) == ("queued", "", [], restart)
-        assert track["detail"] == "restarting from its first stage: gpu3@dead went offline during superres"
-        svc.jobs.assign_queue(job_id, 0, "gpu3", [f"t{restart}"], 1.0)
-    svc.jobs.mark_started(job_id, 0, "gpu3")
-    svc.jobs.update(job_id, 0, state="backbone", stage="backbone", running="1", worker="gpu3@dead")
-    assert restart_started_tracks(svc, "gpu3", "test:parked") == ([], [f"{job_id}:0"])
+        assert (track["status"], track["queue"], track["task_ids"], track["restarts"]) == ("parked", "", [], restart)
+        assert track["detail"] == "restarting from its first stage: gpu3@dead went offline during lipsync"
+    _running(svc, job_id, "prepare", worker="gpu3@dead", queue="gpu3")
+    svc.redis.delete(svc.jobs.lease_key(job_id, 0))
+    record = svc.jobs.track(job_id, 0)
+    assert restart_track(svc, app, job_id, 0, record, "gpu3@dead went offline") == "failed"
     track = svc.jobs.track(job_id, 0)
     assert track["state"] == "failed" and "its stage died 4 times (gpu3@dead went offline" in track["error"]
     assert svc.redis.zcard(svc.jobs.load_key("gpu3")) == 0
 
 
 def test_a_music_track_resumes_after_its_finished_stages_a_lipsync_one_starts_over(svc):
-    """Music intermediates are in the shared artifact store: a moved track keeps its finished stages (the new
-    chain skips them) and drops the one that was running. Lip-sync's are in the dead worker's scratch."""
-    finished = {"backbone": {"started_at": 1.0, "finished_at": 2.0, "worker": "gpu3@dead"},
-                "superres": {"started_at": 2.0, "worker": "gpu3@dead"}}
-    ids = {}
-    for kind in ("music", "lipsync"):
-        ids[kind] = job_id = svc.jobs.create(kind, {}, [{"seed": 1}], cost=1.0)
-        svc.jobs.assign_queue(job_id, 0, "gpu3", ["t1", "t2"], 1.0)
-        svc.jobs.mark_started(job_id, 0, "gpu3")
-        svc.jobs.update(job_id, 0, state="superres", stage="superres", running="1", worker="gpu3@dead",
-                        stages=finished)
-    restarted, failed = restart_started_tracks(svc, "gpu3", "test:parked")
-    assert sorted(restarted) == sorted(f"{job_id}:0" for job_id in ids.values()) and failed == []
+    """Music intermediates are in the shared artifact store: a moved track keeps its finished stages (its new
+    chain starts after them). Lip-sync's are in the dead worker's scratch."""
+    app = make_celery(svc.settings)
+    ids = {kind: svc.jobs.create(kind, {}, [{"seed": 1}], cost=1.0) for kind in ("music", "lipsync")}
+    _running(svc, ids["music"], "superres")
+    _running(svc, ids["lipsync"], "lipsync")
+    for job_id in ids.values():
+        svc.redis.delete(svc.jobs.lease_key(job_id, 0))
+        assert restart_track(svc, app, job_id, 0, svc.jobs.track(job_id, 0), "gpu4@x went offline") == "restarted"
     music, lipsync = svc.jobs.track(ids["music"], 0), svc.jobs.track(ids["lipsync"], 0)
-    assert music["stages"] == {"backbone": finished["backbone"]} and music["state"] == "queued"
-    assert music["detail"] == "restarting after backbone: gpu3@dead went offline during superres"
+    assert list(music["stages"]) == ["backbone"] and music["state"] == "queued"
+    assert music["detail"] == "restarting after backbone: gpu4@x went offline during superres"
     assert lipsync["stages"] == {} and lipsync["detail"].startswith("restarting from its first stage")
+    svc.workers.heartbeat("gpu6@y", {"queue": "gpu6"})  # a live worker: the music track's chain starts at superres
+    assert enqueue_track(svc, app, ids["music"], 0, "gpu6")
+    assert len(svc.jobs.track(ids["music"], 0)["task_ids"]) == 3
+    assert svc.redis.llen("gpu6") == 1 and svc.redis.llen("gpu6:9") == 0  # a later stage: priority 0
 
 
-def test_leases_are_taken_only_by_a_current_delivery_and_renewed_only_by_their_owner(svc):
+def test_leases_are_renewed_only_by_their_owner(svc):
     job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
-    svc.jobs.assign_queue(job_id, 0, "gpu3", ["t1", "t2"], 1.0)
-    assert not svc.jobs.take_lease(job_id, 0, "gpu3@a|old|1", "t0", 5)  # not of the track's current chain
-    assert svc.jobs.take_lease(job_id, 0, "gpu3@a|t1|1", "t1", 5) and svc.jobs.has_lease(job_id, 0)
-    assert svc.jobs.renew_lease(job_id, 0, "gpu3@a|t1|1", 5)
+    owner = _running(svc, job_id, "backbone")
+    assert svc.jobs.renew_lease(job_id, 0, owner, 5)
     assert not svc.jobs.renew_lease(job_id, 0, "gpu3@b|t1|2", 5)  # someone else's
-    svc.jobs.release_lease(job_id, 0, "gpu3@b|t1|2")  # not its own: no effect
-    assert svc.jobs.has_lease(job_id, 0)
-    svc.jobs.release_lease(job_id, 0, "gpu3@a|t1|1")
-    assert not svc.jobs.has_lease(job_id, 0) and not svc.jobs.renew_lease(job_id, 0, "gpu3@a|t1|1", 5)
-    svc.jobs.fail(job_id, 0, "x")
-    assert not svc.jobs.take_lease(job_id, 0, "gpu3@a|t2|1", "t2", 5)  # ended
+    svc.jobs.fail(job_id, 0, "x", owner=owner)
+    assert svc.jobs.lease(job_id, 0) is None and not svc.jobs.renew_lease(job_id, 0, owner, 5)
 
 
 def test_the_reaper_restarts_running_tracks_without_a_lease_cancels_canceled_ones_and_spares_live_ones(svc):
-    """No worker is live here, so a restarted track is parked (unrouted), with its old chain's messages gone
-    from the broker list and from kombu's unacked hash."""
-    from app.routing import reap_dead_stages
+    """A restarted track is parked (no worker is live here), with its old chain's messages gone from the
+    broker list and from kombu's unacked hash."""
     app = make_celery(svc.settings)
     jobs = {name: svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0) for name in ("dead", "live", "canceled")}
     for name, job_id in jobs.items():
-        svc.jobs.assign_queue(job_id, 0, "gpu4", [f"{name}-1", f"{name}-2"], 1.0)
-        svc.jobs.mark_started(job_id, 0, "gpu4")
-        svc.jobs.update(job_id, 0, state="superres", stage="superres", running="1", worker="gpu4@x",
-                        stages={"backbone": {"started_at": 1.0, "finished_at": 2.0}, "superres": {"started_at": 2.0}})
-    assert svc.jobs.take_lease(jobs["live"], 0, "gpu4@x|live-2|1", "live-2", 30)
-    svc.redis.set(svc.jobs.cancel_key(jobs["canceled"]), "1")
+        _running(svc, job_id, "superres")
+        if name != "live":
+            svc.redis.delete(svc.jobs.lease_key(job_id, 0))
+    svc.redis.set(svc.jobs.keys.cancel(jobs["canceled"]), "1")
     connection, channel = _deliver_without_ack(svc, "gpu4", {"job_id": jobs["dead"], "track": 0})
     unacked = svc.redis.hgetall("unacked")
     tag = next(iter(unacked))
     svc.redis.hset("unacked", tag, unacked[tag].replace(
-        json.loads(unacked[tag])[0]["headers"]["id"], "dead-2"))  # make it the dead track's running delivery
+        json.loads(unacked[tag])[0]["headers"]["id"], svc.jobs.track(jobs["dead"], 0)["task_ids"][1]))
     try:
-        assert reap_dead_stages(svc, app) == 1
+        assert reap(svc, app) == 2
     finally:
         connection.release()
     dead, live, canceled = (svc.jobs.track(jobs[name], 0) for name in ("dead", "live", "canceled"))
-    assert (dead["state"], dead["queue"], dead["restarts"], list(dead["stages"])) == ("queued", "", 1, ["backbone"])
+    assert (dead["status"], dead["queue"], dead["restarts"], list(dead["stages"])) == ("parked", "", 1, ["backbone"])
     assert dead["detail"] == "restarting after backbone: the lease of gpu4@x expired during superres"
-    assert svc.redis.lrange(f"{svc.settings.key_prefix}:unrouted", 0, -1) == [f"{jobs['dead']}:0"]
+    assert svc.redis.zrange(svc.jobs.keys.unrouted, 0, -1) == [f"{jobs['dead']}:0"]
     assert svc.redis.hlen("unacked") == 0
-    assert (live["state"], live["running"]) == ("superres", "1")
+    assert live["status"] == "running:superres"
     assert canceled["state"] == "canceled" and "its stage had stopped" in canceled["detail"]
     assert svc.redis.zrange(svc.jobs.load_key("gpu4"), 0, -1) == [f"{jobs['live']}:0"]
+    assert reap(svc, app) == 0  # nothing left to do
+
+
+def test_the_reaper_moves_the_tracks_of_a_queue_offline_too_long(svc, monkeypatch):
+    app = make_celery(svc.settings)
+    queued, between = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
+    owner = _running(svc, between, "backbone", queue="gpu7", worker="gpu7@gone")
+    assert svc.jobs.transition("finish", between, 0, {"stages": {"backbone": {"finished_at": 1.0}}},
+                               stage="backbone", owner=owner)
+    enqueue_track(svc, app, queued, 0, "gpu7")
+    svc.workers.heartbeat("gpu7@gone", {"queue": "gpu7"})
+    assert reap(svc, app) == 0  # its worker is live
+    svc.workers.forget("gpu7@gone")
+    assert reap(svc, app) == 0  # offline for less than ENCORE_REROUTE_AFTER_S
+    svc.redis.set(svc.jobs.keys.queue_live_at("gpu7"), time.time() - svc.settings.reroute_after_s - 1)
+    assert reap(svc, app) == 2
+    for job_id in (queued, between):
+        assert svc.jobs.track(job_id, 0)["status"] == "parked"
+    assert svc.jobs.track(between, 0)["detail"].startswith("restarting after backbone: gpu7 has no live worker")
+    assert svc.redis.llen("gpu7:9") == 0 and svc.redis.zcard(svc.jobs.load_key("gpu7")) == 0
+
+
+def test_the_reaper_sends_a_lost_message_again(svc, monkeypatch):
+    """A track queued (or between stages) whose message is in no broker list and not delivered: sent again as
+    a new chain, once it has waited ENCORE_STALL_AFTER_S."""
+    app = make_celery(svc.settings)
+    svc.workers.heartbeat("gpu8@a", {"queue": "gpu8"})
+    lost, kept = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
+    for job_id in (lost, kept):
+        enqueue_track(svc, app, job_id, 0, "gpu8")
+    old_ids = svc.jobs.track(lost, 0)["task_ids"]
+    svc.redis.lrem("gpu8:9", 1, next(p for p in svc.redis.lrange("gpu8:9", 0, -1) if old_ids[0] in p))
+    assert reap(svc, app) == 0  # not waited long enough
+    for job_id in (lost, kept):
+        svc.redis.hset(svc.jobs.track_key(job_id, 0), "updated_at", time.time() - svc.settings.stall_after_s - 1)
+    svc.redis.delete(svc.jobs.keys.lock("stall-check"))
+    assert reap(svc, app) == 1
+    track = svc.jobs.track(lost, 0)
+    assert track["status"] == "queued" and track["task_ids"] != old_ids and len(track["task_ids"]) == 4
+    payloads = svc.redis.lrange("gpu8:9", 0, -1)
+    assert len(payloads) == 2 and any(track["task_ids"][0] in p for p in payloads)
+    assert svc.jobs.track(kept, 0)["task_ids"] == svc.jobs.track(kept, 0)["task_ids"]

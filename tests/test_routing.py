@@ -19,15 +19,15 @@ def test_least_outstanding_work_wins_and_offline_queues_are_skipped(svc):
         svc.workers.heartbeat(name, {"queue": queue})
     assert pick_queue(svc) == "gpu0"  # tie: lowest index
     heavy = svc.jobs.create("music", {}, [{"seed": 0}], cost=120.0)
-    svc.jobs.assign_queue(heavy, 0, "gpu0", [], 120.0)
+    svc.jobs.route(heavy, 0, "gpu0", ["h"])
     light = svc.jobs.create("music", {}, [{"seed": 0}], cost=30.0)
-    svc.jobs.assign_queue(light, 0, "gpu1", [], 30.0)
+    svc.jobs.route(light, 0, "gpu1", ["l"])
     assert queue_loads(svc, ["gpu0", "gpu1", "gpu2"]) == {"gpu0": 120.0, "gpu1": 30.0, "gpu2": 0.0}
     assert pick_queue(svc) == "gpu2"
     svc.workers.forget("gpu2@b")
     svc.redis.sadd("encore:workers", "gpu2@b")  # known but no heartbeat: offline
     assert pick_queue(svc) == "gpu1"
-    svc.jobs.finish(heavy, 0, "done")
+    svc.jobs.cancel(heavy, 0, "canceled")
     assert pick_queue(svc) == "gpu0"
 
 

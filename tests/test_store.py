@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 
+import time
+
 import pytest
 import redis
 
@@ -23,12 +25,23 @@ def binary(redis_base_url):
     return redis.Redis.from_url(f"{redis_base_url}/510")
 
 
+OWNER = "gpu0@a|t0|1"
+
+
+def _start(jobs: JobStore, job_id: str, track: int = 0, queue: str = "gpu0") -> None:
+    """Route a parked track and start its first stage as OWNER (the transitions a worker makes)."""
+    assert jobs.route(job_id, track, queue, ["t0", "t1", "t2", "t3"])
+    assert jobs.transition("start", job_id, track, stage="backbone", owner=OWNER, task_id="t0", worker="gpu0@a",
+                           lease_ms=60_000)
+
+
 def test_terminal_track_refuses_late_writes(client):
     jobs = JobStore(client, "t", ttl_s=60)
     job_id = jobs.create("music", {"duration_s": 2}, [{"seed": 1}], cost=2.0)
-    assert jobs.update(job_id, 0, state="backbone", progress=0.5)
-    assert jobs.finish(job_id, 0, "canceled", detail="canceled")
-    assert not jobs.update(job_id, 0, state="superres", progress=0.9)
+    _start(jobs, job_id)
+    assert jobs.report(job_id, 0, OWNER, progress=0.5)
+    assert jobs.cancel(job_id, 0, "canceled", owner=OWNER)
+    assert not jobs.report(job_id, 0, OWNER, progress=0.9)
     track = jobs.track(job_id, 0)
     assert track["state"] == "canceled" and track["progress"] == 0.5
 
@@ -44,33 +57,58 @@ def test_record_expires_with_ttl(client):
 def test_queue_positions_follow_submission_order(client):
     jobs = JobStore(client, "t", ttl_s=60)
     ids = [jobs.create("music", {}, [{"seed": 1}], cost=1.0) for _ in range(3)]
+    assert [jobs.record(j)["queue_position"] for j in ids] == [1, 2, 3]  # parked: position among parked
     for job_id in ids:
-        jobs.assign_queue(job_id, 0, "gpu0", [], 1.0)
+        assert jobs.route(job_id, 0, "gpu0", ["t0"])
     assert [jobs.record(j)["queue_position"] for j in ids] == [1, 2, 3]
-    jobs.mark_started(ids[0], 0, "gpu0")
-    jobs.update(ids[0], 0, state="backbone")
+    assert jobs.transition("start", ids[0], 0, stage="backbone", owner=OWNER, task_id="t0", worker="gpu0@a",
+                           lease_ms=60_000)
     assert [jobs.record(j)["queue_position"] for j in ids] == [0, 1, 2]
 
 
-def test_index_drops_expired_jobs_and_states_agree_with_records(client, monkeypatch):
-    monkeypatch.setattr("app.jobs.PIPELINE_CHUNK", 2)  # several chunks with a handful of jobs
+def test_record_is_one_round_trip_with_positions_cancel_flag_and_worker_status(client):
+    jobs = JobStore(client, "t", ttl_s=60)
+    job_id = jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=1.0)
+    _start(jobs, job_id, 0)
+    jobs.route(job_id, 1, "gpu0", ["u0"])
+    client.hset("t:worker:gpu0@a", "queue", "gpu0")
+    calls = []
+    original = client.execute_command
+    client.execute_command = lambda *a, **k: calls.append(a[0]) or original(*a, **k)
+    try:
+        record = jobs.record(job_id)
+    finally:
+        client.execute_command = original
+    assert len(calls) == 1, calls
+    first, second = record["tracks"]
+    assert (first["state"], first["status"], first["worker_status"], first["queue_position"]) == \
+        ("backbone", "running:backbone", "busy", 0)
+    assert (second["state"], second["queue_position"], "worker_status" in second) == ("queued", 1, False)
+    assert (record["state"], record["queue_position"], record["cancel_requested"]) == ("running", 1, False)
+    client.delete("t:worker:gpu0@a")
+    assert jobs.record(job_id)["tracks"][0]["worker_status"] == "offline"
+
+
+def test_index_drops_expired_jobs_and_gauges_agree_with_records(client):
     jobs = JobStore(client, "t", ttl_s=60)
     music = jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=1.0)
     lipsync = jobs.create("lipsync", {}, [{}], cost=1.0)
     gone = jobs.create("music", {}, [{"seed": 3}], cost=1.0)
     newest = jobs.create("music", {}, [{"seed": 4}], cost=1.0)
-    jobs.update(music, 0, state="backbone")
-    jobs.finish(music, 1, "done")
+    _start(jobs, music, 0)
+    jobs.route(music, 1, "gpu0", ["x"])
+    jobs.cancel(music, 1, "canceled")
     jobs.fail(lipsync, 0, "no face detected")
     client.delete(jobs.job_key(gone))  # expired
     assert jobs.recent_job_ids(limit=10) == [newest, lipsync, music]
     assert client.zrange(jobs.jobs_key, 0, -1) == [music, lipsync, newest]
-    states = jobs.track_states([music, lipsync, gone, newest])
-    assert states == {music: ("music", ["backbone", "done"]), lipsync: ("lipsync", ["failed"]),
-                      newest: ("music", ["queued"])}
-    for job_id, (kind, track_states) in states.items():
-        record = jobs.record(job_id)
-        assert (record["kind"], [t["state"] for t in record["tracks"]]) == (kind, track_states)
+    counts = {key: n for key, n in jobs.job_counts().items() if n}
+    # the expired job's id stays in its gauge set until its expiry time passes (scored by expiry)
+    assert counts == {("music", "running"): 1, ("lipsync", "failed"): 1, ("music", "queued"): 2}
+    client.zadd(jobs.keys.jobs_in_state("music", "queued"), {gone: time.time() - 1})  # as when it expires
+    assert {key: n for key, n in jobs.job_counts().items() if n}[("music", "queued")] == 1
+    for job_id, state in ((music, "running"), (lipsync, "failed"), (newest, "queued")):
+        assert jobs.record(job_id)["state"] == state
 
 
 def test_overall_state():
@@ -146,14 +184,17 @@ def test_directory_store_sweep_removes_expired_jobs(client, tmp_path):
     assert store.exists(alive, "track0.mp3") and not store.exists(expiring, "track0.mp3")
 
 
-def test_cancel_ends_tracks_waiting_between_stages_but_not_running_ones(client):
+def test_cancel_ends_every_track_no_live_stage_holds(client):
     jobs = JobStore(client, "t", ttl_s=60)
-    job_id = jobs.create("music", {}, [{"seed": 1}, {"seed": 2}, {"seed": 3}], cost=1.0)
-    jobs.update(job_id, 0, state="superres", stage="superres", running="0")  # backbone done, next not started
-    jobs.update(job_id, 1, state="backbone", stage="backbone", running="1")  # a stage is running
-    assert jobs.request_cancel(job_id) == []
-    assert jobs.track(job_id, 0)["state"] == "canceled"
-    assert jobs.track(job_id, 0)["detail"] == "canceled before superres"
-    assert jobs.track(job_id, 1)["state"] == "backbone"  # left to the stage, which polls the flag
-    assert jobs.track(job_id, 2)["state"] == "canceled"
+    job_id = jobs.create("music", {}, [{"seed": 1}, {"seed": 2}, {"seed": 3}, {"seed": 4}], cost=1.0)
+    _start(jobs, job_id, 0)
+    assert jobs.transition("finish", job_id, 0, stage="backbone", owner=OWNER)  # backbone done, next not started
+    _start(jobs, job_id, 1)  # a stage is running, its lease live
+    _start(jobs, job_id, 2)
+    client.delete(jobs.lease_key(job_id, 2))  # a stage whose lease expired: nobody will see the flag
+    assert sorted(jobs.request_cancel(job_id)) == sorted(["t0", "t1", "t2", "t3"] * 3)
+    states = [(t["state"], t["detail"]) for t in jobs.tracks(job_id, 4)]
+    assert states == [("canceled", "canceled before superres"), ("backbone", "queued"),
+                      ("canceled", "canceled during backbone (its stage had stopped)"),
+                      ("canceled", "canceled before it started")]
     assert jobs.cancel_requested(job_id)

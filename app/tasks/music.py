@@ -70,7 +70,7 @@ def backbone_work(run: StageRun) -> None:
     for out in outs:
         run.keep(out.name, out)
     for track, song in zip(tracks, info.pop("songs")):  # the song's actual length, known from here on
-        run.svc.jobs.update(run.job_id, track, song=song)
+        run.note(track, song=song)
     for track in siblings:
         run.finish_sibling(track, started)
     run.info.update(info, **({"with_tracks": siblings} if siblings else {}))

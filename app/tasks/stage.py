@@ -1,9 +1,14 @@
 """Shared stage machinery: what every pipeline stage does around its work, whatever the pipeline.
 
-A stage task receives {"job_id", "track"} and returns it for the next stage of the chain. Around the work:
-- refuse to start when the track already ended, the job was canceled, or this message was delivered more
-  than ENCORE_MAX_DELIVERIES times (a stage that keeps killing its worker must not loop forever);
-- record state, worker, timestamps, throttled progress and model loads in the job record;
+A stage task receives {"job_id", "track"} and returns it for the next stage of the chain. Every change it
+makes to its track is a transition of app/lifecycle.py, made as the holder of the stage's lease. Around the
+work:
+- start (the `start` transition) only when the delivery is of the track's current chain, the track is open
+  and no live stage holds it; a pending cancel ends the track instead; a message delivered more than
+  ENCORE_MAX_DELIVERIES times fails it (a stage that keeps killing its worker must not loop forever);
+- record worker, timestamps, throttled progress and model loads in the job record;
+- renew the lease while the work runs; a renewal that fails means the track was taken from this stage
+  (the reaper judged it dead): the stage stops and writes nothing;
 - watch the cancel flag in a thread: the work sees it through StageControl within ~0.2 s; if the work
   has not stopped `cancel_grace_s` later, the child process exits (hard kill) and the master replaces it;
 - soft time limit -> failed with a timeout message; hard limit (child killed) -> on_failure in the master;
@@ -26,11 +31,13 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from app.celery_app import celery
 from app.joblog import job_event
-from app.kinds import CANCELED, DONE, QUEUED, TERMINAL_STATES, JobKind, Stage
+from app.kinds import JobKind, Stage
+from app.lifecycle import is_open
 from app.metrics import observe_stage
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.runtime import device_report, release_memory
 from app.services import Services, services
+from app.workers import pid_alive
 
 log = logging.getLogger("encore.jobs")
 
@@ -78,7 +85,11 @@ class StageRun:
         self.keep(name, path)
         record = self.svc.jobs.track(self.job_id, self.track) or {"artifacts": []}
         artifacts = sorted(set(record["artifacts"]) | {name})
-        self.svc.jobs.update(self.job_id, self.track, artifacts=artifacts)
+        self.svc.jobs.report(self.job_id, self.track, self.lease_owner, artifacts=artifacts)
+
+    def note(self, track: int, **fields: Any) -> None:
+        """Facts about one of this run's tracks (its own or an adopted one) for its record."""
+        self.svc.jobs.report(self.job_id, track, self.lease_owner, **fields)
 
     # -- tracks of the same job served by this run (batching) ------------------------------------------
     def adopt_waiting_siblings(self, limit: int) -> list[int]:
@@ -90,10 +101,11 @@ class StageRun:
         for other in range(job["num_tracks"] if job else 0):
             if len(adopted) >= limit:
                 break
-            if other != self.track and self.svc.jobs.claim_waiting(
-                    self.job_id, other, self.queue, state=self.stage.state, stage=self.stage.name,
-                    worker=self.worker, detail=f"{self.stage.name} together with track {self.track}",
-                    lease_owner=self.lease_owner, lease_s=self.svc.settings.lease_s):
+            if other != self.track and self.svc.jobs.transition(
+                    "adopt", self.job_id, other, {"detail": f"{self.stage.name} together with track {self.track}",
+                                                  "progress": 0.0},
+                    stage=self.stage.name, queue_is=self.queue, owner=self.lease_owner, worker=self.worker,
+                    lease_ms=int(self.svc.settings.lease_s * 1000)):
                 adopted.append(other)
                 self.adopted.append(other)
         return adopted
@@ -106,7 +118,7 @@ class StageRun:
         """This run's control, whose progress also goes to the adopted tracks."""
         if not siblings:
             return self.control
-        others = [_Throttled(self.svc, self.job_id, track) for track in siblings]
+        others = [_Throttled(self.svc, self.job_id, track, self.lease_owner) for track in siblings]
 
         def report(fraction: float, detail: str) -> None:
             self.control.report(fraction, detail)
@@ -123,64 +135,53 @@ class StageRun:
         now = time.time()
         stages[self.stage.name] = {"started_at": started_at, "finished_at": now, "duration_s": round(now - started_at, 3),
                                    "worker": self.worker, "loaded": [], "with_track": self.track}
-        wait_for_stage(self.svc, self.job_id, track, self.kind.next_stage(self.stage.name), stages)
-        self.svc.jobs.release_lease(self.job_id, track, self.lease_owner)
+        finish_stage(self.svc, self.kind, self.job_id, track, self.stage, stages, self.lease_owner)
         job_event(log, "stage_finished", self.job_id, track=track, queue=self.queue, worker=self.worker,
                   stage=self.stage.name, with_track=self.track)
 
     def release_siblings(self, tracks: list[int]) -> None:
         """Adopted tracks go back to waiting for their own message (this run failed or was stopped)."""
-        release_adopted(self.svc, self.job_id, tracks, self.stage.name)
-        for track in tracks:
-            self.svc.jobs.release_lease(self.job_id, track, self.lease_owner)
+        release_adopted(self.svc, self.job_id, tracks, self.stage.name, self.lease_owner)
 
     def _ttl(self) -> float:
         job = self.svc.jobs.job(self.job_id)
         return max(1.0, (job["expires_at"] if job else time.time() + self.svc.settings.job_ttl_s) - time.time())
 
 
-def wait_for_stage(svc: Services, job_id: str, track: int, following: Stage, stages: dict[str, Any]) -> None:
-    """A stage of the track is done: record it and show the track waiting for `following`."""
-    svc.jobs.update(job_id, track, stages=stages, state=following.state, stage=following.name, progress=0.0,
-                    detail="waiting for the worker", running="0")
+def finish_stage(svc: Services, kind: JobKind, job_id: str, track: int, stage: Stage, stages: dict[str, Any],
+                 owner: str) -> bool:
+    """Stage `stage` of the track is done (the `finish` transition): it waits for the next, or is done.
+    False when the track is no longer this run's (lease lost) or a pending cancel ended it."""
+    following = kind.next_stage(stage.name)
+    if following is None:
+        drop_scratch(svc, job_id, track)  # first: whoever sees the track done never finds its scratch
+    fields = {"stages": stages, "progress": 1.0 if following is None else 0.0,
+              "detail": "done" if following is None else "waiting for the worker"}
+    outcome = svc.jobs.transition("finish", job_id, track, fields, stage=stage.name, owner=owner,
+                                  cancel_detail=f"canceled before {following.name if following else 'the end'}")
+    if outcome.canceled:
+        drop_scratch(svc, job_id, track)
+    return outcome.applied and not outcome.canceled
 
 
-def release_adopted(svc: Services, job_id: str, tracks: list[int], stage: str) -> None:
-    """Tracks adopted by a run that did not finish wait again for their own message; on a cancel they end
-    now (the canceled job's messages were revoked, so none would come)."""
-    canceled = svc.jobs.cancel_requested(job_id)
+def release_adopted(svc: Services, job_id: str, tracks: list[int], stage: str, owner: str) -> None:
+    """Tracks adopted by a run that did not finish wait again for their own message (the `release`
+    transition); with a cancel pending they end now (the canceled job's messages were revoked)."""
     for track in tracks:
-        record = svc.jobs.track(job_id, track)
-        if record is None:
-            continue
-        if canceled:
-            svc.jobs.finish(job_id, track, CANCELED, detail=f"canceled during {stage}")
-        elif svc.jobs.update(job_id, track, state=QUEUED, stage="", running="0", progress=0.0, detail="queued"):
-            svc.redis.zadd(svc.jobs.waiting_key(record["queue"]), {f"{job_id}:{track}": record["seq"]})
+        svc.jobs.transition("release", job_id, track, {"detail": "queued", "progress": 0.0}, stage=stage,
+                            owner=owner, cancel_detail=f"canceled during {stage}")
 
 
-def adopted_by_killed_run(svc: Services, job_id: str, track: int, worker: str, stage: Stage) -> list[int]:
-    """Other tracks of the job marked running `stage` on `worker`: a worker runs one stage at a time, so the
-    run killed there had adopted them (its child took its own list with it)."""
+def adopted_by_killed_run(svc: Services, job_id: str, track: int, owner: str) -> list[int]:
+    """Other tracks of the job whose lease is the killed run's own: it had adopted them (its child took its
+    list of them along)."""
     job = svc.jobs.job(job_id)
-    adopted = []
-    for other in range(job["num_tracks"] if job else 0):
-        record = svc.jobs.track(job_id, other)
-        if other != track and record and record["state"] == stage.state and record.get("running") == "1" \
-                and record["worker"] == worker:
-            adopted.append(other)
-    return adopted
+    return [other for other in range(job["num_tracks"] if job else 0)
+            if other != track and svc.jobs.lease(job_id, other) == owner]
 
 
 def track_scratch(svc: Services, job_id: str, track: int) -> Path:
     return svc.settings.worker_cache_dir / "tracks" / f"{job_id}-{track}"
-
-
-def end_track(svc: Services, job_id: str, track: int, state: str, **fields: Any) -> bool:
-    """End a track on this worker: its local scratch goes first, so whoever sees the track ended never
-    finds its scratch still there."""
-    drop_scratch(svc, job_id, track)
-    return svc.jobs.finish(job_id, track, state, **fields)
 
 
 def drop_scratch(svc: Services, job_id: str, track: int) -> None:
@@ -202,16 +203,16 @@ def sweep_scratch(svc: Services) -> list[str]:
 class _Throttled:
     """Writes progress to the job record at most every PROGRESS_EVERY_S (and always the final 1.0)."""
 
-    def __init__(self, svc: Services, job_id: str, track: int):
-        self.svc, self.job_id, self.track = svc, job_id, track
+    def __init__(self, svc: Services, job_id: str, track: int, owner: str):
+        self.svc, self.job_id, self.track, self.owner = svc, job_id, track, owner
         self.last = 0.0
 
     def __call__(self, fraction: float, detail: str) -> None:
         now = time.monotonic()
         if fraction >= 1.0 or now - self.last >= PROGRESS_EVERY_S:
             self.last = now
-            self.svc.jobs.update(self.job_id, self.track, progress=round(min(max(fraction, 0.0), 1.0), 4),
-                                 detail=detail)
+            self.svc.jobs.report(self.job_id, self.track, self.owner,
+                                 progress=round(min(max(fraction, 0.0), 1.0), 4), detail=detail)
 
 
 class CancelWatch:
@@ -268,7 +269,7 @@ class CancelWatch:
         drop_scratch(self.svc, self.job_id, self.track)
         if not self.lost.is_set():
             for track in [self.track, *self.adopted]:
-                self.svc.jobs.finish(self.job_id, track, CANCELED, detail="canceled (stage stopped by force)")
+                self.svc.jobs.cancel(self.job_id, track, "canceled (stage stopped by force)", owner=self.lease_owner)
         os._exit(75)  # the prefork master replaces this child; the redelivered message sees 'canceled'
 
 
@@ -283,8 +284,12 @@ class StageTask(Task):
         svc = services()
         job_id, track = ref["job_id"], int(ref["track"])
         worker = self.request.hostname or "unknown"
-        self._check_can_start(svc, job_id, track, worker)
         record = svc.jobs.track(job_id, track)
+        if record is None or not is_open(record["status"]):
+            drop_scratch(svc, job_id, track)
+            raise Ignore()
+        if self.request.id not in record["task_ids"]:  # the track moved; this message is of its old chain
+            self._stale(job_id, track, worker, "not of the track's current chain")
         done = record["stages"].get(self.stage.name, {})
         if done.get("finished_at"):  # run already: with another track of the job, or before a redelivery
             job_event(log, "stage_skipped", job_id, track=track, queue=record["queue"], worker=worker,
@@ -292,26 +297,38 @@ class StageTask(Task):
                           f" with track {done['with_track']}" if "with_track" in done else ""))
             return ref
         owner = f"{worker}|{self.request.id}|{os.getpid()}"
-        if not svc.jobs.take_lease(job_id, track, owner, self.request.id, svc.settings.lease_s):
-            job_event(log, "stale_delivery", job_id, track=track, worker=worker, level=logging.WARNING,
-                      stage=self.stage.name, task_id=self.request.id, reason="the track moved or ended")
+        steal = self._killed_child_lease(svc, job_id, track, worker)
+        deliveries = svc.jobs.count_delivery(self.request.id)
+        if deliveries > svc.settings.max_deliveries:
+            drop_scratch(svc, job_id, track)
+            svc.jobs.fail(job_id, track, f"{self.stage.name} was interrupted {deliveries - 1} times (worker crashed "
+                                         f"or was killed); giving up", steal=steal)
+            job_event(log, "failed", job_id, track=track, worker=worker, level=logging.ERROR, stage=self.stage.name,
+                      reason="too many deliveries")
             raise Ignore()
-        job = svc.jobs.job(job_id)
-        svc.jobs.mark_started(job_id, track, record["queue"])
         stages = record["stages"]
-        stages[self.stage.name] = {"started_at": time.time(), "worker": worker, "attempt": record["attempts"]}
-        svc.jobs.update(job_id, track, state=self.stage.state, stage=self.stage.name, running="1",
-                        worker=worker, progress=0.0, detail="starting", stages=stages)
-        svc.workers.set_current(worker, job_id, track, self.stage.name)
+        stages[self.stage.name] = {"started_at": time.time(), "worker": worker, "attempt": deliveries}
+        outcome = svc.jobs.transition(
+            "start", job_id, track, {"progress": 0.0, "detail": "starting", "stages": stages, "attempts": deliveries},
+            stage=self.stage.name, owner=owner, steal=steal, task_id=self.request.id, worker=worker,
+            pid=str(os.getpid()), lease_ms=int(svc.settings.lease_s * 1000),
+            cancel_detail=f"canceled before {self.stage.name}")
+        if outcome.canceled:
+            drop_scratch(svc, job_id, track)
+            job_event(log, "canceled", job_id, track=track, worker=worker, stage=self.stage.name)
+            raise Ignore()
+        if not outcome:
+            self._stale(job_id, track, worker, outcome.reason)
+        job = svc.jobs.job(job_id)
         job_event(log, "stage_started", job_id, track=track, queue=record["queue"], worker=worker,
-                  stage=self.stage.name, attempt=record["attempts"])
+                  stage=self.stage.name, attempt=deliveries)
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"encore-{job_id[:8]}-{self.stage.name}-"))
         succeeded = False
         watch = CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s, [], lease_owner=owner)
         try:
             with watch:
-                control = StageControl(report=_Throttled(svc, job_id, track),
+                control = StageControl(report=_Throttled(svc, job_id, track, owner),
                                        cancel_requested=watch.canceled.is_set)
                 run = StageRun(svc, job_id, track, self.stage, job["params"], record["params"], workdir, control,
                                kind=self.kind, queue=record["queue"], worker=worker, adopted=watch.adopted,
@@ -322,86 +339,77 @@ class StageTask(Task):
             if watch.lost.is_set():  # taken from this stage: the track is someone else's now
                 drop_scratch(svc, job_id, track)
                 raise Ignore()
-            end_track(svc, job_id, track, CANCELED, detail=f"canceled during {self.stage.name}")
+            drop_scratch(svc, job_id, track)
+            svc.jobs.cancel(job_id, track, f"canceled during {self.stage.name}", owner=owner)
             job_event(log, "canceled", job_id, track=track, queue=record["queue"], worker=worker, stage=self.stage.name)
             raise Ignore()
         except SoftTimeLimitExceeded:
             soft, _ = svc.settings.time_limits.get(self.stage.name, (None, 0))
-            self._fail(svc, job_id, track, worker, f"timed out: {self.stage.name} ran past its {soft:g} s limit")
+            self._fail(svc, job_id, track, worker, f"timed out: {self.stage.name} ran past its {soft:g} s limit", owner)
             raise
         except Exception as exc:
-            self._fail(svc, job_id, track, worker, f"{self.stage.name} failed: {exc}")
+            self._fail(svc, job_id, track, worker, f"{self.stage.name} failed: {exc}", owner)
             raise
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-            svc.workers.clear_current(worker)
             release_memory(collect=not succeeded)
             svc.workers.update(worker, **device_report())
-            if not succeeded:  # the track ended (failed, canceled) or is no longer this stage's
-                svc.jobs.release_lease(job_id, track, owner)
-        self._finish(svc, run, stages, time.monotonic() - started, worker)
-        svc.jobs.release_lease(job_id, track, owner)  # after the record says it is no longer running
+        self._finish(svc, run, stages, time.monotonic() - started, worker, owner, watch)
         return ref
 
     def _work(self, run: StageRun) -> None:
         type(self).work(run)
 
-    def _check_can_start(self, svc: Services, job_id: str, track: int, worker: str) -> None:
-        record = svc.jobs.track(job_id, track)
-        if record is None or record["state"] in TERMINAL_STATES:
-            drop_scratch(svc, job_id, track)
-            raise Ignore()
-        if self.request.id not in record["task_ids"]:
-            job_event(log, "stale_delivery", job_id, track=track, worker=worker, level=logging.WARNING,
-                      stage=self.stage.name, task_id=self.request.id)
-            raise Ignore()  # the track was moved to another queue; this message belongs to its old chain
-        if svc.jobs.cancel_requested(job_id):
-            end_track(svc, job_id, track, CANCELED, detail=f"canceled before {self.stage.name}")
-            raise Ignore()
-        deliveries = svc.jobs.count_delivery(self.request.id)
-        svc.jobs.update(job_id, track, attempts=deliveries)
-        if deliveries > svc.settings.max_deliveries:
-            self._fail(svc, job_id, track, worker,
-                       f"{self.stage.name} was interrupted {deliveries - 1} times (worker crashed or was "
-                       f"killed); giving up")
-            raise Ignore()
+    def _stale(self, job_id: str, track: int, worker: str, reason: str) -> None:
+        job_event(log, "stale_delivery", job_id, track=track, worker=worker, level=logging.WARNING,
+                  stage=self.stage.name, task_id=self.request.id, reason=repr(reason))
+        raise Ignore()
 
-    def _finish(self, svc: Services, run: StageRun, stages: dict, seconds: float, worker: str) -> None:
+    def _killed_child_lease(self, svc: Services, job_id: str, track: int, worker: str) -> str:
+        """The lease this same delivery's previous child left when it was killed on this worker (its master
+        gave the message back): this delivery may take it over at once instead of waiting for it to expire."""
+        lease = svc.jobs.lease(job_id, track) or ""
+        prefix = f"{worker}|{self.request.id}|"
+        if not lease.startswith(prefix):
+            return ""
+        pid = int(lease.rsplit("|", 1)[1] or 0)
+        return lease if pid != os.getpid() and not pid_alive(pid) else ""
+
+    def _finish(self, svc: Services, run: StageRun, stages: dict, seconds: float, worker: str, owner: str,
+                watch: "CancelWatch") -> None:
         stages[self.stage.name].update(finished_at=time.time(), duration_s=round(seconds, 3), loaded=run.loaded,
                                        **({"info": run.info} if run.info else {}))
-        following = self.kind.next_stage(self.stage.name)
-        if following is None:
-            end_track(svc, run.job_id, run.track, DONE, stages=stages, progress=1.0, detail="done", running="0")
-            job_event(log, "track_done", run.job_id, track=run.track, queue=self._queue(svc, run.job_id, run.track),
-                      worker=worker)
-        else:
-            wait_for_stage(svc, run.job_id, run.track, following, stages)
         observe_stage(svc, self.kind.name, self.stage.name, seconds)
-        job_event(log, "stage_finished", run.job_id, track=run.track, queue=self._queue(svc, run.job_id, run.track),
-                  worker=worker, stage=self.stage.name, duration_s=f"{seconds:.3f}",
-                  loaded=",".join(run.loaded) or "-")
+        if not finish_stage(svc, self.kind, run.job_id, run.track, self.stage, stages, owner):
+            job_event(log, "stage_finished_too_late", run.job_id, track=run.track, worker=worker,
+                      stage=self.stage.name, level=logging.WARNING,
+                      reason="canceled" if svc.jobs.cancel_requested(run.job_id) else "the lease was lost")
+            raise Ignore()  # the chain stops here: the track ended, or is another run's now
+        job_event(log, "stage_finished", run.job_id, track=run.track, queue=run.queue, worker=worker,
+                  stage=self.stage.name, duration_s=f"{seconds:.3f}", loaded=",".join(run.loaded) or "-")
+        if self.kind.next_stage(self.stage.name) is None:
+            job_event(log, "track_done", run.job_id, track=run.track, queue=run.queue, worker=worker)
 
-    def _fail(self, svc: Services, job_id: str, track: int, worker: str, message: str) -> None:
-        drop_scratch(svc, job_id, track)  # first, as end_track does
-        svc.jobs.fail(job_id, track, message)
-        job_event(log, "failed", job_id, track=track, queue=self._queue(svc, job_id, track), worker=worker,
-                  level=logging.ERROR, stage=self.stage.name, error=repr(message))
-
-    @staticmethod
-    def _queue(svc: Services, job_id: str, track: int) -> str:
-        record = svc.jobs.track(job_id, track)
-        return record["queue"] if record else ""
+    def _fail(self, svc: Services, job_id: str, track: int, worker: str, message: str, owner: str = "",
+              steal: str = "") -> None:
+        drop_scratch(svc, job_id, track)  # first, as for done
+        if svc.jobs.fail(job_id, track, message, owner=owner, steal=steal):
+            job_event(log, "failed", job_id, track=track, worker=worker, level=logging.ERROR, stage=self.stage.name,
+                      error=repr(message))
 
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
-        """Also runs in the worker's master when a hard time limit killed the child."""
+        """Also runs in the worker's master when a hard time limit killed the child: the master fails the
+        track (and gives back the tracks the run had adopted) in the dead child's name."""
         if isinstance(exc, TimeLimitExceeded) and args:
             svc = services()
             _, hard = svc.settings.time_limits.get(self.stage.name, (None, 0))
             job_id, track, worker = args[0]["job_id"], int(args[0]["track"]), self.request.hostname or "unknown"
+            lease = svc.jobs.lease(job_id, track) or ""
+            dead = lease if lease.startswith(f"{worker}|{task_id}|") else ""
+            adopted = adopted_by_killed_run(svc, job_id, track, dead) if dead else []
             self._fail(svc, job_id, track, worker,
-                       f"timed out: {self.stage.name} exceeded its hard time limit of {hard:g} s")
-            release_adopted(svc, job_id, adopted_by_killed_run(svc, job_id, track, worker, self.stage),
-                            self.stage.name)
+                       f"timed out: {self.stage.name} exceeded its hard time limit of {hard:g} s", steal=dead)
+            release_adopted(svc, job_id, adopted, self.stage.name, dead)
 
 
 def stage_task(kind: JobKind, stage_name: str, work: Callable[[StageRun], None]) -> StageTask:

@@ -1,6 +1,6 @@
-"""Worker life cycle: at start, requeue the stage a crashed predecessor left unacked; a heartbeat thread in
-the master (registry, routing of parked tracks, artifact sweep); per-child set-up (torch threads, optional
-model preload). The master never touches CUDA."""
+"""Worker life cycle: a heartbeat thread in the master (registry, routing of parked tracks, the reaper of
+app/recovery.py, artifact sweep); per-child set-up (torch threads, optional model preload). The master never
+touches CUDA. What a crashed predecessor left running is the reaper's: its lease expires."""
 from __future__ import annotations
 
 import logging
@@ -8,13 +8,12 @@ import os
 import threading
 import time
 
-from celery.signals import celeryd_after_setup, worker_process_init, worker_ready, worker_shutdown
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
 from app.celery_app import celery
-from app.joblog import job_event
-from app.recovery import Orphan, restore, unacked_before, why_not_safe
-from app.routing import dispatch_unrouted, reap_dead_stages, reroute_stranded
-from app.services import Services, services
+from app.recovery import reap
+from app.routing import dispatch_unrouted
+from app.services import services
 from app.tasks.stage import sweep_scratch
 
 log = logging.getLogger("encore.worker")
@@ -39,8 +38,7 @@ def _heartbeat_loop(hostname: str) -> None:
         try:
             svc.workers.heartbeat(hostname, info)
             dispatch_unrouted(svc, celery)
-            reroute_stranded(svc, celery)
-            reap_dead_stages(svc, celery)
+            reap(svc, celery)
             if time.monotonic() - last_sweep > SWEEP_EVERY_S:
                 last_sweep = time.monotonic()
                 removed = svc.artifacts.sweep(lambda job_id: svc.jobs.job(job_id) is not None)
@@ -56,38 +54,6 @@ def _device_claim() -> str:
     """What the worker is pinned to, without initialising CUDA in the (forking) master."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     return f"cuda (CUDA_VISIBLE_DEVICES={visible})" if visible not in ("", "-1") else "cpu"
-
-
-@celeryd_after_setup.connect
-def requeue_orphaned_stages(sender: str | None = None, **_: object) -> None:
-    """Runs in the master after logging is set up and before the consumer takes its first message."""
-    hostname = sender or celery.conf.get("worker_name", "worker")
-    started = time.time()
-    try:
-        svc = services()
-        queues = set(_consumed_queues())
-        reason = why_not_safe(svc.workers, hostname, queues, os.getpid())
-        if reason:
-            log.warning("worker=%s event=orphan_check_skipped reason=%r", hostname, reason)
-            return
-        with celery.connection_for_write() as connection:
-            channel = connection.default_channel
-            for orphan in unacked_before(channel, queues, started):
-                restore(channel, orphan)
-                _note_requeued(svc, hostname, orphan)
-    except Exception:  # never keep a worker from starting; the visibility timeout still restores them
-        log.exception("worker=%s event=orphan_check_failed", hostname)
-
-
-def _note_requeued(svc: Services, hostname: str, orphan: Orphan) -> None:
-    ref = orphan.args[0] if orphan.args and isinstance(orphan.args[0], dict) else {}
-    job_id, track = ref.get("job_id"), ref.get("track")
-    record = svc.jobs.track(job_id, int(track)) if job_id is not None and track is not None else None
-    if record is not None and orphan.task_id in record["task_ids"]:  # not a track since moved elsewhere
-        svc.jobs.update(job_id, int(track), running="0", detail="requeued: its worker stopped mid-stage")
-    job_event(log, "requeued_after_crash", job_id or "-", track=track, queue=orphan.queue, worker=hostname,
-              level=logging.WARNING, task=orphan.task_name, task_id=orphan.task_id,
-              delivered_s_ago=f"{time.time() - orphan.delivered_at:.1f}")
 
 
 @worker_ready.connect
