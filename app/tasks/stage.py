@@ -403,9 +403,10 @@ class StageTask(Task):
         if isinstance(exc, TimeLimitExceeded) and args:
             svc = services()
             _, hard = svc.settings.time_limits.get(self.stage.name, (None, 0))
-            job_id, track, worker = args[0]["job_id"], int(args[0]["track"]), self.request.hostname or "unknown"
+            job_id, track = args[0]["job_id"], int(args[0]["track"])
             lease = svc.jobs.lease(job_id, track) or ""
-            dead = lease if lease.startswith(f"{worker}|{task_id}|") else ""
+            worker, _, rest = lease.partition("|")  # the master's own request context is not the task's
+            dead = lease if rest.partition("|")[0] == task_id else ""
             adopted = adopted_by_killed_run(svc, job_id, track, dead) if dead else []
             self._fail(svc, job_id, track, worker,
                        f"timed out: {self.stage.name} exceeded its hard time limit of {hard:g} s", steal=dead)
