@@ -217,7 +217,7 @@ class JobStore:
 
 def _cancel_detail(track: dict[str, Any]) -> str:
     status = track["status"]
-    if status in ("parked", QUEUED):
+    if status in ("created", "parked", QUEUED):
         return "canceled before it started"
     if status.startswith("waiting:"):
         return f"canceled before {track['stage']}"

@@ -7,6 +7,7 @@ lease is live), honours a pending cancel, moves the track between the bookkeepin
 keeps the job-level gauges, bumps the track's version and publishes the change on the job's events channel.
 
 Statuses (the `status` field of a track hash; clients see `state`, derived from it, as before):
+  created       written, not routed yet (the submitter routes it once its inputs exist): in {p}:created
   parked        routed nowhere yet (no live worker, or moved off a queue): member of {p}:unrouted
   queued        on a queue, its first stage's message in the broker: in the queue's waiting and load sets
   running:S     stage S runs under a lease {p}:lease:{job}:{track}: in the queue's load set; the worker's
@@ -24,6 +25,8 @@ Layout (prefix `encore` by default; job keys expire with the job):
   {p}:deliveries:{task id}     how many times a stage message was delivered
   {p}:jobs                     zset of job ids by creation time
   {p}:jobs:{kind}:{state}      zset of job ids in that overall state, scored by expiry (gauges: ZCOUNT)
+  {p}:created                  zset of created "job:track" by creation time (the reaper parks any the
+                               submitter never routed: it died in between)
   {p}:unrouted                 zset of parked "job:track" by submission order
   {p}:queue:{q}:waiting        zset of queued "job:track" by submission order (queue positions)
   {p}:queue:{q}:load           zset of "job:track" not finished on q, scored by estimated cost
@@ -51,7 +54,7 @@ import redis
 
 from app.kinds import KINDS
 
-PARKED, QUEUED, DONE, FAILED, CANCELED = "parked", "queued", "done", "failed", "canceled"
+CREATED, PARKED, QUEUED, DONE, FAILED, CANCELED = "created", "parked", "queued", "done", "failed", "canceled"
 RUNNING, WAITING = "running", "waiting"
 TERMINAL = (DONE, FAILED, CANCELED)
 
@@ -86,6 +89,10 @@ class Layout:
 
     def jobs_in_state(self, kind: str, state: str) -> str:
         return f"{self.prefix}:jobs:{kind}:{state}"
+
+    @property
+    def created(self) -> str:
+        return f"{self.prefix}:created"
 
     @property
     def unrouted(self) -> str:
@@ -176,8 +183,11 @@ class Transition:
 
 
 TRANSITIONS: dict[str, Transition] = {
-    "submit": Transition(("new",), PARKED, "free", False, "a new track waits to be routed"),
-    "route": Transition((PARKED,), QUEUED, "free", True, "put on a live queue, its chain's first message sent"),
+    "submit": Transition(("new",), CREATED, "free", False, "a new track, routed by its submitter next"),
+    "park": Transition((CREATED,), PARKED, "free", True,
+                       "no live worker (or its submitter died before routing it): waits for one"),
+    "route": Transition((CREATED, PARKED), QUEUED, "free", True,
+                        "put on a live queue, its chain's first message sent"),
     "unroute": Transition((QUEUED,), PARKED, "free", True,
                           "taken off a dead or drained queue with its message, before any worker took it"),
     "start": Transition(("queued@first", "waiting:S", "running:S"), "running:S", "free", True,
@@ -315,6 +325,7 @@ local cost = tonumber(redis.call('HGET', key, 'cost') or '0')
 local milli = math.floor(cost * 1000 + 0.5)
 local function in_load(s) local k = split(s); return s == 'queued' or k == 'running' or k == 'waiting' end
 local function leave(s, q)
+  if s == 'created' then redis.call('ZREM', P .. ':created', m) end
   if s == 'parked' then redis.call('ZREM', P .. ':unrouted', m) end
   if s == 'queued' then redis.call('ZREM', P .. ':queue:' .. q .. ':waiting', m) end
   if in_load(s) and redis.call('ZREM', P .. ':queue:' .. q .. ':load', m) == 1 then
@@ -329,6 +340,7 @@ local function leave(s, q)
   end
 end
 local function enter(s, q)
+  if s == 'created' then redis.call('ZADD', P .. ':created', now, m) end
   if s == 'parked' then redis.call('ZADD', P .. ':unrouted', seq, m) end
   if s == 'queued' then
     redis.call('ZADD', P .. ':queue:' .. q .. ':waiting', seq, m)
@@ -374,7 +386,7 @@ end
 -- job-level categories, and the job's overall state for the gauges
 local function category(s)
   if s == 'new' then return nil end
-  if s == 'parked' or s == 'queued' then return 'waiting' end
+  if s == 'created' or s == 'parked' or s == 'queued' then return 'waiting' end
   if is_terminal(s) then return s end
   return 'active'
 end
@@ -410,7 +422,7 @@ end
 -- the track hash
 local state, new_stage = target, redis.call('HGET', key, 'stage') or ''
 if tk == 'running' or tk == 'waiting' then state, new_stage = DISPLAY[kind][ts], ts
-elseif target == 'parked' or target == 'queued' then state, new_stage = 'queued', '' end
+elseif target == 'created' or target == 'parked' or target == 'queued' then state, new_stage = 'queued', '' end
 redis.call('HSET', key, 'status', target, 'state', state, 'stage', new_stage, 'queue', new_queue, 'updated_at', now)
 if event == 'route' or event == 'resend' then redis.call('HSET', key, 'task_ids', a.task_ids) end
 if target == 'parked' then redis.call('HSET', key, 'task_ids', '[]') end

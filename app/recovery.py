@@ -12,6 +12,7 @@ Redis lock, over every track not finished on every queue:
 - waiting on a queue whose every consumer has been offline longer than ENCORE_REROUTE_AFTER_S: a queued
   track moves with its first message (taken out of the broker atomically, so a worker that comes back cannot
   also run it); a track between stages restarts as above.
+- created longer than ENCORE_STALL_AFTER_S ago and never routed (its submitter died): parked.
 - waiting longer than ENCORE_STALL_AFTER_S for a message that is in no broker list and in no worker's hands
   (unacked): a process died between the transition and the send; the message is sent again.
 The old chain's messages of a moved track are dropped from the broker lists and from kombu's `unacked`
@@ -89,9 +90,24 @@ def reap(svc: Services, celery: Celery) -> int:
                                           ex=max(1, int(svc.settings.stall_after_s / 2))))
         for queue in known_queues(svc, workers):
             acted += _reap_queue(svc, celery, queue, live, check_stalls)
-        return acted + dispatch_unrouted(svc, celery)
+        return acted + _park_abandoned(svc) + dispatch_unrouted(svc, celery)
     finally:
         svc.redis.delete(lock)
+
+
+def _park_abandoned(svc: Services) -> int:
+    """Tracks created longer than ENCORE_STALL_AFTER_S ago that their submitter never routed (it died in
+    between): parked, to be routed like any other."""
+    parked = 0
+    for value in svc.redis.zrangebyscore(svc.jobs.keys.created, "-inf", time.time() - svc.settings.stall_after_s):
+        job_id, track = parse_member(value)
+        if svc.jobs.transition("park", job_id, track, {"detail": "waiting for a worker (its submitter stopped)"},
+                               cancel_detail="canceled before it started"):
+            job_event(log, "parked", job_id, track=track, reason="never routed", level=logging.WARNING)
+            parked += 1
+        elif svc.jobs.track(job_id, track) is None:  # expired
+            svc.redis.zrem(svc.jobs.keys.created, value)
+    return parked
 
 
 def _queue_dead(svc: Services, queue: str, live: set[str], now: float) -> bool:

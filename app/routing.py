@@ -3,8 +3,9 @@
 - Each track goes to the live queue with the least outstanding work (estimated cost of tracks queued or
   running there, one counter per queue kept by the transitions); picking one track at a time spreads a
   job's tracks across GPUs.
-- A track is created parked; with no live worker it stays parked (`{p}:unrouted`) and workers route parked
-  tracks on every heartbeat.
+- A track is created, then routed by its submitter (in track order, so a job's tracks reach a queue in
+  order); with no live worker it is parked (`{p}:unrouted`) and workers route parked tracks on every
+  heartbeat.
 - Every signature of a chain carries the queue (a chain-level queue only routes its first step) and a
   priority: the first stage is the lowest (9), later stages the highest (0), so a started job's next stage
   overtakes the first stage of any job submitted after it (FIFO across stages).
@@ -23,7 +24,7 @@ from celery import Celery, chain
 from app.broker import broker_lists, find_message
 from app.joblog import job_event
 from app.kinds import KINDS, JobKind
-from app.lifecycle import PARKED, QUEUED, member, parse_member
+from app.lifecycle import CREATED, PARKED, QUEUED, member, parse_member
 from app.services import Services
 from app.workers import consumed_queues
 
@@ -119,12 +120,12 @@ def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str, start: int
 
 
 def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue: str) -> bool:
-    """Route a parked track to `queue` (the `route` transition) and send its chain; a pending cancel ends it
+    """Route a created or parked track to `queue` (the `route` transition) and send its chain; a pending cancel ends it
     instead. A process that dies between the two leaves a queued track with no message: the reaper sends it
     again (app/recovery.py)."""
     job = svc.jobs.job(job_id)
     record = svc.jobs.track(job_id, track)
-    if job is None or record is None or record["status"] != PARKED:
+    if job is None or record is None or record["status"] not in (CREATED, PARKED):
         return False
     kind = KINDS[job["kind"]]
     workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue,
@@ -156,11 +157,13 @@ def resend(svc: Services, celery: Celery, job_id: str, track: int, record: dict[
 
 
 def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> None:
-    """Route every track now; with no live worker they stay parked."""
+    """Route every created track of a job now, in order; with no live worker they are parked."""
     for track in range(num_tracks):
         queue = pick_queue(svc)
         if queue is None:
-            job_event(log, "parked", job_id, track=track, reason="no live worker")
+            if svc.jobs.transition("park", job_id, track, {"detail": "waiting for a worker"},
+                                   cancel_detail="canceled before it started"):
+                job_event(log, "parked", job_id, track=track, reason="no live worker")
         else:
             enqueue_track(svc, celery, job_id, track, queue)
 

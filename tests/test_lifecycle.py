@@ -12,13 +12,14 @@ import redis
 from app.jobs import JobStore, overall_state
 from app.lifecycle import TRANSITIONS, Layout
 
-STATUSES = ("new", "parked", "queued", "running:backbone", "running:superres", "waiting:superres",
+STATUSES = ("new", "created", "parked", "queued", "running:backbone", "running:superres", "waiting:superres",
             "waiting:decode", "done", "failed", "canceled")
-OPEN = ("parked", "queued", "running:backbone", "running:superres", "waiting:superres", "waiting:decode")
+OPEN = ("created", "parked", "queued", "running:backbone", "running:superres", "waiting:superres", "waiting:decode")
 # (event, stage it names) -> the statuses it is allowed from. A fresh track's chain starts with backbone.
 ALLOWED = {
     ("submit", ""): {"new"},
-    ("route", ""): {"parked"},
+    ("park", ""): {"created"},
+    ("route", ""): {"created", "parked"},
     ("unroute", ""): {"queued"},
     ("start", "backbone"): {"queued", "running:backbone"},
     ("start", "superres"): {"waiting:superres", "running:superres"},
@@ -34,7 +35,7 @@ ALLOWED = {
     ("cancel", ""): set(OPEN),
 }
 # where an allowed event leaves a track
-TARGET = {"submit": "parked", "route": "queued", "unroute": "parked", "adopt": "running:backbone",
+TARGET = {"submit": "created", "park": "parked", "route": "queued", "unroute": "parked", "adopt": "running:backbone",
           "release": "queued", "restart": "parked", "fail": "failed", "cancel": "canceled"}
 OWNER = "gpu0@a|t-run|1"
 
@@ -53,8 +54,9 @@ def _args(event: str, stage: str) -> dict:
     return {**args, "task_id": "t-run"} if event == "start" else args
 
 
-PATHS = {  # the steps that bring a fresh (parked) track to each status
-    "parked": [], "queued": [("route", "")], "running:backbone": [("route", ""), ("start", "backbone")],
+PATHS = {  # the steps that bring a fresh (created) track to each status
+    "created": [], "parked": [("park", "")], "queued": [("route", "")],
+    "running:backbone": [("route", ""), ("start", "backbone")],
     "waiting:superres": [("route", ""), ("start", "backbone"), ("finish", "backbone")],
     "running:superres": [("route", ""), ("start", "backbone"), ("finish", "backbone"), ("start", "superres")],
     "waiting:decode": [("route", ""), ("start", "backbone"), ("finish", "backbone"), ("start", "superres"),
@@ -70,7 +72,7 @@ def _put(jobs: JobStore, status: str, lease: bool) -> str:
     job_id = jobs.create("music", {}, [{"seed": 1}], cost=1.0)
     if status == "new":  # a track not written yet
         jobs.redis.delete(jobs.track_key(job_id, 0))
-        jobs.redis.zrem(jobs.keys.unrouted, f"{job_id}:0")
+        jobs.redis.zrem(jobs.keys.created, f"{job_id}:0")
         jobs.redis.zrem(jobs.keys.jobs_in_state("music", "queued"), job_id)
         jobs.redis.hset(jobs.job_key(job_id), "n_waiting", 0)
         return job_id
@@ -128,7 +130,8 @@ def test_delivery_of_another_chain_is_refused(jobs):
 
 
 def test_a_pending_cancel_wins_over_a_transition_that_would_keep_the_track_open(jobs):
-    cases = [("parked", "route", "backbone"), ("queued", "start", "backbone"), ("queued", "unroute", ""),
+    cases = [("created", "park", ""), ("parked", "route", "backbone"), ("queued", "start", "backbone"),
+             ("queued", "unroute", ""),
              ("running:backbone", "finish", "backbone"), ("running:backbone", "release", "backbone"),
              ("waiting:superres", "restart", "")]
     for status, event, stage in cases:
@@ -234,6 +237,7 @@ def _check_bookkeeping(jobs: JobStore) -> None:
     keys: Layout = jobs.keys
     r = jobs.redis
     unrouted = set(r.zrange(keys.unrouted, 0, -1))
+    created = set(r.zrange(keys.created, 0, -1))
     queues = {q for q in r.smembers(keys.queues)}
     counts: dict[tuple[str, str], set[str]] = {}
     expected_load: dict[str, dict[str, float]] = {q: {} for q in queues}
@@ -245,14 +249,15 @@ def _check_bookkeeping(jobs: JobStore) -> None:
         for t in tracks:
             m, status, queue = f"{job_id}:{t['track']}", t["status"], t["queue"]
             assert (m in unrouted) == (status == "parked"), (m, status)
+            assert (m in created) == (status == "created"), (m, status)
             for q in queues:
                 assert (r.zscore(keys.waiting(q), m) is not None) == (status == "queued" and queue == q), (m, status, q)
-                in_load = status not in ("parked", "done", "failed", "canceled") and queue == q
+                in_load = status not in ("created", "parked", "done", "failed", "canceled") and queue == q
                 assert (r.zscore(keys.load(q), m) is not None) == in_load, (m, status, q)
                 if in_load:
                     expected_load[q][m] = t["cost"]
-            if status in ("parked", "done", "failed", "canceled"):
-                assert status != "parked" or queue == ""
+            if status in ("created", "parked"):
+                assert queue == ""
             if not status.startswith("running:"):
                 assert r.get(keys.lease(job_id, t["track"])) is None, (m, status)
         if len(tracks) == job["num_tracks"]:
@@ -264,3 +269,18 @@ def _check_bookkeeping(jobs: JobStore) -> None:
         for state in ("queued", "running", "done", "failed", "canceled", "partial"):
             assert set(r.zrange(keys.jobs_in_state(kind, state), 0, -1)) == counts.get((kind, state), set()), \
                 (kind, state)
+
+
+def test_the_readme_documents_the_table_as_it_is():
+    from pathlib import Path
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0].startswith("`") and cells[0].strip("`") in TRANSITIONS:
+            rows[cells[0].strip("`")] = cells
+    assert set(rows) == set(TRANSITIONS)
+    for name, t in TRANSITIONS.items():
+        event, sources, target, holder, cancel, _ = rows[name]
+        assert [s.strip().strip("`") for s in sources.split(",")] == list(t.sources), name
+        assert (target.strip("`"), holder, cancel) == (t.target, t.holder, "yes" if t.cancel else "no"), name

@@ -184,3 +184,13 @@ def test_the_reaper_sends_a_lost_message_again(svc, monkeypatch):
     payloads = svc.redis.lrange("gpu8:9", 0, -1)
     assert len(payloads) == 2 and any(track["task_ids"][0] in p for p in payloads)
     assert svc.jobs.track(kept, 0)["task_ids"] == svc.jobs.track(kept, 0)["task_ids"]
+
+
+def test_the_reaper_parks_tracks_their_submitter_never_routed(svc):
+    app = make_celery(svc.settings)
+    fresh, abandoned = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
+    svc.redis.zadd(svc.jobs.keys.created, {f"{abandoned}:0": time.time() - svc.settings.stall_after_s - 1})
+    assert reap(svc, app) == 1
+    assert svc.jobs.track(abandoned, 0)["status"] == "parked"
+    assert svc.jobs.track(fresh, 0)["status"] == "created"  # its submitter is still about to route it
+    assert svc.redis.zrange(svc.jobs.keys.unrouted, 0, -1) == [f"{abandoned}:0"]

@@ -291,11 +291,8 @@ def test_redis_crash_mid_stage_the_stage_starts_again_when_redis_is_back(tmp_pat
     """Issue 10, fault 1: redis-server is killed (-9) with a stage running and restarted 5 s later on its AOF.
     Celery terminates the stage it can no longer acknowledge and its delivery is gone from `unacked`; the
     stage's lease, no longer renewed, expires, and the reaper starts the track again: the job ends done."""
-    from tests.conftest import Stack, free_port, redis_server_binary
-    port, data = free_port(), tmp_path / "aof"
-    data.mkdir()
-    argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-            "--appendfsync", "always", "--dir", str(data), "--databases", "512"]  # Stack picks a db number
+    from tests.conftest import Stack
+    port, argv = _private_redis_argv(tmp_path)
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     stack = None
     try:
@@ -314,6 +311,46 @@ def test_redis_crash_mid_stage_the_stage_starts_again_when_redis_is_back(tmp_pat
         assert record["state"] == "done", record
         assert record["tracks"][0]["restarts"] == 1
         _no_unacked(stack)
+        _nothing_left(stack)
+    finally:
+        if stack is not None:
+            stack.close()
+        server.kill()
+        server.wait(10)
+
+
+def _private_redis_argv(tmp_path) -> tuple[int, list[str]]:
+    """A redis-server of the test's own (it is killed and restarted), on its AOF, with as many databases as
+    the test stacks number."""
+    from tests.conftest import free_port, redis_server_binary
+    port, data = free_port(), tmp_path / "aof"
+    data.mkdir()
+    return port, [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                  "yes", "--appendfsync", "always", "--dir", str(data), "--databases", "512"]
+
+
+def test_a_worker_started_while_redis_is_down_takes_work_when_it_comes_up(tmp_path, tiny_models):
+    """The worker retries its broker connection; once Redis is back it registers, and a job submitted then
+    (and one parked before it came) both end done."""
+    from tests.conftest import Stack
+    port, argv = _private_redis_argv(tmp_path)
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stack = None
+    try:
+        wait_until(lambda: _answers(port), 10, what="the private redis-server")
+        stack = Stack(f"redis://127.0.0.1:{port}", tiny_models, tmp_path / "stack")
+        parked = stack.submit_music(duration_s=2.0)  # no worker yet: parked
+        server.kill()
+        server.wait(10)
+        stack.start_worker(0, wait=False)
+        wait_until(lambda: "Cannot connect to redis://" in stack.worker_log(0), 60, 0.2,
+                   "the worker to fail to reach Redis and retry")
+        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: _answers(port), 10, what="redis-server back on its AOF")
+        stack.wait_worker(0, "idle", timeout=120)
+        fresh = stack.submit_music(duration_s=2.0)
+        for job_id in (parked, fresh):
+            assert stack.wait_job(job_id, timeout=120)["state"] == "done"
         _nothing_left(stack)
     finally:
         if stack is not None:

@@ -57,7 +57,9 @@ def test_record_expires_with_ttl(client):
 def test_queue_positions_follow_submission_order(client):
     jobs = JobStore(client, "t", ttl_s=60)
     ids = [jobs.create("music", {}, [{"seed": 1}], cost=1.0) for _ in range(3)]
-    assert [jobs.record(j)["queue_position"] for j in ids] == [1, 2, 3]  # parked: position among parked
+    for job_id in ids[:2]:
+        assert jobs.transition("park", job_id, 0)
+    assert [jobs.record(j)["queue_position"] for j in ids] == [1, 2, 0]  # parked: place among parked
     for job_id in ids:
         assert jobs.route(job_id, 0, "gpu0", ["t0"])
     assert [jobs.record(j)["queue_position"] for j in ids] == [1, 2, 3]
