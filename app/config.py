@@ -65,7 +65,7 @@ class Settings:
         default_factory=lambda: {**_time_limits(DEFAULT_TIME_LIMITS), **_time_limits(_env("ENCORE_TIME_LIMITS", ""))})
     max_deliveries: int = field(default_factory=lambda: int(_env("ENCORE_MAX_DELIVERIES", "3")))
     cancel_grace_s: float = field(default_factory=lambda: float(_env("ENCORE_CANCEL_GRACE_S", "3")))
-    reroute_after_s: float = field(default_factory=lambda: float(_env("ENCORE_REROUTE_AFTER_S", "60")))
+    reroute_after_s: float = field(default_factory=lambda: float(_env("ENCORE_REROUTE_AFTER_S", "30")))
     lease_s: float = field(default_factory=lambda: float(_env("ENCORE_LEASE_S", "15")))
     # A track waiting this long for a message that is in no broker list and not delivered gets it again.
     stall_after_s: float = field(default_factory=lambda: float(_env("ENCORE_STALL_AFTER_S", "30")))

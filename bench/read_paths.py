@@ -1,0 +1,151 @@
+"""Requests/s of the read paths clients and scrapers hit, with many jobs in Redis, as ratios to two baselines
+served by the same gunicorn command in the same run: a Flask hello-world and a route making one Redis GET.
+
+Paths: a job poll (GET /api/v1/jobs/<id>), GET /api/v1/status, GET /metrics and the Khala frontend's
+GET /status. Load: wrk (Debian's `wrk`), 200 connections. Jobs: --jobs two-track music jobs in a private
+redis-server, spread over queued / running / done / failed / canceled, on two queues with two live workers.
+Targets (issue 10): poll >= 0.5x hello-world, /api/v1/status >= 0.4x, /metrics and Khala /status >= 0.3x.
+Prints JSON.
+
+    python bench/read_paths.py [--jobs 10000] [--seconds 10] [--connections 200] [--workers 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+from flask import Flask
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.common import free_port, start_redis  # noqa: E402
+
+TARGETS = {"job_poll": 0.5, "status": 0.4, "metrics": 0.3, "khala_status": 0.3}
+
+
+def baseline_app() -> Flask:
+    """gunicorn 'bench.read_paths:baseline_app()': the two baselines on one app."""
+    import redis
+    client = redis.Redis.from_url(os.environ["REDIS_URL"], decode_responses=True)
+    app = Flask("baseline")
+
+    @app.get("/hello")
+    def hello():
+        return "hello"
+
+    @app.get("/one-get")
+    def one_get():
+        return {"value": client.get("bench:one")}
+    return app
+
+
+def fill(url: str, jobs: int) -> str:
+    """`jobs` two-track music jobs in every overall state; returns a running job's id (the one polled)."""
+    from app.config import Settings
+    from app.services import build_services
+    svc = build_services(Settings(redis_url=url, heartbeat_s=3600))  # the two workers stay live all run
+    svc.redis.set("bench:one", "1")
+    for name, queue in (("gpu0@bench", "gpu0"), ("gpu1@bench", "gpu1")):
+        svc.workers.heartbeat(name, {"queue": queue, "pid": os.getpid()})
+    polled = ""
+    for index in range(jobs):
+        job_id = svc.jobs.create("music", {"mode": "instrumental"}, [{"seed": 1}, {"seed": 2}], cost=10.0)
+        queue = f"gpu{index % 2}"
+        for track in (0, 1):
+            svc.jobs.route(job_id, track, queue, [f"{job_id}-{track}-{s}" for s in range(4)])
+        phase = index % 5
+        if phase == 0:
+            continue  # queued
+        owner = f"gpu{index % 2}@bench|{job_id}-0-0|1"
+        svc.jobs.transition("start", job_id, 0, stage="backbone", owner=owner, task_id=f"{job_id}-0-0",
+                            worker=f"gpu{index % 2}@bench", lease_ms=3_600_000)
+        if phase == 1:
+            polled = polled or job_id  # running
+        elif phase == 2:
+            svc.jobs.cancel(job_id, 0, "canceled", owner=owner)
+            svc.jobs.cancel(job_id, 1, "canceled")
+        else:
+            end = "fail" if phase == 3 else "cancel"
+            svc.jobs.transition(end, job_id, 0, {"detail": "x"}, owner=owner)
+            svc.jobs.transition("fail", job_id, 1, {"error": "x"})
+    return polled
+
+
+def wrk(url: str, seconds: int, connections: int) -> float:
+    out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--timeout", "30s", url],
+                         capture_output=True, text=True, check=True).stdout
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errors:
+        raise RuntimeError(f"{url}: {errors.group(1)} error responses\n{out}")
+    return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+
+
+def serve(app_spec: str, env: dict[str, str], workers: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-w", str(workers), "-b", f"127.0.0.1:{port}",
+                             "--log-level", "warning", app_spec], cwd=REPO, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            requests.get(f"{base}/healthz" if "create_app" in app_spec else f"{base}/hello", timeout=2)
+            return proc, base
+        except requests.RequestException:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"{app_spec} did not start")
+            time.sleep(0.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=10_000)
+    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--connections", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=2, help="gunicorn workers (the demo's command uses 2)")
+    args = parser.parse_args()
+    if not shutil.which("wrk"):
+        sys.exit("wrk is needed: apt-get install wrk")
+    with tempfile.TemporaryDirectory() as scratch:
+        server, url = start_redis(Path(scratch))
+        procs = [server]
+        try:
+            started = time.perf_counter()
+            polled = fill(url, args.jobs)
+            fill_s = time.perf_counter() - started
+            env = {**os.environ, "REDIS_URL": url, "ENCORE_ARTIFACT_DIR": str(Path(scratch) / "artifacts"),
+                   "ENCORE_UPLOAD_DIR": str(Path(scratch) / "uploads"), "PYTHONPATH": str(REPO)}
+            baseline, base_url = serve("bench.read_paths:baseline_app()", env, args.workers)
+            encore, encore_url = serve("app.web:create_app()", env, args.workers)
+            procs += [baseline, encore]
+            paths = {"hello": f"{base_url}/hello", "one_get": f"{base_url}/one-get",
+                     "job_poll": f"{encore_url}/api/v1/jobs/{polled}", "status": f"{encore_url}/api/v1/status",
+                     "metrics": f"{encore_url}/metrics", "khala_status": f"{encore_url}/status"}
+            for target in paths.values():
+                requests.get(target, timeout=30).raise_for_status()
+            rates = {name: wrk(target, args.seconds, args.connections) for name, target in paths.items()}
+            ratios = {name: round(rates[name] / rates["hello"], 3) for name in TARGETS}
+            print(json.dumps({
+                "jobs": args.jobs, "connections": args.connections, "gunicorn_workers": args.workers,
+                "seconds_each": args.seconds, "fill_s": round(fill_s, 1),
+                "requests_per_s": {k: round(v, 1) for k, v in rates.items()},
+                "ratio_to_hello_world": ratios,
+                "ratio_to_one_get": {name: round(rates[name] / rates["one_get"], 3) for name in TARGETS},
+                "targets": TARGETS, "meets_targets": {n: ratios[n] >= TARGETS[n] for n in TARGETS},
+            }, indent=2))
+        finally:
+            for proc in reversed(procs):
+                proc.terminate()
+                proc.wait(10)
+
+
+if __name__ == "__main__":
+    main()
