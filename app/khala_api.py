@@ -16,6 +16,7 @@ from flask import Blueprint, jsonify, request, send_file
 
 from app.kinds import CANCELED, DONE, FAILED, QUEUED
 from app.services import Services
+from app.snapshot import take_snapshot
 from app.submissions import RequestError
 
 NUM_TRACKS = 2
@@ -142,10 +143,13 @@ def _starts_now(svc: Services, record: dict[str, Any]) -> bool:
     return len(ahead) <= record["num_tracks"] and all(m.startswith(record["job_id"] + ":") for m in ahead)
 
 
-def status_reply(svc: Services) -> dict[str, Any]:
-    workers = svc.workers.workers()
+def status_reply(svc: Services, transport_options: dict[str, Any]) -> dict[str, Any]:
+    """GPUs (live workers), idle ones, jobs being processed (a track started, not all ended) and jobs
+    waiting (no track started yet), one Redis round trip whatever the number of jobs."""
+    snapshot = take_snapshot(svc, transport_options)
+    workers = snapshot.workers
     live = [w for w in workers if w["status"] != "offline"]
-    counts = svc.jobs.job_counts()
+    counts = snapshot.jobs
     return {
         "total_gpus": len(live), "idle_gpus": sum(w["status"] == "idle" for w in live),
         "active_jobs": sum(n for (_, state), n in counts.items() if state == "running"),
@@ -170,7 +174,7 @@ def _gpu_index(queue: str) -> int | None:
 
 
 def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], validate: Callable[[dict], Any],
-                   tags_file: Path | None, longest_song_s: float) -> Blueprint:
+                   tags_file: Path | None, longest_song_s: float, transport_options: dict[str, Any]) -> Blueprint:
     """The contract's routes; registered once per prefix (none by default, and /api)."""
     blueprint = Blueprint(name, __name__)
     catalogue = json.loads((tags_file or DEFAULT_TAGS).read_text())
@@ -183,7 +187,7 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
     @blueprint.get("/status")
     def status():
         """GPUs (live workers), idle ones, active and queued jobs, per worker phase."""
-        return jsonify(status_reply(svc))
+        return jsonify(status_reply(svc, transport_options))
 
     @blueprint.post("/generate")
     def generate():

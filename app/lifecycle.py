@@ -467,6 +467,48 @@ return cjson.encode({job = job, tracks = tracks, cancel = redis.call('EXISTS', P
 """
 
 
+_SNAPSHOT = r"""
+-- ARGV: prefix, now, spec (JSON: states [[kind, state]...], stages [[kind, stage]...], lists [suffix...]).
+-- Everything the status page, /metrics and Khala's /status show, in one round trip.
+local P, now = ARGV[1], ARGV[2]
+local spec = cjson.decode(ARGV[3])
+local function to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end; return t end
+local out = {workers = {}, queues = {}, jobs = {}, stages = {}}
+local known = {}
+local names = redis.call('SMEMBERS', P .. ':workers')
+table.sort(names)
+for _, name in ipairs(names) do
+  local info = to_table(redis.call('HGETALL', P .. ':worker:' .. name))
+  local current = to_table(redis.call('HGETALL', P .. ':worker:' .. name .. ':current'))
+  out.workers[#out.workers + 1] = {name = name, info = info, current = current}
+  for q in string.gmatch(info.queue or '', '[^,]+') do known[q] = true end
+end
+for _, q in ipairs(redis.call('SMEMBERS', P .. ':queues')) do known[q] = true end
+local draining = {}
+for _, q in ipairs(redis.call('SMEMBERS', P .. ':draining')) do draining[q] = true end
+local queues = {}
+for q, _ in pairs(known) do queues[#queues + 1] = q end
+table.sort(queues)
+for _, q in ipairs(queues) do
+  local messages = 0
+  for _, suffix in ipairs(spec.lists) do messages = messages + redis.call('LLEN', q .. suffix) end
+  out.queues[#out.queues + 1] = {name = q, waiting = redis.call('ZCARD', P .. ':queue:' .. q .. ':waiting'),
+    outstanding = redis.call('ZCARD', P .. ':queue:' .. q .. ':load'),
+    cost = tonumber(redis.call('GET', P .. ':queue:' .. q .. ':cost') or '0'), broker_messages = messages,
+    draining = draining[q] == true}
+end
+out.unrouted = redis.call('ZCARD', P .. ':unrouted')
+for _, pair in ipairs(spec.states) do
+  out.jobs[#out.jobs + 1] = redis.call('ZCOUNT', P .. ':jobs:' .. pair[1] .. ':' .. pair[2], '(' .. now, '+inf')
+end
+out.submitted = to_table(redis.call('HGETALL', P .. ':metrics:submitted'))
+for _, pair in ipairs(spec.stages) do
+  out.stages[#out.stages + 1] = to_table(redis.call('HGETALL', P .. ':metrics:stage_seconds:' .. pair[1] .. ':' .. pair[2]))
+end
+return cjson.encode(out)
+"""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What a transition did: applied, turned into a cancel (a pending cancel won), or refused (why)."""
@@ -488,6 +530,7 @@ class Lifecycle:
         self.layout = layout
         self._script = client.register_script(_generated_tables() + _TRANSITION)
         self._read_job = client.register_script(_READ_JOB)
+        self._snapshot = client.register_script(_SNAPSHOT)
 
     def apply(self, event: str, job_id: str, track: int, args: dict[str, Any] | None = None,
               fields: dict[str, Any] | None = None, client: Any = None) -> Outcome:
@@ -511,6 +554,15 @@ class Lifecycle:
         raw = json.loads(reply)
         raw["tracks"] = raw["tracks"] or []  # cjson writes an empty table as {}
         return raw
+
+
+    def snapshot(self, states: list[tuple[str, str]], stages: list[tuple[str, str]],
+                 list_suffixes: list[str]) -> dict[str, Any]:
+        """Workers (with their current stage), queues (depths, load, broker messages, drained), parked
+        tracks, jobs per (kind, state) in `states` order, submission counters and the stage histograms of
+        `stages`, in one round trip (see app/snapshot.py)."""
+        spec = {"states": states, "stages": stages, "lists": list_suffixes}
+        return json.loads(self._snapshot(keys=[], args=[self.layout.prefix, repr(time.time()), json.dumps(spec)]))
 
 
 def _text(value: str | bytes) -> str:

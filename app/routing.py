@@ -42,30 +42,6 @@ def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
     return {queue: int(value or 0) / 1000 for queue, value in zip(queues, pipe.execute())}
 
 
-def queue_depths(svc: Services, queues: list[str], transport_options: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per queue: tracks waiting, tracks outstanding, estimated load, broker messages (every priority list)
-    and whether it is drained, in one round trip."""
-    lists = {queue: broker_lists(queue, transport_options) for queue in queues}
-    pipe = svc.redis.pipeline(transaction=False)
-    for queue in queues:
-        pipe.zcard(svc.jobs.waiting_key(queue))
-        pipe.zcard(svc.jobs.load_key(queue))
-        pipe.get(svc.jobs.keys.cost(queue))
-        for key in lists[queue]:
-            pipe.llen(key)
-    pipe.smembers(svc.jobs.keys.draining)
-    replies = pipe.execute()
-    drained, depths, at = replies[-1], [], 0
-    for queue in queues:
-        waiting, outstanding, cost = replies[at:at + 3]
-        messages = sum(replies[at + 3:at + 3 + len(lists[queue])])
-        at += 3 + len(lists[queue])
-        depths.append({"name": queue, "waiting": waiting, "outstanding": outstanding,
-                       "estimated_load": int(cost or 0) / 1000, "broker_messages": messages,
-                       "draining": queue in drained})
-    return depths
-
-
 def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
     """Queues that ever had a track or have a live worker (no keyspace scan: this runs on every heartbeat)."""
     workers = svc.workers.workers() if workers is None else workers

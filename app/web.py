@@ -22,9 +22,10 @@ from app.khala_api import make_blueprint
 from app.metrics import make_registry
 from app.openapi import build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile
-from app.routing import drain_queue, known_queues, queue_depths, resume_queue, route_job
+from app.routing import drain_queue, known_queues, resume_queue, route_job
 from app.schemas import Accepted, ErrorReply, MusicRequest
 from app.services import Services, build_services
+from app.snapshot import take_snapshot
 from app.submissions import RequestError, create_job, submit_music as submit_music_job, validate_music
 from app.uploads import LipsyncForm, UploadError, receive_lipsync
 
@@ -65,7 +66,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     _register_errors(app)
     _require_token(app, settings.api_tokens)
     _register_khala_contract(app, svc, celery_app, settings, profile)
-    registry = make_registry(svc)
+    registry = make_registry(svc, dict(celery_app.conf.broker_transport_options or {}))
 
     @app.get("/metrics")
     def metrics():
@@ -195,12 +196,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     @app.get("/api/v1/status")
     def status():
         """Every worker (idle/busy/offline, current job and stage, device) and every queue's depth."""
-        workers = svc.workers.workers()
-        queues = known_queues(svc, workers)
+        snapshot = take_snapshot(svc, dict(celery_app.conf.broker_transport_options or {}))
         return jsonify({
-            "workers": [_public_worker(w) for w in workers],
-            "queues": queue_depths(svc, queues, dict(celery_app.conf.broker_transport_options or {})),
-            "unrouted": svc.redis.zcard(svc.jobs.keys.unrouted),
+            "workers": [_public_worker(w) for w in snapshot.workers],
+            "queues": snapshot.queues,
+            "unrouted": snapshot.unrouted,
             "time": time.time(),
         })
 
@@ -275,7 +275,8 @@ def _register_khala_contract(app: Flask, svc: Services, celery_app, settings: Se
         if name == "khala_api" and prefix == settings.compat_prefix:
             continue
         app.register_blueprint(make_blueprint(name, svc, submit, validate, settings.tags_file,
-                                              profile.max_duration_s),
+                                              profile.max_duration_s,
+                                              dict(celery_app.conf.broker_transport_options or {})),
                                url_prefix=prefix or None)
 
 

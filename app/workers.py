@@ -79,20 +79,22 @@ class WorkerRegistry:
             pipe.hgetall(self._key(name))
             pipe.hgetall(self.keys.worker_current(name))
         replies = pipe.execute()
-        result = []
-        for name, info, current in zip(names, replies[0::2], replies[1::2]):
-            status = "offline" if not info else ("busy" if current else "idle")
-            entry: dict[str, Any] = {"name": name, "status": status, **info}
-            entry["current"] = ({"job_id": current["job_id"], "track": int(current["track"]),
-                                 "stage": current["stage"], "since": float(current["since"])}
-                                if current and info else None)
-            result.append(entry)
-        return result
+        return [worker_entry(name, info, current) for name, info, current in zip(names, replies[0::2], replies[1::2])]
 
     def live_queues(self, workers: list[dict[str, Any]] | None = None) -> list[str]:
         """Queues of live workers, from `workers` when the caller already read them."""
         workers = self.workers() if workers is None else workers
         return sorted({queue for w in workers if w["status"] != "offline" for queue in consumed_queues(w)})
+
+
+def worker_entry(name: str, info: dict[str, str], current: dict[str, str]) -> dict[str, Any]:
+    """A worker as routing and the status views see it: status idle | busy | offline, its heartbeat
+    fields, and its current stage while live."""
+    status = "offline" if not info else ("busy" if current else "idle")
+    entry: dict[str, Any] = {"name": name, "status": status, **info}
+    entry["current"] = ({"job_id": current["job_id"], "track": int(current["track"]), "stage": current["stage"],
+                         "since": float(current["since"])} if current and info else None)
+    return entry
 
 
 def consumed_queues(worker: dict[str, Any]) -> list[str]:

@@ -7,7 +7,7 @@ redis-server, spread over queued / running / done / failed / canceled, on two qu
 Targets (issue 10): poll >= 0.5x hello-world, /api/v1/status >= 0.4x, /metrics and Khala /status >= 0.3x.
 Prints JSON.
 
-    python bench/read_paths.py [--jobs 10000] [--seconds 10] [--connections 200] [--workers 2]
+    python bench/read_paths.py [--jobs 10000] [--seconds 10] [--rounds 3] [--connections 200] [--workers 2]
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--connections", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2, help="gunicorn workers (the demo's command uses 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="wrk runs per path, interleaved; the median counts")
     args = parser.parse_args()
     if not shutil.which("wrk"):
         sys.exit("wrk is needed: apt-get install wrk")
@@ -131,11 +133,15 @@ def main() -> None:
                      "metrics": f"{encore_url}/metrics", "khala_status": f"{encore_url}/status"}
             for target in paths.values():
                 requests.get(target, timeout=30).raise_for_status()
-            rates = {name: wrk(target, args.seconds, args.connections) for name, target in paths.items()}
+            runs: dict[str, list[float]] = {name: [] for name in paths}
+            for _ in range(args.rounds):  # interleaved, so a noisy moment hits every path alike
+                for name, target in paths.items():
+                    runs[name].append(wrk(target, args.seconds, args.connections))
+            rates = {name: statistics.median(values) for name, values in runs.items()}
             ratios = {name: round(rates[name] / rates["hello"], 3) for name in TARGETS}
             print(json.dumps({
                 "jobs": args.jobs, "connections": args.connections, "gunicorn_workers": args.workers,
-                "seconds_each": args.seconds, "fill_s": round(fill_s, 1),
+                "seconds_each": args.seconds, "rounds": args.rounds, "fill_s": round(fill_s, 1),
                 "requests_per_s": {k: round(v, 1) for k, v in rates.items()},
                 "ratio_to_hello_world": ratios,
                 "ratio_to_one_get": {name: round(rates[name] / rates["one_get"], 3) for name in TARGETS},
