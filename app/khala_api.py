@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from flask import Blueprint, jsonify, request, send_file
 
+from app.http_input import BodyError, json_object
 from app.kinds import CANCELED, DONE, FAILED, QUEUED
 from app.services import Services
 from app.snapshot import take_snapshot
@@ -46,6 +47,8 @@ def _translate(body: dict[str, Any], longest_song_s: float) -> dict[str, Any]:
         raise RequestError("duration", "must be a whole number of minutes from 1 to 10")
     temperature = body.get("temperature", 1.0)
     if isinstance(temperature, int) and not isinstance(temperature, bool):
+        if abs(temperature) > 1e6:
+            raise RequestError("temperature", "must be a number from 0.6 to 1.4")
         temperature = float(temperature)  # the reference's frontend sends 1, not 1.0
     text_field = "tags" if prompt_mode == "tags" else "prompt"
     native = {"mode": mode, text_field: body.get(text_field, ""), "duration_s": min(float(minutes * 60), longest_song_s),
@@ -192,9 +195,10 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
     @blueprint.post("/generate")
     def generate():
         """Submit a 2-track song in the reference's format."""
-        body = request.get_json(silent=True)
-        if not isinstance(body, dict):
-            return _error(400, "body: expected a JSON object")
+        try:
+            body = json_object(request)
+        except BodyError as exc:
+            return _error(400, str(exc))
         try:
             req = validate(_translate(body, longest_song_s))
         except RequestError as exc:

@@ -28,8 +28,13 @@ class MusicRequest(BaseModel):
 
     @field_validator("tags", "prompt", "lyrics")
     @classmethod
-    def _strip(cls, value: str | None) -> str | None:
-        return value.strip() if isinstance(value, str) else value
+    def _strip(cls, value: str | None, info) -> str | None:
+        if not isinstance(value, str):
+            return value
+        bad = untokenizable(value)
+        if bad is not None:
+            raise _field_error(info.field_name, bad)
+        return value.strip()
 
     @model_validator(mode="after")
     def _deployment_limits(self, info) -> "MusicRequest":
@@ -55,6 +60,18 @@ class MusicRequest(BaseModel):
         if self.num_tracks > max_tracks:
             raise _field_error("num_tracks", f"at most {max_tracks}")
         return self
+
+
+def untokenizable(text: str) -> str | None:
+    """Why the tokenizer could not take `text` (a lone surrogate, which has no UTF-8 form; a control
+    character other than tab and line breaks), or None."""
+    for position, char in enumerate(text):
+        code = ord(char)
+        if 0xD800 <= code <= 0xDFFF:
+            return f"contains a lone surrogate U+{code:04X} at position {position} (not valid Unicode text)"
+        if (code < 0x20 and char not in "\t\n\r") or 0x7F <= code < 0xA0:
+            return f"contains the control character U+{code:04X} at position {position}"
+    return None
 
 
 class FieldError(ValueError):

@@ -13,10 +13,11 @@ from typing import Any
 import redis
 from flask import Flask, Response, jsonify, request, send_file
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from app.celery_app import make_celery
 from app.config import Settings, load_settings
+from app.http_input import BodyError, json_object
 from app.joblog import job_event
 from app.khala_api import make_blueprint
 from app.metrics import make_registry
@@ -31,7 +32,7 @@ from app.uploads import LipsyncForm, UploadError, receive_lipsync
 
 log = logging.getLogger("encore.web")
 
-TRACK_FILE = re.compile(r"^(\d{1,3})\.(mp3|wav)$")
+TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched whole: no "000.mp3", no "٠.mp3"
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
 
 
@@ -71,7 +72,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     @app.get("/metrics")
     def metrics():
         """Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers (no auth)."""
-        return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)  # it names its charset
 
     @app.get("/")
     def index():
@@ -92,11 +93,10 @@ def create_app(settings: Settings | None = None) -> Flask:
                 responses={202: ("accepted", Accepted), 400: ("invalid field", ErrorReply),
                            401: ("token required", ErrorReply)})
     def submit_music():
-        body = request.get_json(silent=True)
-        if not isinstance(body, dict):
-            return error(400, "body: expected a JSON object (Content-Type: application/json)", "body")
         try:
-            req = validate_music(body, settings, profile)
+            req = validate_music(json_object(request), settings, profile)
+        except BodyError as exc:
+            return error(400, str(exc), exc.field)
         except RequestError as exc:
             return error(400, str(exc), exc.field)
         job_id = submit_music_job(svc, celery_app, req, profile)
@@ -161,7 +161,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     @documented("Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)", media="audio/mpeg",
                 responses={200: ("the audio file", None), 404: ("unknown job, track or not done", ErrorReply)})
     def download_track(job_id: str, file_name: str):
-        match = TRACK_FILE.match(file_name)
+        match = TRACK_FILE.fullmatch(file_name)
         if not match:
             return error(404, "file: expected <track>.mp3 or <track>.wav", "file")
         index, fmt = int(match.group(1)), match.group(2)
@@ -215,8 +215,11 @@ def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str)
     if index >= record["num_tracks"]:
         return error(404, f"track: job has {record['num_tracks']} tracks", "track")
     track = record["tracks"][index]
-    if track["state"] != "done" or name not in track["artifacts"]:
+    if track["state"] != "done":
         return error(404, f"track {index} is {track['state']}, not done")
+    if name not in track["artifacts"]:
+        hint = f" (a lip-sync job: its result is /api/v1/jobs/{job_id}/video.mp4)" if record["kind"] == "lipsync" else ""
+        return error(404, f"track {index} has no file {name}{hint}")
     path = svc.artifacts.local_path(job_id, name)
     return send_file(path, mimetype=MEDIA_TYPES[fmt], conditional=True,
                      download_name=f"encore-{job_id[:8]}-{name}")
@@ -249,7 +252,7 @@ def _download_urls(job_id: str, track: dict[str, Any]) -> dict[str, str]:
     for name in track["artifacts"]:
         if name == "output.mp4":
             urls["mp4"] = f"/api/v1/jobs/{job_id}/video.mp4"
-        elif TRACK_FILE.match(name.removeprefix("track")):
+        elif TRACK_FILE.fullmatch(name.removeprefix("track")):
             urls[name.rsplit(".", 1)[1]] = f"/api/v1/jobs/{job_id}/tracks/{name.removeprefix('track')}"
     return urls
 
@@ -291,7 +294,8 @@ def _require_token(app: Flask, tokens: tuple[str, ...]) -> None:
         if request.endpoint in PUBLIC_ENDPOINTS:
             return None
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip(), t) for t in tokens):
+        offered = given.strip().encode("latin-1", "replace")  # header bytes as sent; any non-ASCII never matches
+        if scheme.lower() == "bearer" and any(hmac.compare_digest(offered, t.encode()) for t in tokens):
             return None
         reply, status = error(401, "authorization: a valid 'Authorization: Bearer <token>' header is required",
                               "authorization")
@@ -302,7 +306,10 @@ def _require_token(app: Flask, tokens: tuple[str, ...]) -> None:
 def _register_errors(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
-        return error(exc.code or 500, exc.description or exc.name)
+        reply, status = error(exc.code or 500, exc.description or exc.name)
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            reply.headers["Allow"] = ", ".join(sorted(exc.valid_methods))
+        return reply, status
 
     @app.errorhandler(redis.RedisError)
     def redis_down(exc: redis.RedisError):

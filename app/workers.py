@@ -5,7 +5,7 @@ its child is running. Routing and /api/v1/status read it (no broadcast `inspect`
   {p}:worker:{name}           hash, expires after 3 missed heartbeats: queue, pid, runtime_mode, device, ...
   {p}:worker:{name}:current   hash while a stage runs (written by the `start` transition, removed when its
                               track leaves that stage): job_id, track, stage, since, pid
-  {p}:queue:{q}:live_at       last heartbeat of a worker consuming q (how long a queue has been orphaned)
+  {p}:queue:{q}:live_at       last heartbeat of a worker consuming q (how long a queue has had no consumer)
 (key builders: app/lifecycle.Layout)
 """
 from __future__ import annotations
