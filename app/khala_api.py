@@ -24,8 +24,6 @@ NUM_TRACKS = 2
 DEFAULT_TAGS = Path(__file__).with_name("khala_tags.json")
 TRACK_STATUS = {QUEUED: "queued", "backbone": "generating", "superres": "superres", "decoding": "decoding",
                 "exporting": "decoding", DONE: "done", FAILED: "error", CANCELED: "error"}
-# Share of a track's 0-100 progress each stage covers (export is part of "decoding" for the reference).
-PROGRESS_SPAN = {"backbone": (0, 70), "superres": (70, 88), "decoding": (88, 97), "exporting": (97, 100)}
 NATIVE_TO_CONTRACT_FIELD = {"duration_s": "duration", "top_k": "top_k_bb"}
 TOKENS = re.compile(r"^(\d+)/(\d+) tokens$")
 
@@ -34,70 +32,95 @@ def _error(status: int, message: str):
     return jsonify({"status": "error", "error": message}), status
 
 
+def _whole(body: dict[str, Any], field: str, default: int) -> int:
+    """An integer field as the reference's (lax) pydantic reads it: 3, 3.0 or "3"; not 2.5, "x" or true."""
+    value = body.get(field, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]{1,9}\s*", value, re.ASCII):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(field, "must be a whole number")
+    return value
+
+
+def _real(body: dict[str, Any], field: str, default: float) -> float:
+    """A float field as the reference reads it: a finite number (the frontend sends 1, not 1.0)."""
+    value = body.get(field, default)
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]{1,9}(\.[0-9]{1,9})?\s*", value, re.ASCII):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e9 < value < 1e9:
+        raise RequestError(field, "must be a number")
+    return float(value)
+
+
 def _translate(body: dict[str, Any], longest_song_s: float) -> dict[str, Any]:
-    """The reference's fields → a native MusicRequest body (unknown fields are ignored, as it does). Ten
-    minutes is longer than the backbone can write (23,552 tokens, ~9.1 min): the reference accepts it and
-    its song stops at that cap; here it becomes the longest song the profile can write."""
+    """The reference's fields → a native MusicRequest body. As the reference does: unknown fields are
+    ignored, and numbers are clamped to its ranges (duration 1–10 minutes, top_k_bb 1–200, temperature
+    0.6–1.4) rather than refused. Ten minutes is longer than the backbone can write (23,552 tokens, ~9.1
+    min): the reference accepts it and its song stops at that cap; here it becomes the longest song the
+    profile can write."""
     mode = body.get("mode", "vocal")
     prompt_mode = body.get("prompt_mode", "tags")
     if prompt_mode not in ("natural", "tags"):
         raise RequestError("prompt_mode", "must be 'natural' or 'tags'")
-    minutes = body.get("duration", 2)
-    if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 10:
-        raise RequestError("duration", "must be a whole number of minutes from 1 to 10")
-    temperature = body.get("temperature", 1.0)
-    if isinstance(temperature, int) and not isinstance(temperature, bool):
-        if abs(temperature) > 1e6:
-            raise RequestError("temperature", "must be a number from 0.6 to 1.4")
-        temperature = float(temperature)  # the reference's frontend sends 1, not 1.0
+    minutes = max(1, min(10, _whole(body, "duration", 3)))
+    top_k = max(1, min(200, _whole(body, "top_k_bb", 80)))
+    temperature = max(0.6, min(1.4, _real(body, "temperature", 1.0)))
     text_field = "tags" if prompt_mode == "tags" else "prompt"
     native = {"mode": mode, text_field: body.get(text_field, ""), "duration_s": min(float(minutes * 60), longest_song_s),
-              "num_tracks": NUM_TRACKS, "temperature": temperature, "top_k": body.get("top_k_bb", 80)}
+              "num_tracks": NUM_TRACKS, "temperature": temperature, "top_k": top_k}
     if mode == "vocal":
         native["lyrics"] = body.get("lyrics", "")
     return native
 
 
-def _phase(track: dict[str, Any], queue_position: int) -> tuple[str, str, str]:
-    """(status, worker_phase, phase_display) of one track, in the reference's words."""
+def _phase(track: dict[str, Any], progress: int) -> tuple[str, str, str]:
+    """(status, worker_phase, phase_display) of one track, in the reference's words; an open track whose
+    worker is offline says so instead of freezing on its last progress."""
     state, detail = track["state"], track["detail"]
     status = TRACK_STATUS.get(state, "error")
-    loading = detail == "starting"
-    if state == QUEUED:
-        return status, "idle", f"Queued · Position #{max(queue_position, 1)}"
+    status_phase = _running_phase(track, state, detail == "starting", progress)
+    if status_phase is None:
+        return status, "idle", {QUEUED: "Queued", DONE: "Done"}.get(state, "Error")
+    worker_phase, display = status_phase
+    if track.get("worker_status") == "offline":
+        display = f"Worker {track['worker']} offline · {track['stage']} resumes when the track moves or it returns"
+    return status, worker_phase, display
+
+
+def _running_phase(track: dict[str, Any], state: str, loading: bool, progress: int) -> tuple[str, str] | None:
     if state == "backbone":
-        if loading:
-            return status, "loading_backbone", "Loading backbone model..."
-        return status, "backbone", _backbone_display(track)
+        return ("loading_backbone", "Loading backbone model...") if loading else \
+            ("backbone", _backbone_display(track, progress))
     if state == "superres":
-        if loading:
-            return status, "loading_superres", "Loading super-resolution model..."
-        return status, "superres", f"Super-Resolution Generating · {round(100 * track['progress'])}%"
+        return ("loading_superres", "Loading super-resolution model...") if loading else \
+            ("superres", f"Super-Resolution Generating · {progress}%")
     if state in ("decoding", "exporting"):
-        if loading and state == "decoding":
-            return status, "loading_decoder", "Loading decoder model..."
-        return status, "decoding", "Decoding audio..."
-    if state == DONE:
-        return status, "idle", "Done"
-    return status, "idle", "Error"
+        return ("loading_decoder", "Loading decoder model...") if loading and state == "decoding" else \
+            ("decoding", "Decoding audio...")
+    return None
 
 
-def _backbone_display(track: dict[str, Any]) -> str:
-    percent = round(100 * track["progress"])
+def _backbone_display(track: dict[str, Any], progress: int) -> str:
     match = TOKENS.match(track["detail"])
     if not match:
-        return f"Backbone generating · {percent}%"
+        return f"Backbone generating · {progress}%"
     tokens = int(match.group(1))
     started = track["stages"].get("backbone", {}).get("started_at")
-    rate = tokens / max(time.time() - started, 1e-3) if started else 0.0
-    return f"Backbone generating · {percent}% · {rate:.0f} tok/s · {tokens} tokens"
+    rate = max(1, round(tokens / max(time.time() - started, 1e-6))) if started else 1
+    return f"Backbone generating · {progress}% · {rate} tok/s · {tokens} tokens"
 
 
 def _progress(track: dict[str, Any]) -> int:
+    """As the reference shows it: the current phase's progress held within 1–99 while it runs; 100 done;
+    0 queued or failed."""
     if track["state"] == DONE:
         return 100
-    low, high = PROGRESS_SPAN.get(track["state"], (0, 0))
-    return int(low + (high - low) * track["progress"])
+    if track["state"] in (QUEUED, FAILED, CANCELED):
+        return 0
+    percent = int(100 * track["progress"])
+    return max(1, min(99, percent)) if percent > 0 else 1
 
 
 def _job_status(statuses: list[str]) -> str:
@@ -120,10 +143,10 @@ def _song_seconds(track: dict[str, Any]) -> float:
 def job_reply(record: dict[str, Any]) -> dict[str, Any]:
     tracks = []
     for track in record["tracks"]:
-        position = track["queue_position"]
-        status, worker_phase, display = _phase(track, position)
+        progress = _progress(track)
+        status, worker_phase, display = _phase(track, progress)
         tracks.append({
-            "index": track["track"], "status": status, "progress": _progress(track), "phase_display": display,
+            "index": track["track"], "status": status, "progress": progress, "phase_display": display,
             "worker_id": track["worker"] or None, "worker_phase": worker_phase,
             "duration_sec": _song_seconds(track), "error": track["error"] or None,
         })

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import redis
-from flask import Flask, Response, jsonify, request, send_file
+from flask import Flask, Response, has_request_context, jsonify, request, send_file
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
@@ -36,10 +36,17 @@ TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched 
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
 
 
+KHALA_BLUEPRINTS = ("khala", "khala_api")
+
+
 def error(status: int, message: str, field: str | None = None):
+    """A JSON error body naming the field; on the Khala-compatible routes also `"status": "error"`, which its
+    frontend checks (without it a 401 or 5xx reads as accepted, and it polls /job/undefined forever)."""
     body: dict[str, Any] = {"error": message}
     if field:
         body["field"] = field
+    if has_request_context() and request.blueprint in KHALA_BLUEPRINTS:
+        body["status"] = "error"
     return jsonify(body), status
 
 
@@ -315,3 +322,8 @@ def _register_errors(app: Flask) -> None:
     def redis_down(exc: redis.RedisError):
         log.exception("redis error")
         return error(503, f"job store unavailable: {exc}")
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):
+        log.exception("unhandled error")
+        return error(500, f"internal error ({type(exc).__name__})")
