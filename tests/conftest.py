@@ -266,7 +266,7 @@ def make_ending(model, end_id: int, trigger_id: int) -> None:
 def write_ending_backbone(profile, directory, *, end_id: int, trigger_id: int, seed: int = 3):
     """A tiny backbone checkpoint, in the real format, that ends a song right after `trigger_id`."""
     import torch
-    from app.pipeline import megatron_backend as mb
+    from app.pipeline.music import megatron_backend as mb
     model = mb.build_gpt(profile.backbone, causal=True, device="cpu", dtype=torch.float32)
     mb.init_random_weights(model, seed)
     make_ending(model, end_id, trigger_id)
@@ -277,15 +277,15 @@ def write_ending_backbone(profile, directory, *, end_id: int, trigger_id: int, s
 @pytest.fixture(scope="session")
 def end_id(tiny_profile):
     """The tiny tokenizer's end-of-text id (the real one's is 128001)."""
-    from app.pipeline import prompt
+    from app.pipeline.music import prompt
     return prompt.prompt_token_ids(prompt.load_tokenizer(tiny_profile.tokenizer_dir)).eos
 
 
 @pytest.fixture(scope="session")
 def ending(tiny_profile, end_id, tmp_path_factory):
     """Both engines over one ending checkpoint, loaded by the real loader."""
-    from app.pipeline import megatron_backend as mb
-    from app.pipeline.torch_engine import TorchCausalLM, from_megatron
+    from app.pipeline.music import megatron_backend as mb
+    from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron
     directory = tmp_path_factory.mktemp("ending-backbone")
     write_ending_backbone(tiny_profile, directory, end_id=end_id,
                           trigger_id=tiny_profile.audio_token_offset(1) + TRIGGER)

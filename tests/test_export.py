@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.pipeline.export import (MP3_ENCODER_DELAY_SAMPLES, MP3_FRAME_SAMPLES, ExportError, probe_duration,
+from app.pipeline.music.export import (MP3_ENCODER_DELAY_SAMPLES, MP3_FRAME_SAMPLES, ExportError, probe_duration,
                                  write_metadata, write_mp3, write_wav)
 from app.pipeline.profiles import load_profile
 

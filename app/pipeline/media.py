@@ -26,7 +26,7 @@ from typing import IO, Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .control import StageControl
+from app.pipeline.control import StageControl
 
 PathLike = Union[str, os.PathLike]
 FpsLike = Union[float, int, str, Fraction]

@@ -11,9 +11,10 @@ import wave
 from pathlib import Path
 from typing import Any
 
-from app.pipeline import faces, lipsync, media, musetalk
+from app.pipeline import media
+from app.pipeline.lipsync import faces, inference, musetalk
 from app.pipeline.control import StageControl
-from app.pipeline.frames import output_frame_count
+from app.pipeline.lipsync.frames import output_frame_count
 from app.pipeline.profiles import LipsyncProfile
 from app.pipeline.runtime import ModelCache
 
@@ -69,13 +70,13 @@ def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Pa
     engine = models.musetalk(loaded)
     profile = models.profile
     frames_out = _plan(scratch)["output_frames"]
-    features = lipsync.audio_features(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
+    features = inference.audio_features(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
                                       padding_left=profile.audio_padding_left,
                                       padding_right=profile.audio_padding_right)
     boxes = [tuple(box) for box in json.loads((scratch / BOXES).read_text())]
     with _open_frames(scratch) as frames, media.VideoWriter(scratch / PICTURE, width=frames.width,
                                                           height=frames.height, fps=params["fps"]) as writer:
-        written = lipsync.run_lipsync(engine, frames, boxes, features, num_frames=frames_out,
+        written = inference.run_lipsync(engine, frames, boxes, features, num_frames=frames_out,
                                       batch_size=int(params["batch_size"]), extra_margin=int(params["extra_margin"]),
                                       sink=writer.write, control=control)
         source_frames = len(frames)
