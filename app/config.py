@@ -79,6 +79,9 @@ class Settings:
     max_audio_s: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_S", "600")))
     upload_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_UPLOAD_DIR", "var/uploads")).resolve())
     ffmpeg_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_FFMPEG_TIMEOUT_S", "600")))
+    # The ffmpeg / ffprobe every media call runs (app/pipeline/media/ffmpeg.py), the music export's pydub too.
+    ffmpeg: str = field(default_factory=lambda: _env("ENCORE_FFMPEG", "ffmpeg"))
+    ffprobe: str = field(default_factory=lambda: _env("ENCORE_FFPROBE", "ffprobe"))
     api_tokens: tuple[str, ...] = field(default_factory=lambda: tuple(
         t.strip() for t in _env("API_TOKEN", "").split(",") if t.strip()))
     compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))

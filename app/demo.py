@@ -160,13 +160,13 @@ def submit_lipsync(client: cli.Client, out: Path) -> str:
     """Build a talking-head clip from a real photo and a spoken line, and submit it."""
     import cv2
     import skimage.data
-    from app.pipeline import media
+    from app.pipeline.media import samples
     clips = out / "inputs"
     clips.mkdir(parents=True, exist_ok=True)
     voice = clips / "speech.wav"
-    how = media.make_speech(voice, "Hello from Encore. This face is a photograph; the lips are tiny random weights.")
+    how = samples.make_speech(voice, "Hello from Encore. This face is a photograph; the lips are tiny random weights.")
     face = cv2.resize(skimage.data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)
-    video = media.make_face_video(clips / "face.mp4", face, 4.0, 25)
+    video = samples.make_face_video(clips / "face.mp4", face, 4.0, 25)
     with open(video, "rb") as v, open(voice, "rb") as a:
         job_id = client.json("POST", "/api/v1/lipsync", files={"video": (video.name, v), "audio": (voice.name, a)},
                              data={"fps": "25"})["job_id"]

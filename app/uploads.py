@@ -17,7 +17,8 @@ from werkzeug.datastructures import FileStorage
 
 from app.config import Settings
 from app.pipeline.lipsync.frames import output_frame_count
-from app.pipeline.media import MediaError, MediaInfo, probe
+from app.pipeline.media.ffmpeg import MediaError
+from app.pipeline.media.probe import MediaInfo, probe
 from app.pipeline.profiles import LipsyncProfile
 from app.schemas import describe_validation_error
 
