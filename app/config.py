@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from app.pipeline.profiles import MusicProfile
 
-STAGES = ("backbone", "superres", "decode", "export")
-
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
@@ -89,7 +87,6 @@ class Settings:
     compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))
     tags_file: Path | None = field(default_factory=lambda: Path(os.environ["ENCORE_TAGS_FILE"])
                                    if os.environ.get("ENCORE_TAGS_FILE") else None)
-    log_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_LOG_DIR", "logs")).resolve())
     # What the worker is pinned to (worker_entrypoint.sh sets it), shown in its registry entry; never read to
     # pick a device: CUDA itself honours it.
     cuda_visible_devices: str = field(default_factory=lambda: _env("CUDA_VISIBLE_DEVICES", ""))
