@@ -90,6 +90,21 @@ def tiny_profile(tiny_models):
     return load_profile("tiny", tiny_models)
 
 
+def project_celery_config(settings) -> dict[str, Any]:
+    """The project's Celery settings (celeryconfig.py) with broker and result backend at `settings.redis_url`.
+
+    Unit tests that need a Celery app to send or route with return this from a `celery_config` fixture, and
+    take pytest-celery's `celery_app` (its plugin loads celery.contrib.pytest): an app configured as the
+    deployment's, on the test redis-server, neither eager nor in memory. No worker runs with it; tests that
+    need one start real `celery worker` processes (Stack)."""
+    import inspect
+
+    import celeryconfig
+    config = {name: value for name, value in vars(celeryconfig).items()
+              if name.islower() and not name.startswith("_") and not callable(value) and not inspect.ismodule(value)}
+    return {**config, "broker_url": settings.redis_url, "result_backend": settings.redis_url}
+
+
 def unit_services(redis_base_url: str, db: int, root: Path):
     """Services on one of the unit tests' Redis databases (500+), emptied first."""
     from app.config import Settings
