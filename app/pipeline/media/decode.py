@@ -14,8 +14,8 @@ from typing import Optional
 import numpy as np
 
 from app.pipeline.control import StageControl
-from app.pipeline.media.ffmpeg import (BASE_ARGS, MediaError, PathLike, Watchdog, ffmpeg_binary, kill, popen,
-                                       read_tail, run_to_file)
+from app.pipeline.media.ffmpeg import (BASE_ARGS, MediaError, PathLike, Watchdog, exit_message, ffmpeg_binary, kill,
+                                       popen, read_tail, run_to_file)
 from app.pipeline.media.probe import probe
 
 EXTRACT_TIMEOUT_S = 300.0
@@ -109,7 +109,7 @@ def decode_frames(video: PathLike, cache_path: PathLike, *, control: Optional[St
         if watchdog.fired:
             failure = f"decoding {video.name} timed out after {timeout_s:g}s"
         elif rc != 0:
-            failure = f"decoding {video.name}: ffmpeg exited with {rc}:\n{read_tail(errors)}"
+            failure = exit_message(f"decoding {video.name}", argv[0], rc, read_tail(errors))
         elif count == 0:
             failure = f"decoding {video.name}: no frames decoded"
         if failure:

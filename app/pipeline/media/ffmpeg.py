@@ -48,8 +48,8 @@ def tail(text: Union[str, bytes], lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(kept) if kept else "(no stderr)"
 
 
-# The shapes of a failure message, shared by every caller of a tool (this runner, the streaming readers and
-# writers, the music export through pydub), so every job record reads the same way.
+# The shapes of a failure message, shared by this runner, the frame decoder and the music export through
+# pydub, so a job record reads the same way whichever of them failed.
 
 def not_found_message(what: str, binary: str) -> str:
     return f"{what}: {binary} not found"
