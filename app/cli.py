@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -22,9 +21,9 @@ from typing import Any, BinaryIO, Callable, Protocol, Sequence
 import requests
 from tqdm import tqdm
 
+from app.config import DEFAULT_WEB_URL, load_settings
 from app.kinds import KINDS, QUEUED, TERMINAL_STATES
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 EXIT_OK, EXIT_JOB_NOT_DONE, EXIT_ERROR = 0, 1, 2
 JOB_END_STATES = frozenset({"done", "failed", "canceled", "partial"})
 RETRY_WINDOW_S = 30.0  # while following a job, ride out a web restart or a network blip this long
@@ -377,9 +376,10 @@ class UsageError(Exception):
 
 def add_connection_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
     """--url/--token both before and after the subcommand; the subcommand copies must not reset them."""
-    url = argparse.SUPPRESS if suppress else os.environ.get("ENCORE_URL", DEFAULT_URL)
-    token = argparse.SUPPRESS if suppress else os.environ.get("ENCORE_API_TOKEN")
-    parser.add_argument("--url", default=url, help=f"Encore base URL (env ENCORE_URL, default {DEFAULT_URL})")
+    settings = None if suppress else load_settings()
+    url = argparse.SUPPRESS if settings is None else settings.client_url
+    token = argparse.SUPPRESS if settings is None else settings.client_token
+    parser.add_argument("--url", default=url, help=f"Encore base URL (env ENCORE_URL, default {DEFAULT_WEB_URL})")
     parser.add_argument("--token", default=token,
                         help="API token, sent as a Bearer header (env ENCORE_API_TOKEN)")
 

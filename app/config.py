@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from app.pipeline.profiles import MusicProfile
 
-STAGES = ("backbone", "superres", "decode", "export")
-
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
@@ -31,6 +29,8 @@ def _time_limits(spec: str) -> dict[str, tuple[float | None, float]]:
 
 MODEL_PATH_VARIABLES = {"tokenizer_subdir": "ENCORE_TOKENIZER_DIR", "backbone_subdir": "ENCORE_BACKBONE_DIR",
                         "superres_subdir": "ENCORE_SUPERRES_DIR", "codec_file": "ENCORE_CODEC_FILE"}
+
+DEFAULT_WEB_URL = "http://127.0.0.1:8000"
 
 DEFAULT_TIME_LIMITS = (
     "backbone=1500/1560,superres=900/960,decode=900/960,export=300/330,"
@@ -79,12 +79,26 @@ class Settings:
     max_audio_s: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_S", "600")))
     upload_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_UPLOAD_DIR", "var/uploads")).resolve())
     ffmpeg_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_FFMPEG_TIMEOUT_S", "600")))
+    # The ffmpeg / ffprobe every media call runs (app/pipeline/media/ffmpeg.py), the music export's pydub too.
+    ffmpeg: str = field(default_factory=lambda: _env("ENCORE_FFMPEG", "ffmpeg"))
+    ffprobe: str = field(default_factory=lambda: _env("ENCORE_FFPROBE", "ffprobe"))
     api_tokens: tuple[str, ...] = field(default_factory=lambda: tuple(
         t.strip() for t in _env("API_TOKEN", "").split(",") if t.strip()))
     compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))
     tags_file: Path | None = field(default_factory=lambda: Path(os.environ["ENCORE_TAGS_FILE"])
                                    if os.environ.get("ENCORE_TAGS_FILE") else None)
-    log_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_LOG_DIR", "logs")).resolve())
+    # What the worker is pinned to (worker_entrypoint.sh sets it), shown in its registry entry; never read to
+    # pick a device: CUDA itself honours it.
+    cuda_visible_devices: str = field(default_factory=lambda: _env("CUDA_VISIBLE_DEVICES", ""))
+    # Flower (flowerconfig.py): basic-auth "user:password[,…]" (empty: one is generated), bind, state file.
+    flower_basic_auth: str = field(default_factory=lambda: _env("ENCORE_FLOWER_BASIC_AUTH", "").strip())
+    flower_port: int = field(default_factory=lambda: int(_env("ENCORE_FLOWER_PORT", "5555")))
+    flower_address: str = field(default_factory=lambda: _env("ENCORE_FLOWER_ADDRESS", "0.0.0.0"))
+    flower_db: str = field(default_factory=lambda: _env("ENCORE_FLOWER_DB", "var/flower.db"))
+    # The HTTP clients (app/cli.py, app/demo.py): the server they talk to and the bearer token they send.
+    client_url: str = field(default_factory=lambda: _env("ENCORE_URL", DEFAULT_WEB_URL))
+    client_token: str | None = field(default_factory=lambda: os.environ.get("ENCORE_API_TOKEN") or None)
+    demo_web_url: str = field(default_factory=lambda: _env("ENCORE_WEB_URL", DEFAULT_WEB_URL))
 
     def __post_init__(self) -> None:
         if self.runtime_mode not in ("keep_loaded", "one_shot"):

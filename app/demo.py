@@ -23,6 +23,7 @@ import redis
 import requests
 
 from app import cli
+from app.config import load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 LYRICS = """[verse]
@@ -160,13 +161,13 @@ def submit_lipsync(client: cli.Client, out: Path) -> str:
     """Build a talking-head clip from a real photo and a spoken line, and submit it."""
     import cv2
     import skimage.data
-    from app.pipeline import media
+    from app.pipeline.media import samples
     clips = out / "inputs"
     clips.mkdir(parents=True, exist_ok=True)
     voice = clips / "speech.wav"
-    how = media.make_speech(voice, "Hello from Encore. This face is a photograph; the lips are tiny random weights.")
+    how = samples.make_speech(voice, "Hello from Encore. This face is a photograph; the lips are tiny random weights.")
     face = cv2.resize(skimage.data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)
-    video = media.make_face_video(clips / "face.mp4", face, 4.0, 25)
+    video = samples.make_face_video(clips / "face.mp4", face, 4.0, 25)
     with open(video, "rb") as v, open(voice, "rb") as a:
         job_id = client.json("POST", "/api/v1/lipsync", files={"video": (video.name, v), "audio": (voice.name, a)},
                              data={"fps": "25"})["job_id"]
@@ -180,20 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--tracks", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "out" / time.strftime("demo-%Y%m%d-%H%M%S"))
-    parser.add_argument("--web", default=os.environ.get("ENCORE_WEB_URL", "http://127.0.0.1:8000"))
+    settings = load_settings()
+    parser.add_argument("--web", default=settings.demo_web_url)
     parser.add_argument("--only", choices=["music", "lipsync"], help="run just one of the two jobs")
     args = parser.parse_args(argv)
 
     services = Services()
     atexit.register(services.stop_all)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    env = {**os.environ, "ENCORE_MODEL_DIR": os.environ.get("ENCORE_MODEL_DIR", str(REPO / "models" / "tiny")),
-           "ENCORE_LIPSYNC_MODEL_DIR": os.environ.get("ENCORE_LIPSYNC_MODEL_DIR",
-                                                      str(REPO / "models" / "lipsync-tiny"))}
+    env = {**os.environ, "ENCORE_MODEL_DIR": settings.model_dir or str(REPO / "models" / "tiny"),
+           "ENCORE_LIPSYNC_MODEL_DIR": settings.lipsync_model_dir or str(REPO / "models" / "lipsync-tiny")}
     env["REDIS_URL"] = ensure_redis(services, env)
     ensure_web(services, env, args.web)
     # The token the web may require (API_TOKEN) is the one the demo sends.
-    client = cli.Client(args.web, os.environ.get("ENCORE_API_TOKEN") or os.environ.get("API_TOKEN"))
+    client = cli.Client(args.web, settings.client_token or next(iter(settings.api_tokens), None))
     ensure_workers(services, env, client)
 
     args.out.mkdir(parents=True, exist_ok=True)

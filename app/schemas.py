@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.pipeline.lyrics import clean_lyrics
+from app.pipeline.music.lyrics import clean_lyrics
 
 MAX_SEED = 2**31 - 1
 

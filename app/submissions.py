@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from app.config import Settings
 from app.joblog import job_event
 from app.metrics import count_submission
-from app.pipeline.lyrics import clean_lyrics
+from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.profiles import MusicProfile
 from app.routing import route_job
 from app.schemas import MusicRequest, describe_validation_error

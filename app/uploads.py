@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from werkzeug.datastructures import FileStorage
 
 from app.config import Settings
-from app.pipeline.frames import output_frame_count
-from app.pipeline.media import MediaError, MediaInfo, probe
+from app.pipeline.lipsync.frames import output_frame_count
+from app.pipeline.media.ffmpeg import MediaError
+from app.pipeline.media.probe import MediaInfo, probe
 from app.pipeline.profiles import LipsyncProfile
 from app.schemas import describe_validation_error
 

@@ -21,7 +21,7 @@ from bench.common import start_redis  # noqa: E402
 
 def in_process(models_dir: Path, duration_s: float) -> dict:
     import torch
-    from app.pipeline import music
+    from app.pipeline.music import stages as music
     from app.pipeline.control import StageControl
     from app.pipeline.profiles import load_profile
     from app.pipeline.runtime import device_report
@@ -96,7 +96,7 @@ def _tail(path: Path) -> str:
 
 def real_size_codec(seconds: float) -> dict:
     import torch
-    from app.pipeline.codec import KhalaCodecDecoder, decode_codes
+    from app.pipeline.music.codec import KhalaCodecDecoder, decode_codes
     from app.pipeline.control import StageControl
     from app.pipeline.profiles import load_profile
     spec = load_profile("khala").codec

@@ -48,7 +48,7 @@ def clip(n: int, size: int = 512) -> list[np.ndarray]:
 
 def run(models, frames, seconds: float, batch_size: int) -> tuple[list[np.ndarray], float]:
     from app.pipeline.control import StageControl
-    from app.pipeline.lipsync import audio_features, run_lipsync
+    from app.pipeline.lipsync.inference import audio_features, run_lipsync
     wav = tone_wav(Path(tempfile.mkdtemp()) / "a.wav", seconds)
     num = int(seconds * 25)
     features = audio_features(models, wav, fps=25, num_frames=num, padding_left=2, padding_right=2)
@@ -63,7 +63,7 @@ def run(models, frames, seconds: float, batch_size: int) -> tuple[list[np.ndarra
 
 
 def tiny_through_loader() -> dict:
-    from app.pipeline.musetalk import load_musetalk, write_tiny_musetalk
+    from app.pipeline.lipsync.musetalk import load_musetalk, write_tiny_musetalk
     from app.pipeline.profiles import load_lipsync_profile
     profile = load_lipsync_profile("tiny", Path(tempfile.mkdtemp()) / "lipsync-tiny")
     write_tiny_musetalk(profile, seed=3)
@@ -79,7 +79,7 @@ def tiny_through_loader() -> dict:
 def real_size_speed(batch_size: int = 32, seconds: float = 8.0) -> dict:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperModel
-    from app.pipeline.musetalk import MuseTalkModels
+    from app.pipeline.lipsync.musetalk import MuseTalkModels
     device, dtype = torch.device(DEVICE), torch.float16
     unet = UNet2DConditionModel(
         sample_size=32, in_channels=8, out_channels=4, cross_attention_dim=384, attention_head_dim=8,

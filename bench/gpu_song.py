@@ -58,7 +58,7 @@ def _sync(torch, device) -> None:
 
 def _random_gpt(torch, device, spec, *, causal: bool, seed: int):
     """A Megatron GPT of `spec` on `device` (bf16 on CUDA) with N(0, 0.02) weights drawn there (norms ~1)."""
-    from app.pipeline import megatron_backend as mb
+    from app.pipeline.music import megatron_backend as mb
     model = mb.build_gpt(spec, causal=causal, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -68,8 +68,8 @@ def _random_gpt(torch, device, spec, *, causal: bool, seed: int):
 
 
 def _backbone(torch, device, profile):
-    from app.pipeline import megatron_backend as mb
-    from app.pipeline.torch_engine import TorchCausalLM, from_megatron
+    from app.pipeline.music import megatron_backend as mb
+    from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron
     model = _random_gpt(torch, device, profile.backbone, causal=True, seed=0)
     return model, mb.MegatronCausalLM(model), TorchCausalLM(from_megatron(model, mb.model_spec(model)))
 
@@ -101,7 +101,7 @@ class Clock:
 
 
 def _generate(lm, profile, frames, seeds, control, loop="auto", prompt=PROMPT, limit=None):
-    from app.pipeline.backbone import generate_coarse_tracks
+    from app.pipeline.music.backbone import generate_coarse_tracks
     return generate_coarse_tracks(lm, prompt, profile=profile, num_frames=frames, temperature=1.0,
                                   top_k=profile.backbone_top_k, seeds=seeds, control=control, loop=loop)
 
@@ -114,7 +114,7 @@ def section_decode(args) -> dict:
     song, the figure the targets are about."""
     torch, device, profile = _setup(args)
     from app.pipeline.control import Canceled
-    from app.pipeline.decode_loop import DeviceDecoder, SongPlan
+    from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
     _, megatron, plain = _backbone(torch, device, profile)
     frames = profile.frames_for(args.seconds)
     window = min(args.window, frames)
@@ -168,7 +168,7 @@ def section_parity(args) -> dict:
     """Teacher-forced: the same tokens through today's full head and the device loop's window head."""
     torch, device, profile = _setup(args)
     from app.pipeline.control import StageControl
-    from app.pipeline.decode_loop import DeviceDecoder, SongPlan
+    from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
     _, megatron, plain = _backbone(torch, device, profile)
     frames = min(args.window, profile.frames_for(args.seconds))
     codes = _generate(plain, profile, frames, [1, 2], StageControl(), loop="reference")
@@ -219,8 +219,8 @@ def section_parity(args) -> dict:
 
 
 def _superres_lm(torch, device, profile):
-    from app.pipeline import megatron_backend as mb
-    from app.pipeline.torch_engine import TorchBidirectionalLM, from_megatron
+    from app.pipeline.music import megatron_backend as mb
+    from app.pipeline.music.torch_engine import TorchBidirectionalLM, from_megatron
     model = _random_gpt(torch, device, profile.superres, causal=False, seed=1)
     return TorchBidirectionalLM(from_megatron(model, mb.model_spec(model)))
 
@@ -233,7 +233,7 @@ def _random_coarse(torch, profile, frames, track):
 def section_superres(args) -> dict:
     torch, device, profile = _setup(args)
     from app.pipeline.control import StageControl
-    from app.pipeline.superres import fill_fine
+    from app.pipeline.music.superres import fill_fine
     lm = _superres_lm(torch, device, profile)
     frames = profile.frames_for(args.seconds)
     _sync(torch, device)
@@ -248,7 +248,7 @@ def section_superres(args) -> dict:
 
 def section_codec(args) -> dict:
     torch, device, profile = _setup(args)
-    from app.pipeline.codec import decode_codes, random_decoder
+    from app.pipeline.music.codec import decode_codes, random_decoder
     from app.pipeline.control import StageControl
     decoder = random_decoder(profile.codec, seed=2).to(device)
     frames = profile.frames_for(args.seconds)
@@ -267,10 +267,10 @@ def section_song_inprocess(args) -> dict:
     """The four stages, models resident: device-loop backbone for both tracks, then per track superres,
     codec and WAV + MP3 export."""
     torch, device, profile = _setup(args)
-    from app.pipeline import export
-    from app.pipeline.codec import decode_codes, random_decoder
+    from app.pipeline.music import export
+    from app.pipeline.music.codec import decode_codes, random_decoder
     from app.pipeline.control import StageControl
-    from app.pipeline.superres import fill_fine
+    from app.pipeline.music.superres import fill_fine
     _, _, plain = _backbone(torch, device, profile)
     superres_lm = _superres_lm(torch, device, profile)
     decoder = random_decoder(profile.codec, seed=2).to(device)
@@ -305,7 +305,7 @@ def write_models(profile, directory: Path) -> Path:
                        stdout=subprocess.DEVNULL)
         return directory
     import torch
-    from app.pipeline import codec, megatron_backend as mb
+    from app.pipeline.music import codec, megatron_backend as mb
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _write_wordlevel_tokenizer(profile.text_vocab_size, profile.tokenizer_dir)
     for spec, target, causal, seed in ((profile.backbone, profile.backbone_dir, True, 0),
@@ -322,7 +322,7 @@ def _write_wordlevel_tokenizer(size: int, directory: Path) -> None:
     """A tokenizer of exactly `size` tokens with the Llama-3 special tokens last, for Khala-sized vocabularies."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from app.pipeline.prompt import BOS, EOS, LLAMA3_SPECIAL_TOKEN_COUNT, llama3_special_tokens
+    from app.pipeline.music.prompt import BOS, EOS, LLAMA3_SPECIAL_TOKEN_COUNT, llama3_special_tokens
     regular = size - LLAMA3_SPECIAL_TOKEN_COUNT
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(regular)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -27,12 +27,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from app.pipeline import media  # noqa: E402
 from app.pipeline.control import StageControl  # noqa: E402
-from app.pipeline.faces import crop_box  # noqa: E402
-from app.pipeline.frames import pingpong_index  # noqa: E402
-from app.pipeline.lipsync import SourceLatents, blend_mouth, generate_faces, run_lipsync  # noqa: E402
-from app.pipeline.musetalk import load_musetalk, write_tiny_musetalk  # noqa: E402
+from app.pipeline.lipsync.faces import crop_box  # noqa: E402
+from app.pipeline.lipsync.frames import pingpong_index  # noqa: E402
+from app.pipeline.lipsync.inference import SourceLatents, blend_mouth, generate_faces, run_lipsync  # noqa: E402
+from app.pipeline.lipsync.musetalk import load_musetalk, write_tiny_musetalk  # noqa: E402
+from app.pipeline.media.encode import VideoWriter  # noqa: E402
 from app.pipeline.profiles import load_lipsync_profile  # noqa: E402
 
 WIDTH, HEIGHT, BOX, MARGIN = 1280, 720, (490, 160, 790, 460), 10
@@ -63,7 +63,7 @@ def sequential(models, frames, features, num_frames: int, batch_size: int, sink)
 
 
 def measure(work, out: Path) -> float:
-    with media.VideoWriter(out, width=WIDTH, height=HEIGHT, fps=25) as writer:
+    with VideoWriter(out, width=WIDTH, height=HEIGHT, fps=25) as writer:
         started = time.perf_counter()
         work(writer.write)
     return time.perf_counter() - started

@@ -24,11 +24,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from app.pipeline import megatron_backend as mb  # noqa: E402
-from app.pipeline.backbone import generate_coarse_tracks  # noqa: E402
+from app.pipeline.music import megatron_backend as mb  # noqa: E402
+from app.pipeline.music.backbone import generate_coarse_tracks  # noqa: E402
 from app.pipeline.control import StageControl  # noqa: E402
 from app.pipeline.profiles import MusicProfile, TransformerSpec, load_profile  # noqa: E402
-from app.pipeline.torch_engine import TorchCausalLM, from_megatron  # noqa: E402
+from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron  # noqa: E402
 
 SIZES = {  # (layers, hidden, heads, groups, ffn) with the tiny profile's vocabulary; "khala" is the real shape
     "small": (4, 256, 8, 2, 704),

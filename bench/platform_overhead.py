@@ -29,7 +29,7 @@ PARAMS = {"mode": "instrumental", "tags": "ambient", "prompt": "", "lyrics": "",
 
 def baseline(models_dir: Path, duration_s: float, repeats: int) -> list[float]:
     import torch
-    from app.pipeline import music
+    from app.pipeline.music import stages as music
     from app.pipeline.control import StageControl
     from app.pipeline.profiles import load_profile
     torch.set_num_threads(1)

@@ -36,7 +36,9 @@ TARGETS = {"job_poll": 0.5, "status": 0.4, "metrics": 0.3, "khala_status": 0.3}
 def baseline_app() -> Flask:
     """gunicorn 'bench.read_paths:baseline_app()': the two baselines on one app."""
     import redis
-    client = redis.Redis.from_url(os.environ["REDIS_URL"], decode_responses=True)
+
+    from app.config import load_settings
+    client = redis.Redis.from_url(load_settings().redis_url, decode_responses=True)
     app = Flask("baseline")
 
     @app.get("/hello")

@@ -90,6 +90,21 @@ def tiny_profile(tiny_models):
     return load_profile("tiny", tiny_models)
 
 
+def project_celery_config(settings) -> dict[str, Any]:
+    """The project's Celery settings (celeryconfig.py) with broker and result backend at `settings.redis_url`.
+
+    Unit tests that need a Celery app to send or route with return this from a `celery_config` fixture, and
+    take pytest-celery's `celery_app` (its plugin loads celery.contrib.pytest): an app configured as the
+    deployment's, on the test redis-server, neither eager nor in memory. No worker runs with it; tests that
+    need one start real `celery worker` processes (Stack)."""
+    import inspect
+
+    import celeryconfig
+    config = {name: value for name, value in vars(celeryconfig).items()
+              if name.islower() and not name.startswith("_") and not callable(value) and not inspect.ismodule(value)}
+    return {**config, "broker_url": settings.redis_url, "result_backend": settings.redis_url}
+
+
 def unit_services(redis_base_url: str, db: int, root: Path):
     """Services on one of the unit tests' Redis databases (500+), emptied first."""
     from app.config import Settings
@@ -266,7 +281,7 @@ def make_ending(model, end_id: int, trigger_id: int) -> None:
 def write_ending_backbone(profile, directory, *, end_id: int, trigger_id: int, seed: int = 3):
     """A tiny backbone checkpoint, in the real format, that ends a song right after `trigger_id`."""
     import torch
-    from app.pipeline import megatron_backend as mb
+    from app.pipeline.music import megatron_backend as mb
     model = mb.build_gpt(profile.backbone, causal=True, device="cpu", dtype=torch.float32)
     mb.init_random_weights(model, seed)
     make_ending(model, end_id, trigger_id)
@@ -277,15 +292,15 @@ def write_ending_backbone(profile, directory, *, end_id: int, trigger_id: int, s
 @pytest.fixture(scope="session")
 def end_id(tiny_profile):
     """The tiny tokenizer's end-of-text id (the real one's is 128001)."""
-    from app.pipeline import prompt
+    from app.pipeline.music import prompt
     return prompt.prompt_token_ids(prompt.load_tokenizer(tiny_profile.tokenizer_dir)).eos
 
 
 @pytest.fixture(scope="session")
 def ending(tiny_profile, end_id, tmp_path_factory):
     """Both engines over one ending checkpoint, loaded by the real loader."""
-    from app.pipeline import megatron_backend as mb
-    from app.pipeline.torch_engine import TorchCausalLM, from_megatron
+    from app.pipeline.music import megatron_backend as mb
+    from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron
     directory = tmp_path_factory.mktemp("ending-backbone")
     write_ending_backbone(tiny_profile, directory, end_id=end_id,
                           trigger_id=tiny_profile.audio_token_offset(1) + TRIGGER)

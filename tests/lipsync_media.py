@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import skimage.data
 
-from app.pipeline import media
+from app.pipeline.media import samples
 
 
 def face_image(size: int = 256) -> np.ndarray:
@@ -15,16 +15,16 @@ def face_image(size: int = 256) -> np.ndarray:
 
 
 def face_video(path: Path, seconds: float, fps: float = 25, audio: Path | None = None, size: int = 256) -> Path:
-    return media.make_face_video(path, face_image(size), seconds, fps, audio=audio)
+    return samples.make_face_video(path, face_image(size), seconds, fps, audio=audio)
 
 
 def blank_video(path: Path, seconds: float, fps: float = 25, size: int = 256) -> Path:
     """A video with no face anywhere: a mid-grey picture (not black, so black output is detectable)."""
-    return media.make_face_video(path, np.full((size, size, 3), 128, np.uint8), seconds, fps, motion=False)
+    return samples.make_face_video(path, np.full((size, size, 3), 128, np.uint8), seconds, fps, motion=False)
 
 
 def tone(path: Path, seconds: float, freq: float = 330.0) -> Path:
-    return media.make_test_tone(path, seconds, freq)
+    return samples.make_test_tone(path, seconds, freq)
 
 
 def upload(client, video: Path, audio: Path, **fields):

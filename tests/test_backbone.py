@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.pipeline import megatron_backend as mb
-from app.pipeline.backbone import generate_coarse
+from app.pipeline.music import megatron_backend as mb
+from app.pipeline.music.backbone import generate_coarse
 from app.pipeline.control import Canceled, StageControl
 
 torch.set_num_threads(2)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app.pipeline import safe_pickle
-from app.pipeline.codec import (CodecLoadError, KhalaCodecDecoder, decode_codes, fade_in, load_codec,
+from app.pipeline.music.codec import (CodecLoadError, KhalaCodecDecoder, decode_codes, fade_in, load_codec,
                                 plan_chunks, write_tiny_codec)
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.profiles import load_profile

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from app.pipeline.backbone import generate_coarse_tracks
+from app.pipeline.music.backbone import generate_coarse_tracks
 from app.pipeline.control import Canceled, StageControl
-from app.pipeline.decode_loop import DeviceDecoder, SongPlan
-from app.pipeline.engine import DeviceLoopLM
-from app.pipeline.music import load_engine
+from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
+from app.pipeline.music.engine import DeviceLoopLM
+from app.pipeline.music.stages import load_engine
 
 torch.set_num_threads(2)
 PROMPT = [1, 42, 7, 300, 5, 99]

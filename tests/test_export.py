@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import wave
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from app.pipeline.export import (MP3_ENCODER_DELAY_SAMPLES, MP3_FRAME_SAMPLES, ExportError, probe_duration,
-                                 write_metadata, write_mp3, write_wav)
+from app.pipeline.media.decode import extract_audio
+from app.pipeline.media.ffmpeg import MediaError
+from app.pipeline.music.export import (MP3_ENCODER_DELAY_SAMPLES, MP3_FRAME_SAMPLES, ExportError, probe_duration,
+                                       write_metadata, write_mp3, write_wav)
 from app.pipeline.profiles import load_profile
 
 
@@ -81,9 +85,58 @@ def test_mp3_duration_matches_wav(profile, tmp_path):
 
 def test_mp3_ffmpeg_failure_raises_and_leaves_no_file(tmp_path):
     wav_path = write_wav(stereo(4410), tmp_path / "song.wav", 44100)
-    with pytest.raises(ExportError, match="ffmpeg failed.*abc"):
+    with pytest.raises(ExportError, match=r"(?s)^encoding song\.wav to MP3 at abc: ffmpeg exited with 1:\n.*abc"):
         write_mp3(wav_path, tmp_path / "song.mp3", bitrate="abc")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["song.wav"]
+
+
+def _script(path: Path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_bad_ENCORE_FFMPEG_is_a_clear_export_error_shaped_like_the_lipsync_ones(tmp_path, monkeypatch):
+    """The export and the lip-sync media calls fail with one error type and one message shape."""
+    wav_path = write_wav(stereo(4410), tmp_path / "song.wav", 44100)
+    export, lipsync = "encoding song.wav to MP3 at 320k", f"extracting audio of {wav_path}"
+    missing = str(tmp_path / "no" / "ffmpeg")
+    monkeypatch.setenv("ENCORE_FFMPEG", missing)
+    with pytest.raises(ExportError) as failed:
+        write_mp3(wav_path, tmp_path / "song.mp3")
+    assert isinstance(failed.value, MediaError) and str(failed.value) == f"{export}: {missing} not found"
+    with pytest.raises(MediaError) as failed:
+        extract_audio(wav_path, tmp_path / "16k.wav")
+    assert str(failed.value) == f"{lipsync}: {missing} not found"
+
+    broken = _script(tmp_path / "broken-ffmpeg", 'echo "banner line" >&2; echo "fatal: no encoder here" >&2; exit 3\n')
+    monkeypatch.setenv("ENCORE_FFMPEG", broken)
+    said = "broken-ffmpeg exited with 3:\nbanner line\nfatal: no encoder here"
+    with pytest.raises(ExportError) as failed:
+        write_mp3(wav_path, tmp_path / "song.mp3")
+    assert str(failed.value) == f"{export}: {said}"
+    with pytest.raises(MediaError) as failed:
+        extract_audio(wav_path, tmp_path / "16k.wav")
+    assert str(failed.value) == f"{lipsync}: {said}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken-ffmpeg", "song.wav"]
+
+
+def test_the_export_runs_the_configured_ffmpeg_and_ffprobe(tmp_path, monkeypatch):
+    """ENCORE_FFMPEG / ENCORE_FFPROBE name wrappers that log each call, then run the real tools."""
+    log = tmp_path / "calls.log"
+    for tool in ("ffmpeg", "ffprobe"):
+        real = shutil.which(tool)
+        assert real is not None
+        wrapper = _script(tmp_path / f"logged-{tool}", f'echo "{tool} $*" >> "{log}"\nexec "{real}" "$@"\n')
+        monkeypatch.setenv(f"ENCORE_{tool.upper()}", wrapper)
+    wav_path = write_wav(stereo(44100), tmp_path / "song.wav", 44100)
+    mp3 = write_mp3(wav_path, tmp_path / "song.mp3")
+    assert 1.0 <= probe_duration(mp3) <= 1.0 + (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / 44100 + 1e-3
+    calls = log.read_text().splitlines()
+    encodes = [c for c in calls if c.startswith("ffmpeg ") and "-f mp3" in c and "-b:a 320k" in c]
+    probes = [c for c in calls if c.startswith("ffprobe ")]
+    assert len(encodes) == 1, calls
+    assert len(probes) == 2, calls  # the check inside write_mp3, then the one above
 
 
 def test_mp3_from_bad_wav_raises(tmp_path):

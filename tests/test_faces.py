@@ -7,7 +7,7 @@ import pytest
 from skimage import data
 
 from app.pipeline.control import StageControl
-from app.pipeline.faces import NoFaceDetected, crop_box, detect_face, detect_faces, fill_missing
+from app.pipeline.lipsync.faces import NoFaceDetected, crop_box, detect_face, detect_faces, fill_missing
 
 ASTRONAUT_FACE = (177, 66, 272, 161)  # the face in skimage.data.astronaut() (512x512), by inspection
 

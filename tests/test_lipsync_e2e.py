@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from app.pipeline import media
+from app.pipeline.media.probe import probe
 from tests.conftest import wait_until
 from tests.lipsync_media import blank_video, face_video, tone, upload
 
@@ -54,7 +54,7 @@ def _correlation(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _frame_means(path) -> np.ndarray:
-    info = media.probe(path)
+    info = probe(path)
     argv = ["ffmpeg", "-v", "error", "-i", str(path), "-f", "rawvideo", "-pix_fmt", "gray", "-"]
     raw = subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout
     return np.frombuffer(raw, np.uint8).reshape(-1, info.height * info.width).mean(axis=1)
@@ -73,7 +73,7 @@ def test_lipsync_job_output_has_driving_audio_and_exact_frames(stack, tmp_path):
 
     out = _download(stack, job_id, tmp_path)
     assert sorted(_streams(out)) == ["audio", "video"]
-    info = media.probe(out)
+    info = probe(out)
     assert info.frame_count == 50  # floor(2.0 s x 25 fps)
     assert abs(info.duration_s - 2.0) <= 1 / FPS + 0.03
     result = _pcm(out)
@@ -92,8 +92,8 @@ def test_audio_longer_than_video_cycles_frames_without_pre_looping(stack, tmp_pa
     stages = long_record["tracks"][0]["stages"]
     assert stages["prepare"]["info"]["source_frames"] == 75
     assert stages["lipsync"]["info"]["frames_generated"] == 100  # not 2 x 75: the video was never looped
-    assert media.probe(_download(stack, long_job, tmp_path)).frame_count == 100
-    short = media.probe(_download(stack, short_job, tmp_path))
+    assert probe(_download(stack, long_job, tmp_path)).frame_count == 100
+    short = probe(_download(stack, short_job, tmp_path))
     assert short.frame_count == 37 and abs(short.duration_s - 1.5) <= 1 / FPS + 0.03
 
 

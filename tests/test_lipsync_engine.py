@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from app.pipeline.control import Canceled, StageControl
-from app.pipeline.faces import crop_box, detect_faces, fill_missing
-from app.pipeline.frames import output_frame_count, pingpong_index
-from app.pipeline.lipsync import (SourceLatents, audio_features, read_wav_16k, run_lipsync,
+from app.pipeline.lipsync.faces import crop_box, detect_faces, fill_missing
+from app.pipeline.lipsync.frames import output_frame_count, pingpong_index
+from app.pipeline.lipsync.inference import (SourceLatents, audio_features, read_wav_16k, run_lipsync,
                                   whisper_hidden_states, window_features)
-from app.pipeline.musetalk import load_musetalk, write_tiny_musetalk
+from app.pipeline.lipsync.musetalk import load_musetalk, write_tiny_musetalk
 from app.pipeline.profiles import load_lipsync_profile
 from tests.test_faces import astronaut_frames
 

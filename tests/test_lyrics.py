@@ -2,14 +2,14 @@
 
 The reference (`Khala-Music-AI/Khala`, backend/backend_api.py) cleans lyrics with one table of replacements
 applied in a single regex pass, then `str.strip()`. Its rules are written out below as data, independently of
-app/pipeline/lyrics.py, and the cleaning is checked against them for each of the 63,488 BMP code points that
+app/pipeline/music/lyrics.py, and the cleaning is checked against them for each of the 63,488 BMP code points that
 are not surrogates, alone and between other characters.
 """
 from __future__ import annotations
 
 import pytest
 
-from app.pipeline.lyrics import clean_lyrics
+from app.pipeline.music.lyrics import clean_lyrics
 
 # The reference's single-character rules. Full-width ASCII forms U+FF01..U+FF5E are listed by rule below.
 REFERENCE_RULES: dict[int, str] = {

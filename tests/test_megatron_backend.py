@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.pipeline import megatron_backend as mb
-from app.pipeline.engine import BidirectionalLM, CausalLM
+from app.pipeline.music import megatron_backend as mb
+from app.pipeline.music.engine import BidirectionalLM, CausalLM
 from app.pipeline.profiles import load_profile
 
 torch.set_num_threads(2)
@@ -101,7 +101,7 @@ def with_saved_args(source, target, **changes):
 def test_architecture_comes_from_the_checkpoint_args(profile, tmp_path):
     """A checkpoint of another shape (layers, width, heads, groups, head size, FFN, RoPE base) is built as its
     args say, whatever the profile's spec; both engines run it alike."""
-    from app.pipeline.torch_engine import TorchCausalLM, from_megatron
+    from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron
     other = dataclasses.replace(profile.backbone, num_layers=3, hidden_size=96, num_attention_heads=6,
                                 num_query_groups=3, kv_channels=24, ffn_hidden_size=128, rotary_base=10_000)
     mb.write_tiny_checkpoint(other, tmp_path, causal=True, seed=4)
@@ -254,7 +254,7 @@ def test_two_processes_initialize_at_once_without_colliding():
     import sys
     from pathlib import Path
 
-    code = ("import torch.distributed as dist; from app.pipeline.megatron_backend import init_parallel_state;"
+    code = ("import torch.distributed as dist; from app.pipeline.music.megatron_backend import init_parallel_state;"
             "init_parallel_state(); init_parallel_state(); print(dist.get_world_size())")
     root = Path(__file__).resolve().parents[1]
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from app.pipeline.musetalk import load_musetalk, sinusoidal_table, write_tiny_musetalk
+from app.pipeline.lipsync.musetalk import load_musetalk, sinusoidal_table, write_tiny_musetalk
 from app.pipeline.profiles import load_lipsync_profile
 
 EXPECTED_FILES = {

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from app.pipeline.lyrics import clean_lyrics
+from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.profiles import load_profile
-from app.pipeline.prompt import (AUDIO_START, BOS, EOS, FIELD_END, LINE_BREAK, LYRICS_START, PROMPT_END,
+from app.pipeline.music.prompt import (AUDIO_START, BOS, EOS, FIELD_END, LINE_BREAK, LYRICS_START, PROMPT_END,
                                  build_prompt, build_superres_prompt, duration_minutes, duration_token,
                                  llama3_special_tokens,
                                  load_tokenizer, prompt_token_ids, write_tiny_tokenizer)

@@ -7,10 +7,9 @@ import time
 
 import pytest
 
-from app.celery_app import make_celery
 from app.recovery import reap, restart_track
 from app.routing import enqueue_track, unroute_waiting
-from tests.conftest import unit_services
+from tests.conftest import project_celery_config, unit_services
 
 
 @pytest.fixture
@@ -18,9 +17,14 @@ def svc(redis_base_url, tmp_path):
     return unit_services(redis_base_url, 509, tmp_path)
 
 
-def _deliver_without_ack(svc, queue: str, ref: dict) -> tuple[object, object]:
+@pytest.fixture
+def celery_config(svc):
+    """pytest-celery's `celery_app` is the project's Celery app on this module's Redis database."""
+    return project_celery_config(svc.settings)
+
+
+def _deliver_without_ack(app, queue: str, ref: dict) -> tuple[object, object]:
     """Publish a stage message the way the web does, then take it like a worker that never acks."""
-    app = make_celery(svc.settings)
     app.signature("encore.music.backbone", args=(ref,)).set(queue=queue, priority=0).apply_async()
     connection = app.connection_for_write()
     channel = connection.default_channel
@@ -48,12 +52,11 @@ def _running(svc, job_id: str, stage: str = "superres", worker: str = "gpu4@x", 
     return owner
 
 
-def test_queued_tracks_leave_a_queue_only_while_their_message_is_still_there(svc):
-    app = make_celery(svc.settings)
-    options = dict(app.conf.broker_transport_options)
+def test_queued_tracks_leave_a_queue_only_while_their_message_is_still_there(svc, celery_app):
+    options = dict(celery_app.conf.broker_transport_options)
     first, second = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     for job_id in (first, second):
-        enqueue_track(svc, app, job_id, 0, "gpu5")
+        enqueue_track(svc, celery_app, job_id, 0, "gpu5")
     taken = svc.redis.rpop("gpu5:9")  # a worker took the first job's message (kombu pops from the right)
     assert taken is not None
     assert unroute_waiting(svc, "gpu5", options) == [f"{second}:0"]
@@ -66,42 +69,41 @@ def test_queued_tracks_leave_a_queue_only_while_their_message_is_still_there(svc
     assert unroute_waiting(svc, "gpu5", options) == []  # idempotent
 
 
-def test_a_track_restarted_too_often_fails_instead_of_moving_again(svc):
-    app = make_celery(svc.settings)
+def test_a_track_restarted_too_often_fails_instead_of_moving_again(svc, celery_app):
     job_id = svc.jobs.create("lipsync", {}, [{}], cost=1.0)
     for restart in range(1, svc.settings.max_deliveries + 1):
         _running(svc, job_id, "lipsync", worker="gpu3@dead", queue="gpu3")
         svc.redis.delete(svc.jobs.lease_key(job_id, 0))
         record = svc.jobs.track(job_id, 0)
-        assert restart_track(svc, app, job_id, 0, record, "gpu3@dead went offline") == "restarted"
+        assert restart_track(svc, celery_app, job_id, 0, record, "gpu3@dead went offline") == "restarted"
         track = svc.jobs.track(job_id, 0)
         assert (track["status"], track["queue"], track["task_ids"], track["restarts"]) == ("parked", "", [], restart)
         assert track["detail"] == "restarting from its first stage: gpu3@dead went offline during lipsync"
     _running(svc, job_id, "prepare", worker="gpu3@dead", queue="gpu3")
     svc.redis.delete(svc.jobs.lease_key(job_id, 0))
     record = svc.jobs.track(job_id, 0)
-    assert restart_track(svc, app, job_id, 0, record, "gpu3@dead went offline") == "failed"
+    assert restart_track(svc, celery_app, job_id, 0, record, "gpu3@dead went offline") == "failed"
     track = svc.jobs.track(job_id, 0)
     assert track["state"] == "failed" and "its stage died 4 times (gpu3@dead went offline" in track["error"]
     assert svc.redis.zcard(svc.jobs.load_key("gpu3")) == 0
 
 
-def test_a_music_track_resumes_after_its_finished_stages_a_lipsync_one_starts_over(svc):
+def test_a_music_track_resumes_after_its_finished_stages_a_lipsync_one_starts_over(svc, celery_app):
     """Music intermediates are in the shared artifact store: a moved track keeps its finished stages (its new
     chain starts after them). Lip-sync's are in the dead worker's scratch."""
-    app = make_celery(svc.settings)
     ids = {kind: svc.jobs.create(kind, {}, [{"seed": 1}], cost=1.0) for kind in ("music", "lipsync")}
     _running(svc, ids["music"], "superres")
     _running(svc, ids["lipsync"], "lipsync")
     for job_id in ids.values():
         svc.redis.delete(svc.jobs.lease_key(job_id, 0))
-        assert restart_track(svc, app, job_id, 0, svc.jobs.track(job_id, 0), "gpu4@x went offline") == "restarted"
+        record = svc.jobs.track(job_id, 0)
+        assert restart_track(svc, celery_app, job_id, 0, record, "gpu4@x went offline") == "restarted"
     music, lipsync = svc.jobs.track(ids["music"], 0), svc.jobs.track(ids["lipsync"], 0)
     assert list(music["stages"]) == ["backbone"] and music["state"] == "queued"
     assert music["detail"] == "restarting after backbone: gpu4@x went offline during superres"
     assert lipsync["stages"] == {} and lipsync["detail"].startswith("restarting from its first stage")
     svc.workers.heartbeat("gpu6@y", {"queue": "gpu6"})  # a live worker: the music track's chain starts at superres
-    assert enqueue_track(svc, app, ids["music"], 0, "gpu6")
+    assert enqueue_track(svc, celery_app, ids["music"], 0, "gpu6")
     assert len(svc.jobs.track(ids["music"], 0)["task_ids"]) == 3
     assert svc.redis.llen("gpu6") == 1 and svc.redis.llen("gpu6:9") == 0  # a later stage: priority 0
 
@@ -115,23 +117,23 @@ def test_leases_are_renewed_only_by_their_owner(svc):
     assert svc.jobs.lease(job_id, 0) is None and not svc.jobs.renew_lease(job_id, 0, owner, 5)
 
 
-def test_the_reaper_restarts_running_tracks_without_a_lease_cancels_canceled_ones_and_spares_live_ones(svc):
+def test_the_reaper_restarts_running_tracks_without_a_lease_cancels_canceled_ones_and_spares_live_ones(
+        svc, celery_app):
     """A restarted track is parked (no worker is live here), with its old chain's messages gone from the
     broker list and from kombu's unacked hash."""
-    app = make_celery(svc.settings)
     jobs = {name: svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0) for name in ("dead", "live", "canceled")}
     for name, job_id in jobs.items():
         _running(svc, job_id, "superres")
         if name != "live":
             svc.redis.delete(svc.jobs.lease_key(job_id, 0))
     svc.redis.set(svc.jobs.keys.cancel(jobs["canceled"]), "1")
-    connection, channel = _deliver_without_ack(svc, "gpu4", {"job_id": jobs["dead"], "track": 0})
+    connection, channel = _deliver_without_ack(celery_app, "gpu4", {"job_id": jobs["dead"], "track": 0})
     unacked = svc.redis.hgetall("unacked")
     tag = next(iter(unacked))
     svc.redis.hset("unacked", tag, unacked[tag].replace(
         json.loads(unacked[tag])[0]["headers"]["id"], svc.jobs.track(jobs["dead"], 0)["task_ids"][1]))
     try:
-        assert reap(svc, app) == 2
+        assert reap(svc, celery_app) == 2
     finally:
         connection.release()
     dead, live, canceled = (svc.jobs.track(jobs[name], 0) for name in ("dead", "live", "canceled"))
@@ -142,43 +144,41 @@ def test_the_reaper_restarts_running_tracks_without_a_lease_cancels_canceled_one
     assert live["status"] == "running:superres"
     assert canceled["state"] == "canceled" and "its stage had stopped" in canceled["detail"]
     assert svc.redis.zrange(svc.jobs.load_key("gpu4"), 0, -1) == [f"{jobs['live']}:0"]
-    assert reap(svc, app) == 0  # nothing left to do
+    assert reap(svc, celery_app) == 0  # nothing left to do
 
 
-def test_the_reaper_moves_the_tracks_of_a_queue_offline_too_long(svc, monkeypatch):
-    app = make_celery(svc.settings)
+def test_the_reaper_moves_the_tracks_of_a_queue_offline_too_long(svc, celery_app, monkeypatch):
     queued, between = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     owner = _running(svc, between, "backbone", queue="gpu7", worker="gpu7@gone")
     assert svc.jobs.transition("finish", between, 0, {"stages": {"backbone": {"finished_at": 1.0}}},
                                stage="backbone", owner=owner)
-    enqueue_track(svc, app, queued, 0, "gpu7")
+    enqueue_track(svc, celery_app, queued, 0, "gpu7")
     svc.workers.heartbeat("gpu7@gone", {"queue": "gpu7"})
-    assert reap(svc, app) == 0  # its worker is live
+    assert reap(svc, celery_app) == 0  # its worker is live
     svc.workers.forget("gpu7@gone")
-    assert reap(svc, app) == 0  # offline for less than ENCORE_REROUTE_AFTER_S
+    assert reap(svc, celery_app) == 0  # offline for less than ENCORE_REROUTE_AFTER_S
     svc.redis.set(svc.jobs.keys.queue_live_at("gpu7"), time.time() - svc.settings.reroute_after_s - 1)
-    assert reap(svc, app) == 2
+    assert reap(svc, celery_app) == 2
     for job_id in (queued, between):
         assert svc.jobs.track(job_id, 0)["status"] == "parked"
     assert svc.jobs.track(between, 0)["detail"].startswith("restarting after backbone: gpu7 has no live worker")
     assert svc.redis.llen("gpu7:9") == 0 and svc.redis.zcard(svc.jobs.load_key("gpu7")) == 0
 
 
-def test_the_reaper_sends_a_lost_message_again(svc, monkeypatch):
+def test_the_reaper_sends_a_lost_message_again(svc, celery_app, monkeypatch):
     """A track queued (or between stages) whose message is in no broker list and not delivered: sent again as
     a new chain, once it has waited ENCORE_STALL_AFTER_S."""
-    app = make_celery(svc.settings)
     svc.workers.heartbeat("gpu8@a", {"queue": "gpu8"})
     lost, kept = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     for job_id in (lost, kept):
-        enqueue_track(svc, app, job_id, 0, "gpu8")
+        enqueue_track(svc, celery_app, job_id, 0, "gpu8")
     old_ids = svc.jobs.track(lost, 0)["task_ids"]
     svc.redis.lrem("gpu8:9", 1, next(p for p in svc.redis.lrange("gpu8:9", 0, -1) if old_ids[0] in p))
-    assert reap(svc, app) == 0  # not waited long enough
+    assert reap(svc, celery_app) == 0  # not waited long enough
     for job_id in (lost, kept):
         svc.redis.hset(svc.jobs.track_key(job_id, 0), "updated_at", time.time() - svc.settings.stall_after_s - 1)
     svc.redis.delete(svc.jobs.keys.lock("stall-check"))
-    assert reap(svc, app) == 1
+    assert reap(svc, celery_app) == 1
     track = svc.jobs.track(lost, 0)
     assert track["status"] == "queued" and track["task_ids"] != old_ids and len(track["task_ids"]) == 4
     payloads = svc.redis.lrange("gpu8:9", 0, -1)
@@ -186,11 +186,10 @@ def test_the_reaper_sends_a_lost_message_again(svc, monkeypatch):
     assert svc.jobs.track(kept, 0)["task_ids"] == svc.jobs.track(kept, 0)["task_ids"]
 
 
-def test_the_reaper_parks_tracks_their_submitter_never_routed(svc):
-    app = make_celery(svc.settings)
+def test_the_reaper_parks_tracks_their_submitter_never_routed(svc, celery_app):
     fresh, abandoned = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     svc.redis.zadd(svc.jobs.keys.created, {f"{abandoned}:0": time.time() - svc.settings.stall_after_s - 1})
-    assert reap(svc, app) == 1
+    assert reap(svc, celery_app) == 1
     assert svc.jobs.track(abandoned, 0)["status"] == "parked"
     assert svc.jobs.track(fresh, 0)["status"] == "created"  # its submitter is still about to route it
     assert svc.redis.zrange(svc.jobs.keys.unrouted, 0, -1) == [f"{abandoned}:0"]

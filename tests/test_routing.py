@@ -3,14 +3,27 @@ from __future__ import annotations
 
 import pytest
 
-from app.routing import build_chain, pick_queue, queue_loads
 from app.celery_app import make_celery
-from tests.conftest import unit_services
+from app.routing import build_chain, pick_queue, queue_loads
+from tests.conftest import project_celery_config, unit_services
 
 
 @pytest.fixture
 def svc(redis_base_url, tmp_path):
     return unit_services(redis_base_url, 511, tmp_path)
+
+
+@pytest.fixture
+def celery_config(svc):
+    """pytest-celery's `celery_app` is the project's Celery app on this module's Redis database."""
+    return project_celery_config(svc.settings)
+
+
+def test_the_celery_app_fixture_is_configured_as_the_project_app(svc, celery_app):
+    """What the unit tests send with (pytest-celery's `celery_app`) is what the web sends with."""
+    project, keys = make_celery(svc.settings).conf, project_celery_config(svc.settings)
+    assert {key: celery_app.conf[key] for key in keys} == {key: project[key] for key in keys}
+    assert celery_app.conf.broker_url == svc.settings.redis_url and not celery_app.conf.task_always_eager
 
 
 def test_least_outstanding_work_wins_and_offline_queues_are_skipped(svc):
@@ -31,9 +44,9 @@ def test_least_outstanding_work_wins_and_offline_queues_are_skipped(svc):
     assert pick_queue(svc) == "gpu0"
 
 
-def test_every_signature_carries_queue_and_first_stage_has_lowest_priority():
+def test_every_signature_carries_queue_and_first_stage_has_lowest_priority(celery_app):
     from app.kinds import MUSIC
-    workflow, task_ids = build_chain(make_celery(), MUSIC, {"job_id": "x", "track": 0}, "gpu3")
+    workflow, task_ids = build_chain(celery_app, MUSIC, {"job_id": "x", "track": 0}, "gpu3")
     tasks = workflow.tasks
     assert [t.task for t in tasks] == [s.task for s in MUSIC.stages]
     assert all(t.options["queue"] == "gpu3" for t in tasks)

@@ -12,9 +12,9 @@ import wave
 import pytest
 import torch
 
-from app.pipeline.backbone import generate_coarse, generate_coarse_tracks
+from app.pipeline.music.backbone import generate_coarse, generate_coarse_tracks
 from app.pipeline.control import StageControl
-from app.pipeline.music import song_length
+from app.pipeline.music.stages import song_length
 from app.services import build_services
 from tests.conftest import TRIGGER, write_ending_backbone
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.pipeline import megatron_backend as mb
+from app.pipeline.music import megatron_backend as mb
 from app.pipeline.control import Canceled, StageControl
-from app.pipeline.superres import fill_fine, task_marker
+from app.pipeline.music.superres import fill_fine, task_marker
 
 torch.set_num_threads(2)
 FRAMES = 10

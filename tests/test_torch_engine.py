@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.pipeline.backbone import generate_coarse, generate_coarse_tracks
+from app.pipeline.music.backbone import generate_coarse, generate_coarse_tracks
 from app.pipeline.control import StageControl
-from app.pipeline.engine import BatchedCausalLM, BidirectionalLM, CausalLM
-from app.pipeline.music import load_engine
-from app.pipeline.superres import fill_fine
-from app.pipeline.torch_engine import TorchBidirectionalLM, TorchCausalLM
+from app.pipeline.music.engine import BatchedCausalLM, BidirectionalLM, CausalLM
+from app.pipeline.music.stages import load_engine
+from app.pipeline.music.superres import fill_fine
+from app.pipeline.music.torch_engine import TorchBidirectionalLM, TorchCausalLM
 
 torch.set_num_threads(2)
 PROMPT = [1, 42, 7, 300, 5, 99]

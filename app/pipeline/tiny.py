@@ -23,7 +23,7 @@ def write_tiny_models(out: Path, seed: int = 1234, force: bool = False) -> Path:
     """Write every tiny model under `out` (skipped when a previous run completed, unless `force`)."""
     if (out / MARKER).exists() and not force:
         return out
-    from app.pipeline import codec, megatron_backend, prompt
+    from app.pipeline.music import codec, megatron_backend, prompt
     profile = load_profile("tiny", out)
     out.mkdir(parents=True, exist_ok=True)
     prompt.write_tiny_tokenizer(profile, profile.tokenizer_dir)
@@ -39,7 +39,7 @@ def write_tiny_lipsync_models(out: Path, seed: int = 1234, force: bool = False) 
     """Write the tiny MuseTalk models under `out` (skipped when complete, unless `force`)."""
     if (out / MARKER).exists() and not force:
         return out
-    from app.pipeline import musetalk
+    from app.pipeline.lipsync import musetalk
     out.mkdir(parents=True, exist_ok=True)
     musetalk.write_tiny_musetalk(load_lipsync_profile("tiny", out), seed=seed)
     (out / MARKER).write_text(f"seed={seed}\n")

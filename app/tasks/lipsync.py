@@ -1,4 +1,4 @@
-"""Lip-sync stage tasks: thin wrappers that hand job parameters and paths to app.pipeline.lipsync_stages.
+"""Lip-sync stage tasks: thin wrappers that hand job parameters and paths to app.pipeline.lipsync.stages.
 
 As for music, the pipeline (torch, diffusers) is imported in the pool child only, never in the master.
 """
@@ -13,14 +13,14 @@ from app.services import services
 from app.tasks.stage import StageRun, stage_task
 
 if TYPE_CHECKING:
-    from app.pipeline.lipsync_stages import LipsyncModels
+    from app.pipeline.lipsync.stages import LipsyncModels
 
 OUTPUT = "output.mp4"
 
 
 def _stages():
-    from app.pipeline import lipsync_stages
-    return lipsync_stages
+    from app.pipeline.lipsync import stages
+    return stages
 
 
 @lru_cache(maxsize=1)

@@ -1,4 +1,4 @@
-"""Music stage tasks: thin wrappers that hand job parameters and artifact paths to app.pipeline.music.
+"""Music stage tasks: thin wrappers that hand job parameters and artifact paths to app.pipeline.music.stages.
 
 The pipeline (torch, megatron-core, the codec) is imported inside the pool child only: megatron-core
 initialises CUDA when imported, and a prefork master that did so hands its children a CUDA context that
@@ -15,12 +15,12 @@ from app.services import services
 from app.tasks.stage import StageRun, stage_task
 
 if TYPE_CHECKING:
-    from app.pipeline.music import MusicModels
+    from app.pipeline.music.stages import MusicModels
 
 
 def _music():
-    from app.pipeline import music
-    return music
+    from app.pipeline.music import stages
+    return stages
 
 
 @lru_cache(maxsize=1)

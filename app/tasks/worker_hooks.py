@@ -52,7 +52,7 @@ def _heartbeat_loop(hostname: str) -> None:
 
 def _device_claim() -> str:
     """What the worker is pinned to, without initialising CUDA in the (forking) master."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    visible = services().settings.cuda_visible_devices
     return f"cuda (CUDA_VISIBLE_DEVICES={visible})" if visible not in ("", "-1") else "cpu"
 
 

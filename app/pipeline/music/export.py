@@ -1,12 +1,15 @@
 """Writing a decoded song to disk: 16-bit stereo WAV, MP3 via pydub/ffmpeg, JSON metadata.
 
 Every writer goes through a temporary file in the target folder and renames it into place, so a failed or
-interrupted export never leaves a truncated or empty file under the final name.
+interrupted export never leaves a truncated or empty file under the final name. pydub runs the configured
+ffmpeg (ENCORE_FFMPEG), and its failures read like every other ffmpeg failure (app/pipeline/media/ffmpeg.py):
+what was being done, the tool, its exit code and the tail of its stderr.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 import wave
@@ -21,7 +24,9 @@ with warnings.catch_warnings():  # pydub imports audioop, deprecated since Pytho
     warnings.simplefilter("ignore", DeprecationWarning)
     from pydub import AudioSegment
     from pydub.exceptions import CouldntDecodeError, CouldntEncodeError
-    from pydub.utils import mediainfo_json
+
+from app.pipeline.media.ffmpeg import MediaError, exit_message, ffmpeg_binary, not_found_message
+from app.pipeline.media.probe import probe
 
 # ffprobe's duration of an MP3 may exceed the audio's by the encoder delay (LAME: 576 + 529 samples)
 # plus the padding that fills the last 1152-sample frame.
@@ -29,8 +34,9 @@ MP3_FRAME_SAMPLES = 1152
 MP3_ENCODER_DELAY_SAMPLES = 1105
 
 
-class ExportError(RuntimeError):
-    """An output file could not be written (ffmpeg failed, bad input, unreadable result)."""
+class ExportError(MediaError):
+    """An output file could not be written (ffmpeg failed, bad input, unreadable result). A MediaError, like
+    every failure of an ffmpeg call, so callers and job records treat both pipelines' media errors alike."""
 
 
 @contextmanager
@@ -68,24 +74,34 @@ def write_wav(audio: torch.Tensor, path: str | os.PathLike, sample_rate: int) ->
     return Path(path)
 
 
-def _ffmpeg_missing() -> bool:
-    return shutil.which(AudioSegment.converter) is None and not Path(AudioSegment.converter).is_file()
-
-
 def probe_duration(path: str | os.PathLike) -> float:
-    """Duration in seconds as ffprobe reports it; ExportError when ffprobe cannot read the file."""
+    """Duration in seconds as the configured ffprobe reports it; ExportError when it cannot read the file."""
     try:
-        info = mediainfo_json(str(path))
-        return float(info["format"]["duration"])
-    except Exception as exc:  # pydub gives KeyError/ValueError/JSON errors for unreadable files
-        raise ExportError(f"ffprobe cannot read {path}: {exc}") from exc
+        return probe(path).duration_s
+    except MediaError as exc:
+        raise ExportError(str(exc)) from exc
+
+
+# pydub's CouldntEncodeError carries ffmpeg's exit code and whole stderr inside one formatted message.
+_PYDUB_FAILURE = re.compile(r"returned error code: (-?\d+).*?Output from ffmpeg/avlib:\n\n(.*)\Z", re.S)
+
+
+def _encode_failure(what: str, binary: str, error: CouldntEncodeError) -> str:
+    """pydub's encode failure in the shape of the media runner's: what, the tool, exit code, stderr tail."""
+    found = _PYDUB_FAILURE.search(str(error))
+    if found is None:  # a pydub that words it differently: keep all it said
+        return f"{what}: {os.path.basename(binary)} failed: {error}"
+    return exit_message(what, binary, int(found.group(1)), found.group(2))
 
 
 def write_mp3(wav_path: str | os.PathLike, mp3_path: str | os.PathLike, bitrate: str = "320k") -> Path:
-    """Encode a WAV to MP3 with ffmpeg (through pydub) and check the result is a playable MP3 of the
-    WAV's duration. pydub leaves an empty file when ffmpeg fails; here failure always raises."""
-    if _ffmpeg_missing():
-        raise ExportError(f"ffmpeg not found (pydub converter {AudioSegment.converter!r})")
+    """Encode a WAV to MP3 with the configured ffmpeg (through pydub) and check the result is a playable MP3
+    of the WAV's duration. pydub leaves an empty file when ffmpeg fails; here failure always raises."""
+    ffmpeg = ffmpeg_binary()
+    what = f"encoding {Path(wav_path).name} to MP3 at {bitrate}"
+    if shutil.which(ffmpeg) is None:
+        raise ExportError(not_found_message(what, ffmpeg))
+    AudioSegment.converter = ffmpeg  # pydub's own lookup (avconv first, then ffmpeg on PATH) ignores the setting
     try:
         song = AudioSegment.from_wav(str(wav_path))
     except (OSError, CouldntDecodeError) as exc:
@@ -95,9 +111,11 @@ def write_mp3(wav_path: str | os.PathLike, mp3_path: str | os.PathLike, bitrate:
         try:
             song.export(str(tmp), format="mp3", bitrate=bitrate).close()
         except CouldntEncodeError as exc:
-            raise ExportError(f"ffmpeg failed to encode {wav_path} to MP3 at {bitrate}: {exc}") from exc
+            raise ExportError(_encode_failure(what, ffmpeg, exc)) from exc
+        except OSError as exc:  # ffmpeg not executable after all, or the output not writable
+            raise ExportError(f"{what}: {exc}") from exc
         if tmp.stat().st_size == 0:
-            raise ExportError(f"ffmpeg wrote an empty MP3 for {wav_path}")
+            raise ExportError(f"{what}: ffmpeg wrote an empty MP3")
         got = probe_duration(tmp)
         slack = (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / song.frame_rate + 1e-3
         if not expected - 1e-3 <= got <= expected + slack:

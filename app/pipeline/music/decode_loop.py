@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .control import StageControl
-from .profiles import COARSE_CODEBOOKS
+from app.pipeline.control import StageControl
+from app.pipeline.profiles import COARSE_CODEBOOKS
 
 DEFAULT_CHECK_EVERY = 32  # frames between host reads: ~1.5 s of audio, well under a second of GPU time
 

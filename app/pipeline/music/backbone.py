@@ -15,10 +15,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .control import StageControl
-from .decode_loop import SongPlan
-from .engine import BatchedCausalLM, CausalLM, DeviceLoopLM, sample_top_k
-from .profiles import COARSE_CODEBOOKS, MusicProfile
+from app.pipeline.control import StageControl
+from app.pipeline.music.decode_loop import SongPlan
+from app.pipeline.music.engine import BatchedCausalLM, CausalLM, DeviceLoopLM, sample_top_k
+from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 
 
 def generate_coarse(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile,

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .decode_loop import DeviceDecoder, SongPlan
-from .profiles import TransformerSpec
+from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
+from app.pipeline.profiles import TransformerSpec
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from functools import lru_cache
 import cv2
 import numpy as np
 
-from .control import StageControl
-from .frames import FrameSequence
+from app.pipeline.control import StageControl
+from app.pipeline.lipsync.frames import FrameSequence
 
 Box = tuple[int, int, int, int]  # x1, y1, x2, y2 in pixels; x2/y2 exclusive
 

@@ -33,10 +33,10 @@ import cv2
 import numpy as np
 import torch
 
-from .control import StageControl
-from .faces import Box, crop_box
-from .frames import FrameSequence, FrameSink, pingpong_index
-from .musetalk import (UNET_TIMESTEP, WHISPER_FEATURE_RATE, WHISPER_SAMPLE_RATE, WHISPER_WINDOW_S,
+from app.pipeline.control import StageControl
+from app.pipeline.lipsync.faces import Box, crop_box
+from app.pipeline.lipsync.frames import FrameSequence, FrameSink, pingpong_index
+from app.pipeline.lipsync.musetalk import (UNET_TIMESTEP, WHISPER_FEATURE_RATE, WHISPER_SAMPLE_RATE, WHISPER_WINDOW_S,
                        MuseTalkModels)
 
 BLEND_EXPAND = 1.5       # blending.get_crop_box: the context square is 1.5x the face box's larger side

@@ -15,9 +15,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .control import StageControl
-from .engine import BidirectionalLM, sample_top_k
-from .profiles import COARSE_CODEBOOKS, MusicProfile
+from app.pipeline.control import StageControl
+from app.pipeline.music.engine import BidirectionalLM, sample_top_k
+from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 
 
 def task_marker(profile: MusicProfile, layer: int) -> int:

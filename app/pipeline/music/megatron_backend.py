@@ -36,7 +36,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import GlobalMemoryBuffer
 
-from .profiles import TransformerSpec
+from app.pipeline.profiles import TransformerSpec
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0

@@ -25,7 +25,7 @@ from transformers import (WhisperConfig, WhisperFeatureExtractor, WhisperForCond
                           WhisperModel)
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-from .profiles import LipsyncProfile
+from app.pipeline.profiles import LipsyncProfile
 
 WHISPER_SAMPLE_RATE = 16_000
 WHISPER_FEATURE_RATE = 50  # encoder frames per second of audio (20 ms each)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from app.pipeline import backbone, codec, export, megatron_backend, prompt, superres, torch_engine
+from app.pipeline.music import backbone, codec, export, megatron_backend, prompt, superres, torch_engine
 from app.pipeline.control import StageControl
-from app.pipeline.engine import BatchedCausalLM
+from app.pipeline.music.engine import BatchedCausalLM
 from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile, TransformerSpec
 from app.pipeline.runtime import ModelCache
 

@@ -11,9 +11,13 @@ import wave
 from pathlib import Path
 from typing import Any
 
-from app.pipeline import faces, lipsync, media, musetalk
 from app.pipeline.control import StageControl
-from app.pipeline.frames import output_frame_count
+from app.pipeline.lipsync import faces, inference, musetalk
+from app.pipeline.lipsync.frames import output_frame_count
+from app.pipeline.media.decode import FrameCache, decode_frames, extract_audio
+from app.pipeline.media.encode import VideoWriter
+from app.pipeline.media.mux import mux
+from app.pipeline.media.probe import probe
 from app.pipeline.profiles import LipsyncProfile
 from app.pipeline.runtime import ModelCache
 
@@ -41,12 +45,12 @@ def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: St
     plan: the exact audio duration (from the decoded samples: container durations of MP3 run long) and
     hence the output frame count floor(audio s x fps)."""
     control.check()
-    media.extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s)
+    extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s)
     with wave.open(str(scratch / AUDIO_16K)) as decoded:
         audio_seconds = decoded.getnframes() / decoded.getframerate()
     plan = {"audio_duration_s": audio_seconds, "fps": fps, "output_frames": output_frame_count(audio_seconds, fps)}
     (scratch / PLAN).write_text(json.dumps(plan))
-    cache = media.decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"))
+    cache = decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"))
     try:
         found = faces.detect_faces(cache, control=control.part(0.5, 1.0, "finding faces"))
         boxes = faces.fill_missing(found)  # raises NoFaceDetected("no face detected")
@@ -58,9 +62,9 @@ def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: St
     return {"source_frames": len(boxes), "frames_with_face": sum(box is not None for box in found), **plan}
 
 
-def _open_frames(scratch: Path) -> media.FrameCache:
+def _open_frames(scratch: Path) -> FrameCache:
     meta = json.loads((scratch / FRAMES_META).read_text())
-    return media.FrameCache(scratch / FRAMES, meta["count"], meta["height"], meta["width"], meta["fps"])
+    return FrameCache(scratch / FRAMES, meta["count"], meta["height"], meta["width"], meta["fps"])
 
 
 def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Path, control: StageControl,
@@ -69,15 +73,15 @@ def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Pa
     engine = models.musetalk(loaded)
     profile = models.profile
     frames_out = _plan(scratch)["output_frames"]
-    features = lipsync.audio_features(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
-                                      padding_left=profile.audio_padding_left,
-                                      padding_right=profile.audio_padding_right)
+    features = inference.audio_features(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
+                                        padding_left=profile.audio_padding_left,
+                                        padding_right=profile.audio_padding_right)
     boxes = [tuple(box) for box in json.loads((scratch / BOXES).read_text())]
-    with _open_frames(scratch) as frames, media.VideoWriter(scratch / PICTURE, width=frames.width,
-                                                          height=frames.height, fps=params["fps"]) as writer:
-        written = lipsync.run_lipsync(engine, frames, boxes, features, num_frames=frames_out,
-                                      batch_size=int(params["batch_size"]), extra_margin=int(params["extra_margin"]),
-                                      sink=writer.write, control=control)
+    with _open_frames(scratch) as frames, VideoWriter(scratch / PICTURE, width=frames.width,
+                                                     height=frames.height, fps=params["fps"]) as writer:
+        written = inference.run_lipsync(engine, frames, boxes, features, num_frames=frames_out,
+                                        batch_size=int(params["batch_size"]), extra_margin=int(params["extra_margin"]),
+                                        sink=writer.write, control=control)
         source_frames = len(frames)
     return {"frames_generated": written, "source_frames": source_frames, "encoder": writer.encoder}
 
@@ -91,8 +95,8 @@ def run_mux(scratch: Path, driving_audio: Path, out: Path, control: StageControl
     """Picture from the lip-sync output, sound only from the driving audio."""
     plan = _plan(scratch)
     control.step(0, 1, "files")
-    media.mux(scratch / PICTURE, driving_audio, out, audio_duration_s=plan["audio_duration_s"],
-              picture_duration_s=plan["output_frames"] / plan["fps"], timeout_s=timeout_s)
+    mux(scratch / PICTURE, driving_audio, out, audio_duration_s=plan["audio_duration_s"],
+        picture_duration_s=plan["output_frames"] / plan["fps"], timeout_s=timeout_s)
     control.step(1, 1, "files")
-    info = media.probe(out)
+    info = probe(out)
     return {"duration_s": info.duration_s, "frames": info.frame_count}

@@ -22,7 +22,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from app.pipeline.lyrics import clean_lyrics
+from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.profiles import MusicProfile
 
 BOS = "<|begin_of_text|>"

@@ -1,0 +1,142 @@
+"""Reading media out of files for the lip-sync stages: the driving audio as 16 kHz mono WAV, and every
+frame of the source video decoded once into a memory-mapped cache on local disk.
+
+Frames are RGB uint8 arrays [height, width, 3] (see app/pipeline/lipsync/frames.py). Decoding passes frames
+through as they are (no fps conversion, so no duplicates or drops) and never loops the source video.
+"""
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from app.pipeline.control import StageControl
+from app.pipeline.media.ffmpeg import (BASE_ARGS, MediaError, PathLike, Watchdog, exit_message, ffmpeg_binary, kill,
+                                       popen, read_tail, run_to_file)
+from app.pipeline.media.probe import probe
+
+EXTRACT_TIMEOUT_S = 300.0
+DECODE_TIMEOUT_S = 3600.0
+
+
+def extract_audio(src: PathLike, dst_wav: PathLike, sample_rate: int = 16000, *,
+                  timeout_s: float = EXTRACT_TIMEOUT_S) -> Path:
+    """Mono 16-bit PCM WAV at `sample_rate` (16 kHz: what whisper's feature extractor expects) from the
+    first audio stream of any container/codec. Written atomically."""
+    src, dst = Path(src), Path(dst_wav)
+    if not probe(src).has_audio:
+        raise MediaError(f"{src.name} has no audio stream")
+    return run_to_file(["-i", str(src), "-map", "0:a:0", "-vn", "-ac", "1", "-ar", str(sample_rate),
+                        "-c:a", "pcm_s16le", "-f", "wav"], dst, timeout_s=timeout_s,
+                       what=f"extracting audio of {src}")
+
+
+class FrameCache:
+    """Decoded frames in a raw memmap file on local disk: random access, RAM use of one frame at a time.
+
+    Implements frames.FrameSequence. Items are copies, so they stay valid after close()."""
+
+    def __init__(self, path: PathLike, count: int, height: int, width: int, fps: Optional[float] = None):
+        self.path = Path(path)
+        self.height, self.width, self.fps = height, width, fps
+        self._count = count
+        self._map: Optional[np.memmap] = np.memmap(self.path, dtype=np.uint8, mode="r",
+                                                   shape=(count, height, width, 3))
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if self._map is None:
+            raise ValueError("frame cache is closed")
+        i = int(index.__index__())
+        if i < 0:
+            i += self._count
+        if not 0 <= i < self._count:
+            raise IndexError(f"frame {index} out of range (0..{self._count - 1})")
+        return np.array(self._map[i])
+
+    def close(self) -> None:
+        """Unmap the file (it stays on disk; the job's temp dir owns it)."""
+        if self._map is not None:
+            self._map._mmap.close()  # type: ignore[attr-defined]
+            self._map = None
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "FrameCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def decode_frames(video: PathLike, cache_path: PathLike, *, control: Optional[StageControl] = None,
+                  timeout_s: float = DECODE_TIMEOUT_S) -> FrameCache:
+    """Decode every frame once (ffmpeg → rgb24 pipe, rotation applied by ffmpeg's autorotate) into
+    `cache_path`. Frames are passed through as decoded (no fps conversion: no duplicates, no drops).
+    Canceled/timeouts kill ffmpeg and remove the cache file."""
+    video, cache = Path(video), Path(cache_path)
+    info = probe(video)
+    if not info.has_video or info.width <= 0 or info.height <= 0:
+        raise MediaError(f"{video.name} has no video stream")
+    frame_bytes = info.width * info.height * 3
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    argv = [ffmpeg_binary(), *BASE_ARGS, "-i", str(video), "-map", "0:v:0", "-an", "-sn", "-dn",
+            "-fps_mode", "passthrough", "-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"]
+    with tempfile.TemporaryFile() as errors:
+        proc = popen(argv, f"decoding {video.name}", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                     stderr=errors)
+        watchdog = Watchdog(proc)
+        watchdog.arm(timeout_s)
+        try:
+            count = _pump_frames(proc, cache, frame_bytes, info.frame_count, control)
+            rc = proc.wait()
+        except BaseException:
+            kill(proc)
+            cache.unlink(missing_ok=True)
+            raise
+        finally:
+            watchdog.stop()
+            if proc.stdout:
+                proc.stdout.close()
+        failure = None
+        if watchdog.fired:
+            failure = f"decoding {video.name} timed out after {timeout_s:g}s"
+        elif rc != 0:
+            failure = exit_message(f"decoding {video.name}", argv[0], rc, read_tail(errors))
+        elif count == 0:
+            failure = f"decoding {video.name}: no frames decoded"
+        if failure:
+            cache.unlink(missing_ok=True)
+            raise MediaError(failure)
+    return FrameCache(cache, count, info.height, info.width, info.fps)
+
+
+def _pump_frames(proc: subprocess.Popen, cache: Path, frame_bytes: int, expected: int,
+                 control: Optional[StageControl]) -> int:
+    """Copy whole frames from ffmpeg's stdout to the cache file through one reusable buffer."""
+    buffer = bytearray(frame_bytes)
+    view = memoryview(buffer)
+    count = 0
+    assert proc.stdout is not None
+    with open(cache, "wb") as sink:
+        while True:
+            filled = 0
+            while filled < frame_bytes:
+                got = proc.stdout.readinto(view[filled:])
+                if not got:
+                    break
+                filled += got
+            if filled < frame_bytes:
+                break  # EOF; a partial trailing frame only happens when ffmpeg was killed or failed
+            sink.write(view)
+            count += 1
+            if control is not None:
+                control.step(count, max(expected, count), "frames")
+    return count
