@@ -15,12 +15,10 @@ from typing import Any
 import redis
 
 from app.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
-from app.lifecycle import Layout, Lifecycle, Outcome, is_open
+from app.lifecycle import JSON_FIELDS, LIST_FIELDS, Layout, Lifecycle, Outcome, is_open
 
 JOB_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 JOB_STATES = ("queued", "running", "done", "failed", "canceled", "partial")
-_JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts",
-                "song", "version", "params")
 _INTERNAL_JOB_FIELDS = ("n_waiting", "n_active", "n_done", "n_failed", "n_canceled")
 
 
@@ -30,9 +28,17 @@ def is_job_id(value: str) -> bool:
 
 def _decode_track(raw: dict[str, str]) -> dict[str, Any]:
     track: dict[str, Any] = dict(raw)
-    for key in _JSON_FIELDS:
+    for key in JSON_FIELDS:
         if key in track:
             track[key] = json.loads(track[key])
+    return track
+
+
+def _decoded_track(track: dict[str, Any]) -> dict[str, Any]:
+    """A track as app/lifecycle's read script returns it (JSON fields decoded there)."""
+    for key in LIST_FIELDS:
+        if track.get(key) == {}:
+            track[key] = []
     return track
 
 
@@ -127,7 +133,7 @@ class JobStore:
         if raw is None:
             return None
         job = _decode_job(job_id, raw["job"])
-        tracks = [_decode_track(track) for track in raw["tracks"]]
+        tracks = [_decoded_track(track) for track in raw["tracks"]]
         job["tracks"] = tracks
         job["state"] = overall_state([t["state"] for t in tracks])
         waiting = [t["queue_position"] for t in tracks if t["state"] == QUEUED]
