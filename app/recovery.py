@@ -63,10 +63,7 @@ def restart_track(svc: Services, celery: Celery, job_id: str, track: int, record
                 f"giving up")
     if not outcome:
         return ""
-    options = dict(celery.conf.broker_transport_options or {})
-    if record["queue"]:
-        drop_messages(svc, broker_lists(record["queue"], options), record["task_ids"])
-    drop_unacked(svc, options, record["task_ids"])
+    _drop_chain(svc, celery, record)
     if outcome.status != "parked":
         return "canceled" if outcome.canceled else outcome.status
     live = set(svc.workers.live_queues()) - draining(svc)
@@ -74,6 +71,14 @@ def restart_track(svc: Services, celery: Celery, job_id: str, track: int, record
     if queue is not None:
         enqueue_track(svc, celery, job_id, track, queue)
     return "restarted"
+
+
+def _drop_chain(svc: Services, celery: Celery, record: dict[str, Any]) -> None:
+    """The messages of a track's old chain out of its queue's broker lists and kombu's `unacked` hash."""
+    options = dict(celery.conf.broker_transport_options or {})
+    if record["queue"]:
+        drop_messages(svc, broker_lists(record["queue"], options), record["task_ids"])
+    drop_unacked(svc, options, record["task_ids"])
 
 
 def reap(svc: Services, celery: Celery) -> int:
@@ -156,6 +161,7 @@ def _lease_expired(svc: Services, celery: Celery, job_id: str, track: int, recor
     if svc.jobs.cancel_requested(job_id):
         ended = svc.jobs.cancel(job_id, track, f"canceled during {stage} (its stage had stopped)")
         if ended:
+            _drop_chain(svc, celery, record)  # the dead stage's delivery would come back after the timeout
             job_event(log, "canceled", job_id, track=track, queue=queue, reason="no live lease")
         return int(ended)
     outcome = restart_track(svc, celery, job_id, track, record,
