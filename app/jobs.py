@@ -15,7 +15,7 @@ from typing import Any
 import redis
 
 from app.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
-from app.lifecycle import JSON_FIELDS, LIST_FIELDS, Layout, Lifecycle, Outcome, is_open
+from app.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open
 
 JOB_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 JOB_STATES = ("queued", "running", "done", "failed", "canceled", "partial")
@@ -33,13 +33,6 @@ def _decode_track(raw: dict[str, str]) -> dict[str, Any]:
             track[key] = json.loads(track[key])
     return track
 
-
-def _decoded_track(track: dict[str, Any]) -> dict[str, Any]:
-    """A track as app/lifecycle's read script returns it (JSON fields decoded there)."""
-    for key in LIST_FIELDS:
-        if track.get(key) == {}:
-            track[key] = []
-    return track
 
 
 def _decode_job(job_id: str, raw: dict[str, str]) -> dict[str, Any]:
@@ -133,7 +126,7 @@ class JobStore:
         if raw is None:
             return None
         job = _decode_job(job_id, raw["job"])
-        tracks = [_decoded_track(track) for track in raw["tracks"]]
+        tracks = [_decode_track(track) for track in raw["tracks"]]
         job["tracks"] = tracks
         job["state"] = overall_state([t["state"] for t in tracks])
         waiting = [t["queue_position"] for t in tracks if t["state"] == QUEUED]

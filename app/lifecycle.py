@@ -209,10 +209,10 @@ TRANSITIONS: dict[str, Transition] = {
                          "the job was canceled and no live stage will see the flag (or the stage itself stops)"),
 }
 
-# Track fields stored as JSON (everything else is a plain string).
+# Track fields stored as JSON (everything else is a plain string). They are decoded in Python, never by
+# Lua's cjson, which would turn every empty list, however deep, into {}.
 JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts",
                "song", "version", "params")
-LIST_FIELDS = ("artifacts", "task_ids")  # Lua's cjson writes an empty list back as {}
 
 # Fields only the script writes; others (detail, progress, error, stages, artifacts, song, attempts) are
 # passed by the caller and written with the transition.
@@ -454,9 +454,6 @@ local tracks = {}
 for i = 0, tonumber(job.num_tracks) - 1 do
   local t = to_table(redis.call('HGETALL', job_key .. ':track:' .. i))
   if t.status then
-    for _, name in ipairs(JSON_FIELDS) do  -- decoded here: one JSON document for the caller to parse
-      if t[name] then t[name] = cjson.decode(t[name]) end
-    end
     local m = job_id .. ':' .. i
     local rank = false
     if t.status == 'queued' then rank = redis.call('ZRANK', P .. ':queue:' .. t.queue .. ':waiting', m)
@@ -537,8 +534,7 @@ class Lifecycle:
         self.redis = client
         self.layout = layout
         self._script = client.register_script(_generated_tables() + _TRANSITION)
-        self._read_job = client.register_script(
-            f"local JSON_FIELDS = {_lua_table(list(JSON_FIELDS))}\n" + _READ_JOB)
+        self._read_job = client.register_script(_READ_JOB)
         self._snapshot = client.register_script(_SNAPSHOT)
 
     def apply(self, event: str, job_id: str, track: int, args: dict[str, Any] | None = None,

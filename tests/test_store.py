@@ -89,6 +89,9 @@ def test_record_is_one_round_trip_with_positions_cancel_flag_and_worker_status(c
     assert (record["state"], record["queue_position"], record["cancel_requested"]) == ("running", 1, False)
     client.delete("t:worker:gpu0@a")
     assert jobs.record(job_id)["tracks"][0]["worker_status"] == "offline"
+    stages = {"backbone": {"finished_at": 1.0, "loaded": [], "info": {"with_tracks": []}}}
+    assert jobs.transition("finish", job_id, 0, {"stages": stages}, stage="backbone", owner=OWNER)
+    assert jobs.record(job_id)["tracks"][0]["stages"] == stages  # empty lists stay lists, however deep
 
 
 def test_index_drops_expired_jobs_and_gauges_agree_with_records(client):
