@@ -29,9 +29,9 @@ from celery import Celery
 
 from app.broker import broker_lists, drop_messages, drop_unacked, messages_present
 from app.joblog import job_event
-from app.kinds import KINDS, JobKind
+from app.kinds import KINDS
 from app.lifecycle import QUEUED, parse_member
-from app.routing import (dispatch_unrouted, draining, enqueue_track, expected_task_id, known_queues, pick_queue,
+from app.routing import (chain_start, draining, enqueue_track, expected_task_id, known_queues, pick_queue,
                          resend, unroute_waiting)
 from app.services import Services
 
@@ -95,7 +95,7 @@ def reap(svc: Services, celery: Celery) -> int:
                                           ex=max(1, int(svc.settings.stall_after_s / 2))))
         for queue in known_queues(svc, workers):
             acted += _reap_queue(svc, celery, queue, live, check_stalls)
-        return acted + _park_abandoned(svc) + dispatch_unrouted(svc, celery)
+        return acted + _park_abandoned(svc)  # the heartbeat routes what is parked next
     finally:
         svc.redis.delete(lock)
 
@@ -183,7 +183,7 @@ def _resend_if_lost(svc: Services, celery: Celery, job_id: str, track: int, reco
     if job is None or record["queue"] != queue or not record["task_ids"]:
         return 0
     kind = KINDS[job["kind"]]
-    stage = _chain_start(kind, record) if record["status"] == QUEUED else record["stage"]
+    stage = chain_start(kind, record) if record["status"] == QUEUED else record["stage"]
     expected = expected_task_id(kind, record, stage)
     if expected is None or expected in present:
         return 0
@@ -192,8 +192,3 @@ def _resend_if_lost(svc: Services, celery: Celery, job_id: str, track: int, reco
                   reason="its message was in no broker list and not delivered", level=logging.WARNING)
         return 1
     return 0
-
-
-def _chain_start(kind: JobKind, record: dict[str, Any]) -> str:
-    """The stage a queued track's chain starts with (its ids are those of the kind's last stages)."""
-    return kind.stages[len(kind.stages) - len(record["task_ids"])].name

@@ -75,10 +75,21 @@ def first_unfinished(kind: JobKind, stages: dict[str, Any]) -> int:
     return len(kind.stages) - 1
 
 
+def _chain_offset(kind: JobKind, record: dict[str, Any]) -> int:
+    """Index in `kind.stages` of the stage the track's current chain starts with (its ids are those of the
+    kind's last stages)."""
+    return len(kind.stages) - len(record["task_ids"])
+
+
+def chain_start(kind: JobKind, record: dict[str, Any]) -> str:
+    """The stage a queued track's chain starts with."""
+    return kind.stages[_chain_offset(kind, record)].name
+
+
 def expected_task_id(kind: JobKind, record: dict[str, Any], stage: str) -> str | None:
-    """The id of the message a track's chain has for `stage` (its ids are those of the kind's last stages)."""
+    """The id of the message a track's chain has for `stage`."""
     ids = record["task_ids"]
-    index = [s.name for s in kind.stages].index(stage) - (len(kind.stages) - len(ids))
+    index = [s.name for s in kind.stages].index(stage) - _chain_offset(kind, record)
     return ids[index] if 0 <= index < len(ids) else None
 
 

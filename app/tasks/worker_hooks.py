@@ -37,8 +37,8 @@ def _heartbeat_loop(hostname: str) -> None:
     while not _stop.is_set():
         try:
             svc.workers.heartbeat(hostname, info)
-            dispatch_unrouted(svc, celery)
             reap(svc, celery)
+            dispatch_unrouted(svc, celery)  # parked tracks, including those the reaper just parked
             if time.monotonic() - last_sweep > SWEEP_EVERY_S:
                 last_sweep = time.monotonic()
                 removed = svc.artifacts.sweep(lambda job_id: svc.jobs.job(job_id) is not None)
