@@ -11,4 +11,4 @@ RUN pip install --no-cache-dir "$TORCH_SPEC" \
  && python scripts/disable_torchaudio_ext.py
 COPY . .
 ENV ENCORE_ARTIFACT_DIR=/data/artifacts PYTHONUNBUFFERED=1
-CMD ["gunicorn", "-w", "4", "-b", "0.0.0.0:8000", "app.web:create_app()"]
+CMD ["gunicorn", "-c", "gunicorn.conf.py"]

@@ -77,6 +77,11 @@ class Settings:
     max_audio_mb: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_MB", "20")))
     min_video_s: float = field(default_factory=lambda: float(_env("ENCORE_MIN_VIDEO_S", "3")))
     max_audio_s: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_S", "600")))
+    # The shortest driving audio a lip-sync job takes (never less than one output frame period).
+    min_audio_s: float = field(default_factory=lambda: float(_env("ENCORE_MIN_AUDIO_S", "0.5")))
+    # Width × height of the largest face video (4096×2160): a bigger one is refused from its probe, before its
+    # frames are ever decoded.
+    max_video_pixels: int = field(default_factory=lambda: int(_env("ENCORE_MAX_VIDEO_PIXELS", str(4096 * 2160))))
     upload_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_UPLOAD_DIR", "var/uploads")).resolve())
     ffmpeg_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_FFMPEG_TIMEOUT_S", "600")))
     # The ffmpeg / ffprobe every media call runs (app/pipeline/media/ffmpeg.py), the music export's pydub too.
@@ -99,6 +104,12 @@ class Settings:
     client_url: str = field(default_factory=lambda: _env("ENCORE_URL", DEFAULT_WEB_URL))
     client_token: str | None = field(default_factory=lambda: os.environ.get("ENCORE_API_TOKEN") or None)
     demo_web_url: str = field(default_factory=lambda: _env("ENCORE_WEB_URL", DEFAULT_WEB_URL))
+    # The web server (gunicorn.conf.py): where it listens, processes × threads, and how long a request body may
+    # send nothing before the client is answered 408 and dropped.
+    web_bind: str = field(default_factory=lambda: _env("ENCORE_WEB_BIND", "0.0.0.0:8000"))
+    web_workers: int = field(default_factory=lambda: int(_env("ENCORE_WEB_WORKERS", "2")))
+    web_threads: int = field(default_factory=lambda: int(_env("ENCORE_WEB_THREADS", "32")))
+    body_idle_s: float = field(default_factory=lambda: float(_env("ENCORE_BODY_IDLE_S", "30")))
 
     def __post_init__(self) -> None:
         if self.runtime_mode not in ("keep_loaded", "one_shot"):

@@ -128,8 +128,8 @@ def ensure_web(services: Services, env: dict[str, str], web: str) -> None:
     except requests.RequestException:
         pass
     bind = urlparse(web).netloc
-    services.start("web (gunicorn)", [sys.executable, "-m", "gunicorn", "-w", "2", "-b", bind,
-                   "app.web:create_app()"], env, REPO / "logs" / "web.log")
+    services.start("web (gunicorn)", [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "-b", bind], env,
+                   REPO / "logs" / "web.log")
     wait_for(lambda: _healthy(web), 60, "web")
 
 

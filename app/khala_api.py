@@ -54,12 +54,12 @@ def _real(body: dict[str, Any], field: str, default: float) -> float:
     return float(value)
 
 
-def _translate(body: dict[str, Any], longest_song_s: float) -> dict[str, Any]:
+def _translate(body: dict[str, Any], longest_song: Callable[[dict[str, Any]], float]) -> dict[str, Any]:
     """The reference's fields → a native MusicRequest body. As the reference does: unknown fields are
     ignored, and numbers are clamped to its ranges (duration 1–10 minutes, top_k_bb 1–200, temperature
     0.6–1.4) rather than refused. Ten minutes is longer than the backbone can write (23,552 tokens, ~9.1
-    min): the reference accepts it and its song stops at that cap; here it becomes the longest song the
-    profile can write."""
+    min): the reference accepts it and its song stops at that cap; here it becomes the longest song this
+    request's prompt leaves room for (`longest_song` of the native body)."""
     mode = body.get("mode", "vocal")
     prompt_mode = body.get("prompt_mode", "tags")
     if prompt_mode not in ("natural", "tags"):
@@ -68,10 +68,11 @@ def _translate(body: dict[str, Any], longest_song_s: float) -> dict[str, Any]:
     top_k = max(1, min(200, _whole(body, "top_k_bb", 80)))
     temperature = max(0.6, min(1.4, _real(body, "temperature", 1.0)))
     text_field = "tags" if prompt_mode == "tags" else "prompt"
-    native = {"mode": mode, text_field: body.get(text_field, ""), "duration_s": min(float(minutes * 60), longest_song_s),
+    native = {"mode": mode, text_field: body.get(text_field, ""), "duration_s": float(minutes * 60),
               "num_tracks": NUM_TRACKS, "temperature": temperature, "top_k": top_k}
     if mode == "vocal":
         native["lyrics"] = body.get("lyrics", "")
+    native["duration_s"] = max(1.0, min(native["duration_s"], longest_song(native)))
     return native
 
 
@@ -200,7 +201,8 @@ def _gpu_index(queue: str) -> int | None:
 
 
 def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], validate: Callable[[dict], Any],
-                   tags_file: Path | None, longest_song_s: float, transport_options: dict[str, Any]) -> Blueprint:
+                   tags_file: Path | None, longest_song: Callable[[dict[str, Any]], float],
+                   transport_options: dict[str, Any]) -> Blueprint:
     """The contract's routes; registered once per prefix (none by default, and /api)."""
     blueprint = Blueprint(name, __name__)
     catalogue = json.loads((tags_file or DEFAULT_TAGS).read_text())
@@ -223,7 +225,7 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
         except BodyError as exc:
             return _error(400, str(exc))
         try:
-            req = validate(_translate(body, longest_song_s))
+            req = validate(_translate(body, longest_song))
         except RequestError as exc:
             field = NATIVE_TO_CONTRACT_FIELD.get(exc.field, exc.field)
             if field == "tags" and body.get("prompt_mode") == "natural":

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.pipeline.music.lyrics import clean_lyrics
+from app.pipeline.music.positions import longest_song_for
 
 MAX_SEED = 2**31 - 1
 
@@ -56,6 +57,13 @@ class MusicRequest(BaseModel):
             self.duration_s = limits.get("default_duration_s", low)
         if not low <= self.duration_s <= high:
             raise _field_error("duration_s", f"must be between {low:g} and {high:g} seconds")
+        profile = limits.get("profile")
+        if profile is not None:
+            longest = longest_song_for(profile, mode=self.mode, tags=self.tags, description=self.prompt,
+                                       lyrics=self.lyrics)
+            if self.duration_s > longest:
+                raise _field_error("duration_s", f"at most {longest:g} seconds with this prompt and lyrics (the "
+                                   f"model holds {profile.backbone.max_sequence_length} positions, prompt included)")
         max_tracks = limits.get("max_tracks", 4)
         if self.num_tracks > max_tracks:
             raise _field_error("num_tracks", f"at most {max_tracks}")

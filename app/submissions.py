@@ -15,7 +15,8 @@ from app.metrics import count_submission
 from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.profiles import MusicProfile
 from app.routing import route_job
-from app.schemas import MusicRequest, describe_validation_error
+from app.pipeline.music.positions import longest_song_for
+from app.schemas import MusicRequest, describe_validation_error, untokenizable
 from app.services import Services
 
 log = logging.getLogger("encore.web")
@@ -30,7 +31,18 @@ class RequestError(ValueError):
 def music_limits(settings: Settings, profile: MusicProfile) -> dict[str, Any]:
     return {"min_duration_s": profile.min_duration_s, "max_duration_s": profile.max_duration_s,
             "default_duration_s": profile.default_duration_s, "max_tracks": settings.max_tracks,
-            "max_lyrics_chars": settings.max_lyrics_chars, "max_text_chars": settings.max_text_chars}
+            "max_lyrics_chars": settings.max_lyrics_chars, "max_text_chars": settings.max_text_chars,
+            "profile": profile}
+
+
+def longest_song(body: dict[str, Any], profile: MusicProfile) -> float:
+    """The longest song a (not yet validated) native body's prompt leaves room for; text fields of the
+    wrong type count as empty (validation refuses them afterwards)."""
+    def text(name: str) -> str:
+        value = body.get(name)
+        return value if isinstance(value, str) and untokenizable(value) is None else ""
+    mode = body.get("mode") if body.get("mode") in ("vocal", "instrumental") else "vocal"
+    return longest_song_for(profile, mode=mode, tags=text("tags"), description=text("prompt"), lyrics=text("lyrics"))
 
 
 def validate_music(body: dict[str, Any], settings: Settings, profile: MusicProfile) -> MusicRequest:

@@ -74,8 +74,9 @@ def receive_lipsync(form: dict[str, str], files: dict[str, FileStorage], setting
         for name in FILE_FIELDS:
             received.files[name] = _stage(files[name], staging, name, limits[name])
         video, audio = (_probe(received.files[n], n) for n in FILE_FIELDS)
-        _check_media(video, audio, settings)
-        received.params = _params(fields, video, audio, profile, received.files)
+        fps = fields.fps if fields.fps else profile.default_fps  # missing or 0 → default (MuseTalk's fps=0 bug)
+        _check_media(video, audio, settings, fps)
+        received.params = _params(fields, fps, video, audio, profile, received.files)
         return received
     except BaseException:
         received.discard()
@@ -103,24 +104,28 @@ def _probe(path: Path, field: str) -> MediaInfo:
         raise UploadError(400, field, "cannot be read as audio/video (ffprobe failed)") from None
 
 
-def _check_media(video: MediaInfo, audio: MediaInfo, settings: Settings) -> None:
+def _check_media(video: MediaInfo, audio: MediaInfo, settings: Settings, fps: float) -> None:
     if not video.has_video:
         raise UploadError(400, "video", "has no video stream")
+    pixels = (video.width or 0) * (video.height or 0)
+    if pixels > settings.max_video_pixels:
+        raise UploadError(400, "video", f"is {video.width}x{video.height} ({pixels} pixels); the limit is "
+                                        f"{settings.max_video_pixels} pixels (4096x2160 by default)")
     if not audio.has_audio:
         raise UploadError(400, "audio", "has no audio stream")
     video_seconds = video.video_duration_s or video.duration_s or 0.0
     if video_seconds < settings.min_video_s:
         raise UploadError(400, "video", f"is {video_seconds:.2f} s long; at least {settings.min_video_s:g} s needed")
     audio_seconds = audio.audio_duration_s or audio.duration_s or 0.0
-    if audio_seconds <= 0:
-        raise UploadError(400, "audio", "has no measurable duration")
+    shortest = max(settings.min_audio_s, 1.0 / fps)
+    if audio_seconds < shortest:
+        raise UploadError(400, "audio", f"is {audio_seconds:.2f} s long; at least {shortest:g} s needed")
     if audio_seconds > settings.max_audio_s:
         raise UploadError(400, "audio", f"is {audio_seconds:.1f} s long; the limit is {settings.max_audio_s:g} s")
 
 
-def _params(fields: LipsyncForm, video: MediaInfo, audio: MediaInfo, profile: LipsyncProfile,
+def _params(fields: LipsyncForm, fps: float, video: MediaInfo, audio: MediaInfo, profile: LipsyncProfile,
             files: dict[str, Path]) -> dict[str, Any]:
-    fps = fields.fps if fields.fps else profile.default_fps  # missing or 0 → default (MuseTalk's fps=0 bug)
     audio_seconds = audio.audio_duration_s or audio.duration_s
     return {
         "fps": fps,

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 from flask import Flask, Response, has_request_context, jsonify, request, send_file
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from werkzeug.exceptions import HTTPException, MethodNotAllowed
+from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from app.celery_app import make_celery
 from app.config import Settings, load_settings
@@ -27,7 +27,8 @@ from app.routing import drain_queue, known_queues, resume_queue, route_job
 from app.schemas import Accepted, ErrorReply, MusicRequest
 from app.services import Services, build_services
 from app.snapshot import take_snapshot
-from app.submissions import RequestError, create_job, submit_music as submit_music_job, validate_music
+from app.submissions import (RequestError, create_job, longest_song, submit_music as submit_music_job,
+                             validate_music)
 from app.uploads import LipsyncForm, UploadError, receive_lipsync
 
 log = logging.getLogger("encore.web")
@@ -37,6 +38,11 @@ MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
 
 
 KHALA_BLUEPRINTS = ("khala", "khala_api")
+# A lip-sync form has two files and three short fields: a body with more parts, or a text field longer than
+# this (Werkzeug also holds its read buffer to it, so it stays well above the 64 KiB chunk), is refused (413)
+# while it is parsed.
+MAX_FORM_PARTS = 16
+MAX_FORM_MEMORY_BYTES = 500_000
 
 
 def error(status: int, message: str, field: str | None = None):
@@ -72,7 +78,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["SERVICES"] = svc
     # Bodies larger than both upload limits together are refused before they are read (413).
     app.config["MAX_CONTENT_LENGTH"] = int((settings.max_video_mb + settings.max_audio_mb + 1) * 2**20)
+    app.config["MAX_FORM_PARTS"] = MAX_FORM_PARTS
+    app.config["MAX_FORM_MEMORY_SIZE"] = MAX_FORM_MEMORY_BYTES
     _register_errors(app)
+    _time_out_idle_bodies(app, settings.body_idle_s)
     _require_token(app, settings.api_tokens)
     _register_khala_contract(app, svc, celery_app, settings, profile)
     registry = make_registry(svc, dict(celery_app.conf.broker_transport_options or {}))
@@ -118,7 +127,14 @@ def create_app(settings: Settings | None = None) -> Flask:
         if not request.mimetype == "multipart/form-data":
             return error(400, "body: expected multipart/form-data with video and audio files", "body")
         try:
-            upload = receive_lipsync(request.form.to_dict(), request.files.to_dict(), settings, lipsync_profile)
+            form, files = request.form.to_dict(), request.files.to_dict()
+        except RequestEntityTooLarge:
+            if (request.content_length or 0) > app.config["MAX_CONTENT_LENGTH"]:
+                raise
+            return error(413, f"body: at most {MAX_FORM_PARTS} form parts, and form fields (besides the files) "
+                              f"of at most {MAX_FORM_MEMORY_BYTES} bytes", "body")
+        try:
+            upload = receive_lipsync(form, files, settings, lipsync_profile)
         except UploadError as exc:
             return error(exc.status, str(exc), exc.field)
         try:
@@ -286,7 +302,7 @@ def _register_khala_contract(app: Flask, svc: Services, celery_app, settings: Se
         if name == "khala_api" and prefix == settings.compat_prefix:
             continue
         app.register_blueprint(make_blueprint(name, svc, submit, validate, settings.tags_file,
-                                              profile.max_duration_s,
+                                              lambda body: longest_song(body, profile),
                                               dict(celery_app.conf.broker_transport_options or {})),
                                url_prefix=prefix or None)
 
@@ -309,6 +325,22 @@ def _require_token(app: Flask, tokens: tuple[str, ...]) -> None:
                               "authorization")
         reply.headers["WWW-Authenticate"] = 'Bearer realm="encore"'
         return reply, status
+
+
+def _time_out_idle_bodies(app: Flask, idle_s: float) -> None:
+    """Under gunicorn, a request that carries a body gets a read timeout on its socket: a client that sends
+    nothing for `idle_s` is answered 408 and dropped (its unread body cannot be drained) instead of holding a thread forever."""
+    @app.before_request
+    def arm_body_timeout():
+        client = request.environ.get("gunicorn.socket")
+        if client is not None and (request.content_length or request.headers.get("Transfer-Encoding")):
+            client.settimeout(idle_s)
+
+    @app.errorhandler(ClientDisconnected)  # Werkzeug's body reader turns the socket timeout into this
+    def body_stalled(exc: ClientDisconnected):
+        if isinstance(exc.__context__, TimeoutError):
+            return error(408, f"body: nothing received for {idle_s:g} s", "body")  # gunicorn then drops it
+        return error(400, "body: the connection closed before the whole body arrived", "body")
 
 
 def _register_errors(app: Flask) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pytest
 import redis
+import requests
 from werkzeug.serving import make_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,6 +145,7 @@ class Stack:
         self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True)
         self.redis.flushdb()
         self._server = None
+        self._gunicorns: list[subprocess.Popen] = []
         self.app = self._make_app()
         self.client = self.app.test_client()
 
@@ -211,6 +213,24 @@ class Stack:
             threading.Thread(target=self._server.serve_forever, daemon=True).start()
         return f"http://127.0.0.1:{self._server.server_port}"
 
+    def start_gunicorn(self, *args: str, **env: str) -> str:
+        """The web tier as deployed (gunicorn -c gunicorn.conf.py) on a free port; its base URL once healthy."""
+        port = free_port()
+        proc = subprocess.Popen([PYTHON, "-m", "gunicorn", "-c", "gunicorn.conf.py", "-b", f"127.0.0.1:{port}", *args],
+                                cwd=REPO, env={**os.environ, **self.env, **env}, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._gunicorns.append(proc)
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            assert proc.poll() is None, "gunicorn exited"
+            try:
+                return requests.get(f"{url}/healthz", timeout=2).ok
+            except requests.RequestException:
+                return False
+        wait_until(healthy, 60, 0.2, "gunicorn")
+        return url
+
     def submit_music(self, **fields: Any) -> str:
         body = {"mode": "instrumental", "tags": "lo-fi, piano", "duration_s": 2.0, "num_tracks": 1,
                 "seed": 7, **fields}
@@ -233,6 +253,13 @@ class Stack:
             self.stop_worker(gpu)
         if self._server is not None:
             self._server.shutdown()
+        for proc in self._gunicorns:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
 
 
 @pytest.fixture

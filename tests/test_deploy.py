@@ -60,10 +60,24 @@ def test_every_command_in_the_compose_file_exists_in_the_project():
         else:
             assert (venv_bin / program).exists(), f"{name}: {program} is not installed by requirements.txt"
         assert (REPO / service["build"]["context"]).resolve() == REPO
-    assert "app.web:create_app()" in services["web"]["command"]
+    assert services["web"]["command"] == ["gunicorn", "-c", "gunicorn.conf.py"]
+    assert services["web"]["environment"]["ENCORE_WEB_WORKERS"] == "4"
     from app.web import create_app  # what gunicorn will call
     assert callable(create_app)
     assert (REPO / "flowerconfig.py").is_file()
     dockerfile = (REPO / "Dockerfile").read_text()
     for source in ("requirements.txt", "requirements.lock", "scripts/disable_torchaudio_ext.py"):
         assert source in dockerfile and (REPO / source).exists()
+
+
+def test_the_demo_the_image_and_compose_serve_with_one_gunicorn_conf():
+    """gunicorn.conf.py names the app and the gthread worker; gunicorn itself loads it and the app."""
+    config = {}
+    exec(compile((REPO / "gunicorn.conf.py").read_text(), "gunicorn.conf.py", "exec"), config)
+    assert config["wsgi_app"] == "app.web:create_app()" and config["worker_class"] == "gthread"
+    assert config["threads"] >= 16 and config["workers"] >= 2
+    assert 'CMD ["gunicorn", "-c", "gunicorn.conf.py"]' in (REPO / "Dockerfile").read_text()
+    assert '"gunicorn", "-c", "gunicorn.conf.py"' in (REPO / "app" / "demo.py").read_text()
+    checked = subprocess.run([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--check-config"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stderr[-2000:]

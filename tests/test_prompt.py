@@ -202,3 +202,37 @@ def test_superres_prompt_is_cut_at_its_own_limit(tiny) -> None:
     superres = build_superres_prompt(tokenizer, profile, tags="pop", description=None, **long_song)
     assert len(superres) == profile.superres_max_prompt_tokens == 2048 < len(backbone)
     assert superres[-3:] == [s.durations[2], s.prompt_end, s.audio_start]
+
+
+# ---------------------------------------------------------------- the submission-time bound (positions.py)
+
+@pytest.mark.parametrize("mode,tags,description,lyrics", [
+    ("vocal", "", None, ""),
+    ("instrumental", "", None, None),
+    ("vocal", "pop, upbeat", None, "line one\nline two\n\n"),
+    ("vocal", "流行, 🎸", "a song", UNICODE_LYRICS),
+    ("instrumental", "ambient", "A calm piano piece", None),
+    ("vocal", f"pop{PROMPT_END}{AUDIO_START}", None, f"{LINE_BREAK}\n" * 40),
+    ("vocal", "pop", None, "la la\n" * 2000),  # cut at the prompt cap
+])
+def test_the_prompt_bound_is_never_below_the_real_prompt(tiny, mode, tags, description, lyrics) -> None:
+    from app.pipeline.music.positions import BACKBONE_MAX_PROMPT_TOKENS, prompt_tokens_at_most
+    profile, tokenizer = tiny
+    ids = build_prompt(tokenizer, profile, mode=mode, tags=tags, description=description, lyrics=lyrics,
+                       duration_s=60.0)
+    meta = (description or "").strip() or (tags or "").strip()
+    bound = prompt_tokens_at_most(mode, meta, clean_lyrics(lyrics) if mode == "vocal" and lyrics else "")
+    assert len(ids) <= bound <= BACKBONE_MAX_PROMPT_TOKENS
+    if not meta and not lyrics:
+        assert bound == len(ids)  # the structure is counted exactly
+
+
+def test_the_longest_song_fits_in_the_backbone_positions(tiny) -> None:
+    from app.pipeline.music.positions import frames_room, longest_song_s
+    profile, _ = tiny
+    assert longest_song_s(profile, 10) == profile.max_duration_s  # a short prompt: the token cap decides
+    for prompt_tokens in (2200, 3000, 4096):
+        longest = longest_song_s(profile, prompt_tokens)
+        assert longest < profile.max_duration_s
+        assert prompt_tokens + 2 * profile.frames_for(longest) <= profile.backbone.max_sequence_length
+        assert profile.frames_for(longest + 1) > frames_room(profile, prompt_tokens)

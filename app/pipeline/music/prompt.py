@@ -23,6 +23,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from app.pipeline.music.lyrics import clean_lyrics
+from app.pipeline.music.positions import (BACKBONE_MAX_PROMPT_TOKENS, INSTRUMENTAL_LANGUAGE, STRUCTURE_TOKENS,
+                                           VOCAL_STRUCTURE_TOKENS)
 from app.pipeline.profiles import MusicProfile
 
 BOS = "<|begin_of_text|>"
@@ -33,10 +35,8 @@ LINE_BREAK = "<|end_header_id|>"  # opens the lyrics and stands for every newlin
 PROMPT_END = "<|eot_id|>"
 AUDIO_START = "<|python_tag|>"  # last prompt token; audio tokens follow
 
-INSTRUMENTAL_LANGUAGE = "Instrumental"
 MODES = ("vocal", "instrumental")
 MIN_DURATION_MINUTES, MAX_DURATION_MINUTES = 1, 10
-BACKBONE_MAX_PROMPT_TOKENS = 4096  # Khala clamps backbone prompts to this length
 
 LLAMA3_SPECIAL_TOKEN_COUNT = 256
 BYTE_ALPHABET_SIZE = 256
@@ -140,7 +140,7 @@ def build_prompt(tokenizer: PreTrainedTokenizerFast, profile: MusicProfile, *, m
     language = _text_ids(tokenizer, "" if vocal else INSTRUMENTAL_LANGUAGE)
     body = _lyrics_ids(tokenizer, lyrics or "", special.line_break) if vocal else []
 
-    fixed = 1 + 2 + len(language) + 3 + (3 if vocal else 0)
+    fixed = STRUCTURE_TOKENS + len(language) + (VOCAL_STRUCTURE_TOKENS if vocal else 0)
     room = max_tokens - fixed
     if room < 0:
         raise ValueError(f"max_tokens={max_tokens} is shorter than the prompt structure ({fixed} tokens)")

@@ -1,0 +1,89 @@
+"""The web tier as deployed (gunicorn -c gunicorn.conf.py), over real sockets: slow clients do not starve fast
+ones, a body that stops arriving is answered 408, and request heads are bounded (issue 11, item 2)."""
+from __future__ import annotations
+
+import socket
+import time
+from contextlib import ExitStack
+
+import pytest
+import requests
+
+
+STALLED_CLIENTS = 10
+IDLE_S = 4.0
+BOUNDARY = "encore-stalled"
+
+
+def _stall_an_upload(url: str) -> socket.socket:
+    """Send a lip-sync upload's head and half of its body, then nothing more."""
+    host, port = url.removeprefix("http://").split(":")
+    client = socket.create_connection((host, int(port)), timeout=30)
+    part = (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"video\"; filename=\"v.mp4\"\r\n"
+            "Content-Type: video/mp4\r\n\r\n").encode() + b"\0" * 200_000
+    head = (f"POST /api/v1/lipsync HTTP/1.1\r\nHost: {host}\r\nContent-Type: multipart/form-data; "
+            f"boundary={BOUNDARY}\r\nContent-Length: {2 * len(part)}\r\n\r\n").encode()
+    client.sendall(head + part)
+    return client
+
+
+def _reply_status(client: socket.socket) -> int:
+    """The status code of the one reply the server sends on `client` (its socket timeout bounds the wait)."""
+    data = b""
+    while b"\r\n" not in data:
+        chunk = client.recv(4096)
+        if not chunk:
+            raise AssertionError(f"connection closed without a reply (got {data!r})")
+        data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+def _slowest_read(url: str, paths: list[str], rounds: int) -> float:
+    slowest = 0.0
+    for _ in range(rounds):
+        for path in paths:
+            started = time.monotonic()
+            assert requests.get(url + path, timeout=30).status_code == 200
+            slowest = max(slowest, time.monotonic() - started)
+    return slowest
+
+
+@pytest.fixture
+def stack(make_stack):
+    return make_stack(ENCORE_BODY_IDLE_S=str(IDLE_S))
+
+
+def test_stalled_uploads_delay_no_other_request_and_are_answered_408(stack):
+    url = stack.start_gunicorn()
+    job_id = stack.submit_music()
+    reads = ["/healthz", f"/api/v1/jobs/{job_id}"]
+    with ExitStack() as stalled:
+        clients = [stalled.enter_context(_stall_an_upload(url)) for _ in range(STALLED_CLIENTS)]
+        started = time.monotonic()
+        assert _slowest_read(url, reads, rounds=5) < 1.0
+        assert time.monotonic() - started < IDLE_S  # measured while every upload was still stalled
+        statuses = [_reply_status(client) for client in clients]
+    assert statuses == [408] * STALLED_CLIENTS
+    assert _slowest_read(url, reads, rounds=2) < 1.0
+    assert stack.job(job_id)["state"] == "queued"  # nothing else changed
+    assert [j["job_id"] for j in stack.client.get("/api/v1/jobs").get_json()["jobs"]] == [job_id]
+
+
+def test_the_check_sees_the_stall_under_sync_workers(stack):
+    """Two stalled uploads hold both workers of the old sync setup: /healthz waits until a 408 frees one."""
+    url = stack.start_gunicorn("-k", "sync", "--threads", "1")  # more threads would make it gthread
+    with ExitStack() as stalled:
+        for _ in range(2):
+            stalled.enter_context(_stall_an_upload(url))
+        started = time.monotonic()
+        assert requests.get(url + "/healthz", timeout=30).status_code == 200
+        assert time.monotonic() - started > 1.0
+
+
+def test_request_heads_are_bounded(stack):
+    url = stack.start_gunicorn()
+    assert requests.get(url + "/healthz", headers={"X-Big": "a" * 9000}, timeout=10).status_code in (400, 431)
+    many = {f"X-H{i}": "1" for i in range(150)}
+    assert requests.get(url + "/healthz", headers=many, timeout=10).status_code in (400, 431)
+    assert requests.get(url + "/healthz?" + "a" * 9000, timeout=10).status_code in (400, 414)
+    assert requests.get(url + "/healthz", timeout=10).status_code == 200
