@@ -158,3 +158,37 @@ def test_failed_tracks_end_as_error(make_stack):
         stack.client.get(f"/job/{job_id}").get_json()), 120, 0.1, "job end")
     assert [t["status"] for t in body["tracks"]] == ["error", "error"]
     assert all("time limit" in t["error"] for t in body["tracks"])
+
+
+FRONTEND_DEFAULT_LYRICS = "\n\n".join(
+    f"[{section}]\n" + "\n".join(f"{word} in the rhythm, line {n} of the {section.lower()}, we keep the beat alive"
+                                 for n in range(1, 5))
+    for section, word in [("Verse", "Drums"), ("Pre-Chorus", "Fire"), ("Chorus", "Peace"), ("Verse", "Sirens"),
+                          ("Pre-Chorus", "Ground"), ("Chorus", "Peace"), ("Bridge", "Torches"), ("Chorus", "Peace")])
+
+
+def test_the_frontends_default_song_runs_to_the_end_on_the_tiny_profile(make_stack):
+    """What the reference frontend sends untouched: vocal, a described song, ~1,900 characters of lyrics in
+    eight sections, 3 minutes, top_k 40 (the lyrics are ours; the shape, lengths and numbers are the frontend's)."""
+    stack = make_stack()
+    stack.start_worker(0)
+    body = {"mode": "vocal", "prompt_mode": "natural", "tags": "", "lyrics": FRONTEND_DEFAULT_LYRICS,
+            "prompt": "A warm, mid-tempo groove with a deep bassline, offbeat guitar and a steady drum pattern; "
+                      "a smooth male vocal carries a message of resilience over the gentle sway.",
+            "duration": 3, "top_k_bb": 40, "temperature": 1.0}
+    assert len(FRONTEND_DEFAULT_LYRICS) > 1500
+    reply = requests.post(f"{stack.base_url}/api/generate", json=body, timeout=10)
+    assert reply.status_code == 200 and reply.json()["status"] == "accepted", reply.text
+    job_id = reply.json()["job_id"]
+
+    def finished():
+        job = requests.get(f"{stack.base_url}/api/job/{job_id}", timeout=5).json()
+        return job if job["status"] in ("completed", "partial", "error", "failed") else None
+    final = wait_until(finished, 900, 0.5, "the 3-minute song")
+    assert final["status"] == "completed", final
+    assert [t["status"] for t in final["tracks"]] == ["done", "done"]
+    assert [t["duration_sec"] for t in final["tracks"]] == [180, 180]
+    wav = requests.get(f"{stack.base_url}/api/job/{job_id}/track/0/wav", timeout=30)
+    assert wav.status_code == 200 and wav.content[:4] == b"RIFF"
+    seconds = (len(wav.content) - 44) / (44100 * 2 * 2)  # 16-bit stereo PCM after a 44-byte header
+    assert abs(seconds - 180) < 1.0
