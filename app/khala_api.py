@@ -16,6 +16,8 @@ from flask import Blueprint, jsonify, request, send_file
 
 from app.http_input import BodyError, json_object
 from app.kinds import CANCELED, DONE, FAILED, QUEUED
+from app.openapi import documented
+from app.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
 from app.services import Services
 from app.snapshot import take_snapshot
 from app.submissions import RequestError
@@ -26,6 +28,9 @@ TRACK_STATUS = {QUEUED: "queued", "backbone": "generating", "superres": "superre
                 "exporting": "decoding", DONE: "done", FAILED: "error", CANCELED: "error"}
 NATIVE_TO_CONTRACT_FIELD = {"duration_s": "duration", "top_k": "top_k_bb"}
 TOKENS = re.compile(r"^(\d+)/(\d+) tokens$")
+TAGS_SCHEMA = {"type": "object", "additionalProperties": {
+    "type": "object", "required": ["label", "tags"],
+    "properties": {"label": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}}
 
 
 def _error(status: int, message: str):
@@ -208,16 +213,22 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
     catalogue = json.loads((tags_file or DEFAULT_TAGS).read_text())
 
     @blueprint.get("/tags")
+    @documented("Khala: the tag catalogue the reference frontend offers",
+                responses={200: ("groups of tags", TAGS_SCHEMA)})
     def tags():
         """The tag catalogue the reference frontend offers."""
         return jsonify(catalogue)
 
     @blueprint.get("/status")
+    @documented("Khala: GPUs, idle ones, active and queued jobs", responses={200: ("the status", KhalaStatus)})
     def status():
         """GPUs (live workers), idle ones, active and queued jobs, per worker phase."""
         return jsonify(status_reply(svc, transport_options))
 
     @blueprint.post("/generate")
+    @documented("Khala: submit a 2-track song in the reference's format", json_body=KhalaGenerate,
+                responses={200: ("accepted or queued", KhalaAccepted), 400: "invalid field (named first in "
+                                                                            "`error`)"})
     def generate():
         """Submit a 2-track song in the reference's format."""
         try:
@@ -237,6 +248,7 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
                         "num_tracks": NUM_TRACKS, "queue_position": record["queue_position"]})
 
     @blueprint.get("/job/<job_id>")
+    @documented("Khala: a job in the reference's shape", responses={200: ("the job", KhalaJob), 404: "unknown job"})
     def job(job_id: str):
         """A job in the reference's shape; both tracks are present from the first reply."""
         record = svc.jobs.record(job_id)
@@ -245,18 +257,23 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
         return jsonify(job_reply(record))
 
     @blueprint.get("/job/<job_id>/track/<int(signed=True):index>/<fmt>")
+    @documented("Khala: a track as mp3 (inline, ranges honoured) or wav (attachment)",
+                media=("audio/mpeg", "audio/wav"),
+                responses={200: ("the file", None), 206: ("the requested range", None),
+                           304: ("not modified since the client's copy", None), 400: "track index out of range",
+                           404: "unknown job or format, or not ready", 416: "range not satisfiable"})
     def track_file(job_id: str, index: int, fmt: str):
         """mp3 inline (ranges honoured) or wav as an attachment."""
         record = svc.jobs.record(job_id)
         if record is None or record["kind"] != "music":
-            return jsonify({"error": f"Job {job_id} not found."}), 404
+            return _error(404, f"Job {job_id} not found.")
         if fmt not in ("mp3", "wav"):
-            return jsonify({"error": "format: use mp3 or wav"}), 404
+            return _error(404, "format: use mp3 or wav")
         if not 0 <= index < record["num_tracks"]:
-            return jsonify({"error": f"track index {index} out of range (0..{record['num_tracks'] - 1})"}), 400
+            return _error(400, f"track index {index} out of range (0..{record['num_tracks'] - 1})")
         track, name = record["tracks"][index], f"track{index}.{fmt}"
         if track["state"] != DONE or name not in track["artifacts"]:
-            return jsonify({"error": f"Track {index} is not ready."}), 404
+            return _error(404, f"Track {index} is not ready.")
         path = svc.artifacts.local_path(job_id, name)
         download_name = f"encore_{job_id[:8]}_track{index}.{fmt}"
         if fmt == "mp3":

@@ -212,7 +212,7 @@ TRANSITIONS: dict[str, Transition] = {
 # Track fields stored as JSON (everything else is a plain string). They are decoded in Python, never by
 # Lua's cjson, which would turn every empty list, however deep, into {}.
 JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts",
-               "song", "version", "params")
+               "song", "version", "params", "updated_at")
 
 # Fields only the script writes; others (detail, progress, error, stages, artifacts, song, attempts) are
 # passed by the caller and written with the transition.

@@ -1,6 +1,11 @@
-"""OpenAPI document for GET /api/v1/openapi.json, built by apispec from the app's own URL map and the
-pydantic models that validate requests (their JSON Schemas are the request bodies), so the spec cannot
-drift from the routes or the validation."""
+"""OpenAPI document for GET /api/v1/openapi.json, built by apispec from the app's own URL map, the `documented`
+description on every view, and the pydantic models that validate requests and shape replies, so the document
+cannot drift from the routes, the validation or the replies.
+
+Answers every operation can give are added here rather than listed on each view: 401 where a token is
+required (only when the server has one), 400/408/413 where a body is read, 404 where the path names something,
+503 where Redis is read. tests/test_openapi.py runs schemathesis against a live server with this document.
+"""
 from __future__ import annotations
 
 import re
@@ -10,54 +15,96 @@ from apispec import APISpec
 from flask import Flask
 from pydantic import BaseModel
 
-from app.schemas import Accepted, ErrorReply, MusicRequest
+from app import schemas
 from app.uploads import LipsyncForm
 
-MODELS: tuple[type[BaseModel], ...] = (MusicRequest, LipsyncForm, Accepted, ErrorReply)
+JSON = "application/json"
 IGNORED_METHODS = {"HEAD", "OPTIONS"}
+NO_REDIS = {"index", "openapi"}  # endpoints that answer without Redis
+Reply = tuple[str, "type[BaseModel] | dict[str, Any] | None"]
 
 
-def documented(summary: str, *, json_body: type[BaseModel] | None = None, form: type[BaseModel] | None = None,
-               files: tuple[str, ...] = (), responses: dict[int, tuple[str, type[BaseModel] | None]] | None = None,
-               media: str = "application/json") -> Callable:
-    """Attach an operation description to a view; build_spec reads it."""
+def documented(summary: str, *, responses: dict[int, Reply | str], json_body: type[BaseModel] | None = None,
+               form: type[BaseModel] | None = None, files: tuple[str, ...] = (),
+               query: dict[str, dict[str, Any]] | None = None, media: tuple[str, ...] = (JSON,)) -> Callable:
+    """Attach an operation description to a view; build_spec reads it. `responses` maps a status to
+    (description, reply model or raw schema) for 2xx/3xx and to a description for errors (ErrorReply bodies);
+    `media` lists the content types of the success replies."""
     def attach(view: Callable) -> Callable:
         view.openapi = {"summary": summary, "json_body": json_body, "form": form, "files": files,
-                        "responses": responses or {200: ("OK", None)}, "media": media}
+                        "query": query or {}, "responses": responses, "media": media}
         return view
     return attach
 
 
-def _schema_ref(model: type[BaseModel]) -> dict[str, str]:
+def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _form_schema(form: type[BaseModel] | None, files: tuple[str, ...]) -> dict[str, Any]:
+    """One multipart object: the files and the optional form fields (numbers sent as text), nothing else."""
+    properties: dict[str, Any] = {name: {"type": "string", "format": "binary"} for name in files}
+    if form is not None:
+        for name, field in form.model_json_schema()["properties"].items():
+            typed = next(s for s in field.get("anyOf", [field]) if s.get("type") != "null")
+            properties[name] = {**typed, "description": field.get("description", "")}
+    return {"type": "object", "properties": properties, "required": list(files), "additionalProperties": False}
 
 
 def _request_body(doc: dict[str, Any]) -> dict[str, Any] | None:
     if doc["json_body"] is not None:
-        return {"required": True, "content": {"application/json": {"schema": _schema_ref(doc["json_body"])}}}
+        return {"required": True, "content": {JSON: {"schema": _ref(doc["json_body"])}}}
     if doc["form"] is not None or doc["files"]:
-        properties = {name: {"type": "string", "format": "binary"} for name in doc["files"]}
-        schema: dict[str, Any] = {"type": "object", "properties": properties, "required": list(doc["files"])}
-        if doc["form"] is not None:
-            schema = {"allOf": [_schema_ref(doc["form"]), schema]}
-        return {"required": True, "content": {"multipart/form-data": {"schema": schema}}}
+        return {"required": True, "content": {"multipart/form-data": {"schema": _form_schema(doc["form"],
+                                                                                             doc["files"])}}}
     return None
 
 
-def _operation(view: Callable, rule_args: set[str]) -> dict[str, Any]:
-    doc = getattr(view, "openapi", None) or {"summary": (view.__doc__ or view.__name__).strip().splitlines()[0],
-                                              "json_body": None, "form": None, "files": (),
-                                              "responses": {200: ("OK", None)}, "media": "application/json"}
-    responses = {}
-    for status, (description, model) in doc["responses"].items():
-        content = {doc["media"] if status < 300 else "application/json":
-                   {"schema": _schema_ref(model)} if model else {}}
-        responses[str(status)] = {"description": description, "content": content}
-    operation: dict[str, Any] = {"summary": doc["summary"], "operationId": view.__name__, "responses": responses}
-    if rule_args:
-        operation["parameters"] = [{"name": a, "in": "path", "required": True, "schema": {"type": "string"}}
-                                   for a in sorted(rule_args)]
+def _success(description: str, model: type[BaseModel] | dict[str, Any] | None, media: tuple[str, ...]):
+    schema = _ref(model) if isinstance(model, type) else model
+    return {"description": description, "content": {m: ({"schema": schema} if schema else {}) for m in media}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": _ref(schemas.ErrorReply)}}}
+
+
+def _path_parameter(name: str, converter: str) -> dict[str, Any]:
+    schema = {"type": "integer"} if converter == "IntegerConverter" else {"type": "string"}
+    return {"name": name, "in": "path", "required": True, "schema": schema}
+
+
+def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protected: bool) -> dict[str, Any]:
+    doc = getattr(view, "openapi", None)
+    if doc is None:
+        raise ValueError(f"view {endpoint} has no @documented description")
+    responses: dict[str, Any] = {}
+    for status, reply in sorted(doc["responses"].items()):
+        if status < 400:
+            responses[str(status)] = _success(*reply, doc["media"])
+        else:
+            responses[str(status)] = _error(reply if isinstance(reply, str) else reply[0])
     body = _request_body(doc)
+    implied = {401: "a valid bearer token is required"} if protected else {}
+    if body:
+        implied.update({400: "invalid field or body", 408: "the body stopped arriving",
+                        413: "the body is too large"})
+    if arguments:
+        implied[404] = "nothing at this path"
+    if endpoint.rsplit(".", 1)[-1] not in NO_REDIS:
+        implied[503] = "the job store (Redis) is unavailable"
+    for status, description in implied.items():
+        responses.setdefault(str(status), _error(description))
+    operation: dict[str, Any] = {
+        "summary": doc["summary"], "operationId": endpoint.replace(".", "_"),
+        "responses": dict(sorted(responses.items())),
+        "security": [{"bearer": []}] if protected else [],
+    }
+    parameters = [_path_parameter(name, converter) for name, converter in sorted(arguments.items())]
+    parameters += [{"name": name, "in": "query", "required": False, "schema": schema}
+                   for name, schema in doc["query"].items()]
+    if parameters:
+        operation["parameters"] = parameters
     if body:
         operation["requestBody"] = body
     return operation
@@ -68,20 +115,32 @@ def openapi_path(rule: str) -> str:
     return re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule)
 
 
-def build_spec(app: Flask, title: str = "Encore", version: str = "1") -> dict[str, Any]:
+REPLY_MODELS: tuple[type[BaseModel], ...] = (
+    schemas.Accepted, schemas.ErrorReply, schemas.TrackReply, schemas.JobReply, schemas.JobList,
+    schemas.WorkerReply, schemas.StatusReply, schemas.DrainReply, schemas.HealthReply, schemas.KhalaGenerate,
+    schemas.KhalaAccepted, schemas.KhalaTrack, schemas.KhalaJob, schemas.KhalaWorker, schemas.KhalaStatus,
+)
+
+
+def build_spec(app: Flask, music_limits: dict[str, Any], is_protected: Callable[[str], bool],
+               title: str = "Encore", version: str = "1") -> dict[str, Any]:
+    """The document for `app` as configured: its duration and size limits, and security where a token is
+    required (`is_protected(endpoint)`; with no API_TOKEN nothing is)."""
     spec = APISpec(title=title, version=version, openapi_version="3.1.0",
                    info={"description": "GPU job service: music generation and lip-sync on Celery + Redis."},
                    components={"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}})
-    for model in MODELS:
+    spec.components.schema("MusicRequest", schemas.music_request_schema(music_limits))
+    for model in (LipsyncForm, *REPLY_MODELS):
         spec.components.schema(model.__name__, model.model_json_schema(ref_template="#/components/schemas/{model}"))
     paths: dict[str, dict[str, Any]] = {}
     for rule in app.url_map.iter_rules():
         if rule.endpoint == "static":
             continue
         view = app.view_functions[rule.endpoint]
+        arguments = {name: type(rule._converters[name]).__name__ for name in rule.arguments}
         operations = paths.setdefault(openapi_path(rule.rule), {})
         for method in sorted(rule.methods - IGNORED_METHODS):
-            operations[method.lower()] = _operation(view, set(rule.arguments))
+            operations[method.lower()] = _operation(rule.endpoint, view, arguments, is_protected(rule.endpoint))
     for path, operations in sorted(paths.items()):
         spec.path(path=path, operations=operations)
     return spec.to_dict()

@@ -1,7 +1,8 @@
-"""Request schemas (pydantic): one definition validates input and names the offending field."""
+"""Request and reply schemas (pydantic): one definition validates input and names the offending field, and
+the OpenAPI document (app/openapi.py) is generated from these same models."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -15,13 +16,20 @@ class MusicRequest(BaseModel):
     """POST /api/v1/music. Limits that depend on deployment (duration range, track count, text sizes)
     come from the validation context: {"min_duration_s", "max_duration_s", "max_tracks", ...}."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        # the two rules the fields alone cannot say: tags or a prompt; lyrics unless the song is instrumental
+        "anyOf": [{"required": ["tags"], "properties": {"tags": {"type": "string", "pattern": r"\S"}}},
+                  {"required": ["prompt"], "properties": {"prompt": {"type": "string", "pattern": r"\S"}}}],
+        "if": {"required": ["mode"], "properties": {"mode": {"const": "instrumental"}}},
+        "else": {"required": ["lyrics"], "properties": {"lyrics": {"type": "string", "pattern": r"\w"}}},
+    })
 
     mode: Literal["vocal", "instrumental"] = "vocal"
     tags: str | None = None
     prompt: str | None = Field(default=None, description="natural-language description of the song")
     lyrics: str | None = None
-    duration_s: float | None = Field(default=None, description="song length in seconds")
+    duration_s: float | None = Field(default=None, description="song length in seconds; at most what the "
+                                     "backbone's positions hold after this request's prompt (a 400 says how much)")
     num_tracks: int = Field(default=2, ge=1)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     temperature: float = Field(default=1.0, ge=0.6, le=1.4)
@@ -68,6 +76,18 @@ class MusicRequest(BaseModel):
         if self.num_tracks > max_tracks:
             raise _field_error("num_tracks", f"at most {max_tracks}")
         return self
+
+
+def music_request_schema(limits: dict[str, Any]) -> dict[str, Any]:
+    """MusicRequest's JSON Schema with this deployment's limits (the validation context) written in."""
+    schema = MusicRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    fields = schema["properties"]
+    duration = {"type": "number", "minimum": limits["min_duration_s"], "maximum": limits["max_duration_s"]}
+    fields["duration_s"] = {**fields["duration_s"], "anyOf": [duration, {"type": "null"}]}
+    fields["num_tracks"]["maximum"] = limits["max_tracks"]
+    for name, limit in (("tags", "max_text_chars"), ("prompt", "max_text_chars"), ("lyrics", "max_lyrics_chars")):
+        fields[name]["anyOf"][0]["maxLength"] = limits[limit]
+    return schema
 
 
 def untokenizable(text: str) -> str | None:
@@ -117,7 +137,143 @@ class Accepted(BaseModel):
 
 
 class ErrorReply(BaseModel):
-    """Every 4xx/5xx body: a message that names the field when one is at fault."""
+    """Every 4xx/5xx body: a message that names the field when one is at fault; the Khala-compatible routes
+    add "status": "error" (its frontend checks that field)."""
 
     error: str
     field: str | None = None
+    status: Literal["error"] | None = None
+
+
+# ---- replies (the OpenAPI document's response schemas; app/openapi.py)
+
+class _Open(BaseModel):
+    """A reply that may grow fields: clients must ignore the ones they do not know."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class TrackReply(_Open):
+    track: int
+    state: str = Field(description="queued, running, done, failed or canceled")
+    status: str = Field(description="the lifecycle status: created, parked, queued, running:<stage>, ...")
+    stage: str
+    stages: dict[str, Any]
+    progress: float
+    queue: str
+    worker: str
+    detail: str | None = None
+    error: str
+    artifacts: list[str]
+    downloads: dict[str, str]
+    queue_position: int | None = None
+    restarts: int
+    attempts: int
+    version: int
+    updated_at: float | None = None
+    seed: int | None = None
+
+
+class JobReply(_Open):
+    job_id: str
+    kind: Literal["music", "lipsync"]
+    state: str = Field(description="queued, running, done, partial, failed or canceled")
+    params: dict[str, Any]
+    num_tracks: int
+    created_at: float
+    expires_at: float
+    queue_position: int
+    cancel_requested: bool
+    tracks: list[TrackReply]
+
+
+class JobList(BaseModel):
+    jobs: list[JobReply]
+
+
+class WorkerReply(_Open):
+    name: str
+    status: str = Field(description="idle, busy or offline")
+
+
+class StatusReply(BaseModel):
+    workers: list[WorkerReply]
+    queues: list[dict[str, Any]]
+    unrouted: int
+    time: float
+
+
+class DrainReply(BaseModel):
+    queue: str
+    draining: bool
+    moved: int | None = None
+
+
+class HealthReply(BaseModel):
+    web: str
+    redis: str
+
+
+class KhalaGenerate(_Open):
+    """POST /generate as the reference takes it: unknown fields are ignored, numbers are clamped to its
+    ranges, whole numbers may come as 3, 3.0 or "3"; lyrics are required for a vocal song, and the prompt
+    (prompt_mode natural) or the tags (prompt_mode tags) must not be empty."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": [
+        {"if": {"required": ["prompt_mode"], "properties": {"prompt_mode": {"const": "natural"}}},
+         "then": {"required": ["prompt"], "properties": {"prompt": {"type": "string", "pattern": r"\S"}}},
+         "else": {"required": ["tags"], "properties": {"tags": {"type": "string", "pattern": r"\S"}}}},
+        {"if": {"required": ["mode"], "properties": {"mode": {"const": "instrumental"}}},
+         "else": {"required": ["lyrics"], "properties": {"lyrics": {"type": "string", "pattern": r"\w"}}}},
+    ]})
+
+    mode: Literal["vocal", "instrumental"] = "vocal"
+    prompt_mode: Literal["natural", "tags"] = "tags"
+    prompt: str | None = None
+    tags: str | None = None
+    lyrics: str | None = None
+    duration: int | float | str = Field(default=3, description="minutes, clamped to 1..10")
+    top_k_bb: int | float | str = Field(default=80, description="clamped to 1..200")
+    temperature: float | str = Field(default=1.0, description="clamped to 0.6..1.4")
+
+
+class KhalaAccepted(BaseModel):
+    status: Literal["accepted", "queued"]
+    job_id: str
+    num_tracks: int
+    queue_position: int
+
+
+class KhalaTrack(BaseModel):
+    index: int
+    status: str
+    progress: int
+    phase_display: str
+    worker_id: str | None
+    worker_phase: str
+    duration_sec: int
+    error: str | None
+
+
+class KhalaJob(BaseModel):
+    job_id: str
+    status: str
+    queue_position: int
+    cleaned_lyrics: str
+    created_at: str
+    tracks: list[KhalaTrack]
+
+
+class KhalaWorker(BaseModel):
+    worker_id: str
+    status: str
+    phase: str
+    gpu_id: int | None
+
+
+class KhalaStatus(BaseModel):
+    total_gpus: int
+    idle_gpus: int
+    active_jobs: int
+    queued_jobs: int
+    workers: list[KhalaWorker]

@@ -24,17 +24,19 @@ from app.metrics import make_registry
 from app.openapi import build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile
 from app.routing import drain_queue, known_queues, resume_queue, route_job
-from app.schemas import Accepted, ErrorReply, MusicRequest
+from app.schemas import Accepted, DrainReply, HealthReply, JobList, JobReply, MusicRequest, StatusReply
 from app.services import Services, build_services
 from app.snapshot import take_snapshot
-from app.submissions import (RequestError, create_job, longest_song, submit_music as submit_music_job,
-                             validate_music)
+from app.submissions import (RequestError, create_job, longest_song, music_limits,
+                             submit_music as submit_music_job, validate_music)
 from app.uploads import LipsyncForm, UploadError, receive_lipsync
 
 log = logging.getLogger("encore.web")
 
 TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched whole: no "000.mp3", no "٠.mp3"
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
+DOWNLOAD_REPLIES = {200: ("the file", None), 206: ("the requested range", None),
+                    304: ("not modified since the client's copy", None), 416: "range not satisfiable"}
 
 
 KHALA_BLUEPRINTS = ("khala", "khala_api")
@@ -87,28 +89,32 @@ def create_app(settings: Settings | None = None) -> Flask:
     registry = make_registry(svc, dict(celery_app.conf.broker_transport_options or {}))
 
     @app.get("/metrics")
+    @documented("Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers",
+                responses={200: ("the metrics, text format 0.0.4", None)}, media=("text/plain",))
     def metrics():
         """Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers (no auth)."""
         return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)  # it names its charset
 
     @app.get("/")
+    @documented("The operator/user page", responses={200: ("the page", None)}, media=("text/html",))
     def index():
         """The operator/user page (static; it talks to the JSON API like any other client)."""
         return app.send_static_file("index.html")
 
     @app.get("/healthz")
+    @documented("Liveness of the web and its Redis", responses={200: ("both up", HealthReply),
+                                                               503: "Redis is down"})
     def healthz():
         """Liveness of the web and its Redis."""
         try:
             svc.redis.ping()
         except redis.RedisError as exc:
-            return jsonify({"web": "ok", "redis": f"down: {exc}"}), 503
+            return jsonify({"web": "ok", "redis": f"down: {exc}", "error": f"redis: down ({exc})"}), 503
         return jsonify({"web": "ok", "redis": "ok"})
 
     @app.post("/api/v1/music")
     @documented("Submit a music job (one chain of stages per track)", json_body=MusicRequest,
-                responses={202: ("accepted", Accepted), 400: ("invalid field", ErrorReply),
-                           401: ("token required", ErrorReply)})
+                responses={202: ("accepted", Accepted), 400: "invalid field (named in `field`)"})
     def submit_music():
         try:
             req = validate_music(json_object(request), settings, profile)
@@ -121,8 +127,8 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.post("/api/v1/lipsync")
     @documented("Submit a lip-sync job (face video + driving audio)", form=LipsyncForm, files=("video", "audio"),
-                responses={202: ("accepted", Accepted), 400: ("invalid field or media", ErrorReply),
-                           413: ("upload too large", ErrorReply)})
+                responses={202: ("accepted", Accepted), 400: "invalid field or media (named in `field`)",
+                           413: "a file, or the whole body, is too large"})
     def submit_lipsync():
         if not request.mimetype == "multipart/form-data":
             return error(400, "body: expected multipart/form-data with video and audio files", "body")
@@ -149,13 +155,15 @@ def create_app(settings: Settings | None = None) -> Flask:
         return _accepted(svc, job_id)
 
     @app.get("/api/v1/jobs/<job_id>/video.mp4")
-    @documented("Download a lip-sync job's video (Range requests honoured)", media="video/mp4",
-                responses={200: ("the MP4", None), 404: ("unknown job or not done", ErrorReply)})
+    @documented("Download a lip-sync job's video (Range requests honoured)", media=("video/mp4",),
+                responses={**DOWNLOAD_REPLIES, 404: "unknown job, or not done"})
     def download_video(job_id: str):
         """The lip-sync output."""
         return _serve_artifact(svc, job_id, 0, "output.mp4", "mp4")
 
     @app.get("/api/v1/jobs")
+    @documented("Recent jobs, newest first", responses={200: ("the jobs", JobList)},
+                query={"limit": {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}})
     def list_jobs():
         """Recent jobs, newest first (?limit=50, at most 500)."""
         limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
@@ -163,6 +171,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify({"jobs": [_public(r) for r in records if r]})
 
     @app.get("/api/v1/jobs/<job_id>")
+    @documented("A job's record", responses={200: ("the record", JobReply), 404: "unknown job"})
     def get_job(job_id: str):
         """A job's record: state, queue position, per-track stages and progress, downloads."""
         record = svc.jobs.record(job_id)
@@ -171,6 +180,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify(_public(record))
 
     @app.delete("/api/v1/jobs/<job_id>")
+    @documented("Cancel a job", responses={200: ("the record, cancel requested", JobReply), 404: "unknown job"})
     def cancel_job(job_id: str):
         """Cancel a job: queued stages never start, a running stage stops within seconds."""
         if svc.jobs.job(job_id) is None:
@@ -182,8 +192,9 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify(_public(svc.jobs.record(job_id)))
 
     @app.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
-    @documented("Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)", media="audio/mpeg",
-                responses={200: ("the audio file", None), 404: ("unknown job, track or not done", ErrorReply)})
+    @documented("Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)",
+                media=("audio/mpeg", "audio/wav"),
+                responses={**DOWNLOAD_REPLIES, 404: "unknown job, track or file name, or not done"})
     def download_track(job_id: str, file_name: str):
         match = TRACK_FILE.fullmatch(file_name)
         if not match:
@@ -192,6 +203,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         return _serve_artifact(svc, job_id, index, f"track{index}.{fmt}", fmt)
 
     @app.post("/api/v1/queues/<queue>/drain")
+    @documented("Drain a queue (GPU maintenance)", responses={200: ("drained", DrainReply), 404: "unknown queue"})
     def drain(queue: str):
         """Drain a queue (GPU maintenance): no new tracks go there and its tracks not started move to other
         queues; its running stage and started tracks finish there."""
@@ -202,6 +214,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify({"queue": queue, "draining": True, "moved": moved})
 
     @app.delete("/api/v1/queues/<queue>/drain")
+    @documented("Route tracks to a drained queue again", responses={200: ("resumed", DrainReply),
+                                                                  404: "unknown queue"})
     def resume(queue: str):
         """Route tracks to a drained queue again."""
         if queue not in known_queues(svc):
@@ -211,13 +225,17 @@ def create_app(settings: Settings | None = None) -> Flask:
         return jsonify({"queue": queue, "draining": False})
 
     @app.get("/api/v1/openapi.json")
+    @documented("This API's OpenAPI 3.1 document", responses={200: ("the document", {"type": "object"})})
     def openapi():
-        """This API's OpenAPI 3.1 document, generated from the routes and the request models."""
+        """This API's OpenAPI 3.1 document, generated from the routes and the request and reply models."""
         if "OPENAPI" not in app.config:
-            app.config["OPENAPI"] = build_spec(app)
+            app.config["OPENAPI"] = build_spec(app, music_limits(settings, profile),
+                                               lambda endpoint: bool(settings.api_tokens) and
+                                               endpoint not in PUBLIC_ENDPOINTS)
         return jsonify(app.config["OPENAPI"])
 
     @app.get("/api/v1/status")
+    @documented("Every worker and every queue", responses={200: ("workers and queues", StatusReply)})
     def status():
         """Every worker (idle/busy/offline, current job and stage, device) and every queue's depth."""
         snapshot = take_snapshot(svc, dict(celery_app.conf.broker_transport_options or {}))

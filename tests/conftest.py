@@ -148,6 +148,8 @@ class Stack:
         self._gunicorns: list[subprocess.Popen] = []
         self.app = self._make_app()
         self.client = self.app.test_client()
+        token = self.env.get("API_TOKEN", "").split(",")[0].strip()
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}  # what the helpers below send
 
     def _make_app(self):
         from app.config import Settings
@@ -173,7 +175,7 @@ class Stack:
         return proc
 
     def worker_status(self, gpu: int) -> dict | None:
-        for worker in self.client.get("/api/v1/status").get_json()["workers"]:
+        for worker in self.client.get("/api/v1/status", headers=self.auth).get_json()["workers"]:
             if worker["name"].startswith(f"gpu{gpu}@"):
                 return worker
         return None
@@ -234,12 +236,12 @@ class Stack:
     def submit_music(self, **fields: Any) -> str:
         body = {"mode": "instrumental", "tags": "lo-fi, piano", "duration_s": 2.0, "num_tracks": 1,
                 "seed": 7, **fields}
-        reply = self.client.post("/api/v1/music", json=body)
+        reply = self.client.post("/api/v1/music", json=body, headers=self.auth)
         assert reply.status_code == 202, reply.get_json()
         return reply.get_json()["job_id"]
 
     def job(self, job_id: str) -> dict:
-        reply = self.client.get(f"/api/v1/jobs/{job_id}")
+        reply = self.client.get(f"/api/v1/jobs/{job_id}", headers=self.auth)
         assert reply.status_code == 200, reply.get_json()
         return reply.get_json()
 

@@ -37,7 +37,8 @@ def environment_reads(path: Path) -> list[str]:
 
 
 def test_settings_are_read_from_the_environment_in_app_config_only():
-    files = [path for path in _sources("app") + [REPO / "celeryconfig.py", REPO / "flowerconfig.py"] if path != CONFIG]
+    files = [path for path in _sources("app") + [REPO / "celeryconfig.py", REPO / "flowerconfig.py",
+                                               REPO / "gunicorn.conf.py"] if path != CONFIG]
     assert [read for path in files for read in environment_reads(path)] == []
     assert environment_reads(CONFIG)  # the check does see reads where they are
 

@@ -92,7 +92,15 @@ def test_openapi_lists_every_route_with_request_schemas(make_stack):
     assert music["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/MusicRequest")
     schema = spec["components"]["schemas"]["MusicRequest"]
     assert schema["properties"]["top_k"]["maximum"] == 200 and schema["additionalProperties"] is False
+    assert schema["properties"]["duration_s"]["anyOf"][0]["maximum"] == stack.settings.music().max_duration_s
+    assert schema["else"]["required"] == ["lyrics"] and len(schema["anyOf"]) == 2  # lyrics unless instrumental
     lipsync = spec["paths"]["/api/v1/lipsync"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
-    assert set(lipsync["allOf"][1]["required"]) == {"video", "audio"}
-    assert "413" in spec["paths"]["/api/v1/lipsync"]["post"]["responses"]
+    assert set(lipsync["required"]) == {"video", "audio"} and lipsync["additionalProperties"] is False
+    assert set(lipsync["properties"]) == {"video", "audio", "fps", "extra_margin", "batch_size"}
+    assert set(spec["paths"]["/api/v1/lipsync"]["post"]["responses"]) == {"202", "400", "408", "413", "503"}
+    track = spec["paths"]["/api/v1/jobs/{job_id}/tracks/{file_name}"]["get"]["responses"]["200"]["content"]
+    assert set(track) == {"audio/mpeg", "audio/wav"}
+    assert spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"] \
+        .endswith("/KhalaGenerate")
+    assert all(op["security"] == [] for item in spec["paths"].values() for op in item.values())  # no API_TOKEN
     assert spec["paths"]["/api/v1/jobs/{job_id}"]["get"]["parameters"][0]["name"] == "job_id"
