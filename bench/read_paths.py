@@ -93,9 +93,10 @@ def wrk(url: str, seconds: int, connections: int) -> float:
 
 
 def serve(app_spec: str, env: dict[str, str], workers: int) -> tuple[subprocess.Popen, str]:
+    """`app_spec` under the deployment's gunicorn.conf.py (gthread), with `workers` processes."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-w", str(workers), "-b", f"127.0.0.1:{port}",
-                             "--log-level", "warning", app_spec], cwd=REPO, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "-w", str(workers),
+                             "-b", f"127.0.0.1:{port}", "--log-level", "warning", app_spec], cwd=REPO, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:

@@ -57,4 +57,7 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_reply(make_stack
     assert cases["with_failures"] == 0 and summary["failures"] == [] and summary["errors"] == []
     assert cases["generated"] >= 300, cases  # bounded but not trivial
     assert summary["operations"]["tested"] == len(operations) - 1  # all but the document's own URL, which st reads
+    print(f"schemathesis: {summary['operations']['tested']} operations, {cases['generated']} cases, "
+          f"{cases['with_failures']} with failures, {len(summary['errors'])} errors, "
+          f"{summary['running_time']:.0f} s")
     assert stack.job(job_id)["state"] == "done"  # the run did not disturb the finished job

@@ -87,3 +87,50 @@ def test_request_heads_are_bounded(stack):
     assert requests.get(url + "/healthz", headers=many, timeout=10).status_code in (400, 431)
     assert requests.get(url + "/healthz?" + "a" * 9000, timeout=10).status_code in (400, 414)
     assert requests.get(url + "/healthz", timeout=10).status_code == 200
+
+
+def _hostile_batch(url: str, auth: dict[str, str], tmp_path) -> list[int]:
+    """The failures issue 11 found, sent over real sockets; the status of each reply."""
+    json_headers = {**auth, "Content-Type": "application/json"}
+    song = '{"mode": "vocal", "tags": "pop", "lyrics": "[verse]\\nla", "num_tracks": 1'
+    bodies = [
+        ("/api/v1/music", "[" * 50_000 + "]" * 50_000), ("/generate", "[" * 50_000 + "]" * 50_000),
+        ("/api/generate", "{" * 5_000), ("/api/v1/music", song + ', "temperature": 1' + "0" * 400 + "}"),
+        ("/generate", '{"mode": "instrumental", "tags": "x", "temperature": 1' + "0" * 5000 + "}"),
+        ("/api/v1/music", song + ', "duration_s": 2, "tags": "\\ud800"}'),
+        ("/api/v1/music", song + ', "duration_s": 546, "lyrics": "' + "la " * 3000 + '"}'),
+        ("/api/v1/music", "not json"), ("/api/v1/music", b"\xff\xfe\x00"),
+    ]
+    statuses = [requests.post(url + path, data=body, headers=json_headers, timeout=30).status_code
+                for path, body in bodies]
+    for header in ("Bearer é".encode("utf-8"), b"Bearer \xff", b"Basic x"):
+        statuses.append(requests.get(url + "/api/v1/status", headers={"Authorization": header}, timeout=10)
+                        .status_code)
+    statuses += [requests.request(method, url + "/api/v1/music", headers=auth, timeout=10).status_code
+                 for method in ("PUT", "TRACE", "PATCH")]
+    garbage = tmp_path / "garbage.mp4"
+    garbage.write_bytes(b"\0" * 4096)
+    with open(garbage, "rb") as video, open(garbage, "rb") as audio:
+        statuses.append(requests.post(url + "/api/v1/lipsync", headers=auth, timeout=30,
+                                      files={"video": video, "audio": audio}).status_code)
+    return statuses
+
+
+def test_a_valid_job_completes_after_the_hostile_batch(make_stack, tmp_path):
+    stack = make_stack(API_TOKEN="tok", ENCORE_BODY_IDLE_S=str(IDLE_S))
+    stack.start_worker(0)
+    url = stack.start_gunicorn()
+    auth = {"Authorization": "Bearer tok"}
+    with ExitStack() as stalled:
+        for _ in range(3):
+            stalled.enter_context(_stall_an_upload(url))
+        statuses = _hostile_batch(url, auth, tmp_path)
+    assert all(400 <= status < 500 for status in statuses), statuses
+    assert requests.get(url + "/api/v1/jobs", headers=auth, timeout=10).json()["jobs"] == []  # none accepted
+    reply = requests.post(url + "/api/v1/music", headers=auth, timeout=10, json={
+        "mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3})
+    assert reply.status_code == 202, reply.text
+    job = stack.wait_job(reply.json()["job_id"])
+    assert job["state"] == "done", job
+    assert stack.wait_worker(0, "idle")["status"] == "idle"  # the worker is not wedged
+    assert requests.get(url + "/healthz", timeout=10).status_code == 200
