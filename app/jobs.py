@@ -126,7 +126,7 @@ class JobStore:
         if raw is None:
             return None
         job = _decode_job(job_id, raw["job"])
-        tracks = [_decode_track(track) for track in raw["tracks"]]
+        tracks = raw["tracks"]  # decoded by the read
         job["tracks"] = tracks
         job["state"] = overall_state([t["state"] for t in tracks])
         waiting = [t["queue_position"] for t in tracks if t["state"] == QUEUED]

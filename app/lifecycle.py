@@ -209,8 +209,8 @@ TRANSITIONS: dict[str, Transition] = {
                          "the job was canceled and no live stage will see the flag (or the stage itself stops)"),
 }
 
-# Track fields stored as JSON (everything else is a plain string). They are decoded in Python, never by
-# Lua's cjson, which would turn every empty list, however deep, into {}.
+# Track fields stored as JSON (everything else is a plain string). Never decoded by Lua's cjson, which would turn
+# every empty list, however deep, into {}: Python parses them, and the read script splices them in raw.
 JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts",
                "song", "version", "params", "updated_at")
 
@@ -444,31 +444,43 @@ return {result, target, ''}
 
 
 _READ_JOB = r"""
--- ARGV: prefix, job id. The job, its tracks with queue positions and their workers' status, the cancel flag.
+-- ARGV: prefix, job id, JSON field names (comma-separated). The job, its tracks with queue positions and their
+-- workers' status, the cancel flag: one JSON document, built here so that Python parses it once. Track fields
+-- stored as JSON are spliced in as they are (cjson would turn their empty lists into {}); hash order is kept.
 local P, job_id = ARGV[1], ARGV[2]
+local json_field = {}
+for name in string.gmatch(ARGV[3], '[^,]+') do json_field[name] = true end
 local job_key = P .. ':job:' .. job_id
 local function to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end; return t end
 local job = to_table(redis.call('HGETALL', job_key))
 if not job.kind then return false end
 local tracks = {}
 for i = 0, tonumber(job.num_tracks) - 1 do
-  local t = to_table(redis.call('HGETALL', job_key .. ':track:' .. i))
+  local flat = redis.call('HGETALL', job_key .. ':track:' .. i)
+  local t = to_table(flat)
   if t.status then
+    local parts = {}
+    for j = 1, #flat, 2 do
+      local value = json_field[flat[j]] and flat[j + 1] or cjson.encode(flat[j + 1])
+      parts[#parts + 1] = '"' .. flat[j] .. '":' .. value  -- field names are ours: plain identifiers
+    end
     local m = job_id .. ':' .. i
     local rank = false
     if t.status == 'queued' then rank = redis.call('ZRANK', P .. ':queue:' .. t.queue .. ':waiting', m)
     elseif t.status == 'parked' then rank = redis.call('ZRANK', P .. ':unrouted', m) end
-    t.queue_position = rank and (rank + 1) or 0
+    parts[#parts + 1] = '"queue_position":' .. (rank and (rank + 1) or 0)
     local open = t.status ~= 'done' and t.status ~= 'failed' and t.status ~= 'canceled'
     if open and t.worker and t.worker ~= '' then
-      if redis.call('EXISTS', P .. ':worker:' .. t.worker) == 0 then t.worker_status = 'offline'
-      elseif redis.call('EXISTS', P .. ':worker:' .. t.worker .. ':current') == 1 then t.worker_status = 'busy'
-      else t.worker_status = 'idle' end
+      local status = 'idle'
+      if redis.call('EXISTS', P .. ':worker:' .. t.worker) == 0 then status = 'offline'
+      elseif redis.call('EXISTS', P .. ':worker:' .. t.worker .. ':current') == 1 then status = 'busy' end
+      parts[#parts + 1] = '"worker_status":"' .. status .. '"'
     end
-    tracks[#tracks + 1] = t
+    tracks[#tracks + 1] = '{' .. table.concat(parts, ',') .. '}'
   end
 end
-return cjson.encode({job = job, tracks = tracks, cancel = redis.call('EXISTS', P .. ':cancel:' .. job_id)})
+return '{"job":' .. cjson.encode(job) .. ',"tracks":[' .. table.concat(tracks, ',') .. '],"cancel":' ..
+  redis.call('EXISTS', P .. ':cancel:' .. job_id) .. '}'
 """
 
 
@@ -551,14 +563,10 @@ class Lifecycle:
 
 
     def read_job(self, job_id: str) -> dict[str, Any] | None:
-        """The raw job hash, its track hashes (with queue_position, and worker_status for open tracks with a
-        worker) and the cancel flag, in one round trip."""
-        reply = self._read_job(keys=[], args=[self.layout.prefix, job_id])
-        if not reply:
-            return None
-        raw = json.loads(reply)
-        raw["tracks"] = raw["tracks"] or []  # cjson writes an empty table as {}
-        return raw
+        """The raw job hash, its track hashes (JSON fields decoded; with queue_position, and worker_status for
+        open tracks with a worker) and the cancel flag, in one round trip and one parse."""
+        reply = self._read_job(keys=[], args=[self.layout.prefix, job_id, ",".join(JSON_FIELDS)])
+        return json.loads(reply) if reply else None
 
 
     def snapshot(self, states: list[tuple[str, str]], stages: list[tuple[str, str]],

@@ -92,6 +92,14 @@ def test_record_is_one_round_trip_with_positions_cancel_flag_and_worker_status(c
     stages = {"backbone": {"finished_at": 1.0, "loaded": [], "info": {"with_tracks": []}}}
     assert jobs.transition("finish", job_id, 0, {"stages": stages}, stage="backbone", owner=OWNER)
     assert jobs.record(job_id)["tracks"][0]["stages"] == stages  # empty lists stay lists, however deep
+    odd = 'a "quote", a \\ backslash, a/slash\nnew line, tab\t, 流行 🎸, \u00e9'
+    assert jobs.transition("fail", job_id, 1, fields={"error": odd, "detail": ""})
+    track = jobs.record(job_id)["tracks"][1]
+    assert (track["error"], track["detail"], track["artifacts"]) == (odd, "", [])
+    assert {name: type(track[name]) for name in ("updated_at", "version", "progress")} == \
+        {"updated_at": float, "version": int, "progress": float}
+    assert [k for k in track if k not in ("queue_position", "worker_status")] == \
+        list(client.hgetall(jobs.track_key(job_id, 1)))  # the hash's field order
 
 
 def test_index_drops_expired_jobs_and_gauges_agree_with_records(client):
