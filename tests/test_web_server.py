@@ -134,3 +134,13 @@ def test_a_valid_job_completes_after_the_hostile_batch(make_stack, tmp_path):
     assert job["state"] == "done", job
     assert stack.wait_worker(0, "idle")["status"] == "idle"  # the worker is not wedged
     assert requests.get(url + "/healthz", timeout=10).status_code == 200
+
+
+def test_a_401_sent_before_a_large_body_is_read_reaches_the_client(make_stack):
+    """The token is checked before the body is read; the client still gets the 401, not a broken pipe."""
+    stack = make_stack(API_TOKEN="tok")
+    url = stack.start_gunicorn()
+    for _ in range(2):  # and the connection pool's next request works too
+        reply = requests.post(url + "/api/v1/lipsync", timeout=60,
+                              files={"video": ("v.mp4", b"\0" * (20 << 20)), "audio": ("a.wav", b"\0" * 100)})
+        assert reply.status_code == 401 and reply.json()["field"] == "authorization"
