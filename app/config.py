@@ -87,6 +87,9 @@ class Settings:
     # The ffmpeg / ffprobe every media call runs (app/pipeline/media/ffmpeg.py), the music export's pydub too.
     ffmpeg: str = field(default_factory=lambda: _env("ENCORE_FFMPEG", "ffmpeg"))
     ffprobe: str = field(default_factory=lambda: _env("ENCORE_FFPROBE", "ffprobe"))
+    # How lip-sync blends the re-drawn face: "jaw" (a mask drawn from the 68 landmarks, as MuseTalk's 'jaw'
+    # parsing mode shapes it) or "rectangle" (the face box's lower half; also used when no landmarks exist).
+    lipsync_mask: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_MASK", "jaw"))
     api_tokens: tuple[str, ...] = field(default_factory=lambda: tuple(
         t.strip() for t in _env("API_TOKEN", "").split(",") if t.strip()))
     compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))
@@ -122,6 +125,8 @@ class Settings:
             raise ValueError(f"ENCORE_LEASE_S must be >= 1, not {self.lease_s}")
         if self.song_margin_s < 0:
             raise ValueError(f"ENCORE_SONG_MARGIN_S must be >= 0, not {self.song_margin_s}")
+        if self.lipsync_mask not in ("jaw", "rectangle"):
+            raise ValueError(f"ENCORE_LIPSYNC_MASK must be jaw or rectangle, not {self.lipsync_mask!r}")
         if self.artifact_backend not in ("dir", "redis"):
             raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir or redis, not {self.artifact_backend!r}")
 

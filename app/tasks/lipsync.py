@@ -44,7 +44,8 @@ def prepare_work(run: StageRun) -> None:
 
 
 def lipsync_work(run: StageRun) -> None:
-    run.info.update(_stages().run_lipsync_stage(models(), run.params, run.scratch, run.control, run.loaded))
+    run.info.update(_stages().run_lipsync_stage(models(), run.params, run.scratch, run.control, run.loaded,
+                                                mask=run.svc.settings.lipsync_mask))
     models().cache.after_stage(["musetalk"])
 
 

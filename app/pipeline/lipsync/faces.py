@@ -1,17 +1,30 @@
-"""Face boxes for lip-sync, with a detector whose weights ship inside a PyPI package.
+"""Face boxes and landmarks for lip-sync, from detectors whose weights ship inside PyPI packages.
 
-MuseTalk downloads S3FD and DWPose weights at run time; there is no network here, so this uses OpenCV's
-Haar cascade `haarcascade_frontalface_default.xml` from `cv2.data` (part of opencv-python-headless).
-Haar boxes run from the forehead to about the chin; MuseTalk v1.5 adds `extra_margin` pixels below the box
-(scripts/inference.py: `y2 = min(y2 + extra_margin, frame height)`), which `crop_box` applies.
+MuseTalk (musetalk/utils/preprocessing.py get_landmark_and_bbox) takes 68 face landmarks per frame (DWPose's
+face keypoints, the iBUG 68-point layout) and a detected face box. Its crop box is landmark geometry:
+x from the leftmost to the rightmost landmark (jaw to jaw), y2 at the lowest one (the chin), and
+y1 = y(29) - (y2 - y(29)), landmark 29 being on the nose bridge, so the lower half of the box runs from the
+nose to the chin; when that box is degenerate (or starts left of the frame) the detector's box is used.
+MuseTalk v1.5 then adds `extra_margin` px below (scripts/inference.py), which `crop_box` applies.
 
-Frames without a face are never dropped (that misaligned frames and latents in MuseTalk and produced black
-output): `fill_missing` gives them the nearest detected box, and a clip with no face at all is a clear
-`NoFaceDetected` instead of MuseTalk's ZeroDivisionError.
+Here the 68 points come from dlib's shape predictor (`shape_predictor_68_face_landmarks.dat`, shipped by the
+`face-recognition-models` package; the same 68-point layout) on faces found by dlib's HOG frontal detector
+(built into `dlib-bin`). Nothing is downloaded. The detector runs every DETECT_EVERY frames and after a shot
+cut; in between, the last detected rectangle follows the landmarks' centroid. Landmarks are then smoothed
+over time (`smooth`: a centred moving average over SMOOTH_RADIUS frames each side, restarted at every shot
+cut) so the crop does not jitter. Frames without a face take the nearest frame's smoothed face.
+
+Fallback: when dlib cannot be imported, or finds no face anywhere in the clip, OpenCV's Haar cascade
+(`haarcascade_frontalface_default.xml`, in opencv-python-headless) gives boxes without landmarks, and the
+blend falls back to the rectangle mask. A clip with no face at all is a clear `NoFaceDetected`.
 """
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
 
 import cv2
 import numpy as np
@@ -25,6 +38,14 @@ CASCADE_FILE = "haarcascade_frontalface_default.xml"
 DETECT_MAX_SIDE = 640   # detect on a downscaled copy: Haar cost grows with pixels, faces stay findable
 SCALE_FACTOR = 1.1
 MIN_NEIGHBORS = 5
+
+
+LANDMARKS = 68
+NOSE_BRIDGE = 29          # the landmark MuseTalk splits the face at
+DETECT_EVERY = 5          # HOG detection period in frames (landmarks are fitted on every frame)
+HOG_MAX_SIDE = 640        # HOG runs on a copy at most this large (about 60 ms a frame on one CPU core)
+CUT_THRESHOLD = 40.0      # mean absolute difference of 32x32 grey thumbnails that marks a shot cut
+SMOOTH_RADIUS = 2         # frames on each side in the moving average of landmarks
 
 
 class NoFaceDetected(ValueError):
@@ -101,3 +122,171 @@ def crop_box(box: Box, frame_shape: tuple[int, ...], extra_margin: int) -> Box:
     if x2 <= x1 or y2 <= y1:
         raise ValueError(f"face box {box} is empty inside a {width}x{height} frame")
     return x1, y1, x2, y2
+
+
+# -- landmarks (dlib) -------------------------------------------------------------------------------------
+
+def _predictor_path() -> Path | None:
+    """The 68-point model inside the face-recognition-models package, found without importing it (its
+    __init__ needs pkg_resources, which recent setuptools no longer ships)."""
+    spec = importlib.util.find_spec("face_recognition_models")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "models" / "shape_predictor_68_face_landmarks.dat"
+    return path if path.is_file() else None
+
+
+@lru_cache(maxsize=1)
+def _dlib_models() -> tuple[Any, Any] | None:
+    """(HOG detector, 68-point shape predictor), or None when dlib or the model file is missing."""
+    try:
+        import dlib
+    except ImportError:
+        return None
+    path = _predictor_path()
+    if path is None:
+        return None
+    return dlib.get_frontal_face_detector(), dlib.shape_predictor(str(path))
+
+
+def landmarks_available() -> bool:
+    return _dlib_models() is not None
+
+
+def _detect_rect(frame: np.ndarray) -> Box | None:
+    """The highest-scoring HOG face in an RGB frame (full-resolution pixels), or None."""
+    detector, _ = _dlib_models()
+    height, width = frame.shape[:2]
+    scale = min(1.0, HOG_MAX_SIDE / max(height, width))
+    image = np.ascontiguousarray(frame)
+    if scale < 1.0:
+        image = cv2.resize(image, (round(width * scale), round(height * scale)), interpolation=cv2.INTER_AREA)
+    rects, scores, _ = detector.run(image, 0, 0.0)
+    if len(rects) == 0:
+        return None
+    best = max(range(len(rects)), key=lambda i: scores[i])
+    r = rects[best]
+    return (round(r.left() / scale), round(r.top() / scale), round(r.right() / scale), round(r.bottom() / scale))
+
+
+def _fit_landmarks(frame: np.ndarray, rect: Box) -> np.ndarray:
+    """[68, 2] float landmarks inside `rect`."""
+    import dlib
+    _, predictor = _dlib_models()
+    shape = predictor(np.ascontiguousarray(frame), dlib.rectangle(*(int(v) for v in rect)))
+    return np.array([(p.x, p.y) for p in shape.parts()], dtype=np.float64)
+
+
+def landmark_box(landmarks: np.ndarray) -> Box:
+    """MuseTalk's crop box from 68 landmarks (integer pixels, as its int32 landmarks give)."""
+    points = landmarks.astype(np.int32)
+    x1, x2 = int(points[:, 0].min()), int(points[:, 0].max())
+    y2 = int(points[:, 1].max())
+    y1 = max(0, int(points[NOSE_BRIDGE, 1]) - (y2 - int(points[NOSE_BRIDGE, 1])))
+    return x1, y1, x2, y2
+
+
+def _thumbnail(frame: np.ndarray) -> np.ndarray:
+    grey = cv2.cvtColor(np.ascontiguousarray(frame), cv2.COLOR_RGB2GRAY)
+    return cv2.resize(grey, (32, 32), interpolation=cv2.INTER_AREA).astype(np.float32)
+
+
+def shot_cuts(frames: FrameSequence) -> list[int]:
+    """Indices of frames that start a new shot (0 always does)."""
+    cuts, previous = [0], None
+    for index in range(len(frames)):
+        thumb = _thumbnail(frames[index])
+        if previous is not None and float(np.abs(thumb - previous).mean()) > CUT_THRESHOLD:
+            cuts.append(index)
+        previous = thumb
+    return cuts
+
+
+def track_landmarks(frames: FrameSequence, cuts: Sequence[int], *,
+                    control: StageControl | None = None) -> list[tuple[np.ndarray, Box] | None]:
+    """Per frame, (landmarks [68, 2], detector rectangle) or None where no face was found."""
+    starts = set(cuts)
+    found: list[tuple[np.ndarray, Box] | None] = []
+    rect: Box | None = None
+    anchor: np.ndarray | None = None  # landmark centroid when `rect` was detected
+    for index in range(len(frames)):
+        frame = frames[index]
+        if index in starts or index % DETECT_EVERY == 0 or rect is None:
+            rect = _detect_rect(frame) if (index in starts or index % DETECT_EVERY == 0) else None
+            anchor = None
+        if rect is None:
+            found.append(None)
+        else:
+            if anchor is not None and found[-1] is not None:  # follow the face since the detection
+                dx, dy = found[-1][0].mean(axis=0) - anchor
+                tracked = (round(rect[0] + dx), round(rect[1] + dy), round(rect[2] + dx), round(rect[3] + dy))
+            else:
+                tracked = rect
+            landmarks = _fit_landmarks(frame, tracked)
+            if anchor is None:
+                anchor = landmarks.mean(axis=0)
+            found.append((landmarks, tracked))
+        if control is not None:
+            control.step(index + 1, len(frames), "frames")
+    return found
+
+
+def smooth(values: list[np.ndarray | None], cuts: Sequence[int], radius: int = SMOOTH_RADIUS) -> list[np.ndarray | None]:
+    """Centred moving average of per-frame arrays over the frames that have one, within each shot."""
+    bounds = list(cuts) + [len(values)]
+    out: list[np.ndarray | None] = list(values)
+    for start, stop in zip(bounds, bounds[1:]):
+        present = [i for i in range(start, stop) if values[i] is not None]
+        for k, i in enumerate(present):
+            window = present[max(0, k - radius):k + radius + 1]
+            out[i] = np.mean([values[j] for j in window], axis=0)
+    return out
+
+
+@dataclass(frozen=True)
+class FaceTrack:
+    """One face per source frame (gaps filled): crop boxes, landmarks when they could be had, and how."""
+
+    boxes: list[Box]
+    landmarks: list[np.ndarray] | None  # [68, 2] per frame, in frame pixels; None for the Haar fallback
+    method: str                         # "landmarks" or "haar"
+    frames_with_face: int
+    cuts: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"method": self.method, "frames_with_face": self.frames_with_face, "cuts": self.cuts,
+                "boxes": [list(box) for box in self.boxes],
+                "landmarks": None if self.landmarks is None else [np.round(p, 2).tolist() for p in self.landmarks]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "FaceTrack":
+        landmarks = data["landmarks"]
+        return cls([tuple(box) for box in data["boxes"]],
+                   None if landmarks is None else [np.asarray(p, dtype=np.float64) for p in landmarks],
+                   data["method"], data["frames_with_face"], data["cuts"])
+
+
+def find_faces(frames: FrameSequence, *, control: StageControl | None = None) -> FaceTrack:
+    """Landmarks (smoothed, gaps filled) and MuseTalk's boxes for every frame; the Haar fallback without
+    landmarks when dlib is missing or finds nothing; NoFaceDetected when no frame has a face."""
+    cuts = shot_cuts(frames)
+    if landmarks_available():
+        tracked = track_landmarks(frames, cuts, control=control)
+        present = sum(t is not None for t in tracked)
+        if present:
+            points = fill_missing(smooth([t[0] if t else None for t in tracked], cuts))
+            rects = fill_missing([t[1] if t else None for t in tracked])
+            boxes = [_usable(landmark_box(p), rect, frames[0].shape) for p, rect in zip(points, rects)]
+            return FaceTrack(boxes, points, "landmarks", present, cuts)
+    found = detect_faces(frames, control=control)
+    boxes = fill_missing(found)
+    return FaceTrack(boxes, None, "haar", sum(b is not None for b in found), cuts)
+
+
+def _usable(box: Box, rect: Box, frame_shape: tuple[int, ...]) -> Box:
+    """The landmark box, or (as MuseTalk does) the detector's box when the landmark box is degenerate."""
+    x1, y1, x2, y2 = box
+    if y2 - y1 <= 0 or x2 - x1 <= 0 or x1 < 0:
+        height, width = frame_shape[:2]
+        return max(0, rect[0]), max(0, rect[1]), min(width, rect[2]), min(height, rect[3])
+    return box

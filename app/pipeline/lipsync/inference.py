@@ -10,9 +10,10 @@ The procedure of public repo TMElyralab/MuseTalk (scripts/inference.py and the m
            blanked (-1 after normalisation) and of the whole crop, concatenated -> 8 channels
            (musetalk/models/vae.py get_latents_for_unet).
   UNet     one step at timestep 0; its output is a latent of the re-drawn crop; VAE decode.
-  blend    resize back to the box and paste under a blurred mask covering the lower half of the face box
-           (musetalk/utils/blending.py get_image; the face-parsing network that shapes MuseTalk's mask needs a
-           download, so the mask here is the box's lower half, inset and blurred so its edges fade out).
+  blend    resize back to the box and paste under a blurred mask (musetalk/utils/blending.py get_image). MuseTalk
+           shapes the mask with a face-parsing network in its 'jaw' mode; those weights need a model hub, so
+           `jaw_mask` draws the same region from the 68 landmarks instead (see there). Without landmarks
+           (the Haar fallback) or with ENCORE_LIPSYNC_MASK=rectangle, the box's lower half (`mouth_mask`).
 
 Output frame i shows source frame pingpong_index(i, n). Memory stays flat in the number of output frames:
 a few batches of frames live at a time and each finished frame goes straight to the sink. Per frame, only
@@ -41,6 +42,14 @@ from app.pipeline.lipsync.musetalk import (UNET_TIMESTEP, WHISPER_FEATURE_RATE, 
 
 BLEND_EXPAND = 1.5       # blending.get_crop_box: the context square is 1.5x the face box's larger side
 BLEND_BLUR_RATIO = 0.05  # blending.get_image: Gaussian kernel = 5% of the context square's width
+MASK_MODES = ("jaw", "rectangle")
+PARSING_SIZE = 512       # MuseTalk parses the context square at 512x512; its kernels are in those pixels
+MASK_CANVAS = 256        # the jaw mask is drawn at half that (kernels scaled to match)
+CHEEK_HALF_WIDTH = 90    # face_parsing: outside centre +- 90 px (of 512) the skin is eroded (the cheeks)
+JAW = list(range(0, 17))
+BROWS_BACKWARDS = list(range(26, 16, -1))
+NOSE = list(range(27, 36))
+OUTER_LIPS = list(range(48, 60))
 
 
 # -- audio ------------------------------------------------------------------------------------------------
@@ -199,14 +208,70 @@ def mouth_mask(height: int, width: int) -> np.ndarray:
     return mask
 
 
-def blend_mouth(frame: np.ndarray, face: np.ndarray, box: Box) -> np.ndarray:
-    """A copy of `frame` with the re-drawn crop `face` pasted into `box` under `mouth_mask`."""
+def _cone_kernel(scale: float) -> np.ndarray:
+    """face_parsing's dilation kernel (a cone of 21 rows, its upper half empty, over a 12-row stem), scaled."""
+    cone, tail = max(3, round(21 * scale)), max(1, round(12 * scale))
+    size, centre = cone + tail, (cone + tail) // 2
+    kernel = np.zeros((size, size), np.uint8)
+    for row in range(cone // 2, cone):
+        half = row - cone // 2
+        kernel[row, max(0, centre - half):centre + half + 1] = 1
+    base = int(kernel[cone - 1].sum())
+    kernel[cone:, max(0, centre - base // 2):centre + base // 2 + 1] = 1
+    return kernel
+
+
+@functools.lru_cache(maxsize=1)
+def _jaw_kernels() -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    scale = MASK_CANVAS / PARSING_SIZE
+    cheek_kernel = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (max(3, round(35 * scale) | 1), 3))
+    cheeks = np.full((MASK_CANVAS, MASK_CANVAS), 255, np.uint8)
+    half = round(CHEEK_HALF_WIDTH * scale)
+    cheeks[:, MASK_CANVAS // 2 - half:MASK_CANVAS // 2 + half] = 0
+    blur = int(BLEND_BLUR_RATIO * MASK_CANVAS // 2 * 2) + 1
+    return _cone_kernel(scale), cheek_kernel, cheeks, blur
+
+
+def jaw_mask(landmarks: np.ndarray, region: Box) -> np.ndarray:
+    """Blend weights [height, width, 1] over the crop `region`, drawn from 68 landmarks the way MuseTalk's
+    'jaw' parsing mode builds its mask (musetalk/utils/face_parsing): face skin (inside the jaw line and
+    brows) grown by the cone kernel, eroded at the cheeks (outside the centre band), the nose left out, the
+    lips and mouth put in; kept inside the region and below the context square's centre row (the region's
+    centre row), blurred with a kernel of 5% of the square, as blending.get_image does."""
+    x1, y1, x2, y2 = region
+    width, height = x2 - x1, y2 - y1
+    half_side = int(max(width, height) // 2 * BLEND_EXPAND)
+    left, top = (x1 + x2) // 2 - half_side, (y1 + y2) // 2 - half_side
+    scale = MASK_CANVAS / (2 * half_side)
+    points = np.round((landmarks - (left, top)) * scale).astype(np.int32)
+    cone, cheek_kernel, cheeks, blur = _jaw_kernels()
+    skin = np.zeros((MASK_CANVAS, MASK_CANVAS), np.uint8)
+    cv2.fillPoly(skin, [points[JAW + BROWS_BACKWARDS]], 255)
+    grown = cv2.dilate(skin, cone)
+    eroded = cv2.erode(grown, cheek_kernel, iterations=2)
+    mask = (eroded & cheeks) | (grown & ~cheeks)
+    cv2.fillPoly(mask, [cv2.convexHull(points[NOSE])], 0)
+    cv2.fillPoly(mask, [cv2.convexHull(points[OUTER_LIPS])], 255)
+    inside = np.zeros_like(mask)
+    rx1, ry1 = round((x1 - left) * scale), round((y1 - top) * scale)
+    rx2, ry2 = round((x2 - left) * scale), round((y2 - top) * scale)
+    top_row = max(ry1, MASK_CANVAS // 2)
+    inside[top_row:ry2, rx1:rx2] = mask[top_row:ry2, rx1:rx2]
+    blurred = cv2.GaussianBlur(inside, (blur, blur), 0).astype(np.float32) / 255.0
+    patch = blurred[max(ry1, 0):ry2, max(rx1, 0):rx2]
+    return cv2.resize(patch, (width, height), interpolation=cv2.INTER_LINEAR)[:, :, None]
+
+
+def blend_mouth(frame: np.ndarray, face: np.ndarray, box: Box, mask: np.ndarray | None = None) -> np.ndarray:
+    """A copy of `frame` with the re-drawn crop `face` pasted into `box` under `mask` [h, w, 1] (default:
+    `mouth_mask`, the rectangle)."""
     x1, y1, x2, y2 = box
     height, width = y2 - y1, x2 - x1
     face = cv2.resize(face, (width, height)).astype(np.float32)
     out = np.array(frame, dtype=np.uint8, copy=True)
     region = out[y1:y2, x1:x2].astype(np.float32)
-    out[y1:y2, x1:x2] = np.rint(region + (face - region) * mouth_mask(height, width)).astype(np.uint8)
+    weights = mouth_mask(height, width) if mask is None else mask
+    out[y1:y2, x1:x2] = np.rint(region + (face - region) * weights).astype(np.uint8)
     return out
 
 
@@ -230,11 +295,13 @@ class BlendWriter:
         self._thread.start()
         return self
 
-    def put(self, originals: list[np.ndarray], faces: np.ndarray, regions: list[Box]) -> None:
+    def put(self, originals: list[np.ndarray], faces: np.ndarray, regions: list[Box],
+            landmarks: list[np.ndarray | None] | None = None) -> None:
+        """Queue a batch; `landmarks` (per frame, or None for the rectangle mask) shape each frame's mask."""
         while True:
             self._raise_error()
             try:
-                self._batches.put((originals, faces, regions), timeout=0.1)
+                self._batches.put((originals, faces, regions, landmarks or [None] * len(regions)), timeout=0.1)
                 return
             except queue.Full:
                 continue
@@ -244,8 +311,9 @@ class BlendWriter:
             if self._error is not None:
                 continue  # keep draining so `put` never blocks on a dead writer
             try:
-                for frame, face, region in zip(*batch):
-                    self.sink(blend_mouth(frame, face, region))
+                for frame, face, region, points in zip(*batch):
+                    mask = None if points is None else jaw_mask(points, region)
+                    self.sink(blend_mouth(frame, face, region, mask))
             except BaseException as error:  # handed to the caller's thread
                 self._error = error
 
@@ -263,10 +331,12 @@ class BlendWriter:
 @torch.inference_mode()
 def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box], features: torch.Tensor, *,
                 num_frames: int, batch_size: int, extra_margin: int, sink: FrameSink,
-                control: StageControl) -> int:
+                control: StageControl, landmarks: list[np.ndarray] | None = None) -> int:
     """Write `num_frames` lip-synced frames to `sink` in order; returns how many were written.
 
-    `boxes` has one face box per source frame (gaps already filled); `features` comes from `audio_features`.
+    `boxes` has one face box per source frame (gaps already filled); `features` comes from `audio_features`;
+    with `landmarks` (one [68, 2] array per source frame) each frame blends through its `jaw_mask`, without
+    them through the rectangle.
     Reports "done/total frames" after every batch and stops with `Canceled` when the job was canceled.
     """
     if len(boxes) != len(frames):
@@ -285,7 +355,8 @@ def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box],
             originals = [np.asarray(frames[s]) for s in sources]
             regions = [crop_box(boxes[s], frame.shape, extra_margin) for s, frame in zip(sources, originals)]
             writer.put(originals, generate_faces(models, latents_of(sources, originals, regions),
-                                                 features[start:stop]), regions)
+                                                 features[start:stop]), regions,
+                       None if landmarks is None else [landmarks[s] for s in sources])
             control.step(stop, num_frames, "frames")
     if num_frames == 0:
         control.step(0, 0, "frames")

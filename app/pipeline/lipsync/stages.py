@@ -21,7 +21,7 @@ from app.pipeline.media.probe import probe
 from app.pipeline.profiles import LipsyncProfile
 from app.pipeline.runtime import ModelCache
 
-FRAMES, FRAMES_META, BOXES, AUDIO_16K, PICTURE = "frames.u8", "frames.json", "boxes.json", "audio16k.wav", "picture.mp4"
+FRAMES, FRAMES_META, FACES, AUDIO_16K, PICTURE = "frames.u8", "frames.json", "faces.json", "audio16k.wav", "picture.mp4"
 PLAN = "plan.json"
 
 
@@ -41,9 +41,9 @@ class LipsyncModels:
 
 def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: StageControl,
                 timeout_s: float) -> dict[str, Any]:
-    """16 kHz mono audio for whisper, every source frame decoded once, one face box per frame, and the
-    plan: the exact audio duration (from the decoded samples: container durations of MP3 run long) and
-    hence the output frame count floor(audio s x fps)."""
+    """16 kHz mono audio for whisper, every source frame decoded once, one face per frame (landmarks and
+    MuseTalk's box, faces.find_faces), and the plan: the exact audio duration (from the decoded samples:
+    container durations of MP3 run long) and hence the output frame count floor(audio s x fps)."""
     control.check()
     extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s)
     with wave.open(str(scratch / AUDIO_16K)) as decoded:
@@ -52,14 +52,14 @@ def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: St
     (scratch / PLAN).write_text(json.dumps(plan))
     cache = decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"))
     try:
-        found = faces.detect_faces(cache, control=control.part(0.5, 1.0, "finding faces"))
-        boxes = faces.fill_missing(found)  # raises NoFaceDetected("no face detected")
+        track = faces.find_faces(cache, control=control.part(0.5, 1.0, "finding faces"))  # or NoFaceDetected
     finally:
         cache.close()
-    (scratch / FRAMES_META).write_text(json.dumps({"count": len(boxes), "height": cache.height,
+    (scratch / FRAMES_META).write_text(json.dumps({"count": len(track.boxes), "height": cache.height,
                                                     "width": cache.width, "fps": cache.fps}))
-    (scratch / BOXES).write_text(json.dumps(boxes))
-    return {"source_frames": len(boxes), "frames_with_face": sum(box is not None for box in found), **plan}
+    (scratch / FACES).write_text(json.dumps(track.to_json()))
+    return {"source_frames": len(track.boxes), "frames_with_face": track.frames_with_face,
+            "faces": track.method, "shots": len(track.cuts), **plan}
 
 
 def _open_frames(scratch: Path) -> FrameCache:
@@ -68,22 +68,27 @@ def _open_frames(scratch: Path) -> FrameCache:
 
 
 def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Path, control: StageControl,
-                      loaded: list[str] | None = None) -> dict[str, Any]:
-    """MuseTalk over floor(audio s x fps) frames (source frames cycled ping-pong) into a picture-only MP4."""
+                      loaded: list[str] | None = None, mask: str = "jaw") -> dict[str, Any]:
+    """MuseTalk over floor(audio s x fps) frames (source frames cycled ping-pong) into a picture-only MP4,
+    blended through the `mask` mode ("jaw" needs landmarks; without them the rectangle is used)."""
+    if mask not in inference.MASK_MODES:
+        raise ValueError(f"mask must be one of {inference.MASK_MODES}, not {mask!r}")
     engine = models.musetalk(loaded)
     profile = models.profile
     frames_out = _plan(scratch)["output_frames"]
     features = inference.audio_features(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
                                         padding_left=profile.audio_padding_left,
                                         padding_right=profile.audio_padding_right)
-    boxes = [tuple(box) for box in json.loads((scratch / BOXES).read_text())]
+    track = faces.FaceTrack.from_json(json.loads((scratch / FACES).read_text()))
+    landmarks = track.landmarks if mask == "jaw" else None
     with _open_frames(scratch) as frames, VideoWriter(scratch / PICTURE, width=frames.width,
                                                      height=frames.height, fps=params["fps"]) as writer:
-        written = inference.run_lipsync(engine, frames, boxes, features, num_frames=frames_out,
+        written = inference.run_lipsync(engine, frames, track.boxes, features, num_frames=frames_out,
                                         batch_size=int(params["batch_size"]), extra_margin=int(params["extra_margin"]),
-                                        sink=writer.write, control=control)
+                                        sink=writer.write, control=control, landmarks=landmarks)
         source_frames = len(frames)
-    return {"frames_generated": written, "source_frames": source_frames, "encoder": writer.encoder}
+    return {"frames_generated": written, "source_frames": source_frames, "encoder": writer.encoder,
+            "mask": "jaw" if landmarks is not None else "rectangle", "faces": track.method}
 
 
 def _plan(scratch: Path) -> dict[str, Any]:
