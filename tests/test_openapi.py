@@ -26,7 +26,7 @@ def _run_schemathesis(url: str, config: Path, report: Path) -> subprocess.Comple
          "-H", f"Authorization: Bearer {TOKEN}", "--checks", CHECKS, "--max-examples", str(EXAMPLES),
          "--seed", "2026", "--request-timeout", "30", "--workers", "2", "--report", "json",
          "--report-json-path", str(report)],
-        capture_output=True, text=True, timeout=900)
+        capture_output=True, text=True, timeout=900, cwd=report.parent)  # its cache goes there, not the repo
 
 
 def test_schemathesis_finds_no_server_error_and_no_undocumented_reply(make_stack, tmp_path):
