@@ -35,7 +35,7 @@ import torch
 
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync.faces import Box, crop_box
-from app.pipeline.lipsync.frames import FrameSequence, FrameSink, pingpong_index
+from app.pipeline.lipsync.frames import FrameSequence, FrameSink, shows_a_frame_twice, source_frame
 from app.pipeline.lipsync.musetalk import (UNET_TIMESTEP, WHISPER_FEATURE_RATE, WHISPER_SAMPLE_RATE, WHISPER_WINDOW_S,
                        MuseTalkModels)
 
@@ -263,10 +263,13 @@ class BlendWriter:
 @torch.inference_mode()
 def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box], features: torch.Tensor, *,
                 num_frames: int, batch_size: int, extra_margin: int, sink: FrameSink,
-                control: StageControl) -> int:
+                control: StageControl, fps: float | None = None, source_fps: float | None = None) -> int:
     """Write `num_frames` lip-synced frames to `sink` in order; returns how many were written.
 
     `boxes` has one face box per source frame (gaps already filled); `features` comes from `audio_features`.
+    `source_fps` (the source's frame rate, with `fps` the output's) resamples the source so each output
+    frame shows the source frame nearest its time (`frames.source_frame`): a 30 fps clip driven at 25 fps
+    keeps its head motion at its own speed. None: one source frame per output frame.
     Reports "done/total frames" after every batch and stops with `Canceled` when the job was canceled.
     """
     if len(boxes) != len(frames):
@@ -277,11 +280,12 @@ def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box],
         raise ValueError(f"audio features cover {features.shape[0]} frames, {num_frames} requested")
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
-    latents_of = SourceLatents(models, keep=len(frames) < num_frames and len(frames) <= MAX_KEPT_SOURCE_FRAMES)
+    latents_of = SourceLatents(models, keep=shows_a_frame_twice(num_frames, len(frames), source_fps, fps)
+                               and len(frames) <= MAX_KEPT_SOURCE_FRAMES)
     with BlendWriter(sink) as writer:
         for start in range(0, num_frames, batch_size):
             stop = min(start + batch_size, num_frames)
-            sources = [pingpong_index(i, len(frames)) for i in range(start, stop)]
+            sources = [source_frame(i, len(frames), source_fps, fps) for i in range(start, stop)]
             originals = [np.asarray(frames[s]) for s in sources]
             regions = [crop_box(boxes[s], frame.shape, extra_margin) for s, frame in zip(sources, originals)]
             writer.put(originals, generate_faces(models, latents_of(sources, originals, regions),
