@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     lipsync = submit.add_parser("lipsync", parents=[common], help="lip-sync a face video to an audio track")
     lipsync.add_argument("video", type=Path)
     lipsync.add_argument("audio", type=Path)
-    lipsync.add_argument("--fps", type=float, help="output frame rate (default 25)")
+    lipsync.add_argument("--fps", type=float, help="output frame rate (default: the source video's)")
     lipsync.add_argument("--extra-margin", type=int, help="pixels added below the face box")
     lipsync.add_argument("--batch-size", type=int, help="frames per UNet batch")
     add_wait_options(lipsync)

@@ -32,6 +32,8 @@ MODEL_PATH_VARIABLES = {"tokenizer_subdir": "ENCORE_TOKENIZER_DIR", "backbone_su
 
 DEFAULT_WEB_URL = "http://127.0.0.1:8000"
 
+LIPSYNC_PRECISIONS = ("auto", "fp16", "fp32")
+
 DEFAULT_TIME_LIMITS = (
     "backbone=1500/1560,superres=900/960,decode=900/960,export=300/330,"
     "prepare=300/330,lipsync=1500/1560,mux=300/330"
@@ -73,6 +75,8 @@ class Settings:
     result_expires_s: int = field(default_factory=lambda: int(_env("ENCORE_RESULT_EXPIRES_S", str(24 * 3600))))
     lipsync_profile: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PROFILE", "tiny"))
     lipsync_model_dir: str | None = field(default_factory=lambda: os.environ.get("ENCORE_LIPSYNC_MODEL_DIR"))
+    # MuseTalk's dtype: auto (fp16 on CUDA, fp32 on CPU), fp16 or fp32 (fp16 on a CPU only where it runs).
+    lipsync_precision: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PRECISION", "auto").strip().lower())
     max_video_mb: float = field(default_factory=lambda: float(_env("ENCORE_MAX_VIDEO_MB", "100")))
     max_audio_mb: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_MB", "20")))
     min_video_s: float = field(default_factory=lambda: float(_env("ENCORE_MIN_VIDEO_S", "3")))
@@ -129,6 +133,8 @@ class Settings:
             raise ValueError(f"ENCORE_LIPSYNC_MASK must be jaw or rectangle, not {self.lipsync_mask!r}")
         if self.artifact_backend not in ("dir", "redis"):
             raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir or redis, not {self.artifact_backend!r}")
+        if self.lipsync_precision not in LIPSYNC_PRECISIONS:
+            raise ValueError(f"ENCORE_LIPSYNC_PRECISION must be auto, fp16 or fp32, not {self.lipsync_precision!r}")
 
     def music(self) -> "MusicProfile":
         """The music profile these settings select, with its files where the settings put them."""

@@ -168,9 +168,8 @@ def submit_lipsync(client: cli.Client, out: Path) -> str:
     how = samples.make_speech(voice, "Hello from Encore. This face is a photograph; the lips are tiny random weights.")
     face = cv2.resize(skimage.data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)
     video = samples.make_face_video(clips / "face.mp4", face, 4.0, 25)
-    with open(video, "rb") as v, open(voice, "rb") as a:
-        job_id = client.json("POST", "/api/v1/lipsync", files={"video": (video.name, v), "audio": (voice.name, a)},
-                             data={"fps": "25"})["job_id"]
+    with open(video, "rb") as v, open(voice, "rb") as a:  # no fps: the output takes the source's own
+        job_id = client.json("POST", "/api/v1/lipsync", files={"video": (video.name, v), "audio": (voice.name, a)})["job_id"]
     print(f"[demo] lip-sync job {job_id}: astronaut photo + {how} speech "
           f"(tiny random-weight MuseTalk: the mouth region is noise)")
     return job_id

@@ -24,6 +24,7 @@ from app.schemas import describe_validation_error
 
 FILE_FIELDS = ("video", "audio")
 SAFE_EXTENSION = re.compile(r"^[a-z0-9]{1,5}$")
+FPS_LIMIT = 120  # highest output frame rate the form takes
 
 
 class UploadError(Exception):
@@ -37,7 +38,8 @@ class LipsyncForm(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    fps: float | None = Field(default=None, ge=0, le=120, description="output frame rate; missing or 0 → 25")
+    fps: float | None = Field(default=None, ge=0, le=FPS_LIMIT, description="output frame rate; missing or 0 → the "
+                              "video's own (25 when unknown or above 120)")
     extra_margin: int | None = Field(default=None, ge=0, le=200, description="pixels added below the face box")
     batch_size: int | None = Field(default=None, ge=1, le=256, description="frames per UNet batch")
 
@@ -74,13 +76,24 @@ def receive_lipsync(form: dict[str, str], files: dict[str, FileStorage], setting
         for name in FILE_FIELDS:
             received.files[name] = _stage(files[name], staging, name, limits[name])
         video, audio = (_probe(received.files[n], n) for n in FILE_FIELDS)
-        fps = fields.fps if fields.fps else profile.default_fps  # missing or 0 → default (MuseTalk's fps=0 bug)
+        fps, fps_from = output_fps(fields.fps, video.fps, profile.default_fps)
         _check_media(video, audio, settings, fps)
-        received.params = _params(fields, fps, video, audio, profile, received.files)
+        received.params = _params(fields, fps, fps_from, video, audio, profile, received.files)
         return received
     except BaseException:
         received.discard()
         raise
+
+
+def output_fps(requested: float | None, source: float | None, default: float) -> tuple[float, str]:
+    """The output frame rate and where it came from: the request's, else the video's own (so its motion
+    keeps its speed), else the profile's default when the probe gives none or one the form would refuse.
+    0 means "not given", as missing does (MuseTalk's fps=0 bug)."""
+    if requested:
+        return requested, "request"
+    if source is not None and 0 < source <= FPS_LIMIT:
+        return source, "source"
+    return default, "default"
 
 
 def _stage(upload: FileStorage, staging: Path, field: str, limit_mb: float) -> Path:
@@ -124,11 +137,11 @@ def _check_media(video: MediaInfo, audio: MediaInfo, settings: Settings, fps: fl
         raise UploadError(400, "audio", f"is {audio_seconds:.1f} s long; the limit is {settings.max_audio_s:g} s")
 
 
-def _params(fields: LipsyncForm, fps: float, video: MediaInfo, audio: MediaInfo, profile: LipsyncProfile,
-            files: dict[str, Path]) -> dict[str, Any]:
+def _params(fields: LipsyncForm, fps: float, fps_from: str, video: MediaInfo, audio: MediaInfo,
+            profile: LipsyncProfile, files: dict[str, Path]) -> dict[str, Any]:
     audio_seconds = audio.audio_duration_s or audio.duration_s
     return {
-        "fps": fps,
+        "fps": fps, "source_fps": video.fps, "fps_from": fps_from,
         "extra_margin": fields.extra_margin if fields.extra_margin is not None else profile.default_extra_margin,
         "batch_size": fields.batch_size or profile.default_batch_size,
         "audio_duration_s": audio_seconds,

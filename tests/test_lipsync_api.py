@@ -17,6 +17,8 @@ def clips(tmp_path_factory):
     root = tmp_path_factory.mktemp("clips")
     return {
         "video": face_video(root / "face.mp4", 3.2),
+        "video30": face_video(root / "face30.mp4", 3.2, fps=30),
+        "video150": face_video(root / "face150.mp4", 3.2, fps=150, size=64),
         "short_video": face_video(root / "short.mp4", 2.0),
         "audio": tone(root / "voice.wav", 2.0),
         "long_audio": tone(root / "long.mp3", 31.0),
@@ -83,11 +85,31 @@ def test_missing_file_and_non_multipart_are_400(stack, clips):
     assert reply.status_code == 400 and reply.get_json()["field"] == "body"
 
 
-def test_fps_zero_means_default_and_job_waits_for_a_worker(stack, clips):
+def test_fps_zero_means_the_sources_and_job_waits_for_a_worker(stack, clips):
     reply = upload(stack.client, clips["video"], clips["audio"], fps="0")
     assert reply.status_code == 202, reply.get_json()
     record = stack.job(reply.get_json()["job_id"])
-    assert record["kind"] == "lipsync" and record["params"]["fps"] == 25
+    assert record["kind"] == "lipsync" and record["params"]["fps"] == 25  # the 25 fps clip's own
+    assert record["params"]["fps_from"] == "source"
     assert record["params"]["output_frames"] == 50  # floor(2.0 s x 25 fps)
     assert record["tracks"][0]["state"] == "queued"
     assert not any((stack.root / "uploads").glob("*/*")), "staged upload left behind"
+
+
+def _params(stack, video, audio, **fields) -> dict:
+    reply = upload(stack.client, video, audio, **fields)
+    assert reply.status_code == 202, reply.get_json()
+    return stack.job(reply.get_json()["job_id"])["params"]
+
+
+def test_output_fps_is_the_sources_unless_the_request_gives_one(stack, clips):
+    recorded = {name: _params(stack, clips["video30"], clips["audio"], **fields)
+                for name, fields in (("missing", {}), ("given", {"fps": "25"}), ("zero", {"fps": "0"}))}
+    picked = {name: (p["fps"], p["source_fps"], p["fps_from"], p["output_frames"]) for name, p in recorded.items()}
+    assert picked == {"missing": (30, 30, "source", 60), "given": (25, 30, "request", 50),
+                      "zero": (30, 30, "source", 60)}  # 2.0 s of audio
+
+
+def test_a_source_rate_above_the_forms_range_falls_back_to_the_default(stack, clips):
+    params = _params(stack, clips["video150"], clips["audio"])
+    assert (params["fps"], params["source_fps"], params["fps_from"]) == (25, 150, "default")

@@ -100,6 +100,29 @@ def test_audio_longer_than_video_cycles_frames_without_pre_looping(stack, tmp_pa
     assert short.frame_count == 37 and abs(short.duration_s - 1.5) <= 1 / FPS + 0.03
 
 
+def test_output_fps_is_the_sources_unless_requested(make_stack, tmp_path):
+    """A 30 fps face clip: with no fps the output is 30 fps, with fps=25 it is 25 fps (the source resampled,
+    not slowed down); either way the MP4 lasts as long as the driving audio. Clips are 1 s of video (30
+    frames, so both outputs cycle back) and 1.2 s of audio."""
+    stack = make_stack(ENCORE_MIN_VIDEO_S="1")
+    stack.start_worker(0)
+    video = face_video(tmp_path / "face30.mp4", 1.0, 30)
+    driving = tone(tmp_path / "driving.wav", 1.2, freq=1375.0)
+    own, asked = _submit(stack, video, driving), _submit(stack, video, driving, fps=25)
+    for job_id, fps, frames in ((own, 30, 36), (asked, 25, 30)):
+        record = stack.wait_job(job_id, timeout=180)
+        assert record["state"] == "done", record
+        assert (record["params"]["fps"], record["params"]["source_fps"]) == (fps, 30)
+        stages = record["tracks"][0]["stages"]
+        assert stages["prepare"]["info"]["source_frames"] == 30
+        lipsync = stages["lipsync"]["info"]
+        assert (lipsync["frames_generated"], lipsync["source_fps"], lipsync["precision"]) == (frames, 30, "fp32")
+        info = probe(_download(stack, job_id, tmp_path))
+        assert info.fps == fps and info.frame_count == frames  # floor(1.2 s x fps)
+        assert abs(info.duration_s - 1.2) <= 1 / fps + 0.03
+        assert abs(info.video_duration_s - 1.2) <= 1 / fps + 0.03
+
+
 def test_no_face_fails_clearly_and_missing_faces_are_filled(stack, tmp_path):
     audio = tone(tmp_path / "a.wav", 1.0)
     blank = blank_video(tmp_path / "blank.mp4", 3.0)

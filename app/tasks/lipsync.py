@@ -27,7 +27,7 @@ def _stages():
 def models() -> "LipsyncModels":
     settings = services().settings
     profile = load_lipsync_profile(settings.lipsync_profile, settings.lipsync_model_dir)
-    return _stages().LipsyncModels(profile, settings.runtime_mode)
+    return _stages().LipsyncModels(profile, settings.runtime_mode, precision=settings.lipsync_precision)
 
 
 def preload() -> None:

@@ -2,10 +2,13 @@
 
 Frames are RGB uint8 arrays [height, width, 3]. The source video is never looped or re-encoded before
 inference: when the audio is longer than the video, output frame i shows source frame
-`pingpong_index(i, n)` (forward, then backward, then forward ...), as MuseTalk does.
+`pingpong_index(i, n)` (forward, then backward, then forward ...), as MuseTalk does. When the output frame
+rate differs from the source's, output frame i shows the source frame nearest in time (`source_frame`), so
+head motion plays at its own speed.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Protocol
 
 import numpy as np
@@ -26,6 +29,31 @@ def pingpong_index(i: int, n: int) -> int:
         raise ValueError("no source frames")
     position = i % (2 * n)
     return position if position < n else 2 * n - 1 - position
+
+
+def source_frame(i: int, n: int, source_fps: float | None = None, out_fps: float | None = None) -> int:
+    """Source frame shown by output frame i: the one at source position floor(i x source_fps / out_fps)
+    (the frame on screen at time i / out_fps of the source timeline), ping-ponged over the n frames.
+
+    source_fps None: one source frame per output frame (pingpong_index(i, n)); equal rates give the same.
+    The 1e-6 keeps exact products (29.97 over 29.97) from flooring one frame short.
+    """
+    if source_fps is None:
+        return pingpong_index(i, n)
+    if not (out_fps and out_fps > 0 and source_fps > 0):
+        raise ValueError(f"frame rates must be positive (source {source_fps}, output {out_fps})")
+    return pingpong_index(math.floor(i * source_fps / out_fps + 1e-6), n)
+
+
+def shows_a_frame_twice(num_frames: int, n: int, source_fps: float | None = None,
+                        out_fps: float | None = None) -> bool:
+    """Whether some source frame appears in more than one of the first num_frames output frames: then the
+    model's per-frame work on it is worth keeping (cycling, or a source slower than the output)."""
+    if num_frames > n:
+        return True  # more output frames than source frames
+    if source_fps is None or source_fps == out_fps:
+        return False  # one for one, never past the last frame
+    return len({source_frame(i, n, source_fps, out_fps) for i in range(num_frames)}) < num_frames
 
 
 def output_frame_count(audio_seconds: float, fps: float) -> int:

@@ -15,7 +15,8 @@ The procedure of public repo TMElyralab/MuseTalk (scripts/inference.py and the m
            `jaw_mask` draws the same region from the 68 landmarks instead (see there). Without landmarks
            (the Haar fallback) or with ENCORE_LIPSYNC_MASK=rectangle, the box's lower half (`mouth_mask`).
 
-Output frame i shows source frame pingpong_index(i, n). Memory stays flat in the number of output frames:
+Output frame i shows source frame frames.source_frame(i, n, source fps, output fps): the source frame
+nearest its time, cycled ping-pong when the audio is longer than the video. Memory stays flat in the number of output frames:
 a few batches of frames live at a time and each finished frame goes straight to the sink. Per frame, only
 the UNet step and the VAE decode are unavoidable; around them: source latents are encoded once per source
 frame when the output cycles (SourceLatents), the blend and the sink run in a thread beside the next batch
@@ -36,7 +37,7 @@ import torch
 
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync.faces import Box, crop_box
-from app.pipeline.lipsync.frames import FrameSequence, FrameSink, pingpong_index
+from app.pipeline.lipsync.frames import FrameSequence, FrameSink, shows_a_frame_twice, source_frame
 from app.pipeline.lipsync.musetalk import (UNET_TIMESTEP, WHISPER_FEATURE_RATE, WHISPER_SAMPLE_RATE, WHISPER_WINDOW_S,
                        MuseTalkModels)
 
@@ -331,12 +332,16 @@ class BlendWriter:
 @torch.inference_mode()
 def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box], features: torch.Tensor, *,
                 num_frames: int, batch_size: int, extra_margin: int, sink: FrameSink,
-                control: StageControl, landmarks: list[np.ndarray] | None = None) -> int:
+                control: StageControl, fps: float | None = None, source_fps: float | None = None,
+                landmarks: list[np.ndarray] | None = None) -> int:
     """Write `num_frames` lip-synced frames to `sink` in order; returns how many were written.
 
-    `boxes` has one face box per source frame (gaps already filled); `features` comes from `audio_features`;
-    with `landmarks` (one [68, 2] array per source frame) each frame blends through its `jaw_mask`, without
-    them through the rectangle.
+    `boxes` has one face box per source frame (gaps already filled); `features` comes from `audio_features`.
+    `source_fps` (the source's frame rate, with `fps` the output's) resamples the source so each output
+    frame shows the source frame nearest its time (`frames.source_frame`): a 30 fps clip driven at 25 fps
+    keeps its head motion at its own speed. None: one source frame per output frame. With `landmarks` (one
+    [68, 2] array per source frame) each frame blends through its `jaw_mask`, without them through the
+    rectangle.
     Reports "done/total frames" after every batch and stops with `Canceled` when the job was canceled.
     """
     if len(boxes) != len(frames):
@@ -347,11 +352,12 @@ def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box],
         raise ValueError(f"audio features cover {features.shape[0]} frames, {num_frames} requested")
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
-    latents_of = SourceLatents(models, keep=len(frames) < num_frames and len(frames) <= MAX_KEPT_SOURCE_FRAMES)
+    latents_of = SourceLatents(models, keep=shows_a_frame_twice(num_frames, len(frames), source_fps, fps)
+                               and len(frames) <= MAX_KEPT_SOURCE_FRAMES)
     with BlendWriter(sink) as writer:
         for start in range(0, num_frames, batch_size):
             stop = min(start + batch_size, num_frames)
-            sources = [pingpong_index(i, len(frames)) for i in range(start, stop)]
+            sources = [source_frame(i, len(frames), source_fps, fps) for i in range(start, stop)]
             originals = [np.asarray(frames[s]) for s in sources]
             regions = [crop_box(boxes[s], frame.shape, extra_margin) for s, frame in zip(sources, originals)]
             writer.put(originals, generate_faces(models, latents_of(sources, originals, regions),

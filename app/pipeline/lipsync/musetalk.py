@@ -79,9 +79,61 @@ def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
     return table
 
 
+PRECISIONS = {"fp16": torch.float16, "fp32": torch.float32}
+
+
 def model_dtype(device: torch.device) -> torch.dtype:
     """fp16 on CUDA (MuseTalk's --use_float16), fp32 on CPU where half kernels are slow or missing."""
     return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """"fp16" / "fp32" for a model dtype, as ENCORE_LIPSYNC_PRECISION spells it (recorded in stage info)."""
+    return next((name for name, known in PRECISIONS.items() if known == dtype), str(dtype))
+
+
+class PrecisionUnsupported(RuntimeError):
+    """The asked precision cannot run on the device (raised at load, before any frame is processed)."""
+
+
+def _half_kernels_error(device: torch.device) -> str | None:
+    """Run the op kinds the UNet, VAE and whisper use (conv, group/layer norm, attention, upsampling, GELU,
+    SiLU) at fp16 on a few numbers; the error text if one has no fp16 kernel on `device`, else None."""
+    try:
+        x = torch.randn(1, 8, 4, 4, device=device, dtype=torch.float16)
+        x = torch.nn.functional.conv2d(x, torch.randn(8, 8, 3, 3, device=device, dtype=x.dtype), padding=1)
+        x = torch.nn.functional.silu(torch.nn.functional.group_norm(x, 4))
+        x = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
+        tokens = torch.nn.functional.layer_norm(x.flatten(2).transpose(1, 2), (8,))
+        tokens = torch.nn.functional.scaled_dot_product_attention(tokens, tokens, tokens)
+        tokens = torch.nn.functional.gelu(torch.nn.functional.conv1d(
+            tokens.transpose(1, 2), torch.randn(8, 8, 3, device=device, dtype=x.dtype), padding=1))
+        if not torch.isfinite(tokens).all():
+            return "fp16 arithmetic gave non-finite values"
+    except (RuntimeError, NotImplementedError) as error:
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return None
+
+
+def resolve_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
+    """The dtype MuseTalk runs in for ENCORE_LIPSYNC_PRECISION on `device`.
+
+    auto: `model_dtype` (fp16 on CUDA, fp32 on CPU). fp32: always. fp16: on CUDA always; on a CPU only if
+    its half kernels work. Torch 2.13's CPU build runs the tiny UNet + VAE + whisper forward in fp16 with
+    finite output, about 2x slower than fp32 (2 cores), so fp16 on a CPU is honoured (useful to check fp16
+    numerics without a GPU) after a probe of the op kinds the models use; a build or device lacking one
+    fails here, at load, with PrecisionUnsupported naming the setting, rather than mid-job.
+    """
+    if precision == "auto":
+        return model_dtype(device)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be auto, fp16 or fp32, not {precision!r}")
+    if precision == "fp16" and device.type != "cuda":
+        error = _half_kernels_error(device)
+        if error is not None:
+            raise PrecisionUnsupported(f"ENCORE_LIPSYNC_PRECISION=fp16 is not supported on {device} by torch "
+                                       f"{torch.__version__}: {error}; use fp32 or auto")
+    return PRECISIONS[precision]
 
 
 def load_unet(profile: LipsyncProfile, device: torch.device, dtype: torch.dtype) -> UNet2DConditionModel:
@@ -113,10 +165,10 @@ def load_whisper(profile: LipsyncProfile, device: torch.device,
     return encoder, extractor
 
 
-def load_musetalk(profile: LipsyncProfile, device: str | torch.device) -> MuseTalkModels:
-    """Load UNet, VAE and whisper from `profile.model_dir` (local files only)."""
+def load_musetalk(profile: LipsyncProfile, device: str | torch.device, *, precision: str = "auto") -> MuseTalkModels:
+    """Load UNet, VAE and whisper from `profile.model_dir` (local files only) in `precision` (resolve_dtype)."""
     device = torch.device(device)
-    dtype = model_dtype(device)
+    dtype = resolve_dtype(device, precision)
     for path in (profile.unet_path, profile.unet_config_path, profile.vae_dir, profile.whisper_dir):
         if not path.exists():
             raise FileNotFoundError(f"MuseTalk file missing: {path}")

@@ -26,17 +26,20 @@ PLAN = "plan.json"
 
 
 class LipsyncModels:
-    """The MuseTalk models of one profile, held in a ModelCache under the worker's runtime mode."""
+    """The MuseTalk models of one profile, held in a ModelCache under the worker's runtime mode, loaded in
+    `precision` (ENCORE_LIPSYNC_PRECISION: auto, fp16 or fp32; see musetalk.resolve_dtype)."""
 
-    def __init__(self, profile: LipsyncProfile, mode: str, device: str | None = None):
+    def __init__(self, profile: LipsyncProfile, mode: str, device: str | None = None, precision: str = "auto"):
         import torch
         self.profile = profile
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.precision = precision
         # one_shot frees nothing resident here: MuseTalk is one model set used by one stage.
         self.cache = ModelCache(mode, frozenset({"musetalk"}))
 
     def musetalk(self, loaded: list[str] | None = None) -> musetalk.MuseTalkModels:
-        return self.cache.get("musetalk", lambda: musetalk.load_musetalk(self.profile, self.device), loaded)
+        return self.cache.get("musetalk", lambda: musetalk.load_musetalk(self.profile, self.device,
+                                                                         precision=self.precision), loaded)
 
 
 def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: StageControl,
@@ -69,8 +72,10 @@ def _open_frames(scratch: Path) -> FrameCache:
 
 def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Path, control: StageControl,
                       loaded: list[str] | None = None, mask: str = "jaw") -> dict[str, Any]:
-    """MuseTalk over floor(audio s x fps) frames (source frames cycled ping-pong) into a picture-only MP4,
-    blended through the `mask` mode ("jaw" needs landmarks; without them the rectangle is used)."""
+    """MuseTalk over floor(audio s x fps) frames into a picture-only MP4 at the output fps. The source is
+    resampled from its own fps (frames.json, as decoded) to the output's, and cycled ping-pong when the audio
+    is longer; the audio windows follow the output fps. Blended through the `mask` mode ("jaw" needs
+    landmarks; without them the rectangle is used)."""
     if mask not in inference.MASK_MODES:
         raise ValueError(f"mask must be one of {inference.MASK_MODES}, not {mask!r}")
     engine = models.musetalk(loaded)
@@ -85,9 +90,11 @@ def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Pa
                                                      height=frames.height, fps=params["fps"]) as writer:
         written = inference.run_lipsync(engine, frames, track.boxes, features, num_frames=frames_out,
                                         batch_size=int(params["batch_size"]), extra_margin=int(params["extra_margin"]),
-                                        sink=writer.write, control=control, landmarks=landmarks)
-        source_frames = len(frames)
-    return {"frames_generated": written, "source_frames": source_frames, "encoder": writer.encoder,
+                                        sink=writer.write, control=control, fps=params["fps"],
+                                        source_fps=frames.fps, landmarks=landmarks)
+        source_frames, source_fps = len(frames), frames.fps
+    return {"frames_generated": written, "source_frames": source_frames, "source_fps": source_fps,
+            "encoder": writer.encoder, "precision": musetalk.precision_name(engine.dtype),
             "mask": "jaw" if landmarks is not None else "rectangle", "faces": track.method}
 
 
