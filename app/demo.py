@@ -169,7 +169,8 @@ def submit_lipsync(client: cli.Client, out: Path) -> str:
     face = cv2.resize(skimage.data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)
     video = samples.make_face_video(clips / "face.mp4", face, 4.0, 25)
     with open(video, "rb") as v, open(voice, "rb") as a:  # no fps: the output takes the source's own
-        job_id = client.json("POST", "/api/v1/lipsync", files={"video": (video.name, v), "audio": (voice.name, a)})["job_id"]
+        files = {"video": (video.name, v), "audio": (voice.name, a)}
+        job_id = client.json("POST", "/api/v1/lipsync", files=files)["job_id"]
     print(f"[demo] lip-sync job {job_id}: astronaut photo + {how} speech "
           f"(tiny random-weight MuseTalk: the mouth region is noise)")
     return job_id
