@@ -43,7 +43,7 @@ MIN_NEIGHBORS = 5
 LANDMARKS = 68
 NOSE_BRIDGE = 29          # the landmark MuseTalk splits the face at
 DETECT_EVERY = 5          # HOG detection period in frames (landmarks are fitted on every frame)
-HOG_MAX_SIDE = 640        # HOG runs on a copy at most this large (about 60 ms a frame on one CPU core)
+HOG_SIDE = 640            # HOG runs on a copy this large (about 60 ms a frame on one CPU core)
 CUT_THRESHOLD = 40.0      # mean absolute difference of 32x32 grey thumbnails that marks a shot cut
 SMOOTH_RADIUS = 2         # frames on each side in the moving average of landmarks
 
@@ -157,11 +157,12 @@ def _detect_rect(frame: np.ndarray) -> Box | None:
     """The highest-scoring HOG face in an RGB frame (full-resolution pixels), or None."""
     detector, _ = _dlib_models()
     height, width = frame.shape[:2]
-    scale = min(1.0, HOG_MAX_SIDE / max(height, width))
-    image = np.ascontiguousarray(frame)
-    if scale < 1.0:
-        image = cv2.resize(image, (round(width * scale), round(height * scale)), interpolation=cv2.INTER_AREA)
+    scale = HOG_SIDE / max(height, width)  # small frames are enlarged: HOG's window is 80 px
+    image = cv2.resize(np.ascontiguousarray(frame), (round(width * scale), round(height * scale)),
+                       interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR)
     rects, scores, _ = detector.run(image, 0, 0.0)
+    if len(rects) == 0:  # a face smaller than the window at this size: look again at twice the size
+        rects, scores, _ = detector.run(image, 1, 0.0)
     if len(rects) == 0:
         return None
     best = max(range(len(rects)), key=lambda i: scores[i])
