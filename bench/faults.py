@@ -177,14 +177,22 @@ SCENARIOS: dict[str, Callable[[Stack, Redis], tuple[list[str], float]]] = {
 
 
 def _duplicated(stack: Stack) -> int:
+    """Stages whose finish was accepted more than once; their jobs' log lines go to stderr, to be read."""
     finished = Counter()
-    for path in (stack.root / "logs").glob("worker_*.log"):
-        for line in path.read_text(errors="replace").splitlines():
-            if "event=stage_finished" in line:
-                job, track, stage = (re.search(rf"{k}=(\S+)", line) for k in ("job", "track", "stage"))
-                if job and track and stage:
-                    finished[(job.group(1), track.group(1), stage.group(1))] += 1
-    return sum(n - 1 for n in finished.values() if n > 1)
+    lines = [line for path in sorted((stack.root / "logs").glob("worker_*.log"))
+             for line in path.read_text(errors="replace").splitlines()]
+    for line in lines:
+        if "event=stage_finished " in line or line.endswith("event=stage_finished"):
+            job, track, stage = (re.search(rf"{k}=(\S+)", line) for k in ("job", "track", "stage"))
+            if job and track and stage:
+                finished[(job.group(1), track.group(1), stage.group(1))] += 1
+    twice = [key for key, n in finished.items() if n > 1]
+    for job, track, stage in twice:
+        print(f"[faults] {job} track {track}: {stage} finished {finished[(job, track, stage)]} times", file=sys.stderr)
+        for line in lines:
+            if f"job={job}" in line:
+                print(f"[faults]   {line}", file=sys.stderr)
+    return sum(finished[key] - 1 for key in twice)
 
 
 def _left_behind(stack: Stack) -> list[str]:
