@@ -177,7 +177,9 @@ SCENARIOS: dict[str, Callable[[Stack, Redis], tuple[list[str], float]]] = {
 
 
 def _duplicated(stack: Stack) -> int:
-    """Stages whose finish was accepted more than once; their jobs' log lines go to stderr, to be read."""
+    """Stages whose finish was accepted more than once; their jobs' log lines go to stderr, to be read.
+    (`stage_finished_too_late`, a finish refused because the lease was lost, is not one: the stage ran again
+    elsewhere and only that run counts. It used to be counted here, by a substring match.)"""
     finished = Counter()
     lines = [line for path in sorted((stack.root / "logs").glob("worker_*.log"))
              for line in path.read_text(errors="replace").splitlines()]
@@ -193,6 +195,12 @@ def _duplicated(stack: Stack) -> int:
             if f"job={job}" in line:
                 print(f"[faults]   {line}", file=sys.stderr)
     return sum(finished[key] - 1 for key in twice)
+
+
+def _finished_too_late(stack: Stack) -> int:
+    """Stage runs whose work was thrown away: they finished after their lease had gone to another run."""
+    return sum(path.read_text(errors="replace").count("event=stage_finished_too_late")
+               for path in (stack.root / "logs").glob("worker_*.log"))
 
 
 def _left_behind(stack: Stack) -> list[str]:
@@ -235,7 +243,7 @@ def run(name: str, redis: Redis, models: Path, root: Path, env: dict[str, str], 
         counts = Counter(states.values())
         return {"scenario": name, "submitted": len(jobs), "done": counts["done"], "failed": counts["failed"],
                 "canceled": counts["canceled"], "partial": counts["partial"], "stuck": len(jobs) - len(states),
-                "duplicated": _duplicated(stack), "left_behind": left,
+                "duplicated": _duplicated(stack), "finished_too_late": _finished_too_late(stack), "left_behind": left,
                 "recovery_s": round(max(0.0, last_end - cleared), 1)}
     finally:
         stack.close()
