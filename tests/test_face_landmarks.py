@@ -132,3 +132,13 @@ def test_a_track_survives_its_json_round_trip():
     again = FaceTrack.from_json(track.to_json())
     assert again.boxes == track.boxes and again.method == "landmarks"
     assert np.allclose(again.landmarks[0], track.landmarks[0], atol=0.01)
+
+
+def test_the_mask_mode_is_a_setting_and_only_jaw_or_rectangle(monkeypatch):
+    from app.config import Settings
+    assert Settings().lipsync_mask == "jaw"
+    monkeypatch.setenv("ENCORE_LIPSYNC_MASK", "rectangle")
+    assert Settings().lipsync_mask == "rectangle"
+    monkeypatch.setenv("ENCORE_LIPSYNC_MASK", "oval")
+    with pytest.raises(ValueError, match="ENCORE_LIPSYNC_MASK must be jaw or rectangle"):
+        Settings()
