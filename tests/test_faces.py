@@ -1,4 +1,4 @@
-"""Face boxes from the Haar cascade that ships in opencv-python-headless, on a real face photo."""
+"""Face boxes from the Haar cascade that ships in opencv-python-headless (the fallback detector), on a real face photo."""
 from __future__ import annotations
 
 import cv2
