@@ -33,6 +33,7 @@ MODEL_PATH_VARIABLES = {"tokenizer_subdir": "ENCORE_TOKENIZER_DIR", "backbone_su
 DEFAULT_WEB_URL = "http://127.0.0.1:8000"
 
 LIPSYNC_PRECISIONS = ("auto", "fp16", "fp32")
+LIPSYNC_MASKS = ("jaw", "rectangle")  # app/pipeline/lipsync/inference.py draws them
 
 DEFAULT_TIME_LIMITS = (
     "backbone=1500/1560,superres=900/960,decode=900/960,export=300/330,"
@@ -129,7 +130,7 @@ class Settings:
             raise ValueError(f"ENCORE_LEASE_S must be >= 1, not {self.lease_s}")
         if self.song_margin_s < 0:
             raise ValueError(f"ENCORE_SONG_MARGIN_S must be >= 0, not {self.song_margin_s}")
-        if self.lipsync_mask not in ("jaw", "rectangle"):
+        if self.lipsync_mask not in LIPSYNC_MASKS:
             raise ValueError(f"ENCORE_LIPSYNC_MASK must be jaw or rectangle, not {self.lipsync_mask!r}")
         if self.artifact_backend not in ("dir", "redis"):
             raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir or redis, not {self.artifact_backend!r}")

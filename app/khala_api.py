@@ -16,7 +16,7 @@ from flask import Blueprint, jsonify, request, send_file
 
 from app.http_input import BodyError, json_object
 from app.kinds import CANCELED, DONE, FAILED, QUEUED
-from app.openapi import documented
+from app.openapi import DOWNLOAD_REPLIES, documented
 from app.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
 from app.services import Services
 from app.snapshot import take_snapshot
@@ -259,9 +259,8 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
     @blueprint.get("/job/<job_id>/track/<int(signed=True):index>/<fmt>")
     @documented("Khala: a track as mp3 (inline, ranges honoured) or wav (attachment)",
                 media=("audio/mpeg", "audio/wav"),
-                responses={200: ("the file", None), 206: ("the requested range", None),
-                           304: ("not modified since the client's copy", None), 400: "track index out of range",
-                           404: "unknown job or format, or not ready", 416: "range not satisfiable"})
+                responses={**DOWNLOAD_REPLIES, 400: "track index out of range",
+                           404: "unknown job or format, or not ready"})
     def track_file(job_id: str, index: int, fmt: str):
         """mp3 inline (ranges honoured) or wav as an attachment."""
         record = svc.jobs.record(job_id)

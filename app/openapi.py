@@ -20,8 +20,12 @@ from app.uploads import LipsyncForm
 
 JSON = "application/json"
 IGNORED_METHODS = {"HEAD", "OPTIONS"}
-NO_REDIS = {"index", "openapi"}  # endpoints that answer without Redis
+NO_REDIS = {"index", "openapi", "tags"}  # endpoints that answer without Redis (the tag catalogue is in memory)
 Reply = tuple[str, "type[BaseModel] | dict[str, Any] | None"]
+# What a file download (send_file, conditional, Range honoured) can answer besides its own 404s.
+DOWNLOAD_REPLIES: dict[int, Reply | str] = {200: ("the file", None), 206: ("the requested range", None),
+                                            304: ("not modified since the client's copy", None),
+                                            416: "range not satisfiable"}
 
 
 def documented(summary: str, *, responses: dict[int, Reply | str], json_body: type[BaseModel] | None = None,

@@ -21,7 +21,7 @@ from app.http_input import BodyError, json_object
 from app.joblog import job_event
 from app.khala_api import make_blueprint
 from app.metrics import make_registry
-from app.openapi import build_spec, documented
+from app.openapi import DOWNLOAD_REPLIES, build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile
 from app.routing import drain_queue, known_queues, resume_queue, route_job
 from app.schemas import Accepted, DrainReply, HealthReply, JobList, JobReply, MusicRequest, StatusReply
@@ -35,8 +35,6 @@ log = logging.getLogger("encore.web")
 
 TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched whole: no "000.mp3", no "٠.mp3"
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
-DOWNLOAD_REPLIES = {200: ("the file", None), 206: ("the requested range", None),
-                    304: ("not modified since the client's copy", None), 416: "range not satisfiable"}
 
 
 KHALA_BLUEPRINTS = ("khala", "khala_api")

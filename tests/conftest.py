@@ -278,6 +278,15 @@ def make_stack(redis_base_url, tiny_models, tmp_path):
         stack.close()
 
 
+def tiny_musetalk_profile(tmp_path_factory):
+    """The tiny lip-sync profile over random MuseTalk weights (seed 0) written by the real writer."""
+    from app.pipeline.lipsync.musetalk import write_tiny_musetalk
+    from app.pipeline.profiles import load_lipsync_profile
+    profile = load_lipsync_profile("tiny", tmp_path_factory.mktemp("lipsync") / "tiny")
+    write_tiny_musetalk(profile, seed=0)
+    return profile
+
+
 # ---- a backbone whose weights end songs on cue (tests/test_song_end.py, tests/test_decode_loop.py)
 
 TRIGGER = 5  # q1 code after which the model ends the song

@@ -13,8 +13,8 @@ from app.pipeline.lipsync.faces import crop_box, detect_faces, fill_missing
 from app.pipeline.lipsync.frames import output_frame_count, pingpong_index
 from app.pipeline.lipsync.inference import (SourceLatents, audio_features, read_wav_16k, run_lipsync,
                                   whisper_hidden_states, window_features)
-from app.pipeline.lipsync.musetalk import load_musetalk, write_tiny_musetalk
-from app.pipeline.profiles import load_lipsync_profile
+from app.pipeline.lipsync.musetalk import load_musetalk
+from tests.conftest import tiny_musetalk_profile
 from tests.test_faces import astronaut_frames
 
 MARGIN = 10
@@ -35,9 +35,7 @@ def write_wav(path: Path, seconds: float, rate: int = 16000) -> Path:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    profile = load_lipsync_profile("tiny", tmp_path_factory.mktemp("lipsync") / "tiny")
-    write_tiny_musetalk(profile, seed=0)
-    return load_musetalk(profile, "cpu")
+    return load_musetalk(tiny_musetalk_profile(tmp_path_factory), "cpu")
 
 
 @pytest.fixture(scope="module")

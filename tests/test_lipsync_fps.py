@@ -8,9 +8,9 @@ from app.pipeline.control import StageControl
 from app.pipeline.lipsync.faces import crop_box, detect_faces, fill_missing
 from app.pipeline.lipsync.frames import pingpong_index, shows_a_frame_twice, source_frame
 from app.pipeline.lipsync.inference import audio_features, run_lipsync
-from app.pipeline.lipsync.musetalk import load_musetalk, write_tiny_musetalk
-from app.pipeline.profiles import load_lipsync_profile
+from app.pipeline.lipsync.musetalk import load_musetalk
 from app.uploads import output_fps
+from tests.conftest import tiny_musetalk_profile
 from tests.test_faces import astronaut_frames
 from tests.test_lipsync_engine import write_wav
 
@@ -89,9 +89,7 @@ def test_output_fps_rule(requested, source, expected):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    profile = load_lipsync_profile("tiny", tmp_path_factory.mktemp("lipsync") / "tiny")
-    write_tiny_musetalk(profile, seed=0)
-    return load_musetalk(profile, "cpu")
+    return load_musetalk(tiny_musetalk_profile(tmp_path_factory), "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import torch
 
 from app.config import Settings
 from app.pipeline.lipsync.inference import generate_faces, unet_latents
-from app.pipeline.lipsync.musetalk import load_musetalk, precision_name, resolve_dtype, write_tiny_musetalk
+from app.pipeline.lipsync.musetalk import load_musetalk, precision_name, resolve_dtype
 from app.pipeline.lipsync.stages import LipsyncModels
-from app.pipeline.profiles import load_lipsync_profile
+from tests.conftest import tiny_musetalk_profile
 from tests.lipsync_media import face_image
 
 
@@ -38,9 +38,7 @@ def test_auto_is_fp16_on_cuda_and_fp32_on_cpu():
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
-    profile = load_lipsync_profile("tiny", tmp_path_factory.mktemp("lipsync") / "tiny")
-    write_tiny_musetalk(profile, seed=0)
-    return profile
+    return tiny_musetalk_profile(tmp_path_factory)
 
 
 def _dtypes(models) -> set[torch.dtype]:

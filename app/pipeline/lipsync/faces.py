@@ -212,9 +212,8 @@ def track_landmarks(frames: FrameSequence, cuts: Sequence[int], *,
     anchor: np.ndarray | None = None  # landmark centroid when `rect` was detected
     for index in range(len(frames)):
         frame = frames[index]
-        if index in starts or index % DETECT_EVERY == 0 or rect is None:
-            rect = _detect_rect(frame) if (index in starts or index % DETECT_EVERY == 0) else None
-            anchor = None
+        if index in starts or index % DETECT_EVERY == 0:
+            rect, anchor = _detect_rect(frame), None
         if rect is None:
             found.append(None)
         else:

@@ -43,7 +43,6 @@ from app.pipeline.lipsync.musetalk import (UNET_TIMESTEP, WHISPER_FEATURE_RATE, 
 
 BLEND_EXPAND = 1.5       # blending.get_crop_box: the context square is 1.5x the face box's larger side
 BLEND_BLUR_RATIO = 0.05  # blending.get_image: Gaussian kernel = 5% of the context square's width
-MASK_MODES = ("jaw", "rectangle")
 PARSING_SIZE = 512       # MuseTalk parses the context square at 512x512; its kernels are in those pixels
 MASK_CANVAS = 256        # the jaw mask is drawn at half that (kernels scaled to match)
 CHEEK_HALF_WIDTH = 90    # face_parsing: outside centre +- 90 px (of 512) the skin is eroded (the cheeks)
@@ -188,6 +187,16 @@ def generate_faces(models: MuseTalkModels, latents: torch.Tensor, prompts: torch
     return images.permute(0, 2, 3, 1).cpu().numpy()
 
 
+def _context_half_side(width: int, height: int) -> int:
+    """Half the side of MuseTalk's context square around a box (blending.get_crop_box)."""
+    return int(max(width, height) // 2 * BLEND_EXPAND)
+
+
+def _blur_kernel(side: int) -> int:
+    """MuseTalk's Gaussian kernel for a context square of `side` px (blending.get_image): odd, 5% of it."""
+    return int(BLEND_BLUR_RATIO * side // 2 * 2) + 1
+
+
 @functools.lru_cache(maxsize=256)
 def mouth_mask(height: int, width: int) -> np.ndarray:
     """Blend weights [height, width, 1] over the face box: 1 on its lower half, fading to 0 at the edges.
@@ -197,8 +206,7 @@ def mouth_mask(height: int, width: int) -> np.ndarray:
     reaches 0 at the box's edges instead of leaving a seam there. Cached per size (read-only: the face box
     barely changes between frames, the blur is the costliest part of the blend).
     """
-    side = 2 * int(max(width, height) // 2 * BLEND_EXPAND)
-    kernel = int(BLEND_BLUR_RATIO * side // 2 * 2) + 1
+    kernel = _blur_kernel(2 * _context_half_side(width, height))
     inset = kernel // 2
     mask = np.zeros((height, width), np.float32)
     mask[height // 2:height - inset, inset:width - inset] = 1.0
@@ -229,8 +237,7 @@ def _jaw_kernels() -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     cheeks = np.full((MASK_CANVAS, MASK_CANVAS), 255, np.uint8)
     half = round(CHEEK_HALF_WIDTH * scale)
     cheeks[:, MASK_CANVAS // 2 - half:MASK_CANVAS // 2 + half] = 0
-    blur = int(BLEND_BLUR_RATIO * MASK_CANVAS // 2 * 2) + 1
-    return _cone_kernel(scale), cheek_kernel, cheeks, blur
+    return _cone_kernel(scale), cheek_kernel, cheeks, _blur_kernel(MASK_CANVAS)
 
 
 def jaw_mask(landmarks: np.ndarray, region: Box) -> np.ndarray:
@@ -241,7 +248,7 @@ def jaw_mask(landmarks: np.ndarray, region: Box) -> np.ndarray:
     centre row), blurred with a kernel of 5% of the square, as blending.get_image does."""
     x1, y1, x2, y2 = region
     width, height = x2 - x1, y2 - y1
-    half_side = int(max(width, height) // 2 * BLEND_EXPAND)
+    half_side = _context_half_side(width, height)
     left, top = (x1 + x2) // 2 - half_side, (y1 + y2) // 2 - half_side
     scale = MASK_CANVAS / (2 * half_side)
     points = np.round((landmarks - (left, top)) * scale).astype(np.int32)

@@ -11,6 +11,7 @@ import wave
 from pathlib import Path
 from typing import Any
 
+from app.config import LIPSYNC_MASKS
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync import faces, inference, musetalk
 from app.pipeline.lipsync.frames import output_frame_count
@@ -76,8 +77,8 @@ def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Pa
     resampled from its own fps (frames.json, as decoded) to the output's, and cycled ping-pong when the audio
     is longer; the audio windows follow the output fps. Blended through the `mask` mode ("jaw" needs
     landmarks; without them the rectangle is used)."""
-    if mask not in inference.MASK_MODES:
-        raise ValueError(f"mask must be one of {inference.MASK_MODES}, not {mask!r}")
+    if mask not in LIPSYNC_MASKS:
+        raise ValueError(f"mask must be one of {LIPSYNC_MASKS}, not {mask!r}")
     engine = models.musetalk(loaded)
     profile = models.profile
     frames_out = _plan(scratch)["output_frames"]

@@ -16,7 +16,8 @@ import torch
 from app.pipeline.music import backbone, codec, export, megatron_backend, prompt, superres, torch_engine
 from app.pipeline.control import StageControl
 from app.pipeline.music.engine import BatchedCausalLM
-from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile, TransformerSpec
+from app.pipeline.music.positions import frames_room
+from app.pipeline.profiles import MusicProfile, TransformerSpec
 from app.pipeline.runtime import ModelCache
 
 # Models freed after each stage in one_shot mode (tokenizer and backbone stay, like the reference backend).
@@ -135,8 +136,7 @@ def song_length(profile: MusicProfile, duration_s: float, prompt_tokens: int, ma
     expected = profile.frames_for(duration_s)
     if profile.song_end == "duration":
         return SongLength(expected, expected, expected, model_ends=False)
-    room = (profile.backbone.max_sequence_length - prompt_tokens) // COARSE_CODEBOOKS
-    cap = min(profile.frames_for(duration_s + margin_s), profile.max_generated_tokens // COARSE_CODEBOOKS, room)
+    cap = min(profile.frames_for(duration_s + margin_s), frames_room(profile, prompt_tokens))
     if cap < 1:
         raise ValueError(f"a {prompt_tokens}-token prompt leaves no room for audio in the backbone's "
                          f"{profile.backbone.max_sequence_length} positions")
