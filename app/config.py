@@ -34,6 +34,7 @@ DEFAULT_WEB_URL = "http://127.0.0.1:8000"
 
 LIPSYNC_PRECISIONS = ("auto", "fp16", "fp32")
 LIPSYNC_MASKS = ("jaw", "rectangle")  # app/pipeline/lipsync/inference.py draws them
+LIPSYNC_PATHS = ("device", "reference")  # inference.run_lipsync's two ways of doing the per-frame work
 
 DEFAULT_TIME_LIMITS = (
     "backbone=1500/1560,superres=900/960,decode=900/960,export=300/330,"
@@ -95,6 +96,16 @@ class Settings:
     # How lip-sync blends the re-drawn face: "jaw" (a mask drawn from the 68 landmarks, as MuseTalk's 'jaw'
     # parsing mode shapes it) or "rectangle" (the face box's lower half; also used when no landmarks exist).
     lipsync_mask: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_MASK", "jaw"))
+    # Lip-sync's per-frame work beside the model: "device" (crops, resizes and the blend as tensor ops on the
+    # model's device; only finished frames come back) or "reference" (OpenCV on the CPU, MuseTalk's own ops).
+    lipsync_path: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PATH", "device"))
+    # Threads that find faces in the prepare stage (dlib and OpenCV release the GIL); 0: one per core, at most 8.
+    face_threads: int = field(default_factory=lambda: int(_env("ENCORE_FACE_THREADS", "0")))
+    # The per-source-video cache (face track and VAE latents of a face video, for the next job on the same
+    # video) under ENCORE_WORKER_CACHE_DIR/lipsync-sources, at most this many MiB, least recently used out; 0: off.
+    lipsync_cache_mb: float = field(default_factory=lambda: float(_env("ENCORE_LIPSYNC_CACHE_MB", "2048")))
+    # A warm-up batch through MuseTalk when the worker preloads it (first-call kernel choices off the clock).
+    lipsync_warmup: bool = field(default_factory=lambda: _env("ENCORE_LIPSYNC_WARMUP", "1") == "1")
     api_tokens: tuple[str, ...] = field(default_factory=lambda: tuple(
         t.strip() for t in _env("API_TOKEN", "").split(",") if t.strip()))
     compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))
@@ -118,6 +129,12 @@ class Settings:
     web_workers: int = field(default_factory=lambda: int(_env("ENCORE_WEB_WORKERS", "2")))
     web_threads: int = field(default_factory=lambda: int(_env("ENCORE_WEB_THREADS", "32")))
     body_idle_s: float = field(default_factory=lambda: float(_env("ENCORE_BODY_IDLE_S", "30")))
+    # Server-sent events (GET /api/v1/jobs/<id>/events): a comment this often (it is also when a gone client is
+    # noticed), and the longest one stream holds its gthread thread before it ends (the client resumes with
+    # Last-Event-ID); the job's stream keeps its newest ENCORE_EVENTS_MAXLEN events for replay.
+    sse_heartbeat_s: float = field(default_factory=lambda: float(_env("ENCORE_SSE_HEARTBEAT_S", "15")))
+    sse_max_s: float = field(default_factory=lambda: float(_env("ENCORE_SSE_MAX_S", "3600")))
+    events_maxlen: int = field(default_factory=lambda: int(_env("ENCORE_EVENTS_MAXLEN", "1000")))
 
     def __post_init__(self) -> None:
         if self.runtime_mode not in ("keep_loaded", "one_shot"):
@@ -132,8 +149,16 @@ class Settings:
             raise ValueError(f"ENCORE_SONG_MARGIN_S must be >= 0, not {self.song_margin_s}")
         if self.lipsync_mask not in LIPSYNC_MASKS:
             raise ValueError(f"ENCORE_LIPSYNC_MASK must be jaw or rectangle, not {self.lipsync_mask!r}")
+        if self.lipsync_path not in LIPSYNC_PATHS:
+            raise ValueError(f"ENCORE_LIPSYNC_PATH must be device or reference, not {self.lipsync_path!r}")
+        if self.face_threads < 0 or self.lipsync_cache_mb < 0:
+            raise ValueError("ENCORE_FACE_THREADS and ENCORE_LIPSYNC_CACHE_MB must be >= 0")
         if self.artifact_backend not in ("dir", "redis"):
             raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir or redis, not {self.artifact_backend!r}")
+        if self.sse_heartbeat_s <= 0 or self.sse_max_s <= 0:
+            raise ValueError("ENCORE_SSE_HEARTBEAT_S and ENCORE_SSE_MAX_S must be > 0")
+        if self.events_maxlen < 1:
+            raise ValueError(f"ENCORE_EVENTS_MAXLEN must be >= 1, not {self.events_maxlen}")
         if self.lipsync_precision not in LIPSYNC_PRECISIONS:
             raise ValueError(f"ENCORE_LIPSYNC_PRECISION must be auto, fp16 or fp32, not {self.lipsync_precision!r}")
 

@@ -143,7 +143,7 @@ def _params(fields: LipsyncForm, fps: float, fps_from: str, video: MediaInfo, au
     return {
         "fps": fps, "source_fps": video.fps, "fps_from": fps_from,
         "extra_margin": fields.extra_margin if fields.extra_margin is not None else profile.default_extra_margin,
-        "batch_size": fields.batch_size or profile.default_batch_size,
+        "batch_size": fields.batch_size,  # None: the worker's default for its device (LipsyncModels.batch_size)
         "audio_duration_s": audio_seconds,
         "video_duration_s": video.video_duration_s or video.duration_s,
         "video_fps": video.fps, "video_frames": video.frame_count,

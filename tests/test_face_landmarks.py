@@ -142,3 +142,27 @@ def test_the_mask_mode_is_a_setting_and_only_jaw_or_rectangle(monkeypatch):
     monkeypatch.setenv("ENCORE_LIPSYNC_MASK", "oval")
     with pytest.raises(ValueError, match="ENCORE_LIPSYNC_MASK must be jaw or rectangle"):
         Settings()
+
+
+def test_threads_share_the_face_work_with_the_same_result_as_one():
+    """Pieces of faces.SEGMENT frames start on a detection frame, so tracking them on several threads gives
+    exactly one thread's landmarks, boxes and cuts (here 3 pieces, a shot cut inside the second, and frames
+    without a face at the start of the third)."""
+    rng = np.random.default_rng(5)
+    photo = cv2.resize(data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)
+    other = cv2.resize(hopper(), (256, 256), interpolation=cv2.INTER_AREA)
+    count = 2 * faces.SEGMENT + 30
+    frames = []
+    for i in range(count):
+        dx, dy = int(rng.integers(-4, 5)), int(rng.integers(-4, 5))
+        frames.append(shifted(other if i >= 150 else photo, dx, dy))
+    for i in range(2 * faces.SEGMENT, 2 * faces.SEGMENT + 7):
+        frames[i] = np.full_like(frames[0], 90)
+    one, three = find_faces(frames, threads=1), find_faces(frames, threads=3)
+    assert one.cuts == three.cuts and 150 in one.cuts
+    assert one.boxes == three.boxes and one.frames_with_face == three.frames_with_face == count - 7
+    assert all(np.array_equal(a, b) for a, b in zip(one.landmarks, three.landmarks))
+    haar_one = faces.detect_faces(frames[:40], stride=2, threads=1)
+    assert faces.detect_faces(frames[:40], stride=2, threads=2) == haar_one
+    with pytest.raises(ValueError):
+        find_faces(frames[:2], threads=0)

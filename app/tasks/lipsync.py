@@ -23,6 +23,11 @@ def _stages():
     return stages
 
 
+def _faces():
+    from app.pipeline.lipsync import faces
+    return faces
+
+
 @lru_cache(maxsize=1)
 def models() -> "LipsyncModels":
     settings = services().settings
@@ -32,6 +37,16 @@ def models() -> "LipsyncModels":
 
 def preload() -> None:
     models().musetalk()
+    if services().settings.lipsync_warmup:
+        models().warm_up()
+
+
+def source_cache():
+    """The worker-local per-source-video cache (None when ENCORE_LIPSYNC_CACHE_MB is 0)."""
+    from app.pipeline.lipsync.source_cache import SourceCache
+    settings = services().settings
+    size = int(settings.lipsync_cache_mb * 2 ** 20)
+    return SourceCache(settings.worker_cache_dir / "lipsync-sources", size) if size else None
 
 
 def _input(run: StageRun, field: str):
@@ -39,13 +54,17 @@ def _input(run: StageRun, field: str):
 
 
 def prepare_work(run: StageRun) -> None:
+    settings = run.svc.settings
     run.info.update(_stages().run_prepare(_input(run, "video"), _input(run, "audio"), run.params["fps"],
-                                          run.scratch, run.control, run.svc.settings.ffmpeg_timeout_s))
+                                          run.scratch, run.control, settings.ffmpeg_timeout_s, cache=source_cache(),
+                                          face_threads=settings.face_threads or _faces().default_threads()))
 
 
 def lipsync_work(run: StageRun) -> None:
+    settings = run.svc.settings
     run.info.update(_stages().run_lipsync_stage(models(), run.params, run.scratch, run.control, run.loaded,
-                                                mask=run.svc.settings.lipsync_mask))
+                                                mask=settings.lipsync_mask, path=settings.lipsync_path,
+                                                cache=source_cache()))
     models().cache.after_stage(["musetalk"])
 
 

@@ -21,6 +21,9 @@ blend falls back to the rectangle mask. A clip with no face at all is a clear `N
 from __future__ import annotations
 
 import importlib.util
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -46,18 +49,47 @@ DETECT_EVERY = 5          # HOG detection period in frames (landmarks are fitted
 HOG_SIDE = 640            # HOG runs on a copy this large (about 60 ms a frame on one CPU core)
 CUT_THRESHOLD = 40.0      # mean absolute difference of 32x32 grey thumbnails that marks a shot cut
 SMOOTH_RADIUS = 2         # frames on each side in the moving average of landmarks
+SEGMENT = 20 * DETECT_EVERY  # frames per piece of work handed to a thread; a multiple of DETECT_EVERY, so
+                             # every piece starts on a detection and the result equals one thread's
+FACE_PIPELINE_VERSION = 1    # part of the source cache's key: bump when the boxes or landmarks change
+
+
+def default_threads() -> int:
+    """Threads for face finding: dlib and OpenCV release the GIL, so they scale with cores (at most 8)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _in_order(pool: ThreadPoolExecutor, futures: list[Future], total: int, control: StageControl | None) -> list:
+    """Each future's list, concatenated in order, reporting progress as pieces finish; on an error or a
+    cancel the pieces not yet started are dropped."""
+    out: list = []
+    try:
+        for future in futures:
+            out.extend(future.result())
+            if control is not None:
+                control.step(len(out), total, "frames")
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    return out
+
+
+_per_thread = threading.local()  # detectors that must not be shared between threads
 
 
 class NoFaceDetected(ValueError):
     """No frame of the clip has a detectable face."""
 
 
-@lru_cache(maxsize=1)
 def _cascade() -> cv2.CascadeClassifier:
-    path = cv2.data.haarcascades + CASCADE_FILE
-    cascade = cv2.CascadeClassifier(path)
-    if cascade.empty():
-        raise RuntimeError(f"could not load the face cascade {path}")
+    """This thread's Haar cascade (OpenCV's classifier objects are not meant to be shared between threads)."""
+    cascade = getattr(_per_thread, "cascade", None)
+    if cascade is None:
+        path = cv2.data.haarcascades + CASCADE_FILE
+        cascade = cv2.CascadeClassifier(path)
+        if cascade.empty():
+            raise RuntimeError(f"could not load the face cascade {path}")
+        _per_thread.cascade = cascade
     return cascade
 
 
@@ -80,21 +112,25 @@ def detect_face(frame: np.ndarray) -> Box | None:
     return x1, y1, x2, y2
 
 
-def detect_faces(frames: FrameSequence, *, stride: int = 1,
+def detect_faces(frames: FrameSequence, *, stride: int = 1, threads: int = 1,
                  control: StageControl | None = None) -> list[Box | None]:
     """One entry per frame: the largest face, or None when none was found or the frame was skipped.
 
     With `stride` > 1 only every stride-th frame is examined (faces move little between neighbours);
-    `fill_missing` then gives the skipped frames their nearest examined box.
+    `fill_missing` then gives the skipped frames their nearest examined box. `threads` examine frames at once.
     """
     if stride < 1:
         raise ValueError("stride must be >= 1")
+    if threads < 1:
+        raise ValueError("threads must be >= 1")
     boxes: list[Box | None] = [None] * len(frames)
-    examined = range(0, len(frames), stride)
-    for done, index in enumerate(examined, start=1):
-        boxes[index] = detect_face(frames[index])
-        if control is not None:
-            control.step(done, len(examined), "frames")
+    examined = list(range(0, len(frames), stride))
+    pieces = [examined[i:i + SEGMENT] for i in range(0, len(examined), SEGMENT)]
+    with ThreadPoolExecutor(threads, thread_name_prefix="haar") as pool:
+        futures = [pool.submit(lambda piece: [detect_face(frames[i]) for i in piece], piece) for piece in pieces]
+        found = _in_order(pool, futures, len(examined), control)
+    for index, box in zip(examined, found):
+        boxes[index] = box
     return boxes
 
 
@@ -137,25 +173,34 @@ def _predictor_path() -> Path | None:
 
 
 @lru_cache(maxsize=1)
-def _dlib_models() -> tuple[Any, Any] | None:
-    """(HOG detector, 68-point shape predictor), or None when dlib or the model file is missing."""
+def _shape_predictor() -> Any | None:
+    """dlib's 68-point shape predictor (shared: fitting is read-only), or None when dlib or the model file
+    is missing."""
     try:
         import dlib
     except ImportError:
         return None
     path = _predictor_path()
-    if path is None:
-        return None
-    return dlib.get_frontal_face_detector(), dlib.shape_predictor(str(path))
+    return None if path is None else dlib.shape_predictor(str(path))
+
+
+
+def _hog_detector() -> Any:
+    """This thread's HOG detector: one detector run from two threads at once gives wrong boxes (it keeps
+    its image pyramid in the object), so each thread has its own (building one is cheap)."""
+    if getattr(_per_thread, "detector", None) is None:
+        import dlib
+        _per_thread.detector = dlib.get_frontal_face_detector()
+    return _per_thread.detector
 
 
 def landmarks_available() -> bool:
-    return _dlib_models() is not None
+    return _shape_predictor() is not None
 
 
 def _detect_rect(frame: np.ndarray) -> Box | None:
     """The highest-scoring HOG face in an RGB frame (full-resolution pixels), or None."""
-    detector, _ = _dlib_models()
+    detector = _hog_detector()
     height, width = frame.shape[:2]
     scale = HOG_SIDE / max(height, width)  # small frames are enlarged: HOG's window is 80 px
     image = cv2.resize(np.ascontiguousarray(frame), (round(width * scale), round(height * scale)),
@@ -173,8 +218,7 @@ def _detect_rect(frame: np.ndarray) -> Box | None:
 def _fit_landmarks(frame: np.ndarray, rect: Box) -> np.ndarray:
     """[68, 2] float landmarks inside `rect`."""
     import dlib
-    _, predictor = _dlib_models()
-    shape = predictor(np.ascontiguousarray(frame), dlib.rectangle(*(int(v) for v in rect)))
+    shape = _shape_predictor()(np.ascontiguousarray(frame), dlib.rectangle(*(int(v) for v in rect)))
     return np.array([(p.x, p.y) for p in shape.parts()], dtype=np.float64)
 
 
@@ -192,43 +236,50 @@ def _thumbnail(frame: np.ndarray) -> np.ndarray:
     return cv2.resize(grey, (32, 32), interpolation=cv2.INTER_AREA).astype(np.float32)
 
 
-def shot_cuts(frames: FrameSequence) -> list[int]:
+def shot_cuts(frames: FrameSequence, *, threads: int = 1) -> list[int]:
     """Indices of frames that start a new shot (0 always does)."""
-    cuts, previous = [0], None
-    for index in range(len(frames)):
-        thumb = _thumbnail(frames[index])
-        if previous is not None and float(np.abs(thumb - previous).mean()) > CUT_THRESHOLD:
-            cuts.append(index)
-        previous = thumb
-    return cuts
+    with ThreadPoolExecutor(threads, thread_name_prefix="cuts") as pool:
+        thumbs = list(pool.map(lambda index: _thumbnail(frames[index]), range(len(frames))))
+    return [0] + [index for index in range(1, len(thumbs))
+                  if float(np.abs(thumbs[index] - thumbs[index - 1]).mean()) > CUT_THRESHOLD]
 
 
-def track_landmarks(frames: FrameSequence, cuts: Sequence[int], *,
-                    control: StageControl | None = None) -> list[tuple[np.ndarray, Box] | None]:
-    """Per frame, (landmarks [68, 2], detector rectangle) or None where no face was found."""
-    starts = set(cuts)
+def _track_piece(frames: FrameSequence, starts: set[int], first: int,
+                 stop: int) -> list[tuple[np.ndarray, Box] | None]:
+    """track_landmarks over frames [first, stop); `first` must be a detection frame (a multiple of
+    DETECT_EVERY), which makes pieces independent."""
     found: list[tuple[np.ndarray, Box] | None] = []
     rect: Box | None = None
     anchor: np.ndarray | None = None  # landmark centroid when `rect` was detected
-    for index in range(len(frames)):
+    for index in range(first, stop):
         frame = frames[index]
         if index in starts or index % DETECT_EVERY == 0:
             rect, anchor = _detect_rect(frame), None
         if rect is None:
             found.append(None)
+            continue
+        if anchor is not None and found[-1] is not None:  # follow the face since the detection
+            dx, dy = found[-1][0].mean(axis=0) - anchor
+            tracked = (round(rect[0] + dx), round(rect[1] + dy), round(rect[2] + dx), round(rect[3] + dy))
         else:
-            if anchor is not None and found[-1] is not None:  # follow the face since the detection
-                dx, dy = found[-1][0].mean(axis=0) - anchor
-                tracked = (round(rect[0] + dx), round(rect[1] + dy), round(rect[2] + dx), round(rect[3] + dy))
-            else:
-                tracked = rect
-            landmarks = _fit_landmarks(frame, tracked)
-            if anchor is None:
-                anchor = landmarks.mean(axis=0)
-            found.append((landmarks, tracked))
-        if control is not None:
-            control.step(index + 1, len(frames), "frames")
+            tracked = rect
+        landmarks = _fit_landmarks(frame, tracked)
+        if anchor is None:
+            anchor = landmarks.mean(axis=0)
+        found.append((landmarks, tracked))
     return found
+
+
+def track_landmarks(frames: FrameSequence, cuts: Sequence[int], *, threads: int = 1,
+                    control: StageControl | None = None) -> list[tuple[np.ndarray, Box] | None]:
+    """Per frame, (landmarks [68, 2], detector rectangle) or None where no face was found: a detection every
+    DETECT_EVERY frames and at every cut, the rectangle following the landmarks in between. Pieces of
+    SEGMENT frames run on `threads` threads with the same result as one."""
+    starts, count = set(cuts), len(frames)
+    bounds = [(first, min(first + SEGMENT, count)) for first in range(0, count, SEGMENT)]
+    with ThreadPoolExecutor(threads, thread_name_prefix="landmarks") as pool:
+        futures = [pool.submit(_track_piece, frames, starts, first, stop) for first, stop in bounds]
+        return _in_order(pool, futures, count, control)
 
 
 def smooth(values: list[np.ndarray | None], cuts: Sequence[int], radius: int = SMOOTH_RADIUS) -> list[np.ndarray | None]:
@@ -266,19 +317,22 @@ class FaceTrack:
                    data["method"], data["frames_with_face"], data["cuts"])
 
 
-def find_faces(frames: FrameSequence, *, control: StageControl | None = None) -> FaceTrack:
+def find_faces(frames: FrameSequence, *, threads: int = 1, control: StageControl | None = None) -> FaceTrack:
     """Landmarks (smoothed, gaps filled) and MuseTalk's boxes for every frame; the Haar fallback without
-    landmarks when dlib is missing or finds nothing; NoFaceDetected when no frame has a face."""
-    cuts = shot_cuts(frames)
+    landmarks when dlib is missing or finds nothing; NoFaceDetected when no frame has a face. `threads`
+    share the per-frame work (the result does not depend on how many)."""
+    if threads < 1:
+        raise ValueError("threads must be >= 1")
+    cuts = shot_cuts(frames, threads=threads)
     if landmarks_available():
-        tracked = track_landmarks(frames, cuts, control=control)
+        tracked = track_landmarks(frames, cuts, threads=threads, control=control)
         present = sum(t is not None for t in tracked)
         if present:
             points = fill_missing(smooth([t[0] if t else None for t in tracked], cuts))
             rects = fill_missing([t[1] if t else None for t in tracked])
             boxes = [_usable(landmark_box(p), rect, frames[0].shape) for p, rect in zip(points, rects)]
             return FaceTrack(boxes, points, "landmarks", present, cuts)
-    found = detect_faces(frames, control=control)
+    found = detect_faces(frames, threads=threads, control=control)
     boxes = fill_missing(found)
     return FaceTrack(boxes, None, "haar", sum(b is not None for b in found), cuts)
 

@@ -165,10 +165,19 @@ def load_whisper(profile: LipsyncProfile, device: torch.device,
     return encoder, extractor
 
 
+def vae_identity(profile: LipsyncProfile) -> str:
+    """Names, sizes and modification times of the VAE's files: part of the source cache's key for latents,
+    so new VAE weights never meet latents of the old ones."""
+    files = sorted(path for path in profile.vae_dir.rglob("*") if path.is_file())
+    return ";".join(f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}" for path in files)
+
+
 def load_musetalk(profile: LipsyncProfile, device: str | torch.device, *, precision: str = "auto") -> MuseTalkModels:
     """Load UNet, VAE and whisper from `profile.model_dir` (local files only) in `precision` (resolve_dtype)."""
     device = torch.device(device)
     dtype = resolve_dtype(device, precision)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes per batch (inference pads the last one)
     for path in (profile.unet_path, profile.unet_config_path, profile.vae_dir, profile.whisper_dir):
         if not path.exists():
             raise FileNotFoundError(f"MuseTalk file missing: {path}")

@@ -6,6 +6,7 @@ big for the artifact store. The source video is never looped or re-encoded befor
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import wave
 from pathlib import Path
@@ -14,7 +15,8 @@ from typing import Any
 from app.config import LIPSYNC_MASKS
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync import faces, inference, musetalk
-from app.pipeline.lipsync.frames import output_frame_count
+from app.pipeline.lipsync.frames import output_frame_count, shows_a_frame_twice
+from app.pipeline.lipsync.source_cache import SourceCache, entry_key, file_digest
 from app.pipeline.media.decode import FrameCache, decode_frames, extract_audio
 from app.pipeline.media.encode import VideoWriter
 from app.pipeline.media.mux import mux
@@ -42,28 +44,67 @@ class LipsyncModels:
         return self.cache.get("musetalk", lambda: musetalk.load_musetalk(self.profile, self.device,
                                                                          precision=self.precision), loaded)
 
+    def batch_size(self) -> int:
+        """Frames per UNet batch when the request names none: the profile's measured size for the device."""
+        return self.profile.cuda_batch_size if self.device.startswith("cuda") else self.profile.default_batch_size
+
+    def warm_up(self) -> float:
+        """One batch of zeros through whisper, the VAE and the UNet at the default batch size, so the first
+        job does not pay for first-call kernel choices (cuDNN's benchmark) and lazy initialisation; seconds."""
+        import time
+
+        import torch
+        engine, size, started = self.musetalk(), self.batch_size(), time.perf_counter()
+        with torch.inference_mode():
+            inference.whisper_hidden_states(engine, inference.np.zeros(musetalk.WHISPER_SAMPLE_RATE, "float32"))
+            pixels = torch.zeros(size, 3, engine.crop_size, engine.crop_size, device=engine.device)
+            latents = inference.encode_pixels(engine, pixels)
+            prompts = torch.zeros(size, 2 * (self.profile.audio_padding_left + self.profile.audio_padding_right + 1)
+                                  * engine.audio_layers, engine.audio_dim, device=engine.device)
+            inference.redraw_faces(engine, latents, prompts)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+        return time.perf_counter() - started
+
 
 def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: StageControl,
-                timeout_s: float) -> dict[str, Any]:
+                timeout_s: float, *, cache: SourceCache | None = None, face_threads: int = 1) -> dict[str, Any]:
     """16 kHz mono audio for whisper, every source frame decoded once, one face per frame (landmarks and
-    MuseTalk's box, faces.find_faces), and the plan: the exact audio duration (from the decoded samples:
-    container durations of MP3 run long) and hence the output frame count floor(audio s x fps)."""
+    MuseTalk's box, faces.find_faces, on `face_threads` threads; from the source cache when this video was
+    seen before), and the plan: the exact audio duration (from the decoded samples: container durations of
+    MP3 run long) and hence the output frame count floor(audio s x fps)."""
     control.check()
     extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s)
     with wave.open(str(scratch / AUDIO_16K)) as decoded:
         audio_seconds = decoded.getnframes() / decoded.getframerate()
-    plan = {"audio_duration_s": audio_seconds, "fps": fps, "output_frames": output_frame_count(audio_seconds, fps)}
+    plan = {"audio_duration_s": audio_seconds, "fps": fps, "output_frames": output_frame_count(audio_seconds, fps),
+            "video_sha256": file_digest(video)}
     (scratch / PLAN).write_text(json.dumps(plan))
-    cache = decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"))
+    frames = decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"))
+    key = entry_key("faces", video=plan["video_sha256"], frames=len(frames), version=faces.FACE_PIPELINE_VERSION,
+                    landmarks=faces.landmarks_available())
+    cached = cache.read_json(key) if cache is not None else None
     try:
-        track = faces.find_faces(cache, control=control.part(0.5, 1.0, "finding faces"))  # or NoFaceDetected
+        if cached is not None:
+            track = faces.FaceTrack.from_json(cached)
+        else:  # or NoFaceDetected
+            track = faces.find_faces(frames, threads=face_threads, control=control.part(0.5, 1.0, "finding faces"))
     finally:
-        cache.close()
-    (scratch / FRAMES_META).write_text(json.dumps({"count": len(track.boxes), "height": cache.height,
-                                                    "width": cache.width, "fps": cache.fps}))
+        frames.close()
+    if cached is None and cache is not None:
+        cache.write_json(key, track.to_json())
+    (scratch / FRAMES_META).write_text(json.dumps({"count": len(track.boxes), "height": frames.height,
+                                                    "width": frames.width, "fps": frames.fps}))
     (scratch / FACES).write_text(json.dumps(track.to_json()))
     return {"source_frames": len(track.boxes), "frames_with_face": track.frames_with_face,
-            "faces": track.method, "shots": len(track.cuts), **plan}
+            "faces": track.method, "shots": len(track.cuts), "cache": _cache_state(cache, cached is not None),
+            **{k: v for k, v in plan.items() if k != "video_sha256"}}
+
+
+def _cache_state(cache: SourceCache | None, hit: bool, partly: bool = False) -> str:
+    """What a stage record says of the source cache: off, miss, hit, or partial (some source frames' latents
+    were kept, others had to be encoded: an earlier job on the video used fewer of its frames)."""
+    return "off" if cache is None else "partial" if partly else "hit" if hit else "miss"
 
 
 def _open_frames(scratch: Path) -> FrameCache:
@@ -72,31 +113,46 @@ def _open_frames(scratch: Path) -> FrameCache:
 
 
 def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Path, control: StageControl,
-                      loaded: list[str] | None = None, mask: str = "jaw") -> dict[str, Any]:
+                      loaded: list[str] | None = None, mask: str = "jaw", *, path: str = "device",
+                      cache: SourceCache | None = None) -> dict[str, Any]:
     """MuseTalk over floor(audio s x fps) frames into a picture-only MP4 at the output fps. The source is
     resampled from its own fps (frames.json, as decoded) to the output's, and cycled ping-pong when the audio
     is longer; the audio windows follow the output fps. Blended through the `mask` mode ("jaw" needs
-    landmarks; without them the rectangle is used)."""
+    landmarks; without them the rectangle is used), the per-frame work done the `path` way
+    (inference.run_lipsync). The source frames' VAE latents come from the source cache when this video was
+    seen with the same faces, VAE, dtype and crop settings, and go into it otherwise."""
     if mask not in LIPSYNC_MASKS:
         raise ValueError(f"mask must be one of {LIPSYNC_MASKS}, not {mask!r}")
     engine = models.musetalk(loaded)
-    profile = models.profile
-    frames_out = _plan(scratch)["output_frames"]
-    features = inference.audio_features(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
-                                        padding_left=profile.audio_padding_left,
-                                        padding_right=profile.audio_padding_right)
-    track = faces.FaceTrack.from_json(json.loads((scratch / FACES).read_text()))
+    profile, plan = models.profile, _plan(scratch)
+    frames_out, batch_size = plan["output_frames"], int(params.get("batch_size") or models.batch_size())
+    features = inference.audio_windows(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
+                                       padding_left=profile.audio_padding_left,
+                                       padding_right=profile.audio_padding_right)
+    faces_json = (scratch / FACES).read_bytes()
+    track = faces.FaceTrack.from_json(json.loads(faces_json))
     landmarks = track.landmarks if mask == "jaw" else None
+    key = entry_key("latents", video=plan.get("video_sha256"), faces=hashlib.sha256(faces_json).hexdigest(),
+                    margin=int(params["extra_margin"]), crop=engine.crop_size, vae=musetalk.vae_identity(profile),
+                    dtype=musetalk.precision_name(engine.dtype), path=path)
     with _open_frames(scratch) as frames, VideoWriter(scratch / PICTURE, width=frames.width,
                                                      height=frames.height, fps=params["fps"]) as writer:
+        keep = (cache is not None or shows_a_frame_twice(frames_out, len(frames), frames.fps, params["fps"])) \
+            and len(frames) <= inference.MAX_KEPT_SOURCE_FRAMES
+        kept = cache.read_latents(key) if cache is not None and keep else {}
+        latents = inference.SourceLatents(engine, keep=keep, kept=kept)
         written = inference.run_lipsync(engine, frames, track.boxes, features, num_frames=frames_out,
-                                        batch_size=int(params["batch_size"]), extra_margin=int(params["extra_margin"]),
+                                        batch_size=batch_size, extra_margin=int(params["extra_margin"]),
                                         sink=writer.write, control=control, fps=params["fps"],
-                                        source_fps=frames.fps, landmarks=landmarks)
+                                        source_fps=frames.fps, landmarks=landmarks, path=path, latents=latents)
         source_frames, source_fps = len(frames), frames.fps
+    if cache is not None and keep and latents.encoded:
+        cache.write_latents(key, latents.kept)
     return {"frames_generated": written, "source_frames": source_frames, "source_fps": source_fps,
             "encoder": writer.encoder, "precision": musetalk.precision_name(engine.dtype),
-            "mask": "jaw" if landmarks is not None else "rectangle", "faces": track.method}
+            "mask": "jaw" if landmarks is not None else "rectangle", "faces": track.method, "path": path,
+            "batch_size": batch_size, "latents_encoded": latents.encoded,
+            "cache": _cache_state(cache, bool(kept), partly=bool(kept) and latents.encoded > 0)}
 
 
 def _plan(scratch: Path) -> dict[str, Any]:
