@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Protocol, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Protocol, Sequence
 
 import requests
 from tqdm import tqdm
@@ -195,7 +195,18 @@ def fetch_record(client: Client, job_id: str) -> dict[str, Any]:
         time.sleep(1.0)
 
 
-def follow(client: Client, job_id: str, reporter: Reporter, interval_s: float) -> dict[str, Any]:
+def follow(client: Client, job_id: str, reporter: Reporter, interval_s: float, events: bool = True) -> dict[str, Any]:
+    """Follow the job until it ends, feeding records to the reporter: through its server-sent events, or by
+    polling when the server has none (an older Encore, a proxy that refuses streams) or `events` is off."""
+    if events:
+        try:
+            return follow_events(client, job_id, reporter, interval_s)
+        except StreamUnavailable as exc:
+            print(f"following job {job_id[:8]} by polling ({exc})", file=sys.stderr)
+    return poll(client, job_id, reporter, interval_s)
+
+
+def poll(client: Client, job_id: str, reporter: Reporter, interval_s: float) -> dict[str, Any]:
     """Poll the job until it ends, feeding every record to the reporter."""
     while True:
         record = fetch_record(client, job_id)
@@ -203,6 +214,77 @@ def follow(client: Client, job_id: str, reporter: Reporter, interval_s: float) -
         if record["state"] in JOB_END_STATES:
             return record
         time.sleep(interval_s)
+
+
+class StreamUnavailable(Exception):
+    """The server answers no event stream for the job (or it keeps failing): poll instead."""
+
+
+EVENT_STREAM_READ_S = 60.0  # several heartbeats: a stream silent this long is dead, and is reopened
+EVENT_STREAM_RETRIES = 3
+
+
+def sse_messages(lines: Iterable[str]) -> Iterator[tuple[str, str | None, str]]:
+    """(event name, id, data) per server-sent message; comments (heartbeats) and `retry:` skipped."""
+    event, event_id, data = "message", None, []
+    for line in lines:
+        if not line:
+            if data:
+                yield event, event_id, "\n".join(data)
+            event, event_id, data = "message", None, []
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "event":
+            event = value
+        elif name == "id":
+            event_id = value
+        elif name == "data":
+            data.append(value)
+
+
+def follow_events(client: Client, job_id: str, reporter: Reporter, interval_s: float) -> dict[str, Any]:
+    """Follow GET /api/v1/jobs/<id>/events to `event: end`: each event updates its track in the last record
+    (a full record is fetched at most every `interval_s`, and at the end); a dropped stream is reopened with
+    Last-Event-ID, so nothing is missed."""
+    record = fetch_record(client, job_id)
+    reporter.update(record)
+    if record["state"] in JOB_END_STATES:
+        return record
+    print(f"following job {job_id[:8]} via server-sent events", file=sys.stderr)
+    last_id: str | None = None
+    fetched, failures = time.monotonic(), 0
+    while True:
+        headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last_id} if last_id else {})}
+        try:
+            with client.session.get(client.url(f"/api/v1/jobs/{job_id}/events"), headers=headers, stream=True,
+                                    timeout=(client.timeout_s, EVENT_STREAM_READ_S)) as reply:
+                if reply.status_code != 200 or not reply.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    raise StreamUnavailable(f"events answered HTTP {reply.status_code}")
+                for event, event_id, data in sse_messages(reply.iter_lines(chunk_size=None, decode_unicode=True)):
+                    if event == "end":
+                        record = fetch_record(client, job_id)
+                        reporter.update(record)
+                        return record
+                    last_id, failures = event_id or last_id, 0
+                    if time.monotonic() - fetched >= interval_s:
+                        record, fetched = fetch_record(client, job_id), time.monotonic()
+                    else:
+                        record = with_event(record, json.loads(data))
+                    reporter.update(record)
+        except requests.RequestException as exc:
+            failures += 1
+            if failures > EVENT_STREAM_RETRIES:
+                raise StreamUnavailable(f"the event stream kept failing: {_reason(exc)}") from exc
+            time.sleep(1.0)
+        # the stream ended without `end` (its server-side bound, a restart): reopen it where it stopped
+
+
+def with_event(record: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+    """The record with one track event applied (its state, progress, detail, error), and the job's state."""
+    tracks = [dict(t, **{k: event[k] for k in ("state", "status", "stage", "progress", "detail", "error") if k in event})
+              if t["track"] == event.get("track") else t for t in record["tracks"]]
+    return {**record, "tracks": tracks, "state": event.get("job_state", record["state"])}
 
 
 def output_name(kind: str, track: int, fmt: str) -> str:
@@ -228,7 +310,7 @@ def wait_and_download(client: Client, job_id: str, args: argparse.Namespace) -> 
     reporter = make_reporter(args.progress)
     started = time.monotonic()
     try:
-        record = follow(client, job_id, reporter, args.interval)
+        record = follow(client, job_id, reporter, args.interval, events=not args.poll)
     except KeyboardInterrupt:
         reporter.close()
         print(f"\nstopped following; job {job_id} keeps running (python -m app cancel {job_id})", file=sys.stderr)
@@ -295,7 +377,7 @@ def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
     """Request the cancel; 0 when the job ends (or is ending) canceled, 1 when it had already ended."""
     record = client.json("DELETE", f"/api/v1/jobs/{args.job_id}")
     if args.wait:
-        record = follow(client, args.job_id, LineReporter(), args.interval)
+        record = follow(client, args.job_id, LineReporter(), args.interval, events=not args.poll)
     ended_otherwise = record["state"] in ("done", "failed") or (
         record["state"] == "partial" and not any(t["state"] == "canceled" for t in record["tracks"]))
     states = ", ".join(f"{t['track']}:{t['state']}" for t in record["tracks"])
@@ -390,7 +472,10 @@ def add_wait_options(parser: argparse.ArgumentParser, with_flag: bool = True) ->
     parser.add_argument("--out", type=Path, help="download folder (default ./encore-<jobid8>/)")
     parser.add_argument("--progress", choices=["auto", "bars", "lines"], default="auto",
                         help="progress display: bars on a terminal, lines otherwise (default auto)")
-    parser.add_argument("--interval", type=float, default=0.25, help="seconds between polls (default 0.25)")
+    parser.add_argument("--interval", type=float, default=0.25,
+                        help="seconds between record reads while following (default 0.25)")
+    parser.add_argument("--poll", action="store_true",
+                        help="poll the job record instead of following its server-sent events")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -435,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("job_id")
     cancel.add_argument("--wait", action="store_true", help="wait until every track has ended")
     cancel.add_argument("--interval", type=float, default=0.25)
+    cancel.add_argument("--poll", action="store_true", help="poll instead of following the job's events")
     cancel.set_defaults(handler=cmd_cancel)
 
     status = commands.add_parser("status", parents=[common], help="workers and queues")

@@ -22,6 +22,10 @@ JOB_STATES = ("queued", "running", "done", "failed", "canceled", "partial")
 _INTERNAL_JOB_FIELDS = ("n_waiting", "n_active", "n_done", "n_failed", "n_canceled")
 
 
+def new_job_id() -> str:
+    return secrets.token_hex(16)
+
+
 def is_job_id(value: str) -> bool:
     return bool(JOB_ID_PATTERN.match(value))
 
@@ -44,12 +48,13 @@ def _decode_job(job_id: str, raw: dict[str, str]) -> dict[str, Any]:
 class JobStore:
     """Create and read job records; every state change is a named transition (app/lifecycle.py)."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "encore", ttl_s: int = 24 * 3600):
+    def __init__(self, client: redis.Redis, prefix: str = "encore", ttl_s: int = 24 * 3600,
+                 events_maxlen: int = 1000):
         self.redis = client
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.keys = Layout(prefix)
-        self.lifecycle = Lifecycle(client, self.keys)
+        self.lifecycle = Lifecycle(client, self.keys, events_maxlen)
         self._renew_lease = client.register_script(_RENEW_LEASE)
 
     # -- keys (the layout is app/lifecycle.Layout's) ------------------------------------------------
@@ -82,10 +87,11 @@ class JobStore:
 
     # -- create -------------------------------------------------------------------------------------
     def create(self, kind: str, params: dict[str, Any], track_params: list[dict[str, Any]],
-               cost: float) -> str:
+               cost: float, job_id: str | None = None) -> str:
         """Write a job with one parked track per entry of `track_params` (one round trip); returns its
-        unguessable id. The caller routes it."""
-        job_id = secrets.token_hex(16)
+        unguessable id (`job_id` when the caller drew it first: an idempotent submit claims it before). The
+        caller routes it."""
+        job_id = job_id or new_job_id()
         now = time.time()
         pipe = self.redis.pipeline()
         pipe.hset(self.job_key(job_id), mapping={
@@ -133,6 +139,14 @@ class JobStore:
         job["queue_position"] = min(waiting) if waiting else 0
         job["cancel_requested"] = bool(raw["cancel"])
         return job
+
+    def events_after(self, job_id: str, after: str, block_ms: int | None = None,
+                     count: int = 500) -> list[tuple[str, dict[str, Any]]]:
+        """The job's events after stream id `after` ("0-0": from the first kept), oldest first: at most
+        `count`, waiting up to `block_ms` for one when there are none (None: do not wait)."""
+        reply = self.redis.xread({self.keys.event_stream(job_id): after}, count=count, block=block_ms)
+        entries = reply[0][1] if reply else []
+        return [(entry_id, json.loads(fields["data"])) for entry_id, fields in entries]
 
     def recent_job_ids(self, limit: int = 100) -> list[str]:
         """Newest first; ids whose record expired are dropped from the index on the way."""

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from flask import Blueprint, jsonify, request, send_file
 
 from app.http_input import BodyError, json_object
+from app.idempotency import OPENAPI_HEADER as IDEMPOTENCY_HEADER
 from app.kinds import CANCELED, DONE, FAILED, QUEUED
 from app.openapi import DOWNLOAD_REPLIES, documented
 from app.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
@@ -205,8 +206,8 @@ def _gpu_index(queue: str) -> int | None:
     return int(digits.group(1)) if digits else None
 
 
-def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], validate: Callable[[dict], Any],
-                   tags_file: Path | None, longest_song: Callable[[dict[str, Any]], float],
+def make_blueprint(name: str, svc: Services, submit: Callable[[Any, dict[str, Any]], tuple[str, bool]],
+                   validate: Callable[[dict], Any], tags_file: Path | None, longest_song: Callable[[dict[str, Any]], float],
                    transport_options: dict[str, Any]) -> Blueprint:
     """The contract's routes; registered once per prefix (none by default, and /api)."""
     blueprint = Blueprint(name, __name__)
@@ -227,8 +228,11 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
 
     @blueprint.post("/generate")
     @documented("Khala: submit a 2-track song in the reference's format", json_body=KhalaGenerate,
-                responses={200: ("accepted or queued", KhalaAccepted), 400: "invalid field (named first in "
-                                                                            "`error`)"})
+                headers=IDEMPOTENCY_HEADER,
+                responses={200: ("accepted or queued (or, with an Idempotency-Key used before with this body, the "
+                                 "job that request made)", KhalaAccepted),
+                           400: "invalid field (named first in `error`)",
+                           409: "the Idempotency-Key was used with a different body"})
     def generate():
         """Submit a 2-track song in the reference's format."""
         try:
@@ -242,7 +246,7 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any], str], valid
             if field == "tags" and body.get("prompt_mode") == "natural":
                 field = "prompt"
             return _error(400, f"{field}: {exc.message}")
-        job_id = submit(req)
+        job_id, _ = submit(req, body)
         record = svc.jobs.record(job_id)
         return jsonify({"status": "accepted" if _starts_now(svc, record) else "queued", "job_id": job_id,
                         "num_tracks": NUM_TRACKS, "queue_position": record["queue_position"]})

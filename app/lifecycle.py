@@ -4,7 +4,8 @@ Every key Encore keeps in Redis is built by `Layout`. Every change of a track's 
 `Lifecycle.apply`, one Lua script that, atomically: checks the track's current status against the
 transition table below, checks who may make it (the holder of the running stage's lease, or anyone when no
 lease is live), honours a pending cancel, moves the track between the bookkeeping sets its status implies,
-keeps the job-level gauges, bumps the track's version and publishes the change on the job's events channel.
+keeps the job-level gauges, bumps the track's version, appends the change to the job's event stream and
+publishes it on the job's events channel.
 
 Statuses (the `status` field of a track hash; clients see `state`, derived from it, as before):
   created       written, not routed yet (the submitter routes it once its inputs exist): in {p}:created
@@ -35,6 +36,9 @@ Layout (prefix `encore` by default; job keys expire with the job):
   {p}:draining                 set of queues an operator drained
   {p}:seq                      submission counter
   {p}:events:{id}              pub/sub channel: every transition of the job's tracks
+  {p}:job:{id}:events          stream of the same events (the newest ENCORE_EVENTS_MAXLEN), expiring with the
+                               job: its entry ids are the SSE event ids a client resumes from
+  {p}:idempotency:{scope}:{h}  "body hash|job id" of a submission made with an Idempotency-Key (app/idempotency.py)
   {p}:workers, {p}:worker:{name}, {p}:worker:{name}:current, {p}:queue:{q}:live_at   worker registry
   {p}:metrics:*                stage-duration histograms, submission counters
   {p}:artifact(s):*            artifacts in the Redis store (app/artifacts.py)
@@ -82,6 +86,13 @@ class Layout:
 
     def events(self, job_id: str) -> str:
         return f"{self.prefix}:events:{job_id}"
+
+    def event_stream(self, job_id: str) -> str:
+        """The job's events as a Redis Stream (the same payloads as the channel, with their entry ids)."""
+        return f"{self.prefix}:job:{job_id}:events"
+
+    def idempotency(self, scope: str, key_hash: str) -> str:
+        return f"{self.prefix}:idempotency:{scope}:{key_hash}"
 
     @property
     def jobs(self) -> str:
@@ -241,7 +252,7 @@ def _generated_tables() -> str:
 
 
 _TRANSITION = r"""
--- ARGV: prefix, event, job id, track, now, args (JSON), fields (JSON object of strings)
+-- ARGV: prefix, event, job id, track, now, args (JSON), fields (JSON object of strings), the events stream's length
 local P, event, job_id, track, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local a = cjson.decode(ARGV[6])
 local fields = cjson.decode(ARGV[7])
@@ -435,10 +446,16 @@ if event == 'restart' and target == 'parked' then redis.call('HSET', key, 'resta
 for name, value in pairs(fields) do redis.call('HSET', key, name, value) end
 local version = redis.call('HINCRBY', key, 'version', 1)
 
+-- the event: appended to the job's stream (replayed to a client that resumes) and published, in this step
 local h = redis.call('HMGET', key, 'progress', 'detail', 'error')
-redis.call('PUBLISH', P .. ':events:' .. job_id, cjson.encode({
-  job_id = job_id, track = tonumber(track), event = event, status = target, state = state, stage = new_stage,
-  progress = tonumber(h[1]), detail = h[2], error = h[3], version = version}))
+local payload = {job_id = job_id, track = tonumber(track), event = event, status = target, state = state,
+  stage = new_stage, progress = tonumber(h[1]), detail = h[2], error = h[3], version = version,
+  job_state = overall() or 'queued'}
+local stream = job_key .. ':events'
+payload.id = redis.call('XADD', stream, 'MAXLEN', tonumber(ARGV[8] or '1000'), '*', 'data', cjson.encode(payload))
+local ttl = redis.call('TTL', job_key)
+if ttl > 0 then redis.call('EXPIRE', stream, ttl) end
+redis.call('PUBLISH', P .. ':events:' .. job_id, cjson.encode(payload))
 return {result, target, ''}
 """
 
@@ -542,9 +559,10 @@ class Outcome:
 class Lifecycle:
     """Runs the transition table against one Redis."""
 
-    def __init__(self, client: redis.Redis, layout: Layout):
+    def __init__(self, client: redis.Redis, layout: Layout, events_maxlen: int = 1000):
         self.redis = client
         self.layout = layout
+        self.events_maxlen = events_maxlen
         self._script = client.register_script(_generated_tables() + _TRANSITION)
         self._read_job = client.register_script(_READ_JOB)
         self._snapshot = client.register_script(_SNAPSHOT)
@@ -554,7 +572,7 @@ class Lifecycle:
         """Make one transition (see TRANSITIONS); `fields` are written with it (non-strings as JSON)."""
         encoded = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (fields or {}).items()}
         argv = [self.layout.prefix, event, job_id, str(track), repr(time.time()),
-                json.dumps(args or {}), json.dumps(encoded) if encoded else "{}"]
+                json.dumps(args or {}), json.dumps(encoded) if encoded else "{}", str(self.events_maxlen)]
         reply = self._script(keys=[], args=argv, client=client or self.redis)
         if client is not None and client is not self.redis:
             return Outcome(True, False, "")  # queued in a pipeline: its reply comes with the pipeline's

@@ -30,13 +30,15 @@ DOWNLOAD_REPLIES: dict[int, Reply | str] = {200: ("the file", None), 206: ("the 
 
 def documented(summary: str, *, responses: dict[int, Reply | str], json_body: type[BaseModel] | None = None,
                form: type[BaseModel] | None = None, files: tuple[str, ...] = (),
-               query: dict[str, dict[str, Any]] | None = None, media: tuple[str, ...] = (JSON,)) -> Callable:
+               query: dict[str, dict[str, Any]] | None = None, headers: dict[str, dict[str, Any]] | None = None,
+               media: tuple[str, ...] = (JSON,)) -> Callable:
     """Attach an operation description to a view; build_spec reads it. `responses` maps a status to
     (description, reply model or raw schema) for 2xx/3xx and to a description for errors (ErrorReply bodies);
-    `media` lists the content types of the success replies."""
+    `query` and `headers` name optional parameters and their schemas; `media` lists the content types of the
+    success replies."""
     def attach(view: Callable) -> Callable:
         view.openapi = {"summary": summary, "json_body": json_body, "form": form, "files": files,
-                        "query": query or {}, "responses": responses, "media": media}
+                        "query": query or {}, "headers": headers or {}, "responses": responses, "media": media}
         return view
     return attach
 
@@ -107,6 +109,8 @@ def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protect
     parameters = [_path_parameter(name, converter) for name, converter in sorted(arguments.items())]
     parameters += [{"name": name, "in": "query", "required": False, "schema": schema}
                    for name, schema in doc["query"].items()]
+    parameters += [{"name": name, "in": "header", "required": False, "schema": schema}
+                   for name, schema in doc["headers"].items()]
     if parameters:
         operation["parameters"] = parameters
     if body:
@@ -121,7 +125,8 @@ def openapi_path(rule: str) -> str:
 
 REPLY_MODELS: tuple[type[BaseModel], ...] = (
     schemas.Accepted, schemas.ErrorReply, schemas.TrackReply, schemas.JobReply, schemas.JobList,
-    schemas.WorkerReply, schemas.StatusReply, schemas.DrainReply, schemas.HealthReply, schemas.KhalaGenerate,
+    schemas.WorkerReply, schemas.StatusReply, schemas.DrainReply, schemas.HealthReply, schemas.ReadyReply,
+    schemas.WorkerReadiness, schemas.KhalaGenerate,
     schemas.KhalaAccepted, schemas.KhalaTrack, schemas.KhalaJob, schemas.KhalaWorker, schemas.KhalaStatus,
 )
 

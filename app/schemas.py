@@ -214,6 +214,23 @@ class HealthReply(BaseModel):
     redis: str
 
 
+class WorkerReadiness(BaseModel):
+    name: str
+    kinds: list[str] = Field(description="the job kinds the worker serves")
+    models_loaded: list[str] = Field(description="the kinds whose models its pool child has loaded")
+    ready: bool
+    missing: list[str]
+
+
+class ReadyReply(BaseModel):
+    """GET /readyz: Redis answers and a live worker has the models of every kind it serves loaded."""
+
+    ready: bool
+    redis: str
+    workers: list[WorkerReadiness]
+    error: str | None = None
+
+
 class KhalaGenerate(_Open):
     """POST /generate as the reference takes it: unknown fields are ignored, numbers are clamped to its
     ranges, whole numbers may come as 3, 3.0 or "3"; lyrics are required for a vocal song, and the prompt

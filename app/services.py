@@ -27,7 +27,7 @@ def build_services(settings: Settings) -> Services:
     return Services(
         settings=settings,
         redis=text_client,
-        jobs=JobStore(text_client, settings.key_prefix, settings.job_ttl_s),
+        jobs=JobStore(text_client, settings.key_prefix, settings.job_ttl_s, settings.events_maxlen),
         workers=WorkerRegistry(text_client, settings.key_prefix, settings.heartbeat_s),
         artifacts=open_store(settings, bytes_client),
     )

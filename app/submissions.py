@@ -53,8 +53,10 @@ def validate_music(body: dict[str, Any], settings: Settings, profile: MusicProfi
         raise RequestError(*describe_validation_error(exc)) from None
 
 
-def submit_music(svc: Services, celery: Celery, req: MusicRequest, profile: MusicProfile, **extra: Any) -> str:
-    """Create the job record (one track per requested track, seeds seed+i) and route its tracks."""
+def submit_music(svc: Services, celery: Celery, req: MusicRequest, profile: MusicProfile,
+                 job_id: str | None = None, **extra: Any) -> str:
+    """Create the job record (one track per requested track, seeds seed+i) and route its tracks; `job_id` when
+    the caller drew it (an idempotent submit)."""
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - req.num_tracks)
     params = {
         "mode": req.mode, "tags": req.tags or "", "prompt": req.prompt or "",
@@ -63,15 +65,15 @@ def submit_music(svc: Services, celery: Celery, req: MusicRequest, profile: Musi
         "temperature": req.temperature, "top_k": req.top_k, "profile": profile.name, **extra,
     }
     tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
-    job_id = create_job(svc, "music", params, tracks, float(req.duration_s), duration_s=req.duration_s)
+    job_id = create_job(svc, "music", params, tracks, float(req.duration_s), job_id=job_id, duration_s=req.duration_s)
     route_job(svc, celery, job_id, req.num_tracks)
     return job_id
 
 
 def create_job(svc: Services, kind: str, params: dict[str, Any], tracks: list[dict[str, Any]], cost: float,
-               **log_fields: Any) -> str:
+               job_id: str | None = None, **log_fields: Any) -> str:
     """Write the record, count the submission and log it; the caller routes once the job's inputs exist."""
-    job_id = svc.jobs.create(kind, params, tracks, cost=cost)
+    job_id = svc.jobs.create(kind, params, tracks, cost=cost, job_id=job_id)
     count_submission(svc, kind)
     job_event(log, "submitted", job_id, kind=kind, tracks=len(tracks), **log_fields)
     return job_id

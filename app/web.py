@@ -8,7 +8,7 @@ import hmac
 import logging
 import re
 import time
-from typing import Any
+from typing import Any, Callable
 
 import redis
 from flask import Flask, Response, has_request_context, jsonify, request, send_file
@@ -16,7 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from app.celery_app import make_celery
+from app import idempotency
 from app.config import Settings, load_settings
+from app.events import HEADERS as SSE_HEADERS, JOB_END_STATES, job_events, valid_event_id
 from app.http_input import BodyError, json_object
 from app.joblog import job_event
 from app.khala_api import make_blueprint
@@ -24,7 +26,8 @@ from app.metrics import make_registry
 from app.openapi import DOWNLOAD_REPLIES, build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile
 from app.routing import drain_queue, known_queues, resume_queue, route_job
-from app.schemas import Accepted, DrainReply, HealthReply, JobList, JobReply, MusicRequest, StatusReply
+from app.readiness import readiness
+from app.schemas import Accepted, DrainReply, HealthReply, JobList, JobReply, MusicRequest, ReadyReply, StatusReply
 from app.services import Services, build_services
 from app.snapshot import take_snapshot
 from app.submissions import (RequestError, create_job, longest_song, music_limits,
@@ -35,6 +38,16 @@ log = logging.getLogger("encore.web")
 
 TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched whole: no "000.mp3", no "٠.mp3"
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
+IDEMPOTENCY_HEADER = idempotency.OPENAPI_HEADER
+IDEMPOTENT_REPLIES: dict[int, Any] = {
+    200: ("an earlier request with this Idempotency-Key made this job", Accepted),
+    409: "the Idempotency-Key was used with a different body (or its first request is still running)"}
+SSE_EVENT = {"type": "object", "description": "one server-sent event", "properties": {  # what clients parse
+    "event": {"type": "string", "enum": ["message", "end"]}, "id": {"type": "string"},
+    "data": {"type": "string", "description": "a JSON object: the track event, or (end) the job's final state"},
+    "retry": {"type": "integer"}}}
+LAST_EVENT_ID = {"Last-Event-ID": {"type": "string", "pattern": r"^[0-9]{1,20}-[0-9]{1,20}$",
+                                   "description": "the `id:` of the last event received: only later ones are sent"}}
 
 
 KHALA_BLUEPRINTS = ("khala", "khala_api")
@@ -110,24 +123,38 @@ def create_app(settings: Settings | None = None) -> Flask:
             return jsonify({"web": "ok", "redis": f"down: {exc}", "error": f"redis: down ({exc})"}), 503
         return jsonify({"web": "ok", "redis": "ok"})
 
+    @app.get("/readyz")
+    @documented("Readiness: Redis answers and a live worker has the models of every kind it serves loaded",
+                responses={200: ("ready", ReadyReply), 503: "not ready (why in `error`)"})
+    def readyz():
+        """Readiness for load balancers and orchestrators; liveness is /healthz."""
+        ready, body = readiness(svc)
+        return jsonify(body), 200 if ready else 503
+
     @app.post("/api/v1/music")
     @documented("Submit a music job (one chain of stages per track)", json_body=MusicRequest,
-                responses={202: ("accepted", Accepted), 400: "invalid field (named in `field`)"})
+                headers=IDEMPOTENCY_HEADER, responses={202: ("accepted", Accepted), **IDEMPOTENT_REPLIES,
+                                                       400: "invalid field (named in `field`)"})
     def submit_music():
+        key = _idempotency_key()
         try:
-            req = validate_music(json_object(request), settings, profile)
+            body = json_object(request)
+            req = validate_music(body, settings, profile)
         except BodyError as exc:
             return error(400, str(exc), exc.field)
         except RequestError as exc:
             return error(400, str(exc), exc.field)
-        job_id = submit_music_job(svc, celery_app, req, profile)
-        return _accepted(svc, job_id)
+        job_id, replayed = _submit_once(svc, settings, key, lambda: idempotency.json_digest(body),
+                                        lambda new_id: submit_music_job(svc, celery_app, req, profile, job_id=new_id))
+        return _accepted(svc, job_id, replayed)
 
     @app.post("/api/v1/lipsync")
     @documented("Submit a lip-sync job (face video + driving audio)", form=LipsyncForm, files=("video", "audio"),
-                responses={202: ("accepted", Accepted), 400: "invalid field or media (named in `field`)",
-                           413: "a file, or the whole body, is too large"})
+                headers=IDEMPOTENCY_HEADER,
+                responses={202: ("accepted", Accepted), **IDEMPOTENT_REPLIES,
+                           400: "invalid field or media (named in `field`)", 413: "a file, or the whole body, is too large"})
     def submit_lipsync():
+        key = _idempotency_key()
         if not request.mimetype == "multipart/form-data":
             return error(400, "body: expected multipart/form-data with video and audio files", "body")
         try:
@@ -141,16 +168,21 @@ def create_app(settings: Settings | None = None) -> Flask:
             upload = receive_lipsync(form, files, settings, lipsync_profile)
         except UploadError as exc:
             return error(exc.status, str(exc), exc.field)
-        try:
+        def create(new_id: str | None) -> str:
             job_id = create_job(svc, "lipsync", upload.params, [{}], float(upload.params["audio_duration_s"]),
-                                frames=upload.params["output_frames"],
+                                job_id=new_id, frames=upload.params["output_frames"],
                                 audio_s=round(upload.params["audio_duration_s"], 3))
             for path in upload.files.values():
                 svc.artifacts.put(job_id, path.name, path, settings.job_ttl_s)
+            route_job(svc, celery_app, job_id, 1)
+            return job_id
+
+        try:
+            job_id, replayed = _submit_once(svc, settings, key, lambda: idempotency.form_digest(
+                form, upload.files.items()), create)
         finally:
             upload.discard()
-        route_job(svc, celery_app, job_id, 1)
-        return _accepted(svc, job_id)
+        return _accepted(svc, job_id, replayed)
 
     @app.get("/api/v1/jobs/<job_id>/video.mp4")
     @documented("Download a lip-sync job's video (Range requests honoured)", media=("video/mp4",),
@@ -176,6 +208,25 @@ def create_app(settings: Settings | None = None) -> Flask:
         if record is None:
             return error(404, f"job {job_id} not found")
         return jsonify(_public(record))
+
+    @app.get("/api/v1/jobs/<job_id>/events")
+    @documented("The job's state and progress changes as server-sent events, until it ends",
+                media=("text/event-stream",), headers=LAST_EVENT_ID,
+                responses={200: ("`retry:`, then per change `id:` + `data:` (the track's state, progress, detail and "
+                                 "the job's `job_state`), a `: heartbeat` comment while nothing changes, and "
+                                 "`event: end` when the job has ended", SSE_EVENT),
+                           400: "Last-Event-ID is not an event id", 404: "unknown job"})
+    def job_events_stream(job_id: str):
+        """Every transition of the job's tracks as SSE; a reconnect with Last-Event-ID replays what it missed."""
+        record = svc.jobs.record(job_id)
+        if record is None:
+            return error(404, f"job {job_id} not found")
+        after = request.headers.get("Last-Event-ID", "").strip()
+        if after and not valid_event_id(after):
+            return error(400, "Last-Event-ID: expected an event id such as 1700000000000-0", "Last-Event-ID")
+        stream = job_events(svc.jobs, job_id, after or "0-0", job_state=record["state"],
+                            heartbeat_s=settings.sse_heartbeat_s, max_s=settings.sse_max_s)
+        return Response(stream, mimetype="text/event-stream", headers=SSE_HEADERS)
 
     @app.delete("/api/v1/jobs/<job_id>")
     @documented("Cancel a job", responses={200: ("the record, cancel requested", JobReply), 404: "unknown job"})
@@ -265,13 +316,32 @@ def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str)
                      download_name=f"encore-{job_id[:8]}-{name}")
 
 
-def _accepted(svc: Services, job_id: str):
+def _accepted(svc: Services, job_id: str, replayed: bool = False):
+    """202 for a new job; 200 (same body) for the job an earlier request with the same Idempotency-Key made."""
     record = svc.jobs.record(job_id)
     body = {"job_id": job_id, "status_url": f"/api/v1/jobs/{job_id}",
             "queue_position": record["queue_position"], "state": record["state"]}
-    if any(not t["queue"] for t in record["tracks"]):
+    if any(not t["queue"] for t in record["tracks"]) and record["state"] not in JOB_END_STATES:
         body["note"] = "no worker is live: the job waits until one starts"
-    return jsonify(body), 202
+    reply = jsonify(body)
+    if replayed:
+        reply.headers["Idempotent-Replayed"] = "true"
+    return reply, 200 if replayed else 202
+
+
+def _idempotency_key() -> str | None:
+    """The request's Idempotency-Key, checked (400 naming the header when malformed), or None."""
+    key = request.headers.get(idempotency.HEADER)
+    return None if key is None else idempotency.checked_key(key)
+
+
+def _submit_once(svc: Services, settings: Settings, key: str | None, body_hash: Callable[[], str],
+                 create: Callable[[str | None], str]) -> tuple[str, bool]:
+    """(job id, replayed): `create` runs unless an earlier request with the same key (and owner) made the job."""
+    if key is None:
+        return create(None), False
+    owner = idempotency.scope(request.headers.get("Authorization", ""), settings.api_tokens)
+    return idempotency.submit_once(svc, owner, key, body_hash(), create)
 
 
 def _public(record: dict[str, Any]) -> dict[str, Any]:
@@ -303,13 +373,14 @@ def _public_worker(worker: dict[str, Any]) -> dict[str, Any]:
     return {k: worker.get(k) for k in keys if k in worker}
 
 
-PUBLIC_ENDPOINTS = {"index", "static", "healthz", "metrics"}
+PUBLIC_ENDPOINTS = {"index", "static", "healthz", "readyz", "metrics"}
 
 
 def _register_khala_contract(app: Flask, svc: Services, celery_app, settings: Settings, profile) -> None:
     """The reference backend's routes, at ENCORE_COMPAT_PREFIX (none by default) and under /api."""
-    def submit(req):
-        return submit_music_job(svc, celery_app, req, profile, api="khala")
+    def submit(req, body: dict[str, Any]) -> tuple[str, bool]:
+        return _submit_once(svc, settings, _idempotency_key(), lambda: idempotency.json_digest(body),
+                            lambda new_id: submit_music_job(svc, celery_app, req, profile, job_id=new_id, api="khala"))
 
     def validate(body):
         return validate_music(body, settings, profile)
@@ -366,6 +437,10 @@ def _register_errors(app: Flask) -> None:
         if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
             reply.headers["Allow"] = ", ".join(sorted(exc.valid_methods))
         return reply, status
+
+    @app.errorhandler(idempotency.IdempotencyError)
+    def idempotency_refused(exc: idempotency.IdempotencyError):
+        return error(exc.status, str(exc), exc.field)
 
     @app.errorhandler(redis.RedisError)
     def redis_down(exc: redis.RedisError):

@@ -2,7 +2,8 @@
 its child is running. Routing and /api/v1/status read it (no broadcast `inspect` round trip on every request).
 
   {p}:workers                 set of every worker name ever seen (so an expired one shows as offline)
-  {p}:worker:{name}           hash, expires after 3 missed heartbeats: queue, pid, runtime_mode, device, ...
+  {p}:worker:{name}           hash, expires after 3 missed heartbeats: queue, pid, runtime_mode, device, kinds
+                              (served), models_loaded + models_pid (kinds whose models its child has loaded), ...
   {p}:worker:{name}:current   hash while a stage runs (written by the `start` transition, removed when its
                               track leaves that stage): job_id, track, stage, since, pid
   {p}:queue:{q}:live_at       last heartbeat of a worker consuming q (how long a queue has had no consumer)
@@ -19,6 +20,10 @@ import redis
 from app.lifecycle import Layout
 
 LIVE_AT_TTL_S = 7 * 24 * 3600
+_RECORD_MODELS = """
+redis.call('HSET', KEYS[1], 'models_loaded', ARGV[1], 'models_pid', ARGV[2])
+if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+"""
 
 
 class WorkerRegistry:
@@ -26,6 +31,7 @@ class WorkerRegistry:
         self.redis = client
         self.keys = Layout(prefix)
         self.heartbeat_s = heartbeat_s
+        self._record_models = client.register_script(_RECORD_MODELS)
 
     def _key(self, name: str) -> str:
         return self.keys.worker(name)
@@ -45,10 +51,21 @@ class WorkerRegistry:
         self._drop_stale_current(name)
 
     def _drop_stale_current(self, name: str) -> None:
-        """A child killed mid-stage (hard limit, OOM, kill -9) cannot clear its own entry."""
-        pid = self.redis.hget(self.keys.worker_current(name), "pid")
-        if pid and not pid_alive(int(pid)):
+        """A child killed mid-stage (hard limit, OOM, kill -9) cannot clear its own entry, nor take back the
+        models it had loaded (its replacement loads them again and says so)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.worker_current(name), "pid")
+        pipe.hget(self._key(name), "models_pid")
+        current_pid, models_pid = pipe.execute()
+        if current_pid and not pid_alive(int(current_pid)):
             self.redis.delete(self.keys.worker_current(name))
+        if models_pid and not pid_alive(int(models_pid)):
+            self.redis.hdel(self._key(name), "models_loaded", "models_pid")
+
+    def record_models(self, name: str, kinds: list[str], pid: int) -> None:
+        """The pool child `pid` has the models of `kinds` loaded (readiness, app/readiness.py). The child may
+        get here before its master's first heartbeat: the entry then expires like one unless renewed."""
+        self._record_models(keys=[self._key(name)], args=[",".join(sorted(kinds)), pid, self.ttl_s])
 
     def _queue_live_key(self, queue: str) -> str:
         return self.keys.queue_live_at(queue)
@@ -90,7 +107,8 @@ class WorkerRegistry:
 def worker_entry(name: str, info: dict[str, str], current: dict[str, str]) -> dict[str, Any]:
     """A worker as routing and the status views see it: status idle | busy | offline, its heartbeat
     fields, and its current stage while live."""
-    status = "offline" if not info else ("busy" if current else "idle")
+    # Live once its master's heartbeat wrote the entry (a child's model report can come first).
+    status = "offline" if not info.get("last_seen") else ("busy" if current else "idle")
     entry: dict[str, Any] = {"name": name, "status": status, **info}
     entry["current"] = ({"job_id": current["job_id"], "track": int(current["track"]), "stage": current["stage"],
                          "since": float(current["since"])} if current and info else None)

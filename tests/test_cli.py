@@ -149,3 +149,16 @@ def test_token_from_flag_or_env_and_401_without_it(make_stack):
     assert record["tracks"][0]["state"] == "queued", record
     canceled = cli(secured, "cancel", job_id, "--token", "s3cret")
     assert canceled.returncode == 0 and f"job {job_id} canceled" in canceled.stdout, canceled.stderr
+
+
+def test_wait_follows_the_event_stream_and_polling_stays_the_fallback(stack, tmp_path):
+    streamed = cli(stack, *TINY_MUSIC, "--wait", "--progress", "lines", "--out", str(tmp_path / "a"))
+    assert streamed.returncode == 0, streamed.stdout + streamed.stderr
+    assert "via server-sent events" in streamed.stderr and "by polling" not in streamed.stderr
+    lines = streamed.stderr.splitlines()
+    assert any("track 0 backbone" in line for line in lines) and "track 0 done" in lines[-1], streamed.stderr
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["track0.mp3", "track0.wav"]
+
+    polled = cli(stack, *TINY_MUSIC, "--wait", "--poll", "--progress", "lines", "--out", str(tmp_path / "b"))
+    assert polled.returncode == 0 and "server-sent events" not in polled.stderr, polled.stderr
+    assert (tmp_path / "b" / "track0.wav").stat().st_size > 0

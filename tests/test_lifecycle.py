@@ -208,6 +208,34 @@ def test_every_transition_is_published_with_its_version(jobs):
     pubsub.close()
 
 
+def test_every_transition_is_appended_to_the_jobs_stream_which_expires_with_it(jobs):
+    """The stream the SSE route replays: the same payloads as the channel, in order, under increasing ids,
+    trimmed to the newest `events_maxlen`, with the job record's expiry."""
+    job_id = jobs.create("music", {}, [{"seed": 1}], cost=1.0)
+    pubsub = jobs.redis.pubsub()
+    pubsub.subscribe(jobs.events_channel(job_id))
+    assert pubsub.get_message(timeout=2)["type"] == "subscribe"
+    jobs.route(job_id, 0, "gpu0", ["t-run", "t2"])
+    jobs.transition("start", job_id, 0, **_args("start", "backbone"))
+    published = json.loads(pubsub.get_message(timeout=2)["data"])
+    pubsub.close()
+    events = jobs.events_after(job_id, "0-0")
+    assert [(e["event"], e["version"], e["job_state"]) for _, e in events] == [
+        ("submit", 1, "queued"), ("route", 2, "queued"), ("start", 3, "running")]
+    assert published == {**events[1][1], "id": events[1][0]}  # the channel carries the entry's id
+    assert jobs.events_after(job_id, events[0][0]) == events[1:]  # only what came after an id
+    assert jobs.events_after(job_id, events[-1][0]) == []
+    stream = jobs.keys.event_stream(job_id)
+    assert abs(jobs.redis.ttl(stream) - jobs.redis.ttl(jobs.job_key(job_id))) <= 1 and jobs.redis.ttl(stream) > 0
+
+    short = JobStore(jobs.redis, jobs.prefix, ttl_s=600, events_maxlen=2)
+    other = short.create("music", {}, [{"seed": 1}], cost=1.0)
+    short.route(other, 0, "gpu0", ["t-run"])
+    short.cancel(other, 0, "canceled")
+    assert [(e["event"], e["job_state"]) for _, e in short.events_after(other, "0-0")] == [
+        ("route", "queued"), ("cancel", "canceled")]
+
+
 def test_random_walks_keep_the_bookkeeping_exact(jobs):
     """Bounded random walk over three jobs of both kinds and several queues: after every step, each track's
     sets, the queue cost counters and the per-state job sets agree with the tracks themselves."""

@@ -198,3 +198,17 @@ def test_read_ahead_keeps_order_raises_errors_and_stops_when_closed():
     assert [next(items) for _ in range(3)] == [0, 1, 2]
     items.close()
     assert threading.active_count() == before and len(produced) < 10
+
+
+def test_warm_up_runs_a_batch_at_the_devices_default_size(tmp_path_factory):
+    from app.pipeline.lipsync.stages import LipsyncModels
+    holder = LipsyncModels(tiny_musetalk_profile(tmp_path_factory), "keep_loaded", device="cpu")
+    calls = []
+    unet = holder.musetalk().unet
+    original = unet.forward
+    unet.forward = lambda sample, *a, **kw: (calls.append(sample.shape[0]), original(sample, *a, **kw))[1]
+    try:
+        assert holder.warm_up() > 0
+    finally:
+        del unet.forward
+    assert calls == [holder.batch_size()] == [holder.profile.default_batch_size]

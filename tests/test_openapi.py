@@ -13,6 +13,8 @@ from pathlib import Path
 
 import requests
 
+from tests.conftest import wait_until
+
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
           "response_schema_conformance")
 EXAMPLES = int(os.environ.get("ENCORE_SCHEMATHESIS_EXAMPLES", "15"))
@@ -31,8 +33,9 @@ def _run_schemathesis(url: str, config: Path, report: Path) -> subprocess.Comple
 
 def test_schemathesis_finds_no_server_error_and_no_undocumented_reply(make_stack, tmp_path):
     stack = make_stack(API_TOKEN=TOKEN)
-    stack.start_worker(0)
+    stack.start_worker(0, ENCORE_PRELOAD="1")  # its models loaded: /readyz answers 200, not a 5xx
     url = stack.start_gunicorn()
+    wait_until(lambda: requests.get(f"{url}/readyz", timeout=10).status_code == 200, 120, 0.2, "/readyz 200")
     auth = {"Authorization": f"Bearer {TOKEN}"}
     job_id = requests.post(f"{url}/api/v1/music", headers=auth, timeout=10, json={
         "mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 1}).json()["job_id"]
@@ -41,8 +44,8 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_reply(make_stack
     operations = [(path, method) for path, item in spec["paths"].items() for method in item]
     routes = [(rule, method) for rule in stack.app.url_map.iter_rules() if rule.endpoint != "static"
               for method in rule.methods - {"HEAD", "OPTIONS"}]
-    assert len(operations) == len(routes) == 24
-    assert all(op["security"] == ([] if path in ("/", "/healthz", "/metrics") else [{"bearer": []}])
+    assert len(operations) == len(routes) == 26
+    assert all(op["security"] == ([] if path in ("/", "/healthz", "/readyz", "/metrics") else [{"bearer": []}])
                for path, item in spec["paths"].items() for op in item.values())
 
     config = tmp_path / "schemathesis.toml"

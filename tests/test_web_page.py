@@ -1,6 +1,6 @@
 """The operator/user page (app/static) in real headless Chromium: Debian's chromium + chromedriver, driven by
 selenium, against a live HTTP server of the app, a real worker and the tiny models. It submits a music job from
-the form, watches the stages reach done, checks that the <audio> element's source is a playable file, cancels a
+the form, watches the stages reach done (following the job's server-sent events with EventSource), checks that the <audio> element's source is a playable file, cancels a
 running job from its button, and works against a server that requires an API token.
 Needs scripts/install_browser.sh (scripts/test.sh runs it): without the browser the tests fail."""
 from __future__ import annotations
@@ -154,6 +154,11 @@ def test_page_submits_music_job_shows_progress_and_plays_it(make_stack, browser,
     # The page showed the job live before it finished: a stage state and a bar that was running.
     assert seen & RUNNING_STATES and "running" in seen, seen
     assert page_state(browser, job_id) == "done"
+    # It followed the job's server-sent events (EventSource), and closed the stream at `event: end`.
+    article = css(browser, job_selector(job_id))[0]
+    wait_until(lambda: article.get_attribute("data-events") == "ended", 15, 0.1, "the page to see the stream end")
+    assert int(article.get_attribute("data-event-count")) >= 8  # submit … route, start, report…, finish × 4
+    assert browser.execute_script("return streams.size") == 0
 
     article = css(browser, job_selector(job_id))[0]
     bars = [(b.get_attribute("data-stage"), b.get_attribute("data-status")) for b in css(article, ".stage")]
@@ -264,6 +269,8 @@ def test_page_with_api_token(make_stack, browser):
 
     job_id = submit_music(browser, mode="instrumental", tags="jazz", duration_s="2", num_tracks="1")
     assert wait_page_state(browser, job_id, TERMINAL_STATES, 180, "track") == "done"
+    # EventSource cannot send the token: this page followed the job by polling, the fallback.
+    assert css(browser, job_selector(job_id))[0].get_attribute("data-events") is None
 
     # A reload keeps the token; the player gets the file through fetch + Authorization, as a blob: URL.
     browser.refresh()

@@ -4,6 +4,8 @@
 
 const POLL_MS = 1000;
 const HIDDEN_POLL_MS = 5000;       // a background tab still updates, just less often
+const STREAMED_POLL_MS = 5000;     // every open job follows its event stream: the list and status refresh slowly
+const REFRESH_MS = 250;            // after an event, a job's record is read again at most this often
 const TOKEN_KEY = "encore.apiToken";
 const STAGES = {                   // app/kinds.py: stage key (the track's `stage`) and its label
   music: [["backbone", "backbone"], ["superres", "super-res"], ["decode", "decode"], ["export", "export"]],
@@ -72,8 +74,65 @@ function pollSoon() {
   if (inFlight) return; // the running poll schedules the next one
   inFlight = poll().finally(() => {
     inFlight = null;
-    timer = setTimeout(pollSoon, document.hidden ? HIDDEN_POLL_MS : POLL_MS);
+    timer = setTimeout(pollSoon, document.hidden ? HIDDEN_POLL_MS : allStreamed() ? STREAMED_POLL_MS : POLL_MS);
   });
+}
+
+// ---- server-sent events (GET /api/v1/jobs/<id>/events): an open job's view follows its stream -------------
+// EventSource cannot send an Authorization header: with an API token the page keeps polling (the fallback).
+
+const streams = new Map(); // job_id -> EventSource
+
+function canStream() { return typeof EventSource === "function" && !token(); }
+
+function allStreamed() {
+  for (const [id, view] of views) {
+    if (!TERMINAL.has(view.root.dataset.state) && !streams.has(id)) return false;
+  }
+  return true;
+}
+
+function follow(view, job) {
+  if (!canStream() || TERMINAL.has(job.state) || streams.has(job.job_id)) return;
+  const source = new EventSource(`/api/v1/jobs/${encodeURIComponent(job.job_id)}/events`);
+  streams.set(job.job_id, source);
+  view.events = 0;
+  view.root.dataset.events = "connecting";
+  source.onopen = () => { view.root.dataset.events = "live"; };
+  source.onmessage = () => {  // a track changed: read the record (stages, queue positions) again, throttled
+    view.events += 1;
+    view.root.dataset.eventCount = String(view.events);
+    refreshSoon(view, job.job_id);
+  };
+  source.addEventListener("end", () => {  // the job ended: close, or EventSource would reconnect
+    unfollow(job.job_id);
+    view.root.dataset.events = "ended";
+    refreshSoon(view, job.job_id, 0);
+  });
+  source.onerror = () => {  // it reconnects by itself with Last-Event-ID; polling covers the gap
+    if (source.readyState === EventSource.CLOSED) {
+      unfollow(job.job_id);
+      view.root.dataset.events = "failed";
+    } else {
+      view.root.dataset.events = "reconnecting";
+    }
+  };
+}
+
+function unfollow(jobId) {
+  const source = streams.get(jobId);
+  if (source) source.close();
+  streams.delete(jobId);
+}
+
+function refreshSoon(view, jobId, delay = REFRESH_MS) {
+  if (view.refreshing) return;
+  view.refreshing = setTimeout(async () => {
+    try {
+      updateJobView(view, await api(`/api/v1/jobs/${encodeURIComponent(jobId)}`));
+    } catch (_) { /* the next list poll shows it */ }
+    view.refreshing = 0;
+  }, delay);
 }
 
 async function poll() {
@@ -138,6 +197,7 @@ function renderJobs(jobs) {
       views.set(job.job_id, view);
     }
     updateJobView(view, job);
+    follow(view, job);
     // Only move a node that is out of place: moving a playing <audio> pauses it.
     if (list.children[index] !== view.root) list.insertBefore(view.root, list.children[index] || null);
   });
@@ -148,6 +208,7 @@ function renderJobs(jobs) {
 }
 
 function dropView(id, view) {
+  unfollow(id);
   view.root.remove();
   view.blobUrls.forEach((url) => URL.revokeObjectURL(url));
   views.delete(id);

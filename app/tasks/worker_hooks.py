@@ -11,6 +11,7 @@ import time
 from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
 from app.celery_app import celery
+from app.kinds import KINDS
 from app.recovery import reap
 from app.routing import dispatch_unrouted
 from app.services import services
@@ -31,7 +32,7 @@ def _heartbeat_loop(hostname: str) -> None:
     queues = _consumed_queues()
     info = {"queue": ",".join(queues), "pid": os.getpid(), "hostname": hostname,
             "runtime_mode": svc.settings.runtime_mode, "profile": svc.settings.music_profile,
-            "music_engine": svc.settings.music_engine,
+            "music_engine": svc.settings.music_engine, "kinds": ",".join(sorted(KINDS)),
             "pinned_to": _device_claim(), "started_at": time.time()}
     last_sweep = 0.0
     while not _stop.is_set():
@@ -74,13 +75,19 @@ def stop_heartbeat(sender=None, **_: object) -> None:
 
 
 @worker_process_init.connect
-def init_child(**_: object) -> None:
-    """In each pool child: thread count, and models loaded up front when ENCORE_PRELOAD=1."""
-    settings = services().settings
+def init_child(sender=None, **_: object) -> None:
+    """In each pool child: thread count, and models loaded up front when ENCORE_PRELOAD=1; each kind whose
+    models loaded is recorded in the worker's registry entry (what /readyz reads)."""
+    svc = services()
     import torch
-    if settings.torch_threads > 0:
-        torch.set_num_threads(settings.torch_threads)
-    if settings.preload_models:
+    if svc.settings.torch_threads > 0:
+        torch.set_num_threads(svc.settings.torch_threads)
+    if svc.settings.preload_models:
         from app.tasks import lipsync, music
-        music.preload()
-        lipsync.preload()
+        loaded: list[str] = []
+        for kind, preload in (("music", music.preload), ("lipsync", lipsync.preload)):
+            preload()
+            loaded.append(kind)
+            if sender:  # the worker's name (celery sends it with this signal)
+                svc.workers.record_models(str(sender), loaded, os.getpid())
+        log.info("worker=%s event=models_loaded kinds=%s", sender, ",".join(loaded))

@@ -219,26 +219,49 @@ def tiny_vae() -> AutoencoderKL:
                          layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=256)
 
 
+# MuseTalk v1.5's real sizes (musetalk.json; sd-vae-ft-mse; whisper-tiny), for random-weight checkpoints in
+# the real layout at full size: benchmarks (bench/gpu_lipsync.py) measure speed with them; their output is noise.
+REAL_UNET = dict(block_out_channels=[320, 640, 1280, 1280], layers_per_block=2, sample_size=64,
+                 down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+                 up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3)
+REAL_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
+WHISPER_TINY = dict(d_model=384, encoder_layers=4, encoder_attention_heads=6, encoder_ffn_dim=1536,
+                    decoder_layers=4, decoder_attention_heads=6, decoder_ffn_dim=1536, num_mel_bins=80,
+                    max_source_positions=1500, max_target_positions=448, vocab_size=51865)
+
+
 def write_tiny_musetalk(profile: LipsyncProfile, seed: int = 0) -> Path:
     """Write random-weight UNet, VAE and whisper under `profile.model_dir`; deterministic by `seed`."""
+    return write_random_musetalk(profile, seed=seed)
+
+
+def write_random_musetalk(profile: LipsyncProfile, seed: int = 0, *, real_size: bool = False,
+                          dtype: torch.dtype = torch.float32) -> Path:
+    """Random-weight MuseTalk files in the real layout: the tiny sizes, or with `real_size` MuseTalk v1.5's
+    (an 850 M-parameter UNet; stored in `dtype`, the loader casts to the run's precision)."""
     profile.unet_path.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    whisper_config = WhisperConfig(**TINY_WHISPER)
+    whisper_config = WhisperConfig(**(WHISPER_TINY if real_size else TINY_WHISPER))
     whisper = WhisperForConditionalGeneration(whisper_config)
     # HF hub files store the tied output projection once, under the embedding's name.
-    whisper_state = {k: v for k, v in whisper.state_dict().items() if k != "proj_out.weight"}
+    whisper_state = {k: v.to(dtype) for k, v in whisper.state_dict().items() if k != "proj_out.weight"}
     profile.whisper_dir.mkdir(parents=True, exist_ok=True)
     whisper_config.save_pretrained(profile.whisper_dir)
     torch.save(whisper_state, profile.whisper_dir / "pytorch_model.bin")
     WhisperFeatureExtractor(feature_size=whisper_config.num_mel_bins,
                             sampling_rate=WHISPER_SAMPLE_RATE).save_pretrained(profile.whisper_dir)
+    del whisper, whisper_state
 
     torch.manual_seed(seed + 1)
-    config = tiny_unet_config(whisper_config.d_model)
+    config = {**tiny_unet_config(whisper_config.d_model), **(REAL_UNET if real_size else {})}
     unet = UNet2DConditionModel.from_config(config)
     profile.unet_config_path.write_text(json.dumps(config, indent=2) + "\n")
-    torch.save(unet.state_dict(), profile.unet_path)
+    torch.save({k: v.to(dtype) for k, v in unet.state_dict().items()}, profile.unet_path)
+    del unet
 
     torch.manual_seed(seed + 2)
-    tiny_vae().save_pretrained(profile.vae_dir, safe_serialization=False)
+    vae = tiny_vae() if not real_size else AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4, latent_channels=4, sample_size=256, **REAL_VAE)
+    vae.to(dtype).save_pretrained(profile.vae_dir, safe_serialization=False)
     return profile.model_dir
