@@ -6,7 +6,7 @@ from celery import Celery
 
 from app.config import Settings
 
-TASK_MODULES = ["app.tasks.music", "app.tasks.lipsync", "app.tasks.worker_hooks"]
+TASK_MODULES = ["app.tasks.music", "app.tasks.lipsync", "app.tasks.webhooks", "app.tasks.worker_hooks"]
 
 
 def make_celery(settings: Settings | None = None) -> Celery:

@@ -388,6 +388,13 @@ def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_retry(client: Client, args: argparse.Namespace) -> int:
+    """Re-run the job's failed or canceled tracks; with --wait follow it and download as `wait` does."""
+    reply = client.json("POST", f"/api/v1/jobs/{args.job_id}/retry")
+    print(f"job {args.job_id}: retrying track(s) {', '.join(map(str, reply['retried']))}")
+    return wait_and_download(client, args.job_id, args) if args.wait else EXIT_OK
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain aligned text table (no terminal library needed, reads fine in logs)."""
     cells = [[str(h).upper() for h in headers]] + [["-" if v is None or v == "" else str(v) for v in r] for r in rows]
@@ -522,6 +529,11 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--interval", type=float, default=0.25)
     cancel.add_argument("--poll", action="store_true", help="poll instead of following the job's events")
     cancel.set_defaults(handler=cmd_cancel)
+
+    retry = commands.add_parser("retry", parents=[common], help="re-run a job's failed or canceled tracks")
+    retry.add_argument("job_id")
+    add_wait_options(retry)
+    retry.set_defaults(handler=cmd_retry)
 
     status = commands.add_parser("status", parents=[common], help="workers and queues")
     status.add_argument("--json", action="store_true", help="print the raw status JSON")

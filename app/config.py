@@ -35,6 +35,7 @@ DEFAULT_WEB_URL = "http://127.0.0.1:8000"
 LIPSYNC_PRECISIONS = ("auto", "fp16", "fp32")
 LIPSYNC_MASKS = ("jaw", "rectangle")  # app/pipeline/lipsync/inference.py draws them
 LIPSYNC_PATHS = ("device", "reference")  # inference.run_lipsync's two ways of doing the per-frame work
+RATE_LIMIT_STRATEGIES = ("fixed-window", "moving-window", "sliding-window-counter")  # limits' names
 
 DEFAULT_TIME_LIMITS = (
     "backbone=1500/1560,superres=900/960,decode=900/960,export=300/330,"
@@ -135,6 +136,31 @@ class Settings:
     sse_heartbeat_s: float = field(default_factory=lambda: float(_env("ENCORE_SSE_HEARTBEAT_S", "15")))
     sse_max_s: float = field(default_factory=lambda: float(_env("ENCORE_SSE_MAX_S", "3600")))
     events_maxlen: int = field(default_factory=lambda: int(_env("ENCORE_EVENTS_MAXLEN", "1000")))
+    # Webhooks (app/webhooks.py): the signing secret ("whsec_" + base64, Standard Webhooks; none: submits with a
+    # webhook are refused), the hosts a webhook may name (comma list; ".example.com" takes its subdomains; empty:
+    # any), the queue of the webhook worker, attempts and their backoff, the request timeout, how many attempts
+    # a job keeps, and the least seconds between a job's progress webhooks.
+    webhook_secret: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_SECRET", ""))
+    webhook_hosts: tuple[str, ...] = field(default_factory=lambda: tuple(
+        h.strip().lower() for h in _env("ENCORE_WEBHOOK_HOSTS", "").split(",") if h.strip()))
+    webhook_queue: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_QUEUE", "webhooks"))
+    webhook_max_attempts: int = field(default_factory=lambda: int(_env("ENCORE_WEBHOOK_MAX_ATTEMPTS", "8")))
+    webhook_backoff_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_BACKOFF_S", "1")))
+    webhook_backoff_cap_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_BACKOFF_CAP_S", "300")))
+    webhook_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_TIMEOUT_S", "10")))
+    webhook_history: int = field(default_factory=lambda: int(_env("ENCORE_WEBHOOK_HISTORY", "50")))
+    webhook_progress_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_PROGRESS_S", "5")))
+    # Back-pressure (app/quotas.py): the most open (not ended) tracks in all, and on each live queue; a submit
+    # that would pass either is refused 429 with a Retry-After from the ETA. 0: no cap.
+    max_queued_tracks: int = field(default_factory=lambda: int(_env("ENCORE_MAX_QUEUED_TRACKS", "0")))
+    max_queued_tracks_per_queue: int = field(default_factory=lambda: int(
+        _env("ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE", "0")))
+    # Per-token rate limit of the submit routes (app/ratelimit.py), in Flask-Limiter's notation ("10/minute",
+    # "5/second;100/hour"); empty: none. Its window strategy: fixed-window, moving-window or sliding-window-counter.
+    submit_rate_limit: str = field(default_factory=lambda: _env("ENCORE_SUBMIT_RATE_LIMIT", "").strip())
+    rate_limit_strategy: str = field(default_factory=lambda: _env("ENCORE_RATE_LIMIT_STRATEGY", "fixed-window"))
+    # ETA (app/eta.py): the weight of a finished stage's seconds in its queue's learned rate (exponential mean).
+    eta_alpha: float = field(default_factory=lambda: float(_env("ENCORE_ETA_ALPHA", "0.3")))
 
     def __post_init__(self) -> None:
         if self.runtime_mode not in ("keep_loaded", "one_shot"):
@@ -157,8 +183,31 @@ class Settings:
             raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir or redis, not {self.artifact_backend!r}")
         if self.sse_heartbeat_s <= 0 or self.sse_max_s <= 0:
             raise ValueError("ENCORE_SSE_HEARTBEAT_S and ENCORE_SSE_MAX_S must be > 0")
+        if self.webhook_max_attempts < 1 or self.webhook_backoff_s <= 0 or self.webhook_timeout_s <= 0:
+            raise ValueError("ENCORE_WEBHOOK_MAX_ATTEMPTS must be >= 1, the backoff and timeout > 0")
+        if self.webhook_queue.startswith("gpu"):
+            raise ValueError(f"ENCORE_WEBHOOK_QUEUE must not be a GPU queue, not {self.webhook_queue!r}")
+        if self.webhook_secret:
+            from standardwebhooks import Webhook
+            try:
+                Webhook(self.webhook_secret)
+            except Exception as exc:
+                raise ValueError(f"ENCORE_WEBHOOK_SECRET must be whsec_ + base64: {exc}") from None
         if self.events_maxlen < 1:
             raise ValueError(f"ENCORE_EVENTS_MAXLEN must be >= 1, not {self.events_maxlen}")
+        if self.max_queued_tracks < 0 or self.max_queued_tracks_per_queue < 0:
+            raise ValueError("ENCORE_MAX_QUEUED_TRACKS and ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE must be >= 0")
+        if not 0 < self.eta_alpha <= 1:
+            raise ValueError(f"ENCORE_ETA_ALPHA must be in (0, 1], not {self.eta_alpha}")
+        if self.rate_limit_strategy not in RATE_LIMIT_STRATEGIES:
+            raise ValueError(f"ENCORE_RATE_LIMIT_STRATEGY must be one of {', '.join(RATE_LIMIT_STRATEGIES)}, "
+                             f"not {self.rate_limit_strategy!r}")
+        if self.submit_rate_limit:
+            from limits import parse_many
+            try:
+                parse_many(self.submit_rate_limit)
+            except ValueError as exc:
+                raise ValueError(f"ENCORE_SUBMIT_RATE_LIMIT: {exc}") from None
         if self.lipsync_precision not in LIPSYNC_PRECISIONS:
             raise ValueError(f"ENCORE_LIPSYNC_PRECISION must be auto, fp16 or fp32, not {self.lipsync_precision!r}")
 

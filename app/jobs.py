@@ -16,6 +16,7 @@ import redis
 
 from app.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
 from app.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open
+from app.priority import DEFAULT_PRIORITY
 
 JOB_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 JOB_STATES = ("queued", "running", "done", "failed", "canceled", "partial")
@@ -49,12 +50,12 @@ class JobStore:
     """Create and read job records; every state change is a named transition (app/lifecycle.py)."""
 
     def __init__(self, client: redis.Redis, prefix: str = "encore", ttl_s: int = 24 * 3600,
-                 events_maxlen: int = 1000):
+                 events_maxlen: int = 1000, webhook_progress_s: float = 5.0):
         self.redis = client
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.keys = Layout(prefix)
-        self.lifecycle = Lifecycle(client, self.keys, events_maxlen)
+        self.lifecycle = Lifecycle(client, self.keys, events_maxlen, webhook_progress_s)
         self._renew_lease = client.register_script(_RENEW_LEASE)
 
     # -- keys (the layout is app/lifecycle.Layout's) ------------------------------------------------
@@ -87,16 +88,21 @@ class JobStore:
 
     # -- create -------------------------------------------------------------------------------------
     def create(self, kind: str, params: dict[str, Any], track_params: list[dict[str, Any]],
-               cost: float, job_id: str | None = None) -> str:
+               cost: float, job_id: str | None = None, webhook: dict[str, Any] | None = None,
+               priority: str = DEFAULT_PRIORITY) -> str:
         """Write a job with one parked track per entry of `track_params` (one round trip); returns its
         unguessable id (`job_id` when the caller drew it first: an idempotent submit claims it before). The
-        caller routes it."""
+        caller routes it. `webhook` ({"url", "events"}, app/webhooks.check_target) is kept in the job hash,
+        where the transitions read which events to send; so is `priority` (app/priority.py), which orders its
+        tracks while they are parked or queued."""
         job_id = job_id or new_job_id()
         now = time.time()
         pipe = self.redis.pipeline()
         pipe.hset(self.job_key(job_id), mapping={
             "kind": kind, "params": json.dumps(params), "num_tracks": len(track_params),
-            "created_at": now, "expires_at": now + self.ttl_s, **{name: 0 for name in _INTERNAL_JOB_FIELDS}})
+            "created_at": now, "expires_at": now + self.ttl_s, "priority": priority,
+            **{name: 0 for name in _INTERNAL_JOB_FIELDS},
+            **({"webhook": webhook["url"], "webhook_events": ",".join(webhook["events"])} if webhook else {})})
         pipe.expire(self.job_key(job_id), self.ttl_s)
         for index, extra in enumerate(track_params):
             self.lifecycle.apply("submit", job_id, index, {"cost": cost},
@@ -138,6 +144,10 @@ class JobStore:
         waiting = [t["queue_position"] for t in tracks if t["state"] == QUEUED]
         job["queue_position"] = min(waiting) if waiting else 0
         job["cancel_requested"] = bool(raw["cancel"])
+        if raw["job"].get("webhook"):  # one more read, only for the jobs that asked for webhooks
+            job["webhook"] = {"url": raw["job"]["webhook"], "events": raw["job"]["webhook_events"].split(","),
+                              "deliveries": [json.loads(item) for item in
+                                             self.redis.lrange(self.keys.webhook_deliveries(job_id), 0, -1)]}
         return job
 
     def events_after(self, job_id: str, after: str, block_ms: int | None = None,

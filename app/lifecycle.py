@@ -14,11 +14,12 @@ Statuses (the `status` field of a track hash; clients see `state`, derived from 
   running:S     stage S runs under a lease {p}:lease:{job}:{track}: in the queue's load set; the worker's
                 current stage names it
   waiting:S     the stage before S finished; S's message is on the queue: in the queue's load set
-  done | failed | canceled   terminal: in no set, never changed again
+  done | failed | canceled   terminal: in no set; only a `retry` (failed, canceled) changes them again
 
 Layout (prefix `encore` by default; job keys expire with the job):
-  {p}:job:{id}                 hash: kind, params, num_tracks, created_at, expires_at, n_waiting/n_active/
-                               n_done/n_failed/n_canceled (tracks per category, kept by the transition)
+  {p}:job:{id}                 hash: kind, params, num_tracks, created_at, expires_at, priority (app/priority.py),
+                               n_waiting/n_active/n_done/n_failed/n_canceled (tracks per category, kept by the
+                               transition)
   {p}:job:{id}:track:{i}       hash: status, state, stage, queue, worker, progress, detail, error, task_ids,
                                stages, artifacts, seq, cost, attempts, restarts, version, updated_at, ...
   {p}:cancel:{id}              set once the job was canceled
@@ -28,8 +29,9 @@ Layout (prefix `encore` by default; job keys expire with the job):
   {p}:jobs:{kind}:{state}      zset of job ids in that overall state, scored by expiry (gauges: ZCOUNT)
   {p}:created                  zset of created "job:track" by creation time (the reaper parks any the
                                submitter never routed: it died in between)
-  {p}:unrouted                 zset of parked "job:track" by submission order
-  {p}:queue:{q}:waiting        zset of queued "job:track" by submission order (queue positions)
+  {p}:unrouted                 zset of parked "job:track" by priority, then submission order (the order
+                               they are dispatched in)
+  {p}:queue:{q}:waiting        zset of queued "job:track" by priority, then submission order (queue positions)
   {p}:queue:{q}:load           zset of "job:track" not finished on q, scored by estimated cost
   {p}:queue:{q}:cost           the sum of that set's scores, in thousandths (routing reads one key)
   {p}:queues                   set of every queue a track was assigned to
@@ -39,10 +41,16 @@ Layout (prefix `encore` by default; job keys expire with the job):
   {p}:job:{id}:events          stream of the same events (the newest ENCORE_EVENTS_MAXLEN), expiring with the
                                job: its entry ids are the SSE event ids a client resumes from
   {p}:idempotency:{scope}:{h}  "body hash|job id" of a submission made with an Idempotency-Key (app/idempotency.py)
+  {p}:webhooks:outbox          webhook messages written by the transitions (a transactional outbox), and
+  {p}:webhooks:in-flight:{w}   those webhook worker w took; {p}:webhooks:seq their counter;
+  {p}:job:{id}:webhooks        the job's delivery attempts (app/webhooks.py)
   {p}:workers, {p}:worker:{name}, {p}:worker:{name}:current, {p}:queue:{q}:live_at   worker registry
   {p}:metrics:*                stage-duration histograms, submission counters
+  {p}:throughput               hash "queue|kind|stage" -> learned seconds per cost unit (+ "|n" samples, "|cold"
+                               when it came from a stage that loaded models): the ETA and routing (app/eta.py)
+  {p}:ratelimit*               the submit routes' per-token rate-limit windows (Flask-Limiter, app/ratelimit.py)
   {p}:artifact(s):*            artifacts in the Redis store (app/artifacts.py)
-  {p}:lock:*                   short locks (the reaper)
+  {p}:lock:*                   short locks (the reaper; admission under the open-track caps, app/quotas.py)
 
 The script builds the keys of the queue a track is on from its hash, so it runs on a standalone Redis or a
 Sentinel-managed primary, not on Redis Cluster.
@@ -57,6 +65,7 @@ from typing import Any
 import redis
 
 from app.kinds import KINDS
+from app.priority import DEFAULT_PRIORITY, RANK, RANK_SPAN
 
 CREATED, PARKED, QUEUED, DONE, FAILED, CANCELED = "created", "parked", "queued", "done", "failed", "canceled"
 RUNNING, WAITING = "running", "waiting"
@@ -93,6 +102,18 @@ class Layout:
 
     def idempotency(self, scope: str, key_hash: str) -> str:
         return f"{self.prefix}:idempotency:{scope}:{key_hash}"
+
+    @property
+    def webhook_outbox(self) -> str:
+        """Webhook messages the transitions wrote, not yet handed to a delivery task (app/webhooks.py)."""
+        return f"{self.prefix}:webhooks:outbox"
+
+    def webhook_in_flight(self, worker: str) -> str:
+        return f"{self.prefix}:webhooks:in-flight:{worker}"
+
+    def webhook_deliveries(self, job_id: str) -> str:
+        """The job's delivery attempts (JSON each), expiring with it."""
+        return f"{self.prefix}:job:{job_id}:webhooks"
 
     @property
     def jobs(self) -> str:
@@ -145,6 +166,16 @@ class Layout:
 
     def lock(self, name: str) -> str:
         return f"{self.prefix}:lock:{name}"
+
+    @property
+    def throughput(self) -> str:
+        """Learned seconds per cost unit, field "queue|kind|stage" (app/eta.py)."""
+        return f"{self.prefix}:throughput"
+
+    @property
+    def rate_limits(self) -> str:
+        """The prefix of the submit routes' rate-limit counters (app/ratelimit.py)."""
+        return f"{self.prefix}:ratelimit"
 
     def metric(self, *parts: str) -> str:
         return ":".join((self.prefix, "metrics", *parts))
@@ -218,16 +249,20 @@ TRANSITIONS: dict[str, Transition] = {
     "fail": Transition(("open",), FAILED, "free", False, "its stage failed, timed out, or gave up"),
     "cancel": Transition(("open",), CANCELED, "free", False,
                          "the job was canceled and no live stage will see the flag (or the stage itself stops)"),
+    "retry": Transition((FAILED, CANCELED), PARKED, "free", False,
+                        "a client re-runs a failed or canceled track (POST /api/v1/jobs/<id>/retry) from its first "
+                        "unfinished stage: counted in `retries`, its restart budget fresh, the job's cancel flag "
+                        "cleared (refused while a sibling is still being canceled)"),
 }
 
 # Track fields stored as JSON (everything else is a plain string). Never decoded by Lua's cjson, which would turn
 # every empty list, however deep, into {}: Python parses them, and the read script splices them in raw.
-JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts",
+JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts", "retries",
                "song", "version", "params", "updated_at")
 
 # Fields only the script writes; others (detail, progress, error, stages, artifacts, song, attempts) are
 # passed by the caller and written with the transition.
-STRUCTURAL = ("status", "state", "stage", "queue", "task_ids", "version", "restarts", "seq", "updated_at",
+STRUCTURAL = ("status", "state", "stage", "queue", "task_ids", "version", "restarts", "retries", "seq", "updated_at",
               "worker", "cost")
 
 
@@ -247,12 +282,16 @@ def _generated_tables() -> str:
              for name, t in TRANSITIONS.items()}
     stages = {kind.name: [stage.name for stage in kind.stages] for kind in KINDS.values()}
     display = {kind.name: {stage.name: stage.state for stage in kind.stages} for kind in KINDS.values()}
+    ranks = {level: str(rank) for level, rank in RANK.items()}
     return (f"local T = {_lua_table(table)}\nlocal STAGES = {_lua_table(stages)}\n"
-            f"local DISPLAY = {_lua_table(display)}\nlocal STRUCTURAL = {_lua_table({f: True for f in STRUCTURAL})}\n")
+            f"local DISPLAY = {_lua_table(display)}\nlocal STRUCTURAL = {_lua_table({f: True for f in STRUCTURAL})}\n"
+            f"local RANK = {_lua_table(ranks)}\nlocal RANK_SPAN = {RANK_SPAN}\n"
+            f"local DEFAULT_RANK = {RANK[DEFAULT_PRIORITY]}\n")
 
 
 _TRANSITION = r"""
--- ARGV: prefix, event, job id, track, now, args (JSON), fields (JSON object of strings), the events stream's length
+-- ARGV: prefix, event, job id, track, now, args (JSON), fields (JSON object of strings), the events stream's length,
+--       seconds between a job's progress webhooks
 local P, event, job_id, track, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local a = cjson.decode(ARGV[6])
 local fields = cjson.decode(ARGV[7])
@@ -310,6 +349,12 @@ if a.task_id and not string.find(task_ids, '"' .. a.task_id .. '"', 1, true) the
   return {0, status, 'the delivery is not of the track\'s current chain'}
 end
 if event == 'adopt' and task_ids == '[]' then return {0, status, 'the track has no chain'} end
+if event == 'retry' and redis.call('EXISTS', P .. ':cancel:' .. job_id) == 1 then
+  local open = tonumber(redis.call('HGET', job_key, 'n_waiting') or '0') +
+               tonumber(redis.call('HGET', job_key, 'n_active') or '0')
+  if open > 0 then return {0, status, 'the job is still being canceled'} end
+  redis.call('DEL', P .. ':cancel:' .. job_id)  -- a retried job is no longer canceled
+end
 
 -- the target
 local target = rule.target
@@ -355,11 +400,15 @@ local function leave(s, q)
     end
   end
 end
+local function order()  -- parked and queued tracks: the job's priority first, then submission order
+  local rank = tonumber(RANK[redis.call('HGET', job_key, 'priority') or ''] or DEFAULT_RANK)
+  return string.format('%.0f', rank * RANK_SPAN + tonumber(seq))
+end
 local function enter(s, q)
   if s == 'created' then redis.call('ZADD', P .. ':created', now, m) end
-  if s == 'parked' then redis.call('ZADD', P .. ':unrouted', seq, m) end
+  if s == 'parked' then redis.call('ZADD', P .. ':unrouted', order(), m) end
   if s == 'queued' then
-    redis.call('ZADD', P .. ':queue:' .. q .. ':waiting', seq, m)
+    redis.call('ZADD', P .. ':queue:' .. q .. ':waiting', order(), m)
     redis.call('SADD', P .. ':queues', q)
   end
   if in_load(s) and redis.call('ZADD', P .. ':queue:' .. q .. ':load', cost, m) == 1 then
@@ -372,7 +421,7 @@ if event == 'submit' then
   cost = tonumber(a.cost or '0')
   milli = math.floor(cost * 1000 + 0.5)
   redis.call('HSET', key, 'track', track, 'seq', seq, 'cost', cost, 'queue', '', 'worker', '', 'task_ids', '[]',
-             'restarts', 0, 'attempts', 0, 'stage', '', 'error', '', 'progress', '0.0', 'artifacts', '[]',
+             'restarts', 0, 'retries', 0, 'attempts', 0, 'stage', '', 'error', '', 'progress', '0.0', 'artifacts', '[]',
              'stages', '{}')
   redis.call('EXPIRE', key, redis.call('TTL', job_key))
 end
@@ -423,11 +472,13 @@ local function overall()
   return 'failed'
 end
 local before_cat, after_cat = category(status), category(target)
+local job_before, job_after = nil, nil
 if before_cat ~= after_cat then
   local before = overall()
   if before_cat then redis.call('HINCRBY', job_key, 'n_' .. before_cat, -1) end
   redis.call('HINCRBY', job_key, 'n_' .. after_cat, 1)
   local after = overall()
+  job_before, job_after = before, after
   if before ~= after then
     local expires = redis.call('HGET', job_key, 'expires_at')
     if before then redis.call('ZREM', P .. ':jobs:' .. kind .. ':' .. before, job_id) end
@@ -443,6 +494,10 @@ redis.call('HSET', key, 'status', target, 'state', state, 'stage', new_stage, 'q
 if event == 'route' or event == 'resend' then redis.call('HSET', key, 'task_ids', a.task_ids) end
 if target == 'parked' then redis.call('HSET', key, 'task_ids', '[]') end
 if event == 'restart' and target == 'parked' then redis.call('HSET', key, 'restarts', restarts + 1) end
+if event == 'retry' then
+  redis.call('HINCRBY', key, 'retries', 1)
+  redis.call('HSET', key, 'restarts', 0, 'worker', '')
+end
 for name, value in pairs(fields) do redis.call('HSET', key, name, value) end
 local version = redis.call('HINCRBY', key, 'version', 1)
 
@@ -456,6 +511,30 @@ payload.id = redis.call('XADD', stream, 'MAXLEN', tonumber(ARGV[8] or '1000'), '
 local ttl = redis.call('TTL', job_key)
 if ttl > 0 then redis.call('EXPIRE', stream, ttl) end
 redis.call('PUBLISH', P .. ':events:' .. job_id, cjson.encode(payload))
+
+-- a webhook, when the job asked for this kind of event: into the outbox in this same step (app/webhooks.py)
+local hook = redis.call('HGET', job_key, 'webhook_events')
+if hook and hook ~= '' then
+  local wtype = nil
+  if job_after and job_after ~= job_before then
+    if job_after == 'running' and job_before == 'queued' then wtype = 'start'
+    elseif job_after == 'done' then wtype = 'completed'
+    elseif job_after == 'failed' or job_after == 'partial' then wtype = 'failed'
+    elseif job_after == 'canceled' then wtype = 'canceled' end
+  elseif event == 'report' and fields.progress then
+    local last = tonumber(redis.call('HGET', job_key, 'webhook_progress_at') or '0')
+    if tonumber(now) - last >= tonumber(ARGV[9] or '5') then
+      wtype = 'progress'
+      redis.call('HSET', job_key, 'webhook_progress_at', now)
+    end
+  end
+  if wtype and string.find(',' .. hook .. ',', ',' .. wtype .. ',', 1, true) then
+    local n = redis.call('INCR', P .. ':webhooks:seq')
+    redis.call('RPUSH', P .. ':webhooks:outbox', cjson.encode({id = 'msg_' .. job_id .. '_' .. n, type = wtype,
+      job_id = job_id, at = tonumber(now), data = payload}))
+    redis.call('LTRIM', P .. ':webhooks:outbox', -100000, -1)
+  end
+end
 return {result, target, ''}
 """
 
@@ -559,10 +638,12 @@ class Outcome:
 class Lifecycle:
     """Runs the transition table against one Redis."""
 
-    def __init__(self, client: redis.Redis, layout: Layout, events_maxlen: int = 1000):
+    def __init__(self, client: redis.Redis, layout: Layout, events_maxlen: int = 1000,
+                 webhook_progress_s: float = 5.0):
         self.redis = client
         self.layout = layout
         self.events_maxlen = events_maxlen
+        self.webhook_progress_s = webhook_progress_s
         self._script = client.register_script(_generated_tables() + _TRANSITION)
         self._read_job = client.register_script(_READ_JOB)
         self._snapshot = client.register_script(_SNAPSHOT)
@@ -572,7 +653,8 @@ class Lifecycle:
         """Make one transition (see TRANSITIONS); `fields` are written with it (non-strings as JSON)."""
         encoded = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (fields or {}).items()}
         argv = [self.layout.prefix, event, job_id, str(track), repr(time.time()),
-                json.dumps(args or {}), json.dumps(encoded) if encoded else "{}", str(self.events_maxlen)]
+                json.dumps(args or {}), json.dumps(encoded) if encoded else "{}", str(self.events_maxlen),
+                repr(self.webhook_progress_s)]
         reply = self._script(keys=[], args=argv, client=client or self.redis)
         if client is not None and client is not self.redis:
             return Outcome(True, False, "")  # queued in a pipeline: its reply comes with the pipeline's

@@ -73,6 +73,39 @@ def restart_track(svc: Services, celery: Celery, job_id: str, track: int, record
     return "restarted"
 
 
+class RetryRefused(ValueError):
+    """A retry that cannot be made: the job is still open, or none of its tracks failed or was canceled."""
+
+
+def retry_job(svc: Services, celery: Celery, job_id: str) -> list[int]:
+    """Re-run every failed or canceled track of an ended job (the `retry` transition), with its own seed and
+    parameters, from its first unfinished stage (music keeps its finished stages' artifacts; lip-sync starts
+    over: its intermediates were in a worker's local scratch); routed now, or parked until a worker is live.
+    Returns the tracks retried."""
+    record = svc.jobs.record(job_id)
+    if record is None:
+        raise KeyError(job_id)
+    if record["state"] in ("queued", "running"):
+        raise RetryRefused(f"the job is still {record['state']}: retry it once it has ended")
+    ended = [t for t in record["tracks"] if t["status"] in ("failed", "canceled")]
+    if not ended:
+        raise RetryRefused("nothing to retry: every track is done")
+    retried = []
+    for track in ended:
+        kept = finished_stages(svc, job_id, track)
+        resume = f"after {', '.join(kept)}" if kept else "from its first stage"
+        outcome = svc.jobs.transition("retry", job_id, track["track"], {
+            "stages": kept, "progress": 0.0, "error": "", "detail": f"retrying {resume} (was {track['status']})"})
+        if outcome:
+            retried.append(track["track"])
+    for track in retried:
+        queue = pick_queue(svc)
+        if queue is not None:
+            enqueue_track(svc, celery, job_id, track, queue)
+    job_event(log, "retried", job_id, tracks=",".join(map(str, retried)))
+    return retried
+
+
 def _drop_chain(svc: Services, celery: Celery, record: dict[str, Any]) -> None:
     """The messages of a track's old chain out of its queue's broker lists and kombu's `unacked` hash."""
     options = dict(celery.conf.broker_transport_options or {})

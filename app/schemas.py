@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.music.positions import longest_song_for
+from app.priority import DEFAULT_PRIORITY, Priority
 
 MAX_SEED = 2**31 - 1
 
@@ -34,6 +35,13 @@ class MusicRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     temperature: float = Field(default=1.0, ge=0.6, le=1.4)
     top_k: int = Field(default=80, ge=1, le=200)
+    webhook: str | None = Field(default=None, max_length=2000, description="an http(s) URL that receives the job's "
+                                "events, signed the Standard Webhooks way (README: Webhooks)")
+    webhook_events: list[Literal["start", "progress", "completed", "failed", "canceled"]] | None = Field(
+        default=None, min_length=1, description="which events to send (default: start, completed, failed, canceled)")
+    priority: Priority = Field(default=DEFAULT_PRIORITY, description="orders the first stages of jobs waiting for a "
+                               "GPU (high before normal before low, then by submission); a started job's later "
+                               "stages still run before any other job's first stage")
 
     @field_validator("tags", "prompt", "lyrics")
     @classmethod
@@ -133,6 +141,9 @@ class Accepted(BaseModel):
     status_url: str
     queue_position: int
     state: str
+    eta_s: float | None = Field(default=None, description="estimated seconds until the job is done, the work queued "
+                                "ahead of it included, from each GPU queue's learned stage rates; 0 once it ended, "
+                                "null while a track waits for a live worker")
     note: str | None = None
 
 
@@ -168,6 +179,7 @@ class TrackReply(_Open):
     downloads: dict[str, str]
     queue_position: int | None = None
     restarts: int
+    retries: int = Field(default=0, description="times a client re-ran the track (POST /api/v1/jobs/<id>/retry)")
     attempts: int
     version: int
     updated_at: float | None = None
@@ -185,6 +197,13 @@ class JobReply(_Open):
     queue_position: int
     cancel_requested: bool
     tracks: list[TrackReply]
+    eta_s: float | None = Field(default=None, description="estimated seconds until the job is done, the work queued "
+                                "ahead of it included, from each GPU queue's learned stage rates; 0 once it ended, "
+                                "null while a track waits for a live worker")
+
+
+class RetryReply(JobReply):
+    retried: list[int] = Field(description="the tracks queued again")
 
 
 class JobList(BaseModel):

@@ -27,7 +27,8 @@ def build_services(settings: Settings) -> Services:
     return Services(
         settings=settings,
         redis=text_client,
-        jobs=JobStore(text_client, settings.key_prefix, settings.job_ttl_s, settings.events_maxlen),
+        jobs=JobStore(text_client, settings.key_prefix, settings.job_ttl_s, settings.events_maxlen,
+                      settings.webhook_progress_s),
         workers=WorkerRegistry(text_client, settings.key_prefix, settings.heartbeat_s),
         artifacts=open_store(settings, bytes_client),
     )

@@ -14,6 +14,8 @@ from app.joblog import job_event
 from app.metrics import count_submission
 from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.profiles import MusicProfile
+from app.priority import DEFAULT_PRIORITY
+from app.quotas import admission
 from app.routing import route_job
 from app.pipeline.music.positions import longest_song_for
 from app.schemas import MusicRequest, describe_validation_error, untokenizable
@@ -54,26 +56,32 @@ def validate_music(body: dict[str, Any], settings: Settings, profile: MusicProfi
 
 
 def submit_music(svc: Services, celery: Celery, req: MusicRequest, profile: MusicProfile,
-                 job_id: str | None = None, **extra: Any) -> str:
+                 job_id: str | None = None, webhook: dict[str, Any] | None = None, **extra: Any) -> str:
     """Create the job record (one track per requested track, seeds seed+i) and route its tracks; `job_id` when
-    the caller drew it (an idempotent submit)."""
+    the caller drew it (an idempotent submit); `webhook` as app/webhooks.check_target gives it."""
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - req.num_tracks)
     params = {
         "mode": req.mode, "tags": req.tags or "", "prompt": req.prompt or "",
         "lyrics": clean_lyrics(req.lyrics) if req.mode == "vocal" and req.lyrics else "",
         "duration_s": req.duration_s, "num_tracks": req.num_tracks, "seed": seed,
-        "temperature": req.temperature, "top_k": req.top_k, "profile": profile.name, **extra,
+        "temperature": req.temperature, "top_k": req.top_k, "profile": profile.name, "priority": req.priority,
+        **extra,
     }
     tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
-    job_id = create_job(svc, "music", params, tracks, float(req.duration_s), job_id=job_id, duration_s=req.duration_s)
+    job_id = create_job(svc, "music", params, tracks, float(req.duration_s), job_id=job_id, webhook=webhook,
+                        duration_s=req.duration_s)
     route_job(svc, celery, job_id, req.num_tracks)
     return job_id
 
 
 def create_job(svc: Services, kind: str, params: dict[str, Any], tracks: list[dict[str, Any]], cost: float,
-               job_id: str | None = None, **log_fields: Any) -> str:
-    """Write the record, count the submission and log it; the caller routes once the job's inputs exist."""
-    job_id = svc.jobs.create(kind, params, tracks, cost=cost, job_id=job_id)
+               job_id: str | None = None, webhook: dict[str, Any] | None = None, **log_fields: Any) -> str:
+    """Write the record, count the submission and log it; the caller routes once the job's inputs exist. The
+    job's priority is the one its params record (normal, recorded there, when they name none)."""
+    params = {**params, "priority": params.get("priority", DEFAULT_PRIORITY)}
+    priority = params["priority"]
+    with admission(svc, len(tracks)):  # QueueFull (429) when the job would pass a cap on open tracks
+        job_id = svc.jobs.create(kind, params, tracks, cost=cost, job_id=job_id, webhook=webhook, priority=priority)
     count_submission(svc, kind)
-    job_event(log, "submitted", job_id, kind=kind, tracks=len(tracks), **log_fields)
+    job_event(log, "submitted", job_id, kind=kind, tracks=len(tracks), priority=priority, **log_fields)
     return job_id

@@ -20,6 +20,7 @@ from app.pipeline.lipsync.frames import output_frame_count
 from app.pipeline.media.ffmpeg import MediaError
 from app.pipeline.media.probe import MediaInfo, probe
 from app.pipeline.profiles import LipsyncProfile
+from app.priority import DEFAULT_PRIORITY, Priority
 from app.schemas import describe_validation_error
 
 FILE_FIELDS = ("video", "audio")
@@ -42,6 +43,12 @@ class LipsyncForm(BaseModel):
                               "video's own (25 when unknown or above 120)")
     extra_margin: int | None = Field(default=None, ge=0, le=200, description="pixels added below the face box")
     batch_size: int | None = Field(default=None, ge=1, le=256, description="frames per UNet batch")
+    webhook: str | None = Field(default=None, max_length=2000, description="an http(s) URL that receives the job's "
+                                "events, signed the Standard Webhooks way")
+    webhook_events: str | None = Field(default=None, max_length=100, description="comma-separated: start, progress, "
+                                       "completed, failed, canceled (default: all but progress)")
+    priority: Priority | None = Field(default=None, description="high, normal (the default) or low: orders the first "
+                                      "stages of jobs waiting for a GPU; a started job's later stages still run first")
 
 
 @dataclass
@@ -151,4 +158,5 @@ def _params(fields: LipsyncForm, fps: float, fps_from: str, video: MediaInfo, au
         "output_frames": output_frame_count(audio_seconds, fps),
         "inputs": {name: path.name for name, path in files.items()},
         "profile": profile.name,
+        "priority": fields.priority or DEFAULT_PRIORITY,
     }

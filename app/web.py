@@ -12,22 +12,29 @@ from typing import Any, Callable
 
 import redis
 from flask import Flask, Response, has_request_context, jsonify, request, send_file
+from flask_limiter.errors import RateLimitExceeded
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from app.celery_app import make_celery
 from app import idempotency
 from app.config import Settings, load_settings
+from app.eta import job_etas
 from app.events import HEADERS as SSE_HEADERS, JOB_END_STATES, job_events, valid_event_id
 from app.http_input import BodyError, json_object
 from app.joblog import job_event
 from app.khala_api import make_blueprint
 from app.metrics import make_registry
-from app.openapi import DOWNLOAD_REPLIES, build_spec, documented
+from app.openapi import DOWNLOAD_REPLIES, TOO_MANY, build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile
 from app.routing import drain_queue, known_queues, resume_queue, route_job
+from app.quotas import QueueFull
+from app.ratelimit import install as install_rate_limits
 from app.readiness import readiness
-from app.schemas import Accepted, DrainReply, HealthReply, JobList, JobReply, MusicRequest, ReadyReply, StatusReply
+from app.recovery import RetryRefused, retry_job
+from app.webhooks import WebhookRefused, check_target, split_events
+from app.schemas import (Accepted, DrainReply, HealthReply, JobList, JobReply, MusicRequest, ReadyReply, RetryReply,
+                         StatusReply)
 from app.services import Services, build_services
 from app.snapshot import take_snapshot
 from app.submissions import (RequestError, create_job, longest_song, music_limits,
@@ -41,7 +48,8 @@ MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
 IDEMPOTENCY_HEADER = idempotency.OPENAPI_HEADER
 IDEMPOTENT_REPLIES: dict[int, Any] = {
     200: ("an earlier request with this Idempotency-Key made this job", Accepted),
-    409: "the Idempotency-Key was used with a different body (or its first request is still running)"}
+    409: "the Idempotency-Key was used with a different body (or its first request is still running)",
+    429: TOO_MANY}
 SSE_EVENT = {"type": "object", "description": "one server-sent event", "properties": {  # what clients parse
     "event": {"type": "string", "enum": ["message", "end"]}, "id": {"type": "string"},
     "data": {"type": "string", "description": "a JSON object: the track event, or (end) the job's final state"},
@@ -96,6 +104,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     _register_errors(app)
     _time_out_idle_bodies(app, settings.body_idle_s)
     _require_token(app, settings.api_tokens)
+    install_rate_limits(app, settings)  # after the token check: an unauthenticated request counts against nobody
     _register_khala_contract(app, svc, celery_app, settings, profile)
     registry = make_registry(svc, dict(celery_app.conf.broker_transport_options or {}))
 
@@ -144,8 +153,13 @@ def create_app(settings: Settings | None = None) -> Flask:
             return error(400, str(exc), exc.field)
         except RequestError as exc:
             return error(400, str(exc), exc.field)
+        try:
+            webhook = check_target(req.webhook, req.webhook_events, settings)
+        except WebhookRefused as exc:
+            return error(400, str(exc), exc.field)
         job_id, replayed = _submit_once(svc, settings, key, lambda: idempotency.json_digest(body),
-                                        lambda new_id: submit_music_job(svc, celery_app, req, profile, job_id=new_id))
+                                        lambda new_id: submit_music_job(svc, celery_app, req, profile, job_id=new_id,
+                                                                        webhook=webhook))
         return _accepted(svc, job_id, replayed)
 
     @app.post("/api/v1/lipsync")
@@ -165,12 +179,15 @@ def create_app(settings: Settings | None = None) -> Flask:
             return error(413, f"body: at most {MAX_FORM_PARTS} form parts, and form fields (besides the files) "
                               f"of at most {MAX_FORM_MEMORY_BYTES} bytes", "body")
         try:
+            webhook = check_target(form.get("webhook"), split_events(form.get("webhook_events")), settings)
             upload = receive_lipsync(form, files, settings, lipsync_profile)
+        except WebhookRefused as exc:
+            return error(400, str(exc), exc.field)
         except UploadError as exc:
             return error(exc.status, str(exc), exc.field)
         def create(new_id: str | None) -> str:
             job_id = create_job(svc, "lipsync", upload.params, [{}], float(upload.params["audio_duration_s"]),
-                                job_id=new_id, frames=upload.params["output_frames"],
+                                job_id=new_id, webhook=webhook, frames=upload.params["output_frames"],
                                 audio_s=round(upload.params["audio_duration_s"], 3))
             for path in upload.files.values():
                 svc.artifacts.put(job_id, path.name, path, settings.job_ttl_s)
@@ -198,7 +215,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         """Recent jobs, newest first (?limit=50, at most 500)."""
         limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
         records = [svc.jobs.record(job_id) for job_id in svc.jobs.recent_job_ids(limit)]
-        return jsonify({"jobs": [_public(r) for r in records if r]})
+        return jsonify({"jobs": _with_eta(svc, [r for r in records if r])})
 
     @app.get("/api/v1/jobs/<job_id>")
     @documented("A job's record", responses={200: ("the record", JobReply), 404: "unknown job"})
@@ -207,7 +224,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         record = svc.jobs.record(job_id)
         if record is None:
             return error(404, f"job {job_id} not found")
-        return jsonify(_public(record))
+        return jsonify(_with_eta(svc, [record])[0])
 
     @app.get("/api/v1/jobs/<job_id>/events")
     @documented("The job's state and progress changes as server-sent events, until it ends",
@@ -238,7 +255,21 @@ def create_app(settings: Settings | None = None) -> Flask:
         if task_ids:
             celery_app.control.revoke(task_ids)
         job_event(log, "cancel_requested", job_id)
-        return jsonify(_public(svc.jobs.record(job_id)))
+        return jsonify(_with_eta(svc, [svc.jobs.record(job_id)])[0])
+
+    @app.post("/api/v1/jobs/<job_id>/retry")
+    @documented("Re-run a job's failed or canceled tracks from their first unfinished stage (same seed)",
+                responses={200: ("the record, the tracks queued again (each counts it in `retries`)", RetryReply),
+                           404: "unknown job", 409: "the job is still running, or no track failed or was canceled"})
+    def retry(job_id: str):
+        try:
+            retried = retry_job(svc, celery_app, job_id)
+        except KeyError:
+            return error(404, f"job {job_id} not found")
+        except RetryRefused as exc:
+            return error(409, f"job: {exc}", "job")
+        reply = _with_eta(svc, [svc.jobs.record(job_id)])[0]
+        return jsonify({**reply, "retried": retried})
 
     @app.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
     @documented("Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)",
@@ -320,7 +351,8 @@ def _accepted(svc: Services, job_id: str, replayed: bool = False):
     """202 for a new job; 200 (same body) for the job an earlier request with the same Idempotency-Key made."""
     record = svc.jobs.record(job_id)
     body = {"job_id": job_id, "status_url": f"/api/v1/jobs/{job_id}",
-            "queue_position": record["queue_position"], "state": record["state"]}
+            "queue_position": record["queue_position"], "state": record["state"],
+            "eta_s": job_etas(svc, [record])[0]}
     if any(not t["queue"] for t in record["tracks"]) and record["state"] not in JOB_END_STATES:
         body["note"] = "no worker is live: the job waits until one starts"
     reply = jsonify(body)
@@ -342,6 +374,11 @@ def _submit_once(svc: Services, settings: Settings, key: str | None, body_hash: 
         return create(None), False
     owner = idempotency.scope(request.headers.get("Authorization", ""), settings.api_tokens)
     return idempotency.submit_once(svc, owner, key, body_hash(), create)
+
+
+def _with_eta(svc: Services, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records as clients see them, each with its `eta_s` (one read of their queues for all of them)."""
+    return [{**_public(record), "eta_s": eta} for record, eta in zip(records, job_etas(svc, records))]
 
 
 def _public(record: dict[str, Any]) -> dict[str, Any]:
@@ -437,6 +474,17 @@ def _register_errors(app: Flask) -> None:
         if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
             reply.headers["Allow"] = ", ".join(sorted(exc.valid_methods))
         return reply, status
+
+    @app.errorhandler(QueueFull)
+    def queue_full(exc: QueueFull):
+        reply, status = error(429, str(exc), "queue")
+        reply.headers["Retry-After"] = str(exc.retry_after_s)
+        return reply, status
+
+    @app.errorhandler(RateLimitExceeded)
+    def rate_limited(exc: RateLimitExceeded):
+        return error(429, f"rate limit: at most {exc.description} submissions per token; see Retry-After",
+                     "authorization")
 
     @app.errorhandler(idempotency.IdempotencyError)
     def idempotency_refused(exc: idempotency.IdempotencyError):

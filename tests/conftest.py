@@ -174,6 +174,25 @@ class Stack:
             self.wait_worker(gpu, "idle")
         return proc
 
+    def start_webhook_worker(self, **env: str) -> subprocess.Popen:
+        """The webhook worker as deployed (celery -Q webhooks -P threads), logging to logs/webhooks.log; returns
+        once its pump has started."""
+        log = self.root / "logs" / "webhooks.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([PYTHON, "-m", "celery", "-A", "app", "worker", "-Q", "webhooks", "-P", "threads",
+                                     "-c", "4", "-n", f"webhooks{self.db}@%h", "--loglevel", "INFO"], cwd=REPO,
+                                    env={**os.environ, **self.env, **env}, start_new_session=True, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        self._gunicorns.append(proc)  # stopped with the stack, as the web servers are
+
+        def pumping() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"the webhook worker exited: {log.read_text(errors='replace')[-3000:]}")
+            return "role=webhooks" in log.read_text(errors="replace")
+        wait_until(pumping, 60, 0.2, "the webhook worker")
+        return proc
+
     def worker_status(self, gpu: int) -> dict | None:
         for worker in self.client.get("/api/v1/status", headers=self.auth).get_json()["workers"]:
             if worker["name"].startswith(f"gpu{gpu}@"):

@@ -30,10 +30,12 @@ def test_compose_file_is_valid_and_secure_by_default():
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     services = config["services"]
-    assert set(services) == {"redis", "web", "flower", "worker-gpu0", "worker-gpu1"}
+    assert set(services) == {"redis", "web", "flower", "webhooks", "worker-gpu0", "worker-gpu1"}
+    webhooks = services["webhooks"]["command"]
+    assert webhooks[webhooks.index("-Q") + 1] == "webhooks" and "deploy" not in services["webhooks"]  # no GPU
     redis_cmd = services["redis"]["command"]
     assert "--appendonly" in redis_cmd and redis_cmd[redis_cmd.index("--requirepass") + 1] == "s3cret-redis"
-    for name in ("web", "flower", "worker-gpu0", "worker-gpu1"):
+    for name in ("web", "flower", "webhooks", "worker-gpu0", "worker-gpu1"):
         env = services[name]["environment"]
         assert env["REDIS_URL"] == "redis://:s3cret-redis@redis:6379/0"
         assert any(v["target"] == "/data" if isinstance(v, dict) else v.endswith(":/data:rw")

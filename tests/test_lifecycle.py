@@ -33,10 +33,11 @@ ALLOWED = {
     ("resend", ""): {"queued", "waiting:superres", "waiting:decode"},
     ("fail", ""): set(OPEN),
     ("cancel", ""): set(OPEN),
+    ("retry", ""): {"failed", "canceled"},
 }
 # where an allowed event leaves a track
 TARGET = {"submit": "created", "park": "parked", "route": "queued", "unroute": "parked", "adopt": "running:backbone",
-          "release": "queued", "restart": "parked", "fail": "failed", "cancel": "canceled"}
+          "release": "queued", "restart": "parked", "fail": "failed", "cancel": "canceled", "retry": "parked"}
 OWNER = "gpu0@a|t-run|1"
 
 

@@ -44,7 +44,7 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_reply(make_stack
     operations = [(path, method) for path, item in spec["paths"].items() for method in item]
     routes = [(rule, method) for rule in stack.app.url_map.iter_rules() if rule.endpoint != "static"
               for method in rule.methods - {"HEAD", "OPTIONS"}]
-    assert len(operations) == len(routes) == 26
+    assert len(operations) == len(routes) == 27
     assert all(op["security"] == ([] if path in ("/", "/healthz", "/readyz", "/metrics") else [{"bearer": []}])
                for path, item in spec["paths"].items() for op in item.values())
 

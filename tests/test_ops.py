@@ -96,8 +96,9 @@ def test_openapi_lists_every_route_with_request_schemas(make_stack):
     assert schema["else"]["required"] == ["lyrics"] and len(schema["anyOf"]) == 2  # lyrics unless instrumental
     lipsync = spec["paths"]["/api/v1/lipsync"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert set(lipsync["required"]) == {"video", "audio"} and lipsync["additionalProperties"] is False
-    assert set(lipsync["properties"]) == {"video", "audio", "fps", "extra_margin", "batch_size"}
-    assert set(spec["paths"]["/api/v1/lipsync"]["post"]["responses"]) == {"202", "400", "408", "413", "503"}
+    assert {"video", "audio", "fps", "extra_margin", "batch_size", "webhook", "webhook_events"} <= set(lipsync["properties"])
+    # 200: a repeat of an Idempotency-Key; 409: that key with another body
+    assert {"200", "202", "400", "408", "409", "413", "503"} <= set(spec["paths"]["/api/v1/lipsync"]["post"]["responses"])
     track = spec["paths"]["/api/v1/jobs/{job_id}/tracks/{file_name}"]["get"]["responses"]["200"]["content"]
     assert set(track) == {"audio/mpeg", "audio/wav"}
     assert spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"] \

@@ -1,6 +1,7 @@
-"""Worker life cycle: a heartbeat thread in the master (registry, routing of parked tracks, the reaper of
-app/recovery.py, artifact sweep); per-child set-up (torch threads, optional model preload). The master never
-touches CUDA. What a crashed predecessor left running is the reaper's: its lease expires."""
+"""Worker life cycle: a heartbeat thread in the master (registry with its cards' NVML readings, routing of
+parked tracks, the reaper of app/recovery.py, artifact sweep); per-child set-up (torch threads, optional model
+preload). The master never touches CUDA. What a crashed predecessor left running is the reaper's: its lease
+expires."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ import time
 from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
 from app.celery_app import celery
+from app.gpu import GpuProbe
 from app.kinds import KINDS
 from app.recovery import reap
 from app.routing import dispatch_unrouted
@@ -34,10 +36,11 @@ def _heartbeat_loop(hostname: str) -> None:
             "runtime_mode": svc.settings.runtime_mode, "profile": svc.settings.music_profile,
             "music_engine": svc.settings.music_engine, "kinds": ",".join(sorted(KINDS)),
             "pinned_to": _device_claim(), "started_at": time.time()}
+    gpus = GpuProbe(svc.settings.cuda_visible_devices)  # NVML, not CUDA: safe in the forking master
     last_sweep = 0.0
     while not _stop.is_set():
         try:
-            svc.workers.heartbeat(hostname, info)
+            svc.workers.heartbeat(hostname, {**info, **gpus.heartbeat_fields()})
             reap(svc, celery)
             dispatch_unrouted(svc, celery)  # parked tracks, including those the reaper just parked
             if time.monotonic() - last_sweep > SWEEP_EVERY_S:
@@ -59,8 +62,15 @@ def _device_claim() -> str:
 
 @worker_ready.connect
 def start_heartbeat(sender=None, **_: object) -> None:
+    """A GPU worker joins the registry and runs the heartbeat; the webhook worker (consuming only
+    ENCORE_WEBHOOK_QUEUE) stays out of the registry, so no track is ever routed to it, and pumps the outbox."""
     hostname = sender.hostname if sender is not None else celery.conf.get("worker_name", "worker")
     _stop.clear()
+    if _consumed_queues() == [services().settings.webhook_queue]:
+        from app.tasks.webhooks import pump_forever
+        threading.Thread(target=pump_forever, args=(hostname, _stop), name="encore-webhooks", daemon=True).start()
+        log.info("worker=%s event=ready role=webhooks", hostname)
+        return
     threading.Thread(target=_heartbeat_loop, args=(hostname,), name="encore-heartbeat", daemon=True).start()
     log.info("worker=%s event=ready queues=%s", hostname, ",".join(_consumed_queues()))
 
@@ -71,7 +81,8 @@ def stop_heartbeat(sender=None, **_: object) -> None:
     hostname = getattr(sender, "hostname", None)
     if hostname:
         svc = services()
-        svc.redis.delete(f"{svc.settings.key_prefix}:worker:{hostname}")  # offline at once, not after TTL
+        if _consumed_queues() != [svc.settings.webhook_queue]:
+            svc.redis.delete(f"{svc.settings.key_prefix}:worker:{hostname}")  # offline at once, not after TTL
 
 
 @worker_process_init.connect
