@@ -5,14 +5,17 @@ Why these values (see shared/DESIGN.md §1):
   hard time limits are enforced, and revoke(terminate=True) works; CUDA is only touched in the child.
 - acks_late + prefetch 1 + reject_on_worker_lost: a crash never loses a stage; redeliveries are capped by
   the stage machinery (app/tasks/stage.py), not here.
-- priority steps: later stages of a started job outrank the first stage of later jobs (FIFO across stages).
+- priority steps: later stages of a started job outrank the first stage of every other job (FIFO across
+  stages); first stages go by their job's priority level (app/priority.py: high 3, normal 6, low 9).
 """
 from app.config import load_settings
+from app.redis_conn import celery_connection
 
 _settings = load_settings()
 
-broker_url = _settings.redis_url
-result_backend = _settings.redis_url
+_connection = celery_connection(_settings)  # REDIS_URL, or sentinel:// URLs with REDIS_SENTINELS
+broker_url = _connection["broker_url"]
+result_backend = _connection["result_backend"]
 broker_connection_retry_on_startup = True
 
 task_serializer = "json"
@@ -41,6 +44,8 @@ broker_transport_options = {
     "priority_steps": list(range(10)),
     "sep": ":",
     "queue_order_strategy": "priority",
+    **_connection.get("broker_transport_options", {}),  # master_name (and the sentinels' password) with Sentinel
 }
-result_backend_transport_options = {"visibility_timeout": _settings.visibility_timeout_s}
+result_backend_transport_options = {"visibility_timeout": _settings.visibility_timeout_s,
+                                    **_connection.get("result_backend_transport_options", {})}
 visibility_timeout = _settings.visibility_timeout_s

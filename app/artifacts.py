@@ -1,9 +1,14 @@
 """Artifact store: where stages leave intermediates and results, addressed by (job id, file name).
 
-Two backends behind one interface:
+Three backends behind one interface:
 - `DirectoryStore` (default): a directory every worker and the web can see (a shared volume).
 - `RedisStore`: files chunked into Redis lists that expire with the job, for workers on hosts without a
   shared filesystem. Readers get a local copy in a cache directory.
+- `S3Store`: objects in an S3-compatible bucket (AWS, MinIO, SeaweedFS, ...) through boto3, for hosts that
+  share nothing but Redis and the bucket. Large files go up in multipart uploads (boto3's transfer manager);
+  readers keep a local copy in a cache directory; objects are deleted explicitly once their job's record has
+  expired (the workers' periodic sweep lists the job prefixes and removes those of gone jobs: no bucket
+  lifecycle rule is needed, and none is assumed). Downloads can be handed out as presigned URLs.
 Names are validated so a download can never escape the store.
 """
 from __future__ import annotations
@@ -35,6 +40,7 @@ class ArtifactStore(Protocol):
     def local_path(self, job_id: str, name: str) -> Path: ...
     def delete_job(self, job_id: str) -> None: ...
     def sweep(self, job_exists: Callable[[str], bool]) -> list[str]: ...
+    def presigned_url(self, job_id: str, name: str, filename: str) -> str | None: ...
 
 
 class DirectoryStore:
@@ -66,6 +72,9 @@ class DirectoryStore:
     def delete_job(self, job_id: str) -> None:
         if is_job_id(job_id):
             shutil.rmtree(self.root / job_id, ignore_errors=True)
+
+    def presigned_url(self, job_id: str, name: str, filename: str) -> str | None:
+        return None  # served by the web itself
 
     def sweep(self, job_exists: Callable[[str], bool]) -> list[str]:
         removed = []
@@ -136,9 +145,110 @@ class RedisStore:
         """Redis expires the chunks itself; only the local cache needs sweeping."""
         return self.cache.sweep(job_exists)
 
+    def presigned_url(self, job_id: str, name: str, filename: str) -> str | None:
+        return None
+
+
+class S3Store:
+    """Objects <prefix><job id>/<name> in one bucket; reads go through a local cache directory."""
+
+    def __init__(self, client, bucket: str, prefix: str, cache_dir: Path, presign_s: int = 0,
+                 multipart_bytes: int = 8 << 20):
+        from boto3.s3.transfer import TransferConfig
+        self.s3, self.bucket = client, bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.cache = DirectoryStore(cache_dir)
+        self.presign_s = presign_s
+        self.transfer = TransferConfig(multipart_threshold=multipart_bytes, multipart_chunksize=multipart_bytes)
+
+    def _key(self, job_id: str, name: str) -> str:
+        check_name(job_id, name)
+        return f"{self.prefix}{job_id}/{name}"
+
+    def put(self, job_id: str, name: str, source: Path, ttl_s: float = 0) -> None:
+        """Upload (multipart above the threshold); S3 makes an object visible only once it is complete."""
+        self.s3.upload_file(str(source), self.bucket, self._key(job_id, name), Config=self.transfer)
+
+    def exists(self, job_id: str, name: str) -> bool:
+        from botocore.exceptions import ClientError
+        try:
+            self.s3.head_object(Bucket=self.bucket, Key=self._key(job_id, name))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
+    def local_path(self, job_id: str, name: str) -> Path:
+        """The cached copy, downloaded first when missing (FileNotFoundError when the object is)."""
+        from botocore.exceptions import ClientError
+        key = self._key(job_id, name)
+        cached = self.cache.root / job_id / name
+        if cached.is_file():
+            return cached
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f".{name}.{time.monotonic_ns()}.partial")
+        try:
+            self.s3.download_file(self.bucket, key, str(partial), Config=self.transfer)
+        except ClientError as exc:
+            partial.unlink(missing_ok=True)
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(f"{job_id}/{name}") from None
+            raise
+        partial.replace(cached)
+        return cached
+
+    def _job_keys(self, job_id: str) -> list[str]:
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{self.prefix}{job_id}/")
+        return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+    def delete_job(self, job_id: str) -> None:
+        if not is_job_id(job_id):
+            return
+        keys = self._job_keys(job_id)
+        for first in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[first:first + 1000]],
+                                                               "Quiet": True})
+        self.cache.delete_job(job_id)
+
+    def sweep(self, job_exists: Callable[[str], bool]) -> list[str]:
+        """Delete the objects (and cached copies) of every job whose record has expired."""
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix, Delimiter="/")
+        removed = []
+        for page in pages:
+            for common in page.get("CommonPrefixes", []):
+                job_id = common["Prefix"][len(self.prefix):].rstrip("/")
+                if is_job_id(job_id) and not job_exists(job_id):
+                    self.delete_job(job_id)
+                    removed.append(job_id)
+        return removed + self.cache.sweep(job_exists)
+
+    def presigned_url(self, job_id: str, name: str, filename: str) -> str | None:
+        """A time-limited GET URL of the object (S3 itself then honours Range), or None when presigning is off."""
+        if not self.presign_s:
+            return None
+        return self.s3.generate_presigned_url("get_object", ExpiresIn=self.presign_s, Params={
+            "Bucket": self.bucket, "Key": self._key(job_id, name),
+            "ResponseContentDisposition": f'attachment; filename="{filename}"'})
+
+
+def s3_client(settings):
+    """boto3's S3 client for ENCORE_S3_ENDPOINT with the settings' AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY,
+    or without them boto3's own chain (a profile, an instance role)."""
+    import boto3
+    from botocore.config import Config
+    keys = {"aws_access_key_id": settings.s3_access_key, "aws_secret_access_key": settings.s3_secret_key} \
+        if settings.s3_access_key else {}
+    return boto3.client("s3", endpoint_url=settings.s3_endpoint or None, region_name=settings.s3_region, **keys,
+                        config=Config(signature_version="s3v4", retries={"max_attempts": 5, "mode": "standard"},
+                                      s3={"addressing_style": "path"}))
+
 
 def open_store(settings, binary_client: redis.Redis) -> ArtifactStore:
     """The configured backend. `binary_client` must not decode responses (chunks are bytes)."""
     if settings.artifact_backend == "redis":
         return RedisStore(binary_client, settings.key_prefix, settings.worker_cache_dir / "artifacts")
+    if settings.artifact_backend == "s3":
+        return S3Store(s3_client(settings), settings.s3_bucket, settings.s3_prefix,
+                       settings.worker_cache_dir / "artifacts", presign_s=settings.s3_presign_s)
     return DirectoryStore(settings.artifact_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from celery import Celery
 
 from app.config import Settings
+from app.redis_conn import celery_connection
 
 TASK_MODULES = ["app.tasks.music", "app.tasks.lipsync", "app.tasks.webhooks", "app.tasks.worker_hooks"]
 
@@ -14,7 +15,11 @@ def make_celery(settings: Settings | None = None) -> Celery:
     instance = Celery("encore", include=TASK_MODULES)
     instance.config_from_object("celeryconfig")
     if settings is not None:
-        instance.conf.update(broker_url=settings.redis_url, result_backend=settings.redis_url)
+        connection = celery_connection(settings)
+        for name in ("broker_transport_options", "result_backend_transport_options"):
+            if name in connection:
+                connection[name] = {**(instance.conf.get(name) or {}), **connection[name]}
+        instance.conf.update(**connection)
     return instance
 
 

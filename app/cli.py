@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from app.config import DEFAULT_WEB_URL, load_settings
 from app.kinds import KINDS, QUEUED, TERMINAL_STATES
+from app.priority import PRIORITIES
 
 EXIT_OK, EXIT_JOB_NOT_DONE, EXIT_ERROR = 0, 1, 2
 JOB_END_STATES = frozenset({"done", "failed", "canceled", "partial"})
@@ -345,7 +346,7 @@ def music_body(args: argparse.Namespace) -> dict[str, Any]:
     lyrics = args.lyrics_file.read_text(encoding="utf-8") if args.lyrics_file else args.lyrics
     fields = {"mode": args.mode, "tags": args.tags, "prompt": args.prompt, "lyrics": lyrics,
               "duration_s": args.duration_s, "num_tracks": args.tracks, "seed": args.seed,
-              "temperature": args.temperature, "top_k": args.top_k}
+              "temperature": args.temperature, "top_k": args.top_k, "priority": args.priority}
     return {name: value for name, value in fields.items() if value is not None}
 
 
@@ -361,7 +362,8 @@ def cmd_submit_lipsync(client: Client, args: argparse.Namespace) -> int:
         if not path.is_file():
             raise UsageError(f"{name}: no such file: {path}")
     form = {name: str(value) for name, value in (("fps", args.fps), ("extra_margin", args.extra_margin),
-                                                   ("batch_size", args.batch_size)) if value is not None}
+                                                   ("batch_size", args.batch_size), ("priority", args.priority))
+            if value is not None}
     with open(args.video, "rb") as video, open(args.audio, "rb") as audio:
         files: dict[str, tuple[str, BinaryIO]] = {"video": (args.video.name, video), "audio": (args.audio.name, audio)}
         reply = client.json("POST", "/api/v1/lipsync", data=form, files=files, timeout=max(client.timeout_s, 300))
@@ -485,6 +487,11 @@ def add_wait_options(parser: argparse.ArgumentParser, with_flag: bool = True) ->
                         help="poll the job record instead of following its server-sent events")
 
 
+def add_priority_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--priority", choices=PRIORITIES,
+                        help="orders the job's first stage among those waiting (the server's default: normal)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app", description="Encore command-line client (HTTP API)")
     add_connection_options(parser, suppress=False)
@@ -506,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     music.add_argument("--seed", type=int)
     music.add_argument("--temperature", type=float)
     music.add_argument("--top-k", type=int)
+    add_priority_option(music)
     add_wait_options(music)
     music.set_defaults(handler=cmd_submit_music)
 
@@ -515,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     lipsync.add_argument("--fps", type=float, help="output frame rate (default: the source video's)")
     lipsync.add_argument("--extra-margin", type=int, help="pixels added below the face box")
     lipsync.add_argument("--batch-size", type=int, help="frames per UNet batch")
+    add_priority_option(lipsync)
     add_wait_options(lipsync)
     lipsync.set_defaults(handler=cmd_submit_lipsync)
 

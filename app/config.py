@@ -43,13 +43,42 @@ DEFAULT_TIME_LIMITS = (
 )
 
 
+def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
+    """REDIS_SENTINELS "host:port,host:port" as (host, port) pairs (port 26379 when left out)."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, _, port = item.rpartition(":") if ":" in item else (item, "", "26379")
+        if not host or not port.isdigit():
+            raise ValueError(f"REDIS_SENTINELS: {item!r} is not host:port")
+        pairs.append((host, int(port)))
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = field(default_factory=lambda: _env("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    # Redis Sentinel (app/redis_conn.py): "host:port,host:port,..." of the sentinels and the monitored primary's
+    # name; then REDIS_URL only gives the database and the primary's password. Sentinels' own password apart.
+    redis_sentinels: tuple[tuple[str, int], ...] = field(default_factory=lambda: _sentinels(_env("REDIS_SENTINELS", "")))
+    redis_sentinel_master: str = field(default_factory=lambda: _env("REDIS_SENTINEL_MASTER", "mymaster"))
+    redis_sentinel_password: str = field(default_factory=lambda: _env("REDIS_SENTINEL_PASSWORD", ""), repr=False)
     key_prefix: str = field(default_factory=lambda: _env("ENCORE_KEY_PREFIX", "encore"))
     job_ttl_s: int = field(default_factory=lambda: int(_env("ENCORE_JOB_TTL_S", str(24 * 3600))))
     artifact_backend: str = field(default_factory=lambda: _env("ENCORE_ARTIFACT_BACKEND", "dir"))
     artifact_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_ARTIFACT_DIR", "var/artifacts")).resolve())
+    # The s3 backend (app/artifacts.py S3Store): endpoint (empty: AWS), bucket, key prefix, region; credentials as
+    # the standard AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (below). ENCORE_S3_PRESIGN=1 answers downloads with
+    # a redirect to a URL presigned for ENCORE_S3_PRESIGN_S seconds instead of streaming them through the web.
+    s3_endpoint: str = field(default_factory=lambda: _env("ENCORE_S3_ENDPOINT", ""))
+    s3_bucket: str = field(default_factory=lambda: _env("ENCORE_S3_BUCKET", "encore"))
+    s3_prefix: str = field(default_factory=lambda: _env("ENCORE_S3_PREFIX", "artifacts/"))
+    s3_region: str = field(default_factory=lambda: _env("ENCORE_S3_REGION", "us-east-1"))
+    # The standard variables, read with the other settings (so a test's or a host's environment is taken once);
+    # unset: boto3's own chain (a profile, an instance role).
+    s3_access_key: str = field(default_factory=lambda: _env("AWS_ACCESS_KEY_ID", ""), repr=False)
+    s3_secret_key: str = field(default_factory=lambda: _env("AWS_SECRET_ACCESS_KEY", ""), repr=False)
+    s3_presign_s: int = field(default_factory=lambda: int(_env("ENCORE_S3_PRESIGN_S", "900"))
+                              if _env("ENCORE_S3_PRESIGN", "0") == "1" else 0)
     worker_cache_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_WORKER_CACHE_DIR", "var/worker-cache")).resolve())
     music_profile: str = field(default_factory=lambda: _env("ENCORE_MUSIC_PROFILE", "tiny"))
     model_dir: str | None = field(default_factory=lambda: os.environ.get("ENCORE_MODEL_DIR"))
@@ -141,6 +170,10 @@ class Settings:
     # any), the queue of the webhook worker, attempts and their backoff, the request timeout, how many attempts
     # a job keeps, and the least seconds between a job's progress webhooks.
     webhook_secret: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_SECRET", ""))
+    # Tracing (app/tracing.py): on when OpenTelemetry's standard OTEL_EXPORTER_OTLP_ENDPOINT is set (OTLP/HTTP);
+    # spans carry the service name OTEL_SERVICE_NAME + "-web" / "-worker".
+    otel_endpoint: str = field(default_factory=lambda: _env("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
+    otel_service_name: str = field(default_factory=lambda: _env("OTEL_SERVICE_NAME", "encore"))
     webhook_hosts: tuple[str, ...] = field(default_factory=lambda: tuple(
         h.strip().lower() for h in _env("ENCORE_WEBHOOK_HOSTS", "").split(",") if h.strip()))
     webhook_queue: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_QUEUE", "webhooks"))
@@ -179,8 +212,8 @@ class Settings:
             raise ValueError(f"ENCORE_LIPSYNC_PATH must be device or reference, not {self.lipsync_path!r}")
         if self.face_threads < 0 or self.lipsync_cache_mb < 0:
             raise ValueError("ENCORE_FACE_THREADS and ENCORE_LIPSYNC_CACHE_MB must be >= 0")
-        if self.artifact_backend not in ("dir", "redis"):
-            raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir or redis, not {self.artifact_backend!r}")
+        if self.artifact_backend not in ("dir", "redis", "s3"):
+            raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir, redis or s3, not {self.artifact_backend!r}")
         if self.sse_heartbeat_s <= 0 or self.sse_max_s <= 0:
             raise ValueError("ENCORE_SSE_HEARTBEAT_S and ENCORE_SSE_MAX_S must be > 0")
         if self.webhook_max_attempts < 1 or self.webhook_backoff_s <= 0 or self.webhook_timeout_s <= 0:

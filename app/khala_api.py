@@ -17,7 +17,7 @@ from flask import Blueprint, jsonify, request, send_file
 from app.http_input import BodyError, json_object
 from app.idempotency import OPENAPI_HEADER as IDEMPOTENCY_HEADER
 from app.kinds import CANCELED, DONE, FAILED, QUEUED
-from app.openapi import DOWNLOAD_REPLIES, documented
+from app.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented
 from app.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
 from app.services import Services
 from app.snapshot import take_snapshot
@@ -232,7 +232,7 @@ def make_blueprint(name: str, svc: Services, submit: Callable[[Any, dict[str, An
                 responses={200: ("accepted or queued (or, with an Idempotency-Key used before with this body, the "
                                  "job that request made)", KhalaAccepted),
                            400: "invalid field (named first in `error`)",
-                           409: "the Idempotency-Key was used with a different body"})
+                           409: "the Idempotency-Key was used with a different body", 429: TOO_MANY})
     def generate():
         """Submit a 2-track song in the reference's format."""
         try:

@@ -24,8 +24,19 @@ NO_REDIS = {"index", "openapi", "tags"}  # endpoints that answer without Redis (
 Reply = tuple[str, "type[BaseModel] | dict[str, Any] | None"]
 # What a file download (send_file, conditional, Range honoured) can answer besides its own 404s.
 DOWNLOAD_REPLIES: dict[int, Reply | str] = {200: ("the file", None), 206: ("the requested range", None),
+                                            302: ("a presigned URL of the object store (ENCORE_S3_PRESIGN=1)", None),
                                             304: ("not modified since the client's copy", None),
                                             416: "range not satisfiable"}
+TOO_MANY = ("too many: the open tracks are at a cap (the job was not created), or the token's submit rate "
+            "limit is spent; Retry-After says when to try again")
+# Headers of a 429: Retry-After always; the rate limiter's window with a rate-limit refusal.
+TOO_MANY_HEADERS = {
+    "Retry-After": {"required": True, "description": "whole seconds to wait (from the ETA, or the limit's window)",
+                    "schema": {"type": "string", "pattern": "^[1-9][0-9]*$"}},
+    **{name: {"required": False, "description": what, "schema": {"type": "string", "pattern": "^[0-9]+$"}}
+       for name, what in (("X-RateLimit-Limit", "requests the window allows"),
+                          ("X-RateLimit-Remaining", "requests left in the window"),
+                          ("X-RateLimit-Reset", "when the window resets (Unix seconds)"))}}
 
 
 def documented(summary: str, *, responses: dict[int, Reply | str], json_body: type[BaseModel] | None = None,
@@ -71,8 +82,9 @@ def _success(description: str, model: type[BaseModel] | dict[str, Any] | None, m
     return {"description": description, "content": {m: ({"schema": schema} if schema else {}) for m in media}}
 
 
-def _error(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {JSON: {"schema": _ref(schemas.ErrorReply)}}}
+def _error(description: str, status: int = 0) -> dict[str, Any]:
+    reply = {"description": description, "content": {JSON: {"schema": _ref(schemas.ErrorReply)}}}
+    return {**reply, "headers": TOO_MANY_HEADERS} if status == 429 else reply
 
 
 def _path_parameter(name: str, converter: str) -> dict[str, Any]:
@@ -89,7 +101,7 @@ def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protect
         if status < 400:
             responses[str(status)] = _success(*reply, doc["media"])
         else:
-            responses[str(status)] = _error(reply if isinstance(reply, str) else reply[0])
+            responses[str(status)] = _error(reply if isinstance(reply, str) else reply[0], status)
     body = _request_body(doc)
     implied = {401: "a valid bearer token is required"} if protected else {}
     if body:

@@ -1,14 +1,18 @@
 """Put tracks on GPU queues and turn them into Celery chains.
 
-- Each track goes to the live queue with the least outstanding work (estimated cost of tracks queued or
-  running there, one counter per queue kept by the transitions); picking one track at a time spreads a
-  job's tracks across GPUs.
+- Each track goes to the live queue where it would be done soonest: the seconds of work outstanding there
+  plus its own, both from that queue's learned stage rates (app/eta.py), so a slow card gets less work than a
+  fast one (with nothing learned yet, seconds are the tracks' cost: song or audio seconds). Picking one track
+  at a time spreads a job's tracks across GPUs. With ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE, a queue that holds that
+  many open tracks takes none (app/quotas.py).
 - A track is created, then routed by its submitter (in track order, so a job's tracks reach a queue in
   order); with no live worker it is parked (`{p}:unrouted`) and workers route parked tracks on every
   heartbeat.
 - Every signature of a chain carries the queue (a chain-level queue only routes its first step) and a
-  priority: the first stage is the lowest (9), later stages the highest (0), so a started job's next stage
-  overtakes the first stage of any job submitted after it (FIFO across stages).
+  priority: the first stage gets its job's level (high 3, normal 6, low 9), later stages the highest (0), so
+  a started job's next stage overtakes the first stage of any other job, whatever its priority (FIFO across
+  stages), and first stages run by level, then in submission order (app/priority.py).
+- Parked tracks are dispatched by priority, then submission order (the order of `{p}:unrouted`).
 - A chain starts at the track's first unfinished stage (a resumed music track skips what it already has);
   its task ids are those of the kind's last stages, so the id a waiting track expects is known.
 """
@@ -22,24 +26,20 @@ from typing import Any
 from celery import Celery, chain
 
 from app.broker import broker_lists, find_message
+from app.eta import estimator, queue_seconds
 from app.joblog import job_event
 from app.kinds import KINDS, JobKind
 from app.lifecycle import CREATED, PARKED, QUEUED, member, parse_member
+from app.priority import DEFAULT_PRIORITY, LATER_STAGE_PRIORITY, first_stage_priority
 from app.services import Services
 from app.workers import consumed_queues
 
 log = logging.getLogger("encore.routing")
 
-FIRST_STAGE_PRIORITY = 9
-LATER_STAGE_PRIORITY = 0
-
 
 def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
-    """Outstanding estimated work per queue (one counter each, one round trip)."""
-    pipe = svc.redis.pipeline(transaction=False)
-    for queue in queues:
-        pipe.get(svc.jobs.keys.cost(queue))
-    return {queue: int(value or 0) / 1000 for queue, value in zip(queues, pipe.execute())}
+    """Seconds of work outstanding per queue, by each queue's learned rates (one round trip)."""
+    return queue_seconds(svc, queues)
 
 
 def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
@@ -53,13 +53,40 @@ def draining(svc: Services) -> set[str]:
     return set(svc.redis.smembers(svc.jobs.keys.draining))
 
 
-def pick_queue(svc: Services, workers: list[dict] | None = None) -> str | None:
-    """The live, not drained queue with the least outstanding estimated work; ties go to the lowest name."""
-    queues = sorted(set(svc.workers.live_queues(workers)) - draining(svc))
+def pick_queue(svc: Services, workers: list[dict] | None = None,
+               work: tuple[str, float] | None = None) -> str | None:
+    """The live, not drained queue with room where a new track (`work`: its kind and cost) would be done
+    soonest, its outstanding seconds plus the track's own there (without `work`: the least outstanding seconds);
+    ties go to the lowest name."""
+    queues = _with_room(svc, sorted(set(svc.workers.live_queues(workers)) - draining(svc)))
     if not queues:
         return None
-    loads = queue_loads(svc, queues)
-    return min(queues, key=lambda q: (loads[q], _queue_number(q)))
+    estimate = estimator(svc, queues)
+
+    def done_in(queue: str) -> float:
+        own = estimate.new_track_seconds(queue, *work) if work else 0.0
+        return round(estimate.queue_seconds(queue) + own, 6)  # equal estimates tie, whatever the float noise
+    return min(queues, key=lambda q: (done_in(q), _queue_number(q)))
+
+
+def _with_room(svc: Services, queues: list[str]) -> list[str]:
+    """The queues holding fewer open tracks than ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE (all of them without it)."""
+    cap = svc.settings.max_queued_tracks_per_queue
+    if not cap or not queues:
+        return queues
+    pipe = svc.redis.pipeline(transaction=False)
+    for queue in queues:
+        pipe.zcard(svc.jobs.keys.load(queue))
+    return [queue for queue, held in zip(queues, pipe.execute()) if held < cap]
+
+
+def track_work(svc: Services, job_id: str, track: int) -> tuple[str, float] | None:
+    """(kind, cost) of a track: what pick_queue weighs it by."""
+    pipe = svc.redis.pipeline(transaction=False)
+    pipe.hget(svc.jobs.keys.job(job_id), "kind")
+    pipe.hget(svc.jobs.keys.track(job_id, track), "cost")
+    kind, cost = pipe.execute()
+    return (kind, float(cost or 0)) if kind in KINDS else None
 
 
 def _queue_number(queue: str) -> tuple[int, str]:
@@ -93,17 +120,24 @@ def expected_task_id(kind: JobKind, record: dict[str, Any], stage: str) -> str |
     return ids[index] if 0 <= index < len(ids) else None
 
 
-def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str, start: int = 0) -> tuple[chain, list[str]]:
-    """The chain of `kind`'s stages from index `start`, on `queue`, with fresh task ids."""
+def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str, start: int = 0,
+                priority: str = DEFAULT_PRIORITY) -> tuple[chain, list[str]]:
+    """The chain of `kind`'s stages from index `start`, on `queue`, with fresh task ids; its first stage (when
+    the chain has it) is sent with `priority`'s level, later ones above every level."""
     signatures, task_ids = [], []
     for index, stage in enumerate(kind.stages[start:], start):
         task_id = uuid.uuid4().hex
-        priority = FIRST_STAGE_PRIORITY if index == 0 else LATER_STAGE_PRIORITY
+        message_priority = first_stage_priority(priority) if index == 0 else LATER_STAGE_PRIORITY
         args = (ref,) if index == start else ()
         signatures.append(celery.signature(
-            stage.task, args=args, queue=queue, priority=priority, task_id=task_id, immutable=False))
+            stage.task, args=args, queue=queue, priority=message_priority, task_id=task_id, immutable=False))
         task_ids.append(task_id)
     return chain(*signatures), task_ids
+
+
+def job_priority(job: dict[str, Any]) -> str:
+    """The priority level a job was submitted with (jobs written before priorities were normal)."""
+    return str(job["params"].get("priority", DEFAULT_PRIORITY))
 
 
 def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue: str) -> bool:
@@ -116,7 +150,7 @@ def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue:
         return False
     kind = KINDS[job["kind"]]
     workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue,
-                                     first_unfinished(kind, record["stages"]))
+                                     first_unfinished(kind, record["stages"]), job_priority(job))
     outcome = svc.jobs.route(job_id, track, queue, task_ids)
     if outcome.canceled:
         job_event(log, "canceled", job_id, track=track, reason="canceled while waiting to be routed")
@@ -136,7 +170,8 @@ def resend(svc: Services, celery: Celery, job_id: str, track: int, record: dict[
         return False
     kind = KINDS[job["kind"]]
     start = first_unfinished(kind, record["stages"])
-    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue, start)
+    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue, start,
+                                     job_priority(job))
     if not svc.jobs.transition("resend", job_id, track, {"detail": record["detail"]}, task_ids=json.dumps(task_ids)):
         return False
     workflow.apply_async()
@@ -145,8 +180,9 @@ def resend(svc: Services, celery: Celery, job_id: str, track: int, record: dict[
 
 def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> None:
     """Route every created track of a job now, in order; with no live worker they are parked."""
+    work = track_work(svc, job_id, 0)  # a job's tracks are alike
     for track in range(num_tracks):
-        queue = pick_queue(svc)
+        queue = pick_queue(svc, work=work)
         if queue is None:
             if svc.jobs.transition("park", job_id, track, {"detail": "waiting for a worker"},
                                    cancel_detail="canceled before it started"):
@@ -156,13 +192,14 @@ def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> No
 
 
 def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:
-    """Route parked tracks, oldest submission first, while a worker is live; returns how many were routed."""
+    """Route parked tracks, highest priority first and within a level oldest submission first (the order of
+    `{p}:unrouted`), while a worker is live; returns how many were routed."""
     routed = 0
     for value in svc.redis.zrange(svc.jobs.keys.unrouted, 0, limit - 1):
-        queue = pick_queue(svc)
+        job_id, track = parse_member(value)
+        queue = pick_queue(svc, work=track_work(svc, job_id, track))
         if queue is None:
             break
-        job_id, track = parse_member(value)
         routed += enqueue_track(svc, celery, job_id, track, queue)
     return routed
 

@@ -9,6 +9,7 @@ import redis
 from app.artifacts import ArtifactStore, open_store
 from app.config import Settings, load_settings
 from app.jobs import JobStore
+from app.redis_conn import redis_client
 from app.workers import WorkerRegistry
 
 
@@ -22,8 +23,8 @@ class Services:
 
 
 def build_services(settings: Settings) -> Services:
-    text_client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    bytes_client = redis.Redis.from_url(settings.redis_url)
+    text_client = redis_client(settings, decode_responses=True)
+    bytes_client = redis_client(settings, decode_responses=False)
     return Services(
         settings=settings,
         redis=text_client,

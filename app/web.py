@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 import redis
-from flask import Flask, Response, has_request_context, jsonify, request, send_file
+from flask import Flask, Response, has_request_context, jsonify, redirect, request, send_file
 from flask_limiter.errors import RateLimitExceeded
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, RequestEntityTooLarge
@@ -32,6 +32,7 @@ from app.quotas import QueueFull
 from app.ratelimit import install as install_rate_limits
 from app.readiness import readiness
 from app.recovery import RetryRefused, retry_job
+from app.tracing import instrument_flask
 from app.webhooks import WebhookRefused, check_target, split_events
 from app.schemas import (Accepted, DrainReply, HealthReply, JobList, JobReply, MusicRequest, ReadyReply, RetryReply,
                          StatusReply)
@@ -101,6 +102,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = int((settings.max_video_mb + settings.max_audio_mb + 1) * 2**20)
     app.config["MAX_FORM_PARTS"] = MAX_FORM_PARTS
     app.config["MAX_FORM_MEMORY_SIZE"] = MAX_FORM_MEMORY_BYTES
+    instrument_flask(app, settings)  # first: the request span wraps the other hooks
     _register_errors(app)
     _time_out_idle_bodies(app, settings.body_idle_s)
     _require_token(app, settings.api_tokens)
@@ -342,9 +344,12 @@ def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str)
     if name not in track["artifacts"]:
         hint = f" (a lip-sync job: its result is /api/v1/jobs/{job_id}/video.mp4)" if record["kind"] == "lipsync" else ""
         return error(404, f"track {index} has no file {name}{hint}")
+    download_name = f"encore-{job_id[:8]}-{name}"
+    presigned = svc.artifacts.presigned_url(job_id, name, download_name)
+    if presigned:  # the object store serves it (and its Range requests) itself
+        return redirect(presigned, code=302)
     path = svc.artifacts.local_path(job_id, name)
-    return send_file(path, mimetype=MEDIA_TYPES[fmt], conditional=True,
-                     download_name=f"encore-{job_id[:8]}-{name}")
+    return send_file(path, mimetype=MEDIA_TYPES[fmt], conditional=True, download_name=download_name)
 
 
 def _accepted(svc: Services, job_id: str, replayed: bool = False):
@@ -483,8 +488,8 @@ def _register_errors(app: Flask) -> None:
 
     @app.errorhandler(RateLimitExceeded)
     def rate_limited(exc: RateLimitExceeded):
-        return error(429, f"rate limit: at most {exc.description} submissions per token; see Retry-After",
-                     "authorization")
+        return error(429, f"rate limit: this token's submissions are limited to {exc.description}; retry after "
+                          "Retry-After seconds", "authorization")
 
     @app.errorhandler(idempotency.IdempotencyError)
     def idempotency_refused(exc: idempotency.IdempotencyError):

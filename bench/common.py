@@ -1,9 +1,11 @@
 """Helpers shared by the benchmarks: a private redis-server and free ports."""
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -36,3 +38,17 @@ def start_redis(data_dir: Path) -> tuple[subprocess.Popen, str]:
                 raise
             time.sleep(0.05)
     return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def run_section(script: str, name: str, argv: list[str], limit: float, cwd: Path) -> dict:
+    """One section of a one-call GPU bench in its own child process (`script --section name argv`), so a
+    crash or a hang costs that section only; its last JSON line, or what went wrong."""
+    try:
+        child = subprocess.run([sys.executable, script, "--section", name, *argv], cwd=cwd, capture_output=True,
+                               text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ran past its {limit:g} s limit"}
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    if child.returncode or not lines:
+        return {"error": f"exit {child.returncode}", "stderr": child.stderr[-2000:]}
+    return json.loads(lines[-1])

@@ -416,15 +416,8 @@ def section_job(args) -> dict:
 # --- driver ------------------------------------------------------------------------------------------
 
 def _run_section(name: str, argv: list[str], limit: float) -> dict:
-    try:
-        child = subprocess.run([sys.executable, __file__, "--section", name, *argv], cwd=REPO, capture_output=True,
-                               text=True, timeout=limit)
-    except subprocess.TimeoutExpired:
-        return {"error": f"ran past its {limit:g} s limit"}
-    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
-    if child.returncode or not lines:
-        return {"error": f"exit {child.returncode}", "stderr": child.stderr[-2000:]}
-    return json.loads(lines[-1])
+    from bench.common import run_section
+    return run_section(__file__, name, argv, limit, REPO)
 
 
 def _summary(results: dict) -> dict:

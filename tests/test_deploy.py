@@ -30,7 +30,9 @@ def test_compose_file_is_valid_and_secure_by_default():
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     services = config["services"]
-    assert set(services) == {"redis", "web", "flower", "webhooks", "worker-gpu0", "worker-gpu1"}
+    assert set(services) == {"redis", "web", "flower", "webhooks", "worker-gpu0", "worker-gpu1", "seaweedfs"}
+    assert services["seaweedfs"]["profiles"] == ["s3"]  # the object store only with --profile s3
+    assert services["web"]["environment"]["ENCORE_ARTIFACT_BACKEND"] == "dir"  # unless s3 is asked for
     webhooks = services["webhooks"]["command"]
     assert webhooks[webhooks.index("-Q") + 1] == "webhooks" and "deploy" not in services["webhooks"]  # no GPU
     redis_cmd = services["redis"]["command"]
@@ -53,8 +55,8 @@ def test_every_command_in_the_compose_file_exists_in_the_project():
     services = yaml.safe_load(compose_config(SECRETS).stdout)["services"]
     venv_bin = Path(sys.executable).parent
     for name, service in services.items():
-        if name == "redis":
-            continue  # the official redis image
+        if name in ("redis", "seaweedfs"):
+            continue  # the official redis and SeaweedFS images
         program = service["command"][0]
         if program.startswith("./"):
             script = REPO / program[2:]

@@ -8,8 +8,11 @@ import time
 import pytest
 
 from app.recovery import reap, restart_track
+from app.priority import FIRST_STAGE_PRIORITY
 from app.routing import enqueue_track, unroute_waiting
 from tests.conftest import project_celery_config, unit_services
+
+FIRST = FIRST_STAGE_PRIORITY["normal"]  # the broker list a normal job's first stage waits in: gpu<n>:<FIRST>
 
 
 @pytest.fixture
@@ -57,11 +60,11 @@ def test_queued_tracks_leave_a_queue_only_while_their_message_is_still_there(svc
     first, second = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     for job_id in (first, second):
         enqueue_track(svc, celery_app, job_id, 0, "gpu5")
-    taken = svc.redis.rpop("gpu5:9")  # a worker took the first job's message (kombu pops from the right)
+    taken = svc.redis.rpop(f"gpu5:{FIRST}")  # a worker took the first job's message (kombu pops from the right)
     assert taken is not None
     assert unroute_waiting(svc, "gpu5", options) == [f"{second}:0"]
     assert svc.redis.zrange(svc.jobs.keys.unrouted, 0, -1) == [f"{second}:0"]
-    assert svc.redis.llen("gpu5:9") == 0
+    assert svc.redis.llen(f"gpu5:{FIRST}") == 0
     moved = svc.jobs.track(second, 0)
     assert (moved["status"], moved["queue"], moved["task_ids"]) == ("parked", "", [])
     assert svc.jobs.track(first, 0)["queue"] == "gpu5"  # its message was taken: it stays
@@ -105,7 +108,7 @@ def test_a_music_track_resumes_after_its_finished_stages_a_lipsync_one_starts_ov
     svc.workers.heartbeat("gpu6@y", {"queue": "gpu6"})  # a live worker: the music track's chain starts at superres
     assert enqueue_track(svc, celery_app, ids["music"], 0, "gpu6")
     assert len(svc.jobs.track(ids["music"], 0)["task_ids"]) == 3
-    assert svc.redis.llen("gpu6") == 1 and svc.redis.llen("gpu6:9") == 0  # a later stage: priority 0
+    assert svc.redis.llen("gpu6") == 1 and svc.redis.llen(f"gpu6:{FIRST}") == 0  # a later stage: priority 0
 
 
 def test_leases_are_renewed_only_by_their_owner(svc):
@@ -162,7 +165,7 @@ def test_the_reaper_moves_the_tracks_of_a_queue_offline_too_long(svc, celery_app
     for job_id in (queued, between):
         assert svc.jobs.track(job_id, 0)["status"] == "parked"
     assert svc.jobs.track(between, 0)["detail"].startswith("restarting after backbone: gpu7 has no live worker")
-    assert svc.redis.llen("gpu7:9") == 0 and svc.redis.zcard(svc.jobs.load_key("gpu7")) == 0
+    assert svc.redis.llen(f"gpu7:{FIRST}") == 0 and svc.redis.zcard(svc.jobs.load_key("gpu7")) == 0
 
 
 def test_the_reaper_sends_a_lost_message_again(svc, celery_app, monkeypatch):
@@ -173,7 +176,7 @@ def test_the_reaper_sends_a_lost_message_again(svc, celery_app, monkeypatch):
     for job_id in (lost, kept):
         enqueue_track(svc, celery_app, job_id, 0, "gpu8")
     old_ids = svc.jobs.track(lost, 0)["task_ids"]
-    svc.redis.lrem("gpu8:9", 1, next(p for p in svc.redis.lrange("gpu8:9", 0, -1) if old_ids[0] in p))
+    svc.redis.lrem(f"gpu8:{FIRST}", 1, next(p for p in svc.redis.lrange(f"gpu8:{FIRST}", 0, -1) if old_ids[0] in p))
     assert reap(svc, celery_app) == 0  # not waited long enough
     for job_id in (lost, kept):
         svc.redis.hset(svc.jobs.track_key(job_id, 0), "updated_at", time.time() - svc.settings.stall_after_s - 1)
@@ -181,7 +184,7 @@ def test_the_reaper_sends_a_lost_message_again(svc, celery_app, monkeypatch):
     assert reap(svc, celery_app) == 1
     track = svc.jobs.track(lost, 0)
     assert track["status"] == "queued" and track["task_ids"] != old_ids and len(track["task_ids"]) == 4
-    payloads = svc.redis.lrange("gpu8:9", 0, -1)
+    payloads = svc.redis.lrange(f"gpu8:{FIRST}", 0, -1)
     assert len(payloads) == 2 and any(track["task_ids"][0] in p for p in payloads)
     assert svc.jobs.track(kept, 0)["task_ids"] == svc.jobs.track(kept, 0)["task_ids"]
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 
+from app.priority import FIRST_STAGE_PRIORITY
 from tests.conftest import REFERENCE_ENGINE, wait_until
 
 LONG_S = 120.0
@@ -146,7 +147,8 @@ def test_tracks_of_a_dead_workers_queue_move_to_a_live_one_and_its_old_messages_
     assert any(f"job={waiting} track=0 queue=gpu0 " in line and "event=rerouting" in line for line in log)
     # Nothing of either job is left in gpu0's broker lists, nor the started job's old delivery in `unacked`
     # (taken out when the track moved: kombu would restore it after the visibility timeout, stale).
-    assert [stack.redis.llen(name) for name in ("gpu0", "gpu0:9")] == [0, 0] and stack.redis.hlen("unacked") == 0
+    assert [stack.redis.llen(name) for name in ("gpu0", f"gpu0:{FIRST_STAGE_PRIORITY['normal']}")] == [0, 0]
+    assert stack.redis.hlen("unacked") == 0
 
     before = stack.job(started)
     stack.start_worker(0)

@@ -50,5 +50,26 @@ def test_every_signature_carries_queue_and_first_stage_has_lowest_priority(celer
     tasks = workflow.tasks
     assert [t.task for t in tasks] == [s.task for s in MUSIC.stages]
     assert all(t.options["queue"] == "gpu3" for t in tasks)
-    assert [t.options["priority"] for t in tasks] == [9, 0, 0, 0]
+    assert [t.options["priority"] for t in tasks] == [6, 0, 0, 0]  # a normal job's first stage, then above every level
     assert [t.options["task_id"] for t in tasks] == task_ids and len(set(task_ids)) == 4
+
+
+def test_routing_weighs_learned_seconds_so_a_slow_card_gets_less_work(svc):
+    """gpu0 learned that it takes three times as long per song second as gpu1 (what its stages' finishes teach,
+    app/eta.py): of four like tracks it gets one; a card that learned nothing yet borrows the fleet's mean."""
+    from app import eta
+    from app.kinds import MUSIC
+    for name, queue in (("gpu0@a", "gpu0"), ("gpu1@a", "gpu1")):
+        svc.workers.heartbeat(name, {"queue": queue})
+    for stage in MUSIC.stages:
+        eta.learn(svc, "gpu0", "music", stage.name, seconds=3.0, cost=10.0)
+        eta.learn(svc, "gpu1", "music", stage.name, seconds=1.0, cost=10.0)
+    placed = []
+    for seed in range(4):
+        job = svc.jobs.create("music", {}, [{"seed": seed}], cost=10.0)
+        queue = pick_queue(svc, work=("music", 10.0))
+        assert svc.jobs.route(job, 0, queue, [f"t{seed}"])
+        placed.append(queue)
+    assert placed == ["gpu1", "gpu1", "gpu0", "gpu1"]  # done soonest: 4 s, 8 s, then 12 s on either (the tie)
+    assert queue_loads(svc, ["gpu0", "gpu1"]) == {"gpu0": 12.0, "gpu1": 12.0}  # seconds, not song seconds
+    assert eta.estimator(svc, ["gpu2"]).new_track_seconds("gpu2", "music", 10.0) == pytest.approx(8.0)

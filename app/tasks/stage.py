@@ -30,6 +30,7 @@ from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from app.celery_app import celery
+from app.eta import learn as learn_stage
 from app.joblog import job_event
 from app.kinds import JobKind, Stage
 from app.lifecycle import is_open
@@ -354,7 +355,8 @@ class StageTask(Task):
             shutil.rmtree(workdir, ignore_errors=True)
             release_memory(collect=not succeeded)
             svc.workers.update(worker, **device_report())
-        self._finish(svc, run, stages, time.monotonic() - started, worker, owner, watch)
+        self._finish(svc, run, stages, time.monotonic() - started, worker, owner, watch,
+                     units=float(record.get("cost") or 0) * (1 + len(run.adopted)))
         return ref
 
     def _work(self, run: StageRun) -> None:
@@ -376,10 +378,13 @@ class StageTask(Task):
         return lease if pid != os.getpid() and not pid_alive(pid) else ""
 
     def _finish(self, svc: Services, run: StageRun, stages: dict, seconds: float, worker: str, owner: str,
-                watch: "CancelWatch") -> None:
+                watch: "CancelWatch", units: float = 0.0) -> None:
+        """`units`: the cost units the run got through (its track's and those it adopted), for throughput."""
         stages[self.stage.name].update(finished_at=time.time(), duration_s=round(seconds, 3), loaded=run.loaded,
                                        **({"info": run.info} if run.info else {}))
-        observe_stage(svc, self.kind.name, self.stage.name, seconds)
+        observe_stage(svc, self.kind.name, self.stage.name, seconds, units)
+        learn_stage(svc, run.queue, self.kind.name, self.stage.name, seconds, units,
+                    cold=bool(run.loaded) and svc.settings.runtime_mode == "keep_loaded")
         if not finish_stage(svc, self.kind, run.job_id, run.track, self.stage, stages, owner):
             job_event(log, "stage_finished_too_late", run.job_id, track=run.track, worker=worker,
                       stage=self.stage.name, level=logging.WARNING,

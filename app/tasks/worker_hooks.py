@@ -11,6 +11,7 @@ import time
 
 from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
+from app import tracing
 from app.celery_app import celery
 from app.gpu import GpuProbe
 from app.kinds import KINDS
@@ -90,6 +91,7 @@ def init_child(sender=None, **_: object) -> None:
     """In each pool child: thread count, and models loaded up front when ENCORE_PRELOAD=1; each kind whose
     models loaded is recorded in the worker's registry entry (what /readyz reads)."""
     svc = services()
+    tracing.configure(svc.settings, "worker")  # in the child: the exporter's thread must not cross a fork
     import torch
     if svc.settings.torch_threads > 0:
         torch.set_num_threads(svc.settings.torch_threads)
