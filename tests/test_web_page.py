@@ -88,6 +88,9 @@ def submit_music(driver, **fields: str) -> str:
     css(form, "summary")[0].click()  # open "Sampling" so the seed field can be typed into
     for name, value in fields.items():
         field = css(form, f"[name={name}]")[0]
+        if field.tag_name == "select":
+            Select(field).select_by_value(value)
+            continue
         field.clear()
         field.send_keys(value)
     css(form, "button[type=submit]")[0].click()
@@ -143,9 +146,10 @@ def test_page_submits_music_job_shows_progress_and_plays_it(make_stack, browser,
 
     tags = 'lo-fi <i>piano</i> & "keys"'  # user text with markup: the page must show it, not parse it
     job_id = submit_music(browser, mode="vocal", tags=tags, lyrics="[verse]\nla la la\nna na",
-                          duration_s="2", num_tracks="1", seed="5")
+                          duration_s="2", num_tracks="1", seed="5", priority="high")
     params = stack.job(job_id)["params"]
     assert (params["tags"], params["duration_s"], params["num_tracks"], params["seed"]) == (tags, 2.0, 1, 5)
+    assert params["priority"] == "high"  # the page's priority selector
     assert params["mode"] == "vocal" and "la la la" in params["lyrics"]
 
     seen: set[str] = set()
@@ -229,10 +233,13 @@ def test_page_submits_lipsync_uploads_and_plays_the_video(make_stack, browser, t
     css(form, "[name=audio]")[0].send_keys(str(audio))
     css(form, "summary")[0].click()
     css(form, "[name=fps]")[0].send_keys("10")
+    from selenium.webdriver.support.ui import Select
+    Select(css(form, "[name=priority]")[0]).select_by_value("low")
     css(form, "button[type=submit]")[0].click()
     job_id = wait_until(lambda: css(browser, "#lipsync-msg")[0].get_attribute("data-job-id"), 30, 0.1,
                         "the page to report the lip-sync job")
     assert stack.job(job_id)["params"]["output_frames"] == 10  # 1 s of audio at the 10 fps typed in
+    assert stack.job(job_id)["params"]["priority"] == "low"
 
     assert wait_page_state(browser, job_id, TERMINAL_STATES, 180, "track") == "done", stack.job(job_id)
     article = css(browser, job_selector(job_id))[0]

@@ -416,6 +416,7 @@ function musicBody(form) {
     if (value) body[name] = value;
   }
   if (body.mode === "vocal") body.lyrics = form.elements.lyrics.value;
+  body.priority = form.elements.priority.value; // orders first stages across jobs (high, normal, low)
   for (const name of ["duration_s", "num_tracks", "seed", "temperature", "top_k"]) {
     const value = numberField(form, name);
     if (value !== undefined) body[name] = value;
@@ -429,7 +430,7 @@ function lipsyncBody(form) {
     const file = form.elements[name].files[0];
     if (file) data.append(name, file);
   }
-  for (const name of ["fps", "extra_margin", "batch_size"]) {
+  for (const name of ["fps", "extra_margin", "batch_size", "priority"]) {
     const value = form.elements[name].value.trim();
     if (value !== "") data.append(name, value);
   }
