@@ -170,10 +170,6 @@ class Settings:
     # any), the queue of the webhook worker, attempts and their backoff, the request timeout, how many attempts
     # a job keeps, and the least seconds between a job's progress webhooks.
     webhook_secret: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_SECRET", ""))
-    # Tracing (app/tracing.py): on when OpenTelemetry's standard OTEL_EXPORTER_OTLP_ENDPOINT is set (OTLP/HTTP);
-    # spans carry the service name OTEL_SERVICE_NAME + "-web" / "-worker".
-    otel_endpoint: str = field(default_factory=lambda: _env("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
-    otel_service_name: str = field(default_factory=lambda: _env("OTEL_SERVICE_NAME", "encore"))
     webhook_hosts: tuple[str, ...] = field(default_factory=lambda: tuple(
         h.strip().lower() for h in _env("ENCORE_WEBHOOK_HOSTS", "").split(",") if h.strip()))
     webhook_queue: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_QUEUE", "webhooks"))
@@ -183,6 +179,10 @@ class Settings:
     webhook_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_TIMEOUT_S", "10")))
     webhook_history: int = field(default_factory=lambda: int(_env("ENCORE_WEBHOOK_HISTORY", "50")))
     webhook_progress_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_PROGRESS_S", "5")))
+    # Tracing (app/tracing.py): on when OpenTelemetry's standard OTEL_EXPORTER_OTLP_ENDPOINT is set (OTLP/HTTP);
+    # spans carry the service name OTEL_SERVICE_NAME + "-web" / "-worker".
+    otel_endpoint: str = field(default_factory=lambda: _env("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
+    otel_service_name: str = field(default_factory=lambda: _env("OTEL_SERVICE_NAME", "encore"))
     # Back-pressure (app/quotas.py): the most open (not ended) tracks in all, and on each live queue; a submit
     # that would pass either is refused 429 with a Retry-After from the ETA. 0: no cap.
     max_queued_tracks: int = field(default_factory=lambda: int(_env("ENCORE_MAX_QUEUED_TRACKS", "0")))

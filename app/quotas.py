@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from app.eta import Estimator, estimator
-from app.routing import draining
+from app.routing import routable_queues
 from app.services import Services
 
 UNKNOWN_WAIT_S = 60  # Retry-After when no schedule says when room comes (every open track parked)
@@ -72,7 +72,7 @@ def admission(svc: Services, num_tracks: int) -> Iterator[None]:
 
 def count_open(svc: Services) -> OpenTracks:
     """Open tracks: those not on a queue, and per queue (its load set holds exactly its open tracks)."""
-    live = sorted(set(svc.workers.live_queues()) - draining(svc))
+    live = routable_queues(svc)
     queues = sorted(svc.jobs.queues() | set(live))
     pipe = svc.redis.pipeline(transaction=False)
     pipe.zcard(svc.jobs.keys.created)

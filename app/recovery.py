@@ -31,7 +31,7 @@ from app.broker import broker_lists, drop_messages, drop_unacked, messages_prese
 from app.joblog import job_event
 from app.kinds import KINDS
 from app.lifecycle import QUEUED, parse_member
-from app.routing import (chain_start, draining, enqueue_track, expected_task_id, known_queues, pick_queue,
+from app.routing import (chain_start, enqueue_track, expected_task_id, known_queues, pick_queue, routable_queues,
                          resend, unroute_waiting)
 from app.services import Services
 
@@ -66,7 +66,7 @@ def restart_track(svc: Services, celery: Celery, job_id: str, track: int, record
     _drop_chain(svc, celery, record)
     if outcome.status != "parked":
         return "canceled" if outcome.canceled else outcome.status
-    live = set(svc.workers.live_queues()) - draining(svc)
+    live = routable_queues(svc)
     queue = back_to if back_to in live else pick_queue(svc)
     if queue is not None:
         enqueue_track(svc, celery, job_id, track, queue)

@@ -53,12 +53,17 @@ def draining(svc: Services) -> set[str]:
     return set(svc.redis.smembers(svc.jobs.keys.draining))
 
 
+def routable_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
+    """Queues a new track may go to: a live consumer, and not drained by an operator."""
+    return sorted(set(svc.workers.live_queues(workers)) - draining(svc))
+
+
 def pick_queue(svc: Services, workers: list[dict] | None = None,
                work: tuple[str, float] | None = None) -> str | None:
     """The live, not drained queue with room where a new track (`work`: its kind and cost) would be done
     soonest, its outstanding seconds plus the track's own there (without `work`: the least outstanding seconds);
     ties go to the lowest name."""
-    queues = _with_room(svc, sorted(set(svc.workers.live_queues(workers)) - draining(svc)))
+    queues = _with_room(svc, routable_queues(svc, workers))
     if not queues:
         return None
     estimate = estimator(svc, queues)

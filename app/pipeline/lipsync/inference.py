@@ -36,6 +36,7 @@ import cv2
 import numpy as np
 import torch
 
+from app.config import LIPSYNC_PATHS
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync.faces import Box, crop_box
 from app.pipeline.lipsync.frames import FrameSequence, FrameSink, shows_a_frame_twice, source_frame
@@ -377,7 +378,6 @@ def blend_on_device(frames: torch.Tensor, faces: torch.Tensor, regions: list[Box
 # -- the stage ---------------------------------------------------------------------------------------------
 
 MAX_KEPT_SOURCE_FRAMES = 8192  # latents kept for ping-pong: 16 KB each in fp16 at MuseTalk's size
-PATHS = ("device", "reference")
 
 
 class FrameWriter:
@@ -551,8 +551,8 @@ def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box],
         raise ValueError(f"audio features cover {len(features)} frames, {num_frames} requested")
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, not {path!r}")
+    if path not in LIPSYNC_PATHS:
+        raise ValueError(f"path must be one of {LIPSYNC_PATHS}, not {path!r}")
     repeats = shows_a_frame_twice(num_frames, len(frames), source_fps, fps)
     if latents is None:
         latents = SourceLatents(models, keep=repeats and len(frames) <= MAX_KEPT_SOURCE_FRAMES)
