@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import redis
 
-from app.jobs import is_job_id
+from app.core.ids import is_job_id
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHUNK_BYTES = 1 << 20

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from app.jobs import new_job_id
+from app.core.ids import new_job_id
 from app.services import Services
 
 HEADER = "Idempotency-Key"

@@ -7,28 +7,18 @@ make (each one is `Lifecycle.apply`, one atomic step).
 from __future__ import annotations
 
 import json
-import re
-import secrets
 import time
 from typing import Any
 
 import redis
 
+from app.core.ids import is_job_id, new_job_id
 from app.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
 from app.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open
 from app.priority import DEFAULT_PRIORITY
 
-JOB_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 JOB_STATES = ("queued", "running", "done", "failed", "canceled", "partial")
 _INTERNAL_JOB_FIELDS = ("n_waiting", "n_active", "n_done", "n_failed", "n_canceled")
-
-
-def new_job_id() -> str:
-    return secrets.token_hex(16)
-
-
-def is_job_id(value: str) -> bool:
-    return bool(JOB_ID_PATTERN.match(value))
 
 
 def _decode_track(raw: dict[str, str]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from app.artifacts import S3Store
-from app.jobs import new_job_id
+from app.core.ids import new_job_id
 from tests.conftest import S3_ENV
 
 
