@@ -1,4 +1,4 @@
-"""Celery settings for Encore, derived from app.config so there is one source of truth.
+"""Celery settings for Encore, derived from app.core.config so there is one source of truth.
 
 Why these values (see shared/DESIGN.md §1):
 - prefork with one child per GPU worker: the master keeps answering inspect/heartbeats while a stage runs,
@@ -6,10 +6,10 @@ Why these values (see shared/DESIGN.md §1):
 - acks_late + prefetch 1 + reject_on_worker_lost: a crash never loses a stage; redeliveries are capped by
   the stage machinery (app/tasks/stage.py), not here.
 - priority steps: later stages of a started job outrank the first stage of every other job (FIFO across
-  stages); first stages go by their job's priority level (app/priority.py: high 3, normal 6, low 9).
+  stages); first stages go by their job's priority level (app/core/priority.py: high 3, normal 6, low 9).
 """
-from app.config import load_settings
-from app.redis_conn import celery_connection
+from app.core.config import load_settings
+from app.adapters.redis_conn import celery_connection
 
 _settings = load_settings()
 

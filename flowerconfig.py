@@ -2,12 +2,12 @@
 
 Basic auth always: ENCORE_FLOWER_BASIC_AUTH="user:password[,user2:password2]"; without it a random
 password is generated and printed once, so neither the UI nor the API is ever open. State (tasks seen,
-workers) persists in ENCORE_FLOWER_DB across restarts. The values come from app.config, like celeryconfig's.
+workers) persists in ENCORE_FLOWER_DB across restarts. The values come from app.core.config, like celeryconfig's.
 """
 import secrets
 import sys
 
-from app.config import load_settings
+from app.core.config import load_settings
 
 _settings = load_settings()
 _credentials = _settings.flower_basic_auth

@@ -8,9 +8,9 @@ a connection that sends nothing is parked on the worker's poller without a threa
 timeout (ENCORE_BODY_IDLE_S) on the socket of every request that carries a body, so a client that stops
 sending is answered 408 and dropped instead of holding its thread forever. gthread needs no monkey-patching
 (gevent would, under redis-py, kombu and prometheus_client); the web's work per request is short Redis round
-trips, which threads serve well. Numbers come from app/config.py, like every setting.
+trips, which threads serve well. Numbers come from app/core/config.py, like every setting.
 """
-from app.config import load_settings
+from app.core.config import load_settings
 
 _settings = load_settings()
 

@@ -2,6 +2,6 @@
 
 `celery -A app worker -Q gpu0` finds the Celery application as `app.celery`.
 """
-from app.celery_app import celery
+from app.adapters.celery_app import celery
 
 __all__ = ["celery"]

@@ -1,6 +1,6 @@
-"""`python -m app`: the command-line client (see app/cli.py)."""
+"""`python -m app`: the command-line client (see app/clients/cli.py)."""
 import sys
 
-from app.cli import main
+from app.clients.cli import main
 
 sys.exit(main())

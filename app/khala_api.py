@@ -1,6 +1,6 @@
 """Drop-in HTTP contract of the Khala reference backend (POST /generate, GET /job/<id>, track downloads,
 GET /status, GET /tags), served as a thin layer over Encore's own jobs: requests are translated into the
-native MusicRequest and submitted through app.submissions; replies are read from the same job records.
+native MusicRequest and submitted through app.http.submissions; replies are read from the same job records.
 Field names and strings are the reference's, exactly.
 """
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Any, Callable
 
 from flask import Blueprint, jsonify, request, send_file
 
-from app.http_input import BodyError, json_object
-from app.idempotency import OPENAPI_HEADER as IDEMPOTENCY_HEADER
-from app.kinds import CANCELED, DONE, FAILED, QUEUED
-from app.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented
-from app.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
-from app.services import Services
-from app.snapshot import take_snapshot
-from app.submissions import RequestError
+from app.http.http_input import BodyError, json_object
+from app.control.idempotency import OPENAPI_HEADER as IDEMPOTENCY_HEADER
+from app.core.kinds import CANCELED, DONE, FAILED, QUEUED
+from app.http.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented
+from app.http.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
+from app.control.services import Services
+from app.control.snapshot import take_snapshot
+from app.http.submissions import RequestError
 
 NUM_TRACKS = 2
 DEFAULT_TAGS = Path(__file__).with_name("khala_tags.json")

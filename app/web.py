@@ -16,31 +16,31 @@ from flask_limiter.errors import RateLimitExceeded
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
-from app.celery_app import make_celery
-from app import idempotency
-from app.config import Settings, load_settings
-from app.eta import job_etas
-from app.events import HEADERS as SSE_HEADERS, JOB_END_STATES, job_events, valid_event_id
-from app.http_input import BodyError, json_object
-from app.joblog import job_event
+from app.adapters.celery_app import make_celery
+from app.control import idempotency
+from app.core.config import Settings, load_settings
+from app.control.eta import job_etas
+from app.http.events import HEADERS as SSE_HEADERS, JOB_END_STATES, job_events, valid_event_id
+from app.http.http_input import BodyError, json_object
+from app.core.joblog import job_event
 from app.khala_api import make_blueprint
-from app.metrics import make_registry
-from app.openapi import DOWNLOAD_REPLIES, TOO_MANY, build_spec, documented
+from app.control.metrics import make_registry
+from app.http.openapi import DOWNLOAD_REPLIES, TOO_MANY, build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile
-from app.routing import drain_queue, known_queues, resume_queue, route_job
-from app.quotas import QueueFull
-from app.ratelimit import install as install_rate_limits
-from app.readiness import readiness
-from app.recovery import RetryRefused, retry_job
-from app.tracing import instrument_flask
-from app.webhooks import WebhookRefused, check_target, split_events
-from app.schemas import (Accepted, DrainReply, HealthReply, JobList, JobReply, MusicRequest, ReadyReply, RetryReply,
+from app.control.routing import drain_queue, known_queues, resume_queue, route_job
+from app.control.quotas import QueueFull
+from app.http.ratelimit import install as install_rate_limits
+from app.control.readiness import readiness
+from app.control.recovery import RetryRefused, retry_job
+from app.adapters.tracing import instrument_flask
+from app.adapters.webhooks import WebhookRefused, check_target, split_events
+from app.http.schemas import (Accepted, DrainReply, HealthReply, JobList, JobReply, MusicRequest, ReadyReply, RetryReply,
                          StatusReply)
-from app.services import Services, build_services
-from app.snapshot import take_snapshot
-from app.submissions import (RequestError, create_job, longest_song, music_limits,
+from app.control.services import Services, build_services
+from app.control.snapshot import take_snapshot
+from app.http.submissions import (RequestError, create_job, longest_song, music_limits,
                              submit_music as submit_music_job, validate_music)
-from app.uploads import LipsyncForm, UploadError, receive_lipsync
+from app.http.uploads import LipsyncForm, UploadError, receive_lipsync
 
 log = logging.getLogger("encore.web")
 

@@ -261,7 +261,7 @@ def main() -> None:
         sys.exit(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
     env = {"ENCORE_PRELOAD": "1", **REFERENCE_ENGINE}
     env.update({"ENCORE_LEASE_S": "4", "ENCORE_REROUTE_AFTER_S": "2", "ENCORE_HEARTBEAT_S": "0.5"} if args.quick
-               else {"ENCORE_HEARTBEAT_S": "2"})  # else the defaults of app/config.py
+               else {"ENCORE_HEARTBEAT_S": "2"})  # else the defaults of app/core/config.py
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         subprocess.run([sys.executable, "-m", "app.pipeline.tiny", "--out", str(root / "models" / "tiny"),

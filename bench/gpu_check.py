@@ -54,10 +54,10 @@ def through_celery(models_dir: Path, redis_url: str, root: Path) -> dict:
            "ENCORE_ARTIFACT_DIR": str(root / "artifacts"), "ENCORE_LOG_DIR": str(root / "logs"),
            "ENCORE_HEARTBEAT_S": "0.5", "ENCORE_PYTHON": sys.executable}
     os.environ.update(env)
-    from app.celery_app import make_celery
-    from app.config import load_settings
-    from app.routing import route_job
-    from app.services import build_services
+    from app.adapters.celery_app import make_celery
+    from app.core.config import load_settings
+    from app.control.routing import route_job
+    from app.control.services import build_services
     settings = load_settings()
     svc = build_services(settings)
     worker = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), "0"], cwd=REPO, env=env,

@@ -370,8 +370,8 @@ def section_job(args) -> dict:
            "ENCORE_PYTHON": sys.executable, "ENCORE_PRELOAD": "0", "ENCORE_MAX_AUDIO_S": "900",
            "ENCORE_MAX_VIDEO_MB": "1000", "ENCORE_MAX_AUDIO_MB": "200", "ENCORE_MIN_VIDEO_S": "1"}
     os.environ.update(env)
-    from app.config import load_settings
-    from app.services import build_services
+    from app.core.config import load_settings
+    from app.control.services import build_services
     from app.web import create_app
     settings = load_settings()
     svc = build_services(settings)  # the worker registry: when the worker is up

@@ -347,10 +347,10 @@ def section_song_worker(args) -> dict:
            "ENCORE_HEARTBEAT_S": "0.5", "ENCORE_PYTHON": sys.executable, "ENCORE_PRELOAD": "1",
            "ENCORE_SONG_END": "duration", "ENCORE_WORKER_CACHE_DIR": str(root / "cache")}
     os.environ.update(env)
-    from app.celery_app import make_celery
-    from app.config import load_settings
-    from app.routing import route_job
-    from app.services import build_services
+    from app.adapters.celery_app import make_celery
+    from app.core.config import load_settings
+    from app.control.routing import route_job
+    from app.control.services import build_services
     settings = load_settings()
     svc = build_services(settings)
     worker = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), "0"], cwd=REPO, env={**os.environ, **env},

@@ -55,7 +55,7 @@ def platform(models_dir: Path, redis_url: str, root: Path, duration_s: float, re
            "ENCORE_ARTIFACT_DIR": str(root / "artifacts"), "ENCORE_LOG_DIR": str(root / "logs"),
            "ENCORE_TORCH_THREADS": "1", "ENCORE_PRELOAD": "1", "ENCORE_HEARTBEAT_S": "0.5"}
     os.environ.update(env)
-    from app.config import load_settings
+    from app.core.config import load_settings
     from app.web import create_app
     client = create_app(load_settings()).test_client()
     worker = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), "0"], cwd=REPO, env=env,

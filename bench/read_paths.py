@@ -37,7 +37,7 @@ def baseline_app() -> Flask:
     """gunicorn 'bench.read_paths:baseline_app()': the two baselines on one app."""
     import redis
 
-    from app.config import load_settings
+    from app.core.config import load_settings
     client = redis.Redis.from_url(load_settings().redis_url, decode_responses=True)
     app = Flask("baseline")
 
@@ -53,8 +53,8 @@ def baseline_app() -> Flask:
 
 def fill(url: str, jobs: int) -> str:
     """`jobs` two-track music jobs in every overall state; returns a running job's id (the one polled)."""
-    from app.config import Settings
-    from app.services import build_services
+    from app.core.config import Settings
+    from app.control.services import build_services
     svc = build_services(Settings(redis_url=url, heartbeat_s=3600))  # the two workers stay live all run
     svc.redis.set("bench:one", "1")
     for name, queue in (("gpu0@bench", "gpu0"), ("gpu1@bench", "gpu1")):

@@ -149,8 +149,8 @@ def project_celery_config(settings) -> dict[str, Any]:
 
 def unit_services(redis_base_url: str, db: int, root: Path):
     """Services on one of the unit tests' Redis databases (500+), emptied first."""
-    from app.config import Settings
-    from app.services import build_services
+    from app.core.config import Settings
+    from app.control.services import build_services
     services = build_services(Settings(redis_url=f"{redis_base_url}/{db}", artifact_dir=root))
     services.redis.flushdb()
     return services
@@ -193,7 +193,7 @@ class Stack:
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}  # what the helpers below send
 
     def _make_app(self):
-        from app.config import Settings
+        from app.core.config import Settings
         from app.web import create_app
         old = dict(os.environ)
         os.environ.update(self.env)

@@ -81,7 +81,7 @@ def test_the_demo_the_image_and_compose_serve_with_one_gunicorn_conf():
     assert config["wsgi_app"] == "app.web:create_app()" and config["worker_class"] == "gthread"
     assert config["threads"] >= 16 and config["workers"] >= 2
     assert 'CMD ["gunicorn", "-c", "gunicorn.conf.py"]' in (REPO / "Dockerfile").read_text()
-    assert '"gunicorn", "-c", "gunicorn.conf.py"' in (REPO / "app" / "demo.py").read_text()
+    assert '"gunicorn", "-c", "gunicorn.conf.py"' in (REPO / "app" / "clients" / "demo.py").read_text()
     checked = subprocess.run([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--check-config"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0, checked.stderr[-2000:]

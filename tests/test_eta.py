@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from app import eta
-from app.kinds import MUSIC
-from app.routing import pick_queue
+from app.control import eta
+from app.core.kinds import MUSIC
+from app.control.routing import pick_queue
 from tests.conftest import REFERENCE_ENGINE, wait_until
 
 FACTOR = 2.5  # the stated bound: the estimate is within real/FACTOR .. real*FACTOR

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from app.cli import sse_messages
+from app.clients.cli import sse_messages
 from tests.conftest import wait_until
 
 TRACK_STATES = ["queued", "backbone", "superres", "decoding", "exporting", "done"]

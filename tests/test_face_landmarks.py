@@ -135,7 +135,7 @@ def test_a_track_survives_its_json_round_trip():
 
 
 def test_the_mask_mode_is_a_setting_and_only_jaw_or_rectangle(monkeypatch):
-    from app.config import Settings
+    from app.core.config import Settings
     assert Settings().lipsync_mask == "jaw"
     monkeypatch.setenv("ENCORE_LIPSYNC_MASK", "rectangle")
     assert Settings().lipsync_mask == "rectangle"

@@ -180,7 +180,7 @@ def test_a_driving_audio_shorter_than_the_minimum_is_400(lipsync_stack, tmp_path
 
 
 def test_the_default_upload_limits():
-    from app.config import Settings
+    from app.core.config import Settings
     settings = Settings()
     assert settings.max_video_pixels == 4096 * 2160 and settings.min_audio_s == 0.5
 

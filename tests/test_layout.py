@@ -1,4 +1,4 @@
-"""The code layout's rules, checked on the source: settings are read from the environment in app/config.py
+"""The code layout's rules, checked on the source: settings are read from the environment in app/core/config.py
 only, the pipeline never imports Celery, and the web's imports stay free of the model stacks."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "app" / "config.py"
+CONFIG = REPO / "app" / "core" / "config.py"
 
 
 def _sources(*folders: str) -> list[Path]:

@@ -1,4 +1,4 @@
-"""The track state machine (app/lifecycle.py) against a real redis-server: every event from every status,
+"""The track state machine (app/control/lifecycle.py) against a real redis-server: every event from every status,
 allowed or refused as the table below says (written out here, independently of the module's table), the
 lease rules, a pending cancel, and the bookkeeping it keeps, checked after every step of a random walk."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 import pytest
 import redis
 
-from app.jobs import JobStore, overall_state
-from app.lifecycle import TRANSITIONS, Layout
+from app.control.jobs import JobStore, overall_state
+from app.control.lifecycle import TRANSITIONS, Layout
 
 STATUSES = ("new", "created", "parked", "queued", "running:backbone", "running:superres", "waiting:superres",
             "waiting:decode", "done", "failed", "canceled")

@@ -9,7 +9,7 @@ from app.pipeline.lipsync.faces import crop_box, detect_faces, fill_missing
 from app.pipeline.lipsync.frames import pingpong_index, shows_a_frame_twice, source_frame
 from app.pipeline.lipsync.inference import audio_features, run_lipsync
 from app.pipeline.lipsync.musetalk import load_musetalk
-from app.uploads import output_fps
+from app.http.uploads import output_fps
 from tests.conftest import tiny_musetalk_profile
 from tests.test_faces import astronaut_frames
 from tests.test_lipsync_engine import write_wav

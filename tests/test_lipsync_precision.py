@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.config import Settings
+from app.core.config import Settings
 from app.pipeline.lipsync.inference import generate_faces, unet_latents
 from app.pipeline.lipsync.musetalk import load_musetalk, precision_name, resolve_dtype
 from app.pipeline.lipsync.stages import LipsyncModels

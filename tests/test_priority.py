@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from app.broker import broker_lists, find_message
-from app.kinds import MUSIC
-from app.priority import FIRST_STAGE_PRIORITY, LATER_STAGE_PRIORITY
-from app.routing import build_chain, dispatch_unrouted, route_job
-from app.submissions import create_job
+from app.control.broker import broker_lists, find_message
+from app.core.kinds import MUSIC
+from app.core.priority import FIRST_STAGE_PRIORITY, LATER_STAGE_PRIORITY
+from app.control.routing import build_chain, dispatch_unrouted, route_job
+from app.http.submissions import create_job
 from tests.conftest import REFERENCE_ENGINE, project_celery_config, unit_services, wait_until
 from tests.lipsync_media import face_video, tone, upload
 
@@ -119,7 +119,7 @@ def test_the_openapi_document_offers_priority_on_both_submit_routes(make_stack):
 
 
 def test_the_cli_sends_a_priority_only_when_given():
-    from app.cli import build_parser, music_body
+    from app.clients.cli import build_parser, music_body
     parser = build_parser()
     assert music_body(parser.parse_args(["submit", "music", "--tags", "x", "--priority", "low"]))["priority"] == "low"
     assert "priority" not in music_body(parser.parse_args(["submit", "music", "--tags", "x"]))

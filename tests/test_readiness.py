@@ -1,6 +1,6 @@
 """GET /readyz (issue 14, item 5) over real HTTP against real workers: 503 with the reason while no live worker
 has its models loaded (none at all, or one that loads lazily), 200 once a worker's preload has loaded the
-models of every kind it serves; /healthz stays liveness. `python -m app.readiness` is the compose check."""
+models of every kind it serves; /healthz stays liveness. `python -m app.control.readiness` is the compose check."""
 from __future__ import annotations
 
 import os
@@ -19,7 +19,7 @@ def readyz(url: str) -> tuple[int, dict]:
 
 
 def readiness_check(stack, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.readiness", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "app.control.readiness", *args], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, **stack.env}, timeout=60)
 
 

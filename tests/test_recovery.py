@@ -1,4 +1,4 @@
-"""The reaper (app/recovery.py) against a real Redis broker and kombu channel: expired leases, dead queues,
+"""The reaper (app/control/recovery.py) against a real Redis broker and kombu channel: expired leases, dead queues,
 lost messages; no worker runs here, so a track it restarts stays parked."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from app.recovery import reap, restart_track
-from app.priority import FIRST_STAGE_PRIORITY
-from app.routing import enqueue_track, unroute_waiting
+from app.control.recovery import reap, restart_track
+from app.core.priority import FIRST_STAGE_PRIORITY
+from app.control.routing import enqueue_track, unroute_waiting
 from tests.conftest import project_celery_config, unit_services
 
 FIRST = FIRST_STAGE_PRIORITY["normal"]  # the broker list a normal job's first stage waits in: gpu<n>:<FIRST>

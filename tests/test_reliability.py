@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from app.priority import FIRST_STAGE_PRIORITY
+from app.core.priority import FIRST_STAGE_PRIORITY
 from tests.conftest import REFERENCE_ENGINE, wait_until
 
 LONG_S = 120.0
@@ -160,7 +160,7 @@ def test_tracks_of_a_dead_workers_queue_move_to_a_live_one_and_its_old_messages_
 
 def test_a_stage_message_not_of_the_tracks_current_chain_is_ignored(make_stack):
     """What keeps a moved track from running twice: a delivery whose id the record no longer lists."""
-    from app.celery_app import make_celery
+    from app.adapters.celery_app import make_celery
     stack = make_stack()
     stack.start_worker(0)
     svc = stack.app.config["SERVICES"]

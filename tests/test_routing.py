@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.celery_app import make_celery
-from app.routing import build_chain, pick_queue, queue_loads
+from app.adapters.celery_app import make_celery
+from app.control.routing import build_chain, pick_queue, queue_loads
 from tests.conftest import project_celery_config, unit_services
 
 
@@ -45,7 +45,7 @@ def test_least_outstanding_work_wins_and_offline_queues_are_skipped(svc):
 
 
 def test_every_signature_carries_queue_and_first_stage_has_lowest_priority(celery_app):
-    from app.kinds import MUSIC
+    from app.core.kinds import MUSIC
     workflow, task_ids = build_chain(celery_app, MUSIC, {"job_id": "x", "track": 0}, "gpu3")
     tasks = workflow.tasks
     assert [t.task for t in tasks] == [s.task for s in MUSIC.stages]
@@ -56,9 +56,9 @@ def test_every_signature_carries_queue_and_first_stage_has_lowest_priority(celer
 
 def test_routing_weighs_learned_seconds_so_a_slow_card_gets_less_work(svc):
     """gpu0 learned that it takes three times as long per song second as gpu1 (what its stages' finishes teach,
-    app/eta.py): of four like tracks it gets one; a card that learned nothing yet borrows the fleet's mean."""
-    from app import eta
-    from app.kinds import MUSIC
+    app/control/eta.py): of four like tracks it gets one; a card that learned nothing yet borrows the fleet's mean."""
+    from app.control import eta
+    from app.core.kinds import MUSIC
     for name, queue in (("gpu0@a", "gpu0"), ("gpu1@a", "gpu1")):
         svc.workers.heartbeat(name, {"queue": queue})
     for stage in MUSIC.stages:

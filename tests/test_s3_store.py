@@ -11,7 +11,7 @@ import boto3
 import pytest
 import requests
 
-from app.artifacts import S3Store
+from app.adapters.artifacts import S3Store
 from app.core.ids import new_job_id
 from tests.conftest import S3_ENV
 

@@ -151,9 +151,9 @@ def test_jobs_run_through_sentinel_and_survive_a_failover(sentinels, sentinel_st
 
 def test_every_client_is_configured_for_sentinel():
     """Celery's URLs and transport options, and the rate limiter's storage, name the sentinels, not REDIS_URL."""
-    from app.config import Settings
-    from app.ratelimit import storage_uri
-    from app.redis_conn import celery_connection
+    from app.core.config import Settings
+    from app.http.ratelimit import storage_uri
+    from app.adapters.redis_conn import celery_connection
     settings = Settings(redis_url="redis://:pw@ignored:1/7", redis_sentinels=(("10.0.0.1", 26379), ("10.0.0.2", 26380)),
                         redis_sentinel_master="prod", redis_sentinel_password="spw")
     celery = celery_connection(settings)

@@ -15,7 +15,7 @@ import torch
 from app.pipeline.music.backbone import generate_coarse, generate_coarse_tracks
 from app.pipeline.control import StageControl
 from app.pipeline.music.stages import song_length
-from app.services import build_services
+from app.control.services import build_services
 from tests.conftest import TRIGGER, write_ending_backbone
 
 torch.set_num_threads(2)

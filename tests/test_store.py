@@ -7,8 +7,8 @@ import time
 import pytest
 import redis
 
-from app.artifacts import DirectoryStore, RedisStore
-from app.jobs import JobStore, overall_state
+from app.adapters.artifacts import DirectoryStore, RedisStore
+from app.control.jobs import JobStore, overall_state
 from tests.conftest import wait_until
 
 

@@ -11,8 +11,8 @@ import pytest
 import requests
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from app import tracing
-from app.config import Settings
+from app.adapters import tracing
+from app.core.config import Settings
 from tests.conftest import wait_until
 
 MUSIC_STAGES = ["backbone", "superres", "decode", "export"]

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from standardwebhooks import Webhook
 
-from app import webhooks
-from app.config import Settings
+from app.adapters import webhooks
+from app.core.config import Settings
 from tests.conftest import wait_until
 
 SECRET = "whsec_" + base64.b64encode(b"encore-test-webhook-secret-0123").decode()

@@ -7,9 +7,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from app.kinds import LIPSYNC
+from app.core.kinds import LIPSYNC
 from app.pipeline.profiles import load_lipsync_profile
-from app.services import services
+from app.control.services import services
 from app.tasks.stage import StageRun, stage_task
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ import time
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from app.kinds import MUSIC
-from app.services import services
+from app.core.kinds import MUSIC
+from app.control.services import services
 from app.tasks.stage import StageRun, stage_task
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Shared stage machinery: what every pipeline stage does around its work, whatever the pipeline.
 
 A stage task receives {"job_id", "track"} and returns it for the next stage of the chain. Every change it
-makes to its track is a transition of app/lifecycle.py, made as the holder of the stage's lease. Around the
+makes to its track is a transition of app/control/lifecycle.py, made as the holder of the stage's lease. Around the
 work:
 - start (the `start` transition) only when the delivery is of the track's current chain, the track is open
   and no live stage holds it; a pending cancel ends the track instead; a message delivered more than
@@ -29,16 +29,16 @@ from typing import Any, Callable
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
-from app.celery_app import celery
-from app.eta import learn as learn_stage
-from app.joblog import job_event
-from app.kinds import JobKind, Stage
-from app.lifecycle import is_open
-from app.metrics import observe_stage
+from app.adapters.celery_app import celery
+from app.control.eta import learn as learn_stage
+from app.core.joblog import job_event
+from app.core.kinds import JobKind, Stage
+from app.control.lifecycle import is_open
+from app.control.metrics import observe_stage
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.runtime import device_report, release_memory
-from app.services import Services, services
-from app.workers import pid_alive
+from app.control.services import Services, services
+from app.control.workers import pid_alive
 
 log = logging.getLogger("encore.jobs")
 

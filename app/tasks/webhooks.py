@@ -1,4 +1,4 @@
-"""The webhook worker's task and its outbox pump (app/webhooks.py says how a message travels).
+"""The webhook worker's task and its outbox pump (app/adapters/webhooks.py says how a message travels).
 
 Run it apart from the GPU workers, on its own queue:
     celery -A app worker -Q webhooks -P threads -c 8 -n webhooks@%h
@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from app import webhooks
-from app.celery_app import celery
-from app.services import services
+from app.adapters import webhooks
+from app.adapters.celery_app import celery
+from app.control.services import services
 
 log = logging.getLogger("encore.webhooks")
 

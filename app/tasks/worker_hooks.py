@@ -1,5 +1,5 @@
 """Worker life cycle: a heartbeat thread in the master (registry with its cards' NVML readings, routing of
-parked tracks, the reaper of app/recovery.py, artifact sweep); per-child set-up (torch threads, optional model
+parked tracks, the reaper of app/control/recovery.py, artifact sweep); per-child set-up (torch threads, optional model
 preload). The master never touches CUDA. What a crashed predecessor left running is the reaper's: its lease
 expires."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ import time
 
 from celery.signals import worker_process_init, worker_ready, worker_shutdown
 
-from app import tracing
-from app.celery_app import celery
-from app.gpu import GpuProbe
-from app.kinds import KINDS
-from app.recovery import reap
-from app.routing import dispatch_unrouted
-from app.services import services
+from app.adapters import tracing
+from app.adapters.celery_app import celery
+from app.adapters.gpu import GpuProbe
+from app.core.kinds import KINDS
+from app.control.recovery import reap
+from app.control.routing import dispatch_unrouted
+from app.control.services import services
 from app.tasks.stage import sweep_scratch
 
 log = logging.getLogger("encore.worker")

@@ -36,7 +36,7 @@ import cv2
 import numpy as np
 import torch
 
-from app.config import LIPSYNC_PATHS
+from app.core.config import LIPSYNC_PATHS
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync.faces import Box, crop_box
 from app.pipeline.lipsync.frames import FrameSequence, FrameSink, shows_a_frame_twice, source_frame

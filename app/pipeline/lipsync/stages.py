@@ -12,7 +12,7 @@ import wave
 from pathlib import Path
 from typing import Any
 
-from app.config import LIPSYNC_MASKS
+from app.core.config import LIPSYNC_MASKS
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync import faces, inference, musetalk
 from app.pipeline.lipsync.frames import output_frame_count, shows_a_frame_twice

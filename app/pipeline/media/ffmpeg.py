@@ -4,7 +4,7 @@ Every external call runs with an argument list (no shell), a timeout after which
 its whole session), and its return code checked; failures raise `MediaError` naming what was being done and
 the tool, with its last stderr lines, so a job record says *why* a file was refused instead of a bare
 "returned non-zero exit status 1". The binaries are the configured ones (ENCORE_FFMPEG / ENCORE_FFPROBE in
-app/config.py), looked up at each call so a test or the demo can set them first.
+app/core/config.py), looked up at each call so a test or the demo can set them first.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import IO, Any, Optional, Sequence, Union
 
-from app.config import load_settings
+from app.core.config import load_settings
 
 PathLike = Union[str, os.PathLike]
 FpsLike = Union[float, int, str, Fraction]

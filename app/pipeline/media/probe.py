@@ -1,6 +1,6 @@
 """What ffprobe says about a media file: streams, durations, displayed size, frame rate and count.
 
-Uploads are checked with it (app/uploads.py) and every lip-sync stage sizes its work by it; anything ffprobe
+Uploads are checked with it (app/http/uploads.py) and every lip-sync stage sizes its work by it; anything ffprobe
 cannot parse is refused with a `MediaError` saying so.
 """
 from __future__ import annotations

@@ -1,0 +1,57 @@
+"""Every Redis connection Encore opens: a plain URL (REDIS_URL), or the current primary behind Redis Sentinel
+(REDIS_SENTINELS + REDIS_SENTINEL_MASTER), for Encore's own clients and for Celery's broker and results.
+
+With Sentinel, redis-py's `Sentinel(...).master_for()` asks the sentinels for the primary on every new
+connection, so after a failover the next command reaches the promoted replica (the Lua scripts are loaded
+again by redis-py on NOSCRIPT); commands during the switch raise ConnectionError, which the web answers 503.
+Celery and kombu take the same sentinels as `sentinel://` URLs with the `master_name` transport option
+(Celery's supported way to a highly available Redis; Redis Cluster is not supported by Celery).
+The database number and the primary's password still come from REDIS_URL.
+"""
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import redis
+from redis.sentinel import Sentinel
+
+from app.core.config import Settings
+
+SENTINEL_CONNECT_TIMEOUT_S = 2.0
+
+
+def _database(settings: Settings) -> int:
+    path = urlsplit(settings.redis_url).path.strip("/")
+    return int(path) if path.isdigit() else 0
+
+
+def _password(settings: Settings) -> str | None:
+    return urlsplit(settings.redis_url).password or None
+
+
+def redis_client(settings: Settings, *, decode_responses: bool) -> redis.Redis:
+    """A client of the primary: REDIS_URL's server, or the one the sentinels name now."""
+    if not settings.redis_sentinels:
+        return redis.Redis.from_url(settings.redis_url, decode_responses=decode_responses)
+    sentinel_auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
+    sentinel = Sentinel(list(settings.redis_sentinels), sentinel_kwargs={
+        "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S, "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+        **sentinel_auth})
+    return sentinel.master_for(settings.redis_sentinel_master, db=_database(settings), password=_password(settings),
+                               decode_responses=decode_responses, socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
+                               socket_keepalive=True)
+
+
+def celery_connection(settings: Settings) -> dict[str, Any]:
+    """broker_url, result_backend and their transport options for Celery (merged into celeryconfig's)."""
+    if not settings.redis_sentinels:
+        return {"broker_url": settings.redis_url, "result_backend": settings.redis_url}
+    password = _password(settings)
+    auth = f":{quote(password, safe='')}@" if password else ""
+    urls = ";".join(f"sentinel://{auth}{host}:{port}/{_database(settings)}" for host, port in settings.redis_sentinels)
+    options: dict[str, Any] = {"master_name": settings.redis_sentinel_master}
+    if settings.redis_sentinel_password:
+        options["sentinel_kwargs"] = {"password": settings.redis_sentinel_password}
+    return {"broker_url": urls, "result_backend": urls, "broker_transport_options": options,
+            "result_backend_transport_options": dict(options)}

@@ -1,0 +1,141 @@
+"""OpenTelemetry tracing: one trace per job, from the web request that submitted it through a span per stage.
+
+Off unless OTEL_EXPORTER_OTLP_ENDPOINT is set (then spans go there over OTLP/HTTP, with the exporter's own
+standard variables: OTEL_EXPORTER_OTLP_HEADERS, OTEL_BSP_SCHEDULE_DELAY, ...; the service is
+OTEL_SERVICE_NAME, default "encore", with "-web" or "-worker" appended).
+- The web opens a server span per request (`instrument_flask`).
+- Celery's `before_task_publish` writes the current trace context (W3C `traceparent`) into the message's
+  headers: the submit's span is the parent of the chain's first stage, and each stage's span the parent of
+  the next one, which Celery publishes while that stage's span is current.
+- In the worker's pool child `task_prerun` reads it back from the request and opens the stage's span
+  (attributes: the job id, track and stage), `task_postrun` ends it; a stage that raised marks it an error.
+The propagation is the OpenTelemetry API's own (`opentelemetry.propagate`); only the wiring is here.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from app.core.config import Settings
+
+log = logging.getLogger("encore.tracing")
+
+_configured = False
+_open_spans: dict[str, tuple[Any, Any]] = {}  # task id -> (span, context token)
+
+
+def enabled(settings: Settings) -> bool:
+    return bool(settings.otel_endpoint)
+
+
+def configure(settings: Settings, role: str) -> bool:
+    """Install the tracer provider with an OTLP/HTTP exporter and the Celery hooks, once per process;
+    False (and nothing installed) when tracing is off."""
+    global _configured
+    if _configured or not enabled(settings):
+        return _configured
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    provider = TracerProvider(resource=Resource.create({"service.name": f"{settings.otel_service_name}-{role}"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
+        endpoint=settings.otel_endpoint.rstrip("/") + "/v1/traces")))
+    trace.set_tracer_provider(provider)
+    _connect_celery()
+    _configured = True
+    log.info("event=tracing_on role=%s endpoint=%s", role, settings.otel_endpoint)
+    return True
+
+
+def _tracer():
+    from opentelemetry import trace
+    return trace.get_tracer("encore")
+
+
+def _connect_celery() -> None:
+    from celery.signals import before_task_publish, task_failure, task_postrun, task_prerun
+    before_task_publish.connect(_inject, weak=False)
+    task_prerun.connect(_start_stage, weak=False)
+    task_postrun.connect(_end_stage, weak=False)
+    task_failure.connect(_fail_stage, weak=False)
+
+
+def _inject(headers: dict | None = None, **_: Any) -> None:
+    """The current trace context into the message headers (Celery's protocol 2 headers dict)."""
+    if headers is not None:
+        from opentelemetry import propagate
+        propagate.inject(headers)
+
+
+class _RequestGetter:
+    """Reads propagated fields from a Celery task request: custom message headers become its attributes."""
+
+    def get(self, carrier: Any, key: str) -> list[str] | None:
+        value = getattr(carrier, key, None)
+        if value is None and isinstance(getattr(carrier, "headers", None), dict):
+            value = carrier.headers.get(key)
+        return None if value is None else [value]
+
+    def keys(self, carrier: Any) -> list[str]:
+        return []
+
+
+def _start_stage(task_id: str | None = None, task: Any = None, args: tuple = (), **_: Any) -> None:
+    from opentelemetry import context, propagate, trace
+    parent = propagate.extract(task.request, getter=_RequestGetter())
+    ref = args[0] if args and isinstance(args[0], dict) else {}
+    span = _tracer().start_span(f"stage {task.name.rsplit('.', 1)[-1]}", context=parent,
+                                kind=trace.SpanKind.CONSUMER, attributes={
+                                    "celery.task_id": task_id or "", "celery.task_name": task.name,
+                                    "encore.job_id": str(ref.get("job_id", "")),
+                                    "encore.track": int(ref.get("track", -1))})
+    _open_spans[task_id or ""] = (span, context.attach(trace.set_span_in_context(span)))
+
+
+def _fail_stage(task_id: str | None = None, exception: BaseException | None = None, **_: Any) -> None:
+    opened = _open_spans.get(task_id or "")
+    if opened is not None and exception is not None:
+        from opentelemetry.trace import Status, StatusCode
+        opened[0].record_exception(exception)
+        opened[0].set_status(Status(StatusCode.ERROR, str(exception)[:200]))
+
+
+def _end_stage(task_id: str | None = None, **_: Any) -> None:
+    opened = _open_spans.pop(task_id or "", None)
+    if opened is not None:
+        from opentelemetry import context
+        span, token = opened
+        context.detach(token)
+        span.end()
+
+
+def instrument_flask(app: Any, settings: Settings) -> None:
+    """A server span around every request of `app` (when tracing is on)."""
+    if not configure(settings, "web"):
+        return
+    from flask import g, request
+    from opentelemetry import context, trace
+
+    @app.before_request
+    def _open_request_span() -> None:
+        span = _tracer().start_span(f"{request.method} {request.url_rule.rule if request.url_rule else request.path}",
+                                    kind=trace.SpanKind.SERVER,
+                                    attributes={"http.method": request.method, "http.target": request.path})
+        g.otel = (span, context.attach(trace.set_span_in_context(span)))
+
+    @app.after_request
+    def _record_status(response):
+        opened = g.get("otel")
+        if opened is not None:
+            opened[0].set_attribute("http.status_code", response.status_code)
+        return response
+
+    @app.teardown_request
+    def _close_request_span(error: BaseException | None = None) -> None:
+        opened = g.pop("otel", None)
+        if opened is not None:
+            span, token = opened
+            context.detach(token)
+            span.end()

@@ -1,0 +1,266 @@
+"""Job records in Redis: the client-facing truth about every job (Celery's PENDING also means "unknown id").
+
+The layout and every change of a track's state belong to app/control/lifecycle.py; this module creates jobs, reads
+them in the shape clients see, and names the transitions the web, the router, the reaper and the stages
+make (each one is `Lifecycle.apply`, one atomic step).
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from app.core.ids import is_job_id, new_job_id
+from app.core.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
+from app.control.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open
+from app.core.priority import DEFAULT_PRIORITY
+
+JOB_STATES = ("queued", "running", "done", "failed", "canceled", "partial")
+_INTERNAL_JOB_FIELDS = ("n_waiting", "n_active", "n_done", "n_failed", "n_canceled")
+
+
+def _decode_track(raw: dict[str, str]) -> dict[str, Any]:
+    track: dict[str, Any] = dict(raw)
+    for key in JSON_FIELDS:
+        if key in track:
+            track[key] = json.loads(track[key])
+    return track
+
+
+
+def _decode_job(job_id: str, raw: dict[str, str]) -> dict[str, Any]:
+    return {"job_id": job_id, "kind": raw["kind"], "params": json.loads(raw["params"]),
+            "num_tracks": int(raw["num_tracks"]), "created_at": float(raw["created_at"]),
+            "expires_at": float(raw["expires_at"])}
+
+
+class JobStore:
+    """Create and read job records; every state change is a named transition (app/control/lifecycle.py)."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "encore", ttl_s: int = 24 * 3600,
+                 events_maxlen: int = 1000, webhook_progress_s: float = 5.0):
+        self.redis = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self.keys = Layout(prefix)
+        self.lifecycle = Lifecycle(client, self.keys, events_maxlen, webhook_progress_s)
+        self._renew_lease = client.register_script(_RENEW_LEASE)
+
+    # -- keys (the layout is app/lifecycle.Layout's) ------------------------------------------------
+    def job_key(self, job_id: str) -> str:
+        return self.keys.job(job_id)
+
+    def track_key(self, job_id: str, track: int) -> str:
+        return self.keys.track(job_id, track)
+
+    def waiting_key(self, queue: str) -> str:
+        return self.keys.waiting(queue)
+
+    def load_key(self, queue: str) -> str:
+        return self.keys.load(queue)
+
+    def lease_key(self, job_id: str, track: int) -> str:
+        return self.keys.lease(job_id, track)
+
+    def events_channel(self, job_id: str) -> str:
+        """Pub/sub channel carrying every transition of a job's tracks (live views, tests)."""
+        return self.keys.events(job_id)
+
+    @property
+    def jobs_key(self) -> str:
+        return self.keys.jobs
+
+    def queues(self) -> set[str]:
+        """Every queue a track was ever assigned to."""
+        return set(self.redis.smembers(self.keys.queues))
+
+    # -- create -------------------------------------------------------------------------------------
+    def create(self, kind: str, params: dict[str, Any], track_params: list[dict[str, Any]],
+               cost: float, job_id: str | None = None, webhook: dict[str, Any] | None = None,
+               priority: str = DEFAULT_PRIORITY) -> str:
+        """Write a job with one parked track per entry of `track_params` (one round trip); returns its
+        unguessable id (`job_id` when the caller drew it first: an idempotent submit claims it before). The
+        caller routes it. `webhook` ({"url", "events"}, app/webhooks.check_target) is kept in the job hash,
+        where the transitions read which events to send; so is `priority` (app/core/priority.py), which orders its
+        tracks while they are parked or queued."""
+        job_id = job_id or new_job_id()
+        now = time.time()
+        pipe = self.redis.pipeline()
+        pipe.hset(self.job_key(job_id), mapping={
+            "kind": kind, "params": json.dumps(params), "num_tracks": len(track_params),
+            "created_at": now, "expires_at": now + self.ttl_s, "priority": priority,
+            **{name: 0 for name in _INTERNAL_JOB_FIELDS},
+            **({"webhook": webhook["url"], "webhook_events": ",".join(webhook["events"])} if webhook else {})})
+        pipe.expire(self.job_key(job_id), self.ttl_s)
+        for index, extra in enumerate(track_params):
+            self.lifecycle.apply("submit", job_id, index, {"cost": cost},
+                                 {"params": extra, "detail": "waiting for a worker"}, client=pipe)
+        pipe.zadd(self.jobs_key, {job_id: now})
+        for state in JOB_STATES:  # the gauges' sets lose the ids of expired jobs here
+            pipe.zremrangebyscore(self.keys.jobs_in_state(kind, state), "-inf", now)
+        replies = pipe.execute()
+        refused = [r for r in replies[2:2 + len(track_params)] if not r[0]]
+        if refused:
+            raise RuntimeError(f"job {job_id}: a track could not be created: {refused}")
+        return job_id
+
+    # -- read ---------------------------------------------------------------------------------------
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        raw = self.redis.hgetall(self.job_key(job_id)) if is_job_id(job_id) else {}
+        return _decode_job(job_id, raw) if raw else None
+
+    def track(self, job_id: str, index: int) -> dict[str, Any] | None:
+        raw = self.redis.hgetall(self.track_key(job_id, index))
+        return _decode_track(raw) if raw else None
+
+    def tracks(self, job_id: str, num_tracks: int) -> list[dict[str, Any]]:
+        pipe = self.redis.pipeline(transaction=False)
+        for index in range(num_tracks):
+            pipe.hgetall(self.track_key(job_id, index))
+        return [_decode_track(raw) for raw in pipe.execute() if raw]
+
+    def record(self, job_id: str) -> dict[str, Any] | None:
+        """The whole client-facing record in one round trip: job fields, tracks with queue positions (and
+        their worker's status while open), overall state, cancel flag."""
+        raw = self.lifecycle.read_job(job_id) if is_job_id(job_id) else None
+        if raw is None:
+            return None
+        job = _decode_job(job_id, raw["job"])
+        tracks = raw["tracks"]  # decoded by the read
+        job["tracks"] = tracks
+        job["state"] = overall_state([t["state"] for t in tracks])
+        waiting = [t["queue_position"] for t in tracks if t["state"] == QUEUED]
+        job["queue_position"] = min(waiting) if waiting else 0
+        job["cancel_requested"] = bool(raw["cancel"])
+        if raw["job"].get("webhook"):  # one more read, only for the jobs that asked for webhooks
+            job["webhook"] = {"url": raw["job"]["webhook"], "events": raw["job"]["webhook_events"].split(","),
+                              "deliveries": [json.loads(item) for item in
+                                             self.redis.lrange(self.keys.webhook_deliveries(job_id), 0, -1)]}
+        return job
+
+    def events_after(self, job_id: str, after: str, block_ms: int | None = None,
+                     count: int = 500) -> list[tuple[str, dict[str, Any]]]:
+        """The job's events after stream id `after` ("0-0": from the first kept), oldest first: at most
+        `count`, waiting up to `block_ms` for one when there are none (None: do not wait)."""
+        reply = self.redis.xread({self.keys.event_stream(job_id): after}, count=count, block=block_ms)
+        entries = reply[0][1] if reply else []
+        return [(entry_id, json.loads(fields["data"])) for entry_id, fields in entries]
+
+    def recent_job_ids(self, limit: int = 100) -> list[str]:
+        """Newest first; ids whose record expired are dropped from the index on the way."""
+        ids = self.redis.zrevrange(self.jobs_key, 0, limit - 1)
+        alive = []
+        for chunk in _chunks(ids, PIPELINE_CHUNK):
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in chunk:
+                pipe.exists(self.job_key(job_id))
+            alive += [job_id for job_id, exists in zip(chunk, pipe.execute()) if exists]
+        gone = set(ids) - set(alive)
+        if gone:
+            self.redis.zrem(self.jobs_key, *gone)
+        return alive
+
+    def job_counts(self) -> dict[tuple[str, str], int]:
+        """{(kind, overall state): jobs held in Redis}, kept by the transitions: one round trip, whatever
+        the number of jobs."""
+        now = time.time()
+        pairs = [(kind, state) for kind in sorted(KINDS) for state in JOB_STATES]
+        pipe = self.redis.pipeline(transaction=False)
+        for kind, state in pairs:
+            pipe.zcount(self.keys.jobs_in_state(kind, state), f"({now}", "+inf")
+        return dict(zip(pairs, pipe.execute()))
+
+    # -- transitions (app/lifecycle.TRANSITIONS) ------------------------------------------------------
+    def transition(self, event: str, job_id: str, track: int, fields: dict[str, Any] | None = None,
+                   **args: Any) -> Outcome:
+        return self.lifecycle.apply(event, job_id, track, args, fields)
+
+    def report(self, job_id: str, track: int, owner: str, **fields: Any) -> bool:
+        """The running stage's progress, detail, artifacts...: written only while `owner` holds the lease."""
+        return bool(self.transition("report", job_id, track, fields, owner=owner))
+
+    def route(self, job_id: str, track: int, queue: str, task_ids: list[str]) -> Outcome:
+        return self.transition("route", job_id, track, {"detail": "queued"}, queue=queue,
+                               task_ids=json.dumps(task_ids), cancel_detail="canceled before it started")
+
+    def fail(self, job_id: str, track: int, message: str, owner: str = "", steal: str = "") -> bool:
+        return bool(self.transition("fail", job_id, track, {"error": message, "detail": "failed"},
+                                    owner=owner, steal=steal))
+
+    def cancel(self, job_id: str, track: int, detail: str, owner: str = "", steal: str = "") -> bool:
+        return bool(self.transition("cancel", job_id, track, {"detail": detail}, owner=owner, steal=steal))
+
+    # -- leases -------------------------------------------------------------------------------------
+    def renew_lease(self, job_id: str, track: int, owner: str, lease_s: float) -> bool:
+        """False when the lease is gone or another's: the track was taken from this stage, which must stop."""
+        return self._renew_lease(keys=[self.lease_key(job_id, track)], args=[owner, int(lease_s * 1000)]) == 1
+
+    def lease(self, job_id: str, track: int) -> str | None:
+        return self.redis.get(self.lease_key(job_id, track))
+
+    # -- cancel -------------------------------------------------------------------------------------
+    def request_cancel(self, job_id: str) -> list[str]:
+        """Flag the job canceled; every track no live stage holds ends at once (a running stage sees the
+        flag and ends its own; one whose lease then expires unrenewed is the reaper's). Returns the Celery
+        ids to revoke."""
+        job = self.job(job_id)
+        if job is None:
+            return []
+        self.redis.set(self.keys.cancel(job_id), "1", ex=self.ttl_s)
+        task_ids: list[str] = []
+        for track in self.tracks(job_id, job["num_tracks"]):
+            task_ids.extend(track["task_ids"])
+            if is_open(track["status"]):
+                self.cancel(job_id, track["track"], _cancel_detail(track))
+        return task_ids
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self.redis.exists(self.keys.cancel(job_id)))
+
+    def count_delivery(self, task_id: str) -> int:
+        """How many times this Celery task id was delivered to a worker (redeliveries after a crash)."""
+        key = self.keys.deliveries(task_id)
+        pipe = self.redis.pipeline()
+        pipe.incr(key)
+        pipe.expire(key, self.ttl_s)
+        return int(pipe.execute()[0])
+
+
+def _cancel_detail(track: dict[str, Any]) -> str:
+    status = track["status"]
+    if status in ("created", "parked", QUEUED):
+        return "canceled before it started"
+    if status.startswith("waiting:"):
+        return f"canceled before {track['stage']}"
+    return f"canceled during {track['stage']} (its stage had stopped)"
+
+
+_RENEW_LEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+PIPELINE_CHUNK = 500
+
+
+def _chunks(items: list[str], size: int) -> list[list[str]]:
+    return [items[start:start + size] for start in range(0, len(items), size)]
+
+
+def overall_state(states: list[str]) -> str:
+    """queued | running | done | failed | canceled | partial (some tracks done, others not)."""
+    if not states:
+        return "failed"
+    if all(s == QUEUED for s in states):
+        return QUEUED
+    if any(s not in TERMINAL_STATES for s in states):
+        return "running"
+    unique = set(states)
+    if len(unique) == 1:
+        return states[0]
+    return "partial" if "done" in unique else (CANCELED if CANCELED in unique else FAILED)
+

@@ -1,0 +1,245 @@
+"""Put tracks on GPU queues and turn them into Celery chains.
+
+- Each track goes to the live queue where it would be done soonest: the seconds of work outstanding there
+  plus its own, both from that queue's learned stage rates (app/control/eta.py), so a slow card gets less work than a
+  fast one (with nothing learned yet, seconds are the tracks' cost: song or audio seconds). Picking one track
+  at a time spreads a job's tracks across GPUs. With ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE, a queue that holds that
+  many open tracks takes none (app/control/quotas.py).
+- A track is created, then routed by its submitter (in track order, so a job's tracks reach a queue in
+  order); with no live worker it is parked (`{p}:unrouted`) and workers route parked tracks on every
+  heartbeat.
+- Every signature of a chain carries the queue (a chain-level queue only routes its first step) and a
+  priority: the first stage gets its job's level (high 3, normal 6, low 9), later stages the highest (0), so
+  a started job's next stage overtakes the first stage of any other job, whatever its priority (FIFO across
+  stages), and first stages run by level, then in submission order (app/core/priority.py).
+- Parked tracks are dispatched by priority, then submission order (the order of `{p}:unrouted`).
+- A chain starts at the track's first unfinished stage (a resumed music track skips what it already has);
+  its task ids are those of the kind's last stages, so the id a waiting track expects is known.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from celery import Celery, chain
+
+from app.control.broker import broker_lists, find_message
+from app.control.eta import estimator, queue_seconds
+from app.core.joblog import job_event
+from app.core.kinds import KINDS, JobKind
+from app.control.lifecycle import CREATED, PARKED, QUEUED, member, parse_member
+from app.core.priority import DEFAULT_PRIORITY, LATER_STAGE_PRIORITY, first_stage_priority
+from app.control.services import Services
+from app.control.workers import consumed_queues
+
+log = logging.getLogger("encore.routing")
+
+
+def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
+    """Seconds of work outstanding per queue, by each queue's learned rates (one round trip)."""
+    return queue_seconds(svc, queues)
+
+
+def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
+    """Queues that ever had a track or have a live worker (no keyspace scan: this runs on every heartbeat)."""
+    workers = svc.workers.workers() if workers is None else workers
+    return sorted(svc.jobs.queues() | {queue for w in workers for queue in consumed_queues(w)})
+
+
+def draining(svc: Services) -> set[str]:
+    """Queues an operator drained: no new tracks go there."""
+    return set(svc.redis.smembers(svc.jobs.keys.draining))
+
+
+def routable_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
+    """Queues a new track may go to: a live consumer, and not drained by an operator."""
+    return sorted(set(svc.workers.live_queues(workers)) - draining(svc))
+
+
+def pick_queue(svc: Services, workers: list[dict] | None = None,
+               work: tuple[str, float] | None = None) -> str | None:
+    """The live, not drained queue with room where a new track (`work`: its kind and cost) would be done
+    soonest, its outstanding seconds plus the track's own there (without `work`: the least outstanding seconds);
+    ties go to the lowest name."""
+    queues = _with_room(svc, routable_queues(svc, workers))
+    if not queues:
+        return None
+    estimate = estimator(svc, queues)
+
+    def done_in(queue: str) -> float:
+        own = estimate.new_track_seconds(queue, *work) if work else 0.0
+        return round(estimate.queue_seconds(queue) + own, 6)  # equal estimates tie, whatever the float noise
+    return min(queues, key=lambda q: (done_in(q), _queue_number(q)))
+
+
+def _with_room(svc: Services, queues: list[str]) -> list[str]:
+    """The queues holding fewer open tracks than ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE (all of them without it)."""
+    cap = svc.settings.max_queued_tracks_per_queue
+    if not cap or not queues:
+        return queues
+    pipe = svc.redis.pipeline(transaction=False)
+    for queue in queues:
+        pipe.zcard(svc.jobs.keys.load(queue))
+    return [queue for queue, held in zip(queues, pipe.execute()) if held < cap]
+
+
+def track_work(svc: Services, job_id: str, track: int) -> tuple[str, float] | None:
+    """(kind, cost) of a track: what pick_queue weighs it by."""
+    pipe = svc.redis.pipeline(transaction=False)
+    pipe.hget(svc.jobs.keys.job(job_id), "kind")
+    pipe.hget(svc.jobs.keys.track(job_id, track), "cost")
+    kind, cost = pipe.execute()
+    return (kind, float(cost or 0)) if kind in KINDS else None
+
+
+def _queue_number(queue: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in queue if ch.isdigit())
+    return (int(digits) if digits else 0, queue)
+
+
+def first_unfinished(kind: JobKind, stages: dict[str, Any]) -> int:
+    """Index of the first stage of `kind` the track has not finished."""
+    for index, stage in enumerate(kind.stages):
+        if not stages.get(stage.name, {}).get("finished_at"):
+            return index
+    return len(kind.stages) - 1
+
+
+def _chain_offset(kind: JobKind, record: dict[str, Any]) -> int:
+    """Index in `kind.stages` of the stage the track's current chain starts with (its ids are those of the
+    kind's last stages)."""
+    return len(kind.stages) - len(record["task_ids"])
+
+
+def chain_start(kind: JobKind, record: dict[str, Any]) -> str:
+    """The stage a queued track's chain starts with."""
+    return kind.stages[_chain_offset(kind, record)].name
+
+
+def expected_task_id(kind: JobKind, record: dict[str, Any], stage: str) -> str | None:
+    """The id of the message a track's chain has for `stage`."""
+    ids = record["task_ids"]
+    index = [s.name for s in kind.stages].index(stage) - _chain_offset(kind, record)
+    return ids[index] if 0 <= index < len(ids) else None
+
+
+def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str, start: int = 0,
+                priority: str = DEFAULT_PRIORITY) -> tuple[chain, list[str]]:
+    """The chain of `kind`'s stages from index `start`, on `queue`, with fresh task ids; its first stage (when
+    the chain has it) is sent with `priority`'s level, later ones above every level."""
+    signatures, task_ids = [], []
+    for index, stage in enumerate(kind.stages[start:], start):
+        task_id = uuid.uuid4().hex
+        message_priority = first_stage_priority(priority) if index == 0 else LATER_STAGE_PRIORITY
+        args = (ref,) if index == start else ()
+        signatures.append(celery.signature(
+            stage.task, args=args, queue=queue, priority=message_priority, task_id=task_id, immutable=False))
+        task_ids.append(task_id)
+    return chain(*signatures), task_ids
+
+
+def job_priority(job: dict[str, Any]) -> str:
+    """The priority level a job was submitted with (jobs written before priorities were normal)."""
+    return str(job["params"].get("priority", DEFAULT_PRIORITY))
+
+
+def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue: str) -> bool:
+    """Route a created or parked track to `queue` (the `route` transition) and send its chain; a pending cancel ends it
+    instead. A process that dies between the two leaves a queued track with no message: the reaper sends it
+    again (app/control/recovery.py)."""
+    job = svc.jobs.job(job_id)
+    record = svc.jobs.track(job_id, track)
+    if job is None or record is None or record["status"] not in (CREATED, PARKED):
+        return False
+    kind = KINDS[job["kind"]]
+    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue,
+                                     first_unfinished(kind, record["stages"]), job_priority(job))
+    outcome = svc.jobs.route(job_id, track, queue, task_ids)
+    if outcome.canceled:
+        job_event(log, "canceled", job_id, track=track, reason="canceled while waiting to be routed")
+        return False
+    if not outcome:
+        return False
+    workflow.apply_async()
+    job_event(log, "routed", job_id, track=track, queue=queue)
+    return True
+
+
+def resend(svc: Services, celery: Celery, job_id: str, track: int, record: dict[str, Any], queue: str) -> bool:
+    """Send a waiting track's next message again, as a new chain from the stage it waits for (its old ids
+    are dropped, so the lost message, should it ever come back, is stale)."""
+    job = svc.jobs.job(job_id)
+    if job is None:
+        return False
+    kind = KINDS[job["kind"]]
+    start = first_unfinished(kind, record["stages"])
+    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue, start,
+                                     job_priority(job))
+    if not svc.jobs.transition("resend", job_id, track, {"detail": record["detail"]}, task_ids=json.dumps(task_ids)):
+        return False
+    workflow.apply_async()
+    return True
+
+
+def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> None:
+    """Route every created track of a job now, in order; with no live worker they are parked."""
+    work = track_work(svc, job_id, 0)  # a job's tracks are alike
+    for track in range(num_tracks):
+        queue = pick_queue(svc, work=work)
+        if queue is None:
+            if svc.jobs.transition("park", job_id, track, {"detail": "waiting for a worker"},
+                                   cancel_detail="canceled before it started"):
+                job_event(log, "parked", job_id, track=track, reason="no live worker")
+        else:
+            enqueue_track(svc, celery, job_id, track, queue)
+
+
+def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:
+    """Route parked tracks, highest priority first and within a level oldest submission first (the order of
+    `{p}:unrouted`), while a worker is live; returns how many were routed."""
+    routed = 0
+    for value in svc.redis.zrange(svc.jobs.keys.unrouted, 0, limit - 1):
+        job_id, track = parse_member(value)
+        queue = pick_queue(svc, work=track_work(svc, job_id, track))
+        if queue is None:
+            break
+        routed += enqueue_track(svc, celery, job_id, track, queue)
+    return routed
+
+
+def unroute_waiting(svc: Services, queue: str, transport_options: dict[str, Any]) -> list[str]:
+    """Take every queued track off `queue` together with its first message (the `unroute` transition removes
+    the message atomically, so a worker that took it meanwhile keeps the track). Returns the members moved."""
+    lists = broker_lists(queue, transport_options)
+    moved = []
+    for value in svc.redis.zrange(svc.jobs.waiting_key(queue), 0, -1):
+        job_id, track = parse_member(value)
+        record = svc.jobs.track(job_id, track)
+        if record is None or record["status"] != QUEUED or not record["task_ids"]:
+            continue
+        found = find_message(svc.redis, lists, record["task_ids"][0])
+        if found is not None and svc.jobs.transition(
+                "unroute", job_id, track, {"detail": f"moving: no worker on {queue}"}, lrem=list(found),
+                cancel_detail="canceled before it started"):
+            moved.append(member(job_id, track))
+    return moved
+
+
+def drain_queue(svc: Services, celery: Celery, queue: str) -> int:
+    """Stop routing to `queue` and move its tracks that have not started to other live queues (parked when
+    there is none); its running stage and started tracks finish there. Returns how many tracks moved."""
+    svc.redis.sadd(svc.jobs.keys.draining, queue)
+    moved = unroute_waiting(svc, queue, dict(celery.conf.broker_transport_options or {}))
+    for value in moved:
+        job_id, track = parse_member(value)
+        job_event(log, "rerouting", job_id, track=track, queue=queue, reason="queue drained")
+    dispatch_unrouted(svc, celery)
+    return len(moved)
+
+
+def resume_queue(svc: Services, celery: Celery, queue: str) -> None:
+    """Route to `queue` again (parked tracks may go there at once)."""
+    svc.redis.srem(svc.jobs.keys.draining, queue)
+    dispatch_unrouted(svc, celery)

@@ -1,0 +1,41 @@
+"""The shared handles every process needs (Redis clients, job store, worker registry, artifact store)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import redis
+
+from app.adapters.artifacts import ArtifactStore, open_store
+from app.core.config import Settings, load_settings
+from app.control.jobs import JobStore
+from app.adapters.redis_conn import redis_client
+from app.control.workers import WorkerRegistry
+
+
+@dataclass
+class Services:
+    settings: Settings
+    redis: redis.Redis
+    jobs: JobStore
+    workers: WorkerRegistry
+    artifacts: ArtifactStore
+
+
+def build_services(settings: Settings) -> Services:
+    text_client = redis_client(settings, decode_responses=True)
+    bytes_client = redis_client(settings, decode_responses=False)
+    return Services(
+        settings=settings,
+        redis=text_client,
+        jobs=JobStore(text_client, settings.key_prefix, settings.job_ttl_s, settings.events_maxlen,
+                      settings.webhook_progress_s),
+        workers=WorkerRegistry(text_client, settings.key_prefix, settings.heartbeat_s),
+        artifacts=open_store(settings, bytes_client),
+    )
+
+
+@lru_cache(maxsize=1)
+def services() -> Services:
+    """Per-process singleton built from the environment."""
+    return build_services(load_settings())

@@ -1,0 +1,59 @@
+"""Per-token rate limits on the submit routes (POST /api/v1/music, /api/v1/lipsync and the Khala-compatible
+/generate): Flask-Limiter, its windows counted in Redis, so every web process shares them.
+
+One limit (ENCORE_SUBMIT_RATE_LIMIT, e.g. "10/minute;100/hour") is shared by all submit routes, per API token
+(per client address without one). It is checked before the body is read: a refused upload is never parsed. A
+refusal is 429 with Retry-After and X-RateLimit-Limit/-Remaining/-Reset, which every rate-limited reply also
+carries. Unset: no limiter at all.
+"""
+from __future__ import annotations
+
+from urllib.parse import quote, urlsplit
+
+from flask import Flask, Response, request
+from flask_limiter import Limiter
+
+from app.core.config import Settings
+from app.control.idempotency import scope
+from app.control.lifecycle import Layout
+
+SUBMIT_ENDPOINTS = frozenset({"submit_music", "submit_lipsync", "khala.generate", "khala_api.generate"})
+
+
+def install(app: Flask, settings: Settings) -> Limiter | None:
+    """The limiter on `app`'s submit routes, or None when ENCORE_SUBMIT_RATE_LIMIT is unset. Register it after
+    the token check, so that a request without a valid token is 401 and counts against nobody."""
+    if not settings.submit_rate_limit:
+        return None
+    app.after_request(_retry_after_at_least_one_second)  # registered first: runs after the limiter's own
+    return Limiter(
+        key_func=lambda: _client(settings), app=app, storage_uri=storage_uri(settings),
+        strategy=settings.rate_limit_strategy, headers_enabled=True,
+        application_limits=[settings.submit_rate_limit],
+        application_limits_exempt_when=lambda: request.endpoint not in SUBMIT_ENDPOINTS,
+        storage_options={"key_prefix": Layout(settings.key_prefix).rate_limits})  # its keys under ours
+
+
+def storage_uri(settings: Settings) -> str:
+    """The limits library's name for the same Redis (it spells a socket redis+unix://, and the primary behind
+    Sentinel redis+sentinel://<sentinels>/<name>)."""
+    redis_url = settings.redis_url
+    if settings.redis_sentinels:
+        password = urlsplit(redis_url).password
+        auth = f":{quote(password, safe='')}@" if password else ""
+        hosts = ",".join(f"{host}:{port}" for host, port in settings.redis_sentinels)
+        return f"redis+sentinel://{auth}{hosts}/{settings.redis_sentinel_master}"
+    return "redis+unix://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://") else redis_url
+
+
+def _client(settings: Settings) -> str:
+    """Whose window a request counts in: its API token (a digest of it), else its address."""
+    owner = scope(request.headers.get("Authorization", ""), settings.api_tokens)
+    return owner if owner != "anonymous" else f"addr-{request.remote_addr or 'unknown'}"
+
+
+def _retry_after_at_least_one_second(response: Response) -> Response:
+    """The library writes whole seconds left in the window, which reads 0 in its last second: a 429 says 1."""
+    if response.status_code == 429 and response.headers.get("Retry-After", "").strip() in ("0", "-0", ""):
+        response.headers["Retry-After"] = "1"
+    return response

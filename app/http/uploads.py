@@ -1,0 +1,162 @@
+"""Lip-sync uploads: stream both files to disk, probe them, and reject bad input before anything is queued.
+
+Werkzeug spools multipart files larger than 500 KB to temporary files, and the app's MAX_CONTENT_LENGTH
+stops a body larger than both limits together before it is read; per-field limits are checked here.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from werkzeug.datastructures import FileStorage
+
+from app.core.config import Settings
+from app.pipeline.lipsync.frames import output_frame_count
+from app.pipeline.media.ffmpeg import MediaError
+from app.pipeline.media.probe import MediaInfo, probe
+from app.pipeline.profiles import LipsyncProfile
+from app.core.priority import DEFAULT_PRIORITY, Priority
+from app.http.schemas import describe_validation_error
+
+FILE_FIELDS = ("video", "audio")
+SAFE_EXTENSION = re.compile(r"^[a-z0-9]{1,5}$")
+FPS_LIMIT = 120  # highest output frame rate the form takes
+
+
+class UploadError(Exception):
+    def __init__(self, status: int, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.status, self.field, self.message = status, field, message
+
+
+class LipsyncForm(BaseModel):
+    """Optional form fields of POST /api/v1/lipsync (strings in the form, parsed as numbers)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fps: float | None = Field(default=None, ge=0, le=FPS_LIMIT, description="output frame rate; missing or 0 → the "
+                              "video's own (25 when unknown or above 120)")
+    extra_margin: int | None = Field(default=None, ge=0, le=200, description="pixels added below the face box")
+    batch_size: int | None = Field(default=None, ge=1, le=256, description="frames per UNet batch")
+    webhook: str | None = Field(default=None, max_length=2000, description="an http(s) URL that receives the job's "
+                                "events, signed the Standard Webhooks way")
+    webhook_events: str | None = Field(default=None, max_length=100, description="comma-separated: start, progress, "
+                                       "completed, failed, canceled (default: all but progress)")
+    priority: Priority | None = Field(default=None, description="high, normal (the default) or low: orders the first "
+                                      "stages of jobs waiting for a GPU; a started job's later stages still run first")
+
+
+@dataclass
+class ReceivedUpload:
+    params: dict[str, Any]
+    files: dict[str, Path]  # field -> staged file
+    staging: Path
+
+    def discard(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def receive_lipsync(form: dict[str, str], files: dict[str, FileStorage], settings: Settings,
+                    profile: LipsyncProfile) -> ReceivedUpload:
+    """Validate fields, stage both files, probe them; raises UploadError naming the field."""
+    unknown = sorted(set(files) - set(FILE_FIELDS))
+    if unknown:
+        raise UploadError(400, unknown[0], "unknown file field (expected video and audio)")
+    try:
+        fields = LipsyncForm.model_validate({k: (v if v != "" else None) for k, v in form.items()})
+    except ValidationError as exc:
+        field, message = describe_validation_error(exc)
+        raise UploadError(400, field, message) from None
+    for name in FILE_FIELDS:
+        if name not in files or not files[name].filename:
+            raise UploadError(400, name, "file missing (multipart/form-data field)")
+    settings.upload_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="upload-", dir=settings.upload_dir))
+    received = ReceivedUpload(params={}, files={}, staging=staging)
+    try:
+        limits = {"video": settings.max_video_mb, "audio": settings.max_audio_mb}
+        for name in FILE_FIELDS:
+            received.files[name] = _stage(files[name], staging, name, limits[name])
+        video, audio = (_probe(received.files[n], n) for n in FILE_FIELDS)
+        fps, fps_from = output_fps(fields.fps, video.fps, profile.default_fps)
+        _check_media(video, audio, settings, fps)
+        received.params = _params(fields, fps, fps_from, video, audio, profile, received.files)
+        return received
+    except BaseException:
+        received.discard()
+        raise
+
+
+def output_fps(requested: float | None, source: float | None, default: float) -> tuple[float, str]:
+    """The output frame rate and where it came from: the request's, else the video's own (so its motion
+    keeps its speed), else the profile's default when the probe gives none or one the form would refuse.
+    0 means "not given", as missing does (MuseTalk's fps=0 bug)."""
+    if requested:
+        return requested, "request"
+    if source is not None and 0 < source <= FPS_LIMIT:
+        return source, "source"
+    return default, "default"
+
+
+def _stage(upload: FileStorage, staging: Path, field: str, limit_mb: float) -> Path:
+    upload.stream.seek(0, 2)
+    size = upload.stream.tell()
+    upload.stream.seek(0)
+    if size > limit_mb * 1024 * 1024:
+        raise UploadError(413, field, f"file is {size / 2**20:.1f} MB; the limit is {limit_mb:g} MB")
+    if size == 0:
+        raise UploadError(400, field, "file is empty")
+    extension = Path(upload.filename or "").suffix.lower().lstrip(".")
+    target = staging / f"input_{field}.{extension if SAFE_EXTENSION.match(extension) else 'bin'}"
+    upload.save(target)
+    return target
+
+
+def _probe(path: Path, field: str) -> MediaInfo:
+    try:
+        return probe(path)
+    except MediaError:
+        raise UploadError(400, field, "cannot be read as audio/video (ffprobe failed)") from None
+
+
+def _check_media(video: MediaInfo, audio: MediaInfo, settings: Settings, fps: float) -> None:
+    if not video.has_video:
+        raise UploadError(400, "video", "has no video stream")
+    pixels = (video.width or 0) * (video.height or 0)
+    if pixels > settings.max_video_pixels:
+        raise UploadError(400, "video", f"is {video.width}x{video.height} ({pixels} pixels); the limit is "
+                                        f"{settings.max_video_pixels} pixels (4096x2160 by default)")
+    if not audio.has_audio:
+        raise UploadError(400, "audio", "has no audio stream")
+    video_seconds = video.video_duration_s or video.duration_s or 0.0
+    if video_seconds < settings.min_video_s:
+        raise UploadError(400, "video", f"is {video_seconds:.2f} s long; at least {settings.min_video_s:g} s needed")
+    audio_seconds = audio.audio_duration_s or audio.duration_s or 0.0
+    shortest = max(settings.min_audio_s, 1.0 / fps)
+    if audio_seconds < shortest:
+        raise UploadError(400, "audio", f"is {audio_seconds:.2f} s long; at least {shortest:g} s needed")
+    if audio_seconds > settings.max_audio_s:
+        raise UploadError(400, "audio", f"is {audio_seconds:.1f} s long; the limit is {settings.max_audio_s:g} s")
+
+
+def _params(fields: LipsyncForm, fps: float, fps_from: str, video: MediaInfo, audio: MediaInfo,
+            profile: LipsyncProfile, files: dict[str, Path]) -> dict[str, Any]:
+    audio_seconds = audio.audio_duration_s or audio.duration_s
+    return {
+        "fps": fps, "source_fps": video.fps, "fps_from": fps_from,
+        "extra_margin": fields.extra_margin if fields.extra_margin is not None else profile.default_extra_margin,
+        "batch_size": fields.batch_size,  # None: the worker's default for its device (LipsyncModels.batch_size)
+        "audio_duration_s": audio_seconds,
+        "video_duration_s": video.video_duration_s or video.duration_s,
+        "video_fps": video.fps, "video_frames": video.frame_count,
+        "width": video.width, "height": video.height,
+        "output_frames": output_frame_count(audio_seconds, fps),
+        "inputs": {name: path.name for name, path in files.items()},
+        "profile": profile.name,
+        "priority": fields.priority or DEFAULT_PRIORITY,
+    }
