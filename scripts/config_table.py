@@ -132,15 +132,19 @@ def write(doc: Path = DOC) -> None:
     doc.write_text(text.replace(BEGIN + "\n" + old + END, BEGIN + "\n" + table() + END, 1), encoding="utf-8")
 
 
+def _shown(doc: Path) -> str:
+    return str(doc.relative_to(REPO)) if doc.is_relative_to(REPO) else str(doc)
+
+
 def check(doc: Path = DOC) -> int:
     """0 when the document's table is what `table()` prints; else 1, with a unified diff on stderr."""
     documented, printed = generated_block(doc.read_text(encoding="utf-8")), table()
     if documented == printed:
-        print(f"{doc.relative_to(REPO)}: the configuration table matches {SETTINGS_MODULE}")
+        print(f"{_shown(doc)}: the configuration table matches {SETTINGS_MODULE}")
         return 0
     import difflib
     sys.stderr.writelines(difflib.unified_diff(documented.splitlines(keepends=True), printed.splitlines(keepends=True),
-                                               f"{doc.relative_to(REPO)} (documented)", f"{SETTINGS_MODULE} (printed)"))
+                                               f"{_shown(doc)} (documented)", f"{SETTINGS_MODULE} (printed)"))
     print("run: python scripts/config_table.py --write", file=sys.stderr)
     return 1
 
