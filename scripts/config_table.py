@@ -27,7 +27,8 @@ SETTINGS_MODULE = "app.config"
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "configuration.md"
-BEGIN = "<!-- config-table: printed by scripts/config_table.py from the settings module; tests/test_docs.py checks it -->"
+BEGIN = ("<!-- config-table: printed by scripts/config_table.py from the settings module; "
+         "tests/test_docs.py checks it -->")
 END = "<!-- /config-table -->"
 ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
 UNSET = object()  # a variable read without a default (os.environ.get(NAME), os.environ[NAME])
