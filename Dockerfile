@@ -1,5 +1,5 @@
 # One image for web, workers and Flower. CPU torch by default; for GPUs build with
-#   --build-arg TORCH_SPEC="torch==2.13.0"  on a CUDA base image (see README).
+#   --build-arg TORCH_SPEC="torch==2.13.0"  on a CUDA base image (see docs/deployment.md).
 FROM python:3.11-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ffmpeg procps espeak-ng && rm -rf /var/lib/apt/lists/*
 WORKDIR /srv/encore

@@ -1,4 +1,5 @@
-"""Every setting Encore reads, in one place, from environment variables (see the README's table).
+"""Every setting Encore reads, in one place, from environment variables (docs/configuration.md's table is
+printed from this module by scripts/config_table.py).
 
 Settings are read when `load_settings()` is called, so tests and the demo can set the environment first.
 """
@@ -257,6 +258,133 @@ class Settings:
     def visibility_timeout_s(self) -> int:
         """Above the longest hard limit, so a running stage is never re-delivered to a second worker."""
         return int(self.longest_hard_limit_s * 2 + 600)
+
+
+# What each setting means, one line per Settings field: scripts/config_table.py prints docs/configuration.md's
+# table from these, the variables and the defaults above, and tests/test_docs.py fails when the two differ.
+SETTING_DESCRIPTIONS: dict[str, str] = {
+    "redis_url": "broker, result backend, job records, registry; under Sentinel only the database and the "
+                 "primary's password",
+    "redis_sentinels": "Redis through Sentinel (`app/redis_conn.py`): the sentinels as `host:port,host:port` "
+                       "(port 26379 when left out); empty: no Sentinel",
+    "redis_sentinel_master": "the name of the primary the sentinels monitor",
+    "redis_sentinel_password": "the sentinels' own password, when they require one",
+    "key_prefix": "prefix of Encore's Redis keys",
+    "job_ttl_s": "job records, their artifacts and Idempotency-Keys expire after this many seconds",
+    "artifact_backend": "`dir` (shared directory), `redis` (chunked, expires with the job) or `s3` (an "
+                        "S3-compatible bucket)",
+    "artifact_dir": "root of the `dir` backend (a shared volume across hosts)",
+    "s3_endpoint": "the `s3` backend's endpoint (empty: AWS S3)",
+    "s3_bucket": "the `s3` backend's bucket",
+    "s3_prefix": "key prefix of the `s3` backend's objects (`<prefix><job id>/<name>`)",
+    "s3_region": "the `s3` backend's region",
+    "s3_access_key": "S3 credentials (the standard variable; unset: boto3's own chain, a profile or an "
+                     "instance role)",
+    "s3_secret_key": "S3 credentials (the standard variable; unset: boto3's own chain)",
+    "s3_presign_s": "with `ENCORE_S3_PRESIGN=1`, downloads are answered 302 to a URL presigned for "
+                    "`ENCORE_S3_PRESIGN_S` seconds instead of streamed through the web",
+    "worker_cache_dir": "each host's local scratch: lip-sync track intermediates (`tracks/`), local copies of "
+                        "`redis`- and `s3`-backend artifacts (`artifacts/`), the lip-sync source cache "
+                        "(`lipsync-sources/`)",
+    "music_profile": "`tiny` (random weights, for tests and the demo) or `khala` (the real checkpoints)",
+    "model_dir": "where the profile's models live (unset: `models/<profile>`; for `khala`, a Khala checkout)",
+    "model_paths": "where each model lies, when not in the profile's layout under `ENCORE_MODEL_DIR` (absolute, "
+                   "or relative to it; a `*` in the codec file picks the highest training step)",
+    "song_end": "`model`: the backbone may sample end-of-text and the song ends where the model ends it; "
+                "`duration`: exactly the requested length (unset: the profile's, `khala` model, `tiny` duration)",
+    "song_margin_s": "with `ENCORE_SONG_END=model`, a song is cut at its requested duration plus this (and at "
+                     "the reference's 23,552 generated tokens)",
+    "runtime_mode": "`keep_loaded`: all models stay resident; `one_shot`: tokenizer and backbone stay, "
+                    "super-resolution and codec are freed after their stage",
+    "batch_tracks": "how many tracks of one song waiting on the same worker share one batched backbone pass "
+                    "(1: none); needs the `torch` engine",
+    "music_engine": "transformer engine of the music stages: `torch` (plain PyTorch with a static KV cache, "
+                    "`app/pipeline/music/torch_engine.py`) or `megatron` (megatron-core's own forward, the "
+                    "reference); megatron-core loads the checkpoints either way",
+    "preload_models": "`1`: each worker child loads its models before it takes jobs (what `/readyz` waits for)",
+    "torch_threads": "CPU threads per worker child (0: torch's default)",
+    "max_tracks": "most tracks per music job",
+    "max_lyrics_chars": "lyrics size limit (characters)",
+    "max_text_chars": "tags / prompt size limit (characters)",
+    "time_limits": "per-stage `soft/hard` seconds over the defaults "
+                   f"`{DEFAULT_TIME_LIMITS}`, e.g. `backbone=1500/1560,decode=/600` (an empty soft: none)",
+    "max_deliveries": "a stage delivered (or restarted) more often than this, its worker dying each time, "
+                      "fails the track",
+    "cancel_grace_s": "after a cancel, how long a running stage may take to stop before its child is killed",
+    "reroute_after_s": "move the open tracks of a queue whose every worker has been offline this long to live "
+                       "queues (0: never)",
+    "lease_s": "a running stage's lease (renewed every third of it); a running track whose lease expired is "
+               "started again from its first unfinished stage",
+    "stall_after_s": "a track waiting this long for a message that is in no broker list and not delivered gets "
+                     "it sent again",
+    "heartbeat_s": "worker heartbeat period; a worker is offline after about 3 missed beats",
+    "result_expires_s": "Celery result expiry (seconds)",
+    "lipsync_profile": "`tiny` (random weights) or `musetalk` (real MuseTalk v1.5 weights)",
+    "lipsync_model_dir": "the MuseTalk layout (unset: `models/lipsync-<profile>`)",
+    "lipsync_precision": "MuseTalk's dtype: `auto` (fp16 on CUDA, fp32 on CPU), `fp16` or `fp32`; `fp16` on a "
+                         "CPU runs (about 2x slower than fp32 here) where its half kernels work, else the model "
+                         "load fails saying so",
+    "max_video_mb": "face video upload limit (MB; 413 above it)",
+    "max_audio_mb": "driving audio upload limit (MB; 413 above it)",
+    "min_video_s": "shortest face video (seconds; 400 below)",
+    "max_audio_s": "longest driving audio (seconds; 400 above)",
+    "min_audio_s": "shortest driving audio (seconds, never less than one output frame period; 400 below)",
+    "max_video_pixels": "largest face video, width x height from ffprobe (4096x2160; 400 above, before any "
+                        "frame is decoded)",
+    "upload_dir": "where uploads are staged while they are checked",
+    "ffmpeg_timeout_s": "timeout of each ffmpeg call in the lip-sync stages (seconds)",
+    "ffmpeg": "the ffmpeg binary every media call runs, the music export's pydub included",
+    "ffprobe": "the ffprobe binary every media call runs",
+    "lipsync_mask": "lip-sync blend mask: `jaw` (drawn from the 68 landmarks, as MuseTalk's 'jaw' parsing mode) "
+                    "or `rectangle` (the box's lower half; also whenever landmarks are missing)",
+    "lipsync_path": "lip-sync's per-frame work: `device` (crops, resizes and blend as tensor ops on the model's "
+                    "device) or `reference` (OpenCV on the CPU, MuseTalk's own operations)",
+    "face_threads": "threads finding faces in the prepare stage; 0: one per core, at most 8",
+    "lipsync_cache_mb": "the per-source-video cache (faces and VAE latents of a face video) in "
+                        "`ENCORE_WORKER_CACHE_DIR/lipsync-sources`, in MiB, least recently used out; 0: off",
+    "lipsync_warmup": "with `ENCORE_PRELOAD=1`, one warm-up batch through MuseTalk at preload",
+    "api_tokens": "bearer token(s) required on `/api/*` and the Khala-compatible routes (a comma-separated "
+                  "list allowed); unset: no auth",
+    "compat_prefix": "URL prefix of the Khala-compatible routes (they are always under `/api` too)",
+    "tags_file": "the tag catalogue served by `GET /tags` (unset: `app/khala_tags.json`)",
+    "cuda_visible_devices": "set by `worker_entrypoint.sh`; shown as the worker's `pinned_to` in the registry "
+                            "and the cards its GPU readings cover (never read to pick a device)",
+    "flower_basic_auth": "Flower's `user:password[,...]` (unset: a random password is generated and printed)",
+    "flower_port": "Flower's port",
+    "flower_address": "Flower's bind address",
+    "flower_db": "Flower's persistent state file",
+    "client_url": "the CLI's (and the demo's) server",
+    "client_token": "the bearer token the CLI sends (the demo also sends `API_TOKEN`)",
+    "demo_web_url": "where the demo looks for (or starts) the web server",
+    "web_bind": "the web server's bind address (`gunicorn.conf.py`)",
+    "web_workers": "gthread processes of the web server (compose runs 4)",
+    "web_threads": "threads per web process: size it for the event streams open at once",
+    "body_idle_s": "a request body that sends nothing this long is answered 408 and dropped",
+    "sse_heartbeat_s": "a `: heartbeat` comment on an idle event stream this often (also when a gone client is "
+                       "noticed)",
+    "sse_max_s": "the longest one event stream stays open (the client resumes with `Last-Event-ID`)",
+    "events_maxlen": "events kept per job for replay (the stream `encore:job:<id>:events`, expiring with the job)",
+    "webhook_secret": "Standard Webhooks signing secret (`whsec_` + base64); unset: a submit with a webhook is "
+                      "refused (400)",
+    "webhook_hosts": "comma list of hosts a webhook may name (`.example.com`: it and its subdomains); unset: any",
+    "webhook_queue": "the webhook worker's queue (never a GPU queue)",
+    "webhook_max_attempts": "delivery attempts of one webhook",
+    "webhook_backoff_s": "delay before the first retry of a webhook (doubling each attempt)",
+    "webhook_backoff_cap_s": "the longest delay between two attempts",
+    "webhook_timeout_s": "one webhook request's timeout (seconds)",
+    "webhook_history": "delivery attempts kept in a job record",
+    "webhook_progress_s": "least seconds between a job's progress webhooks",
+    "otel_endpoint": "OpenTelemetry tracing over OTLP/HTTP (`app/tracing.py`); unset: tracing off",
+    "otel_service_name": "spans come from `<name>-web` and `<name>-worker`",
+    "max_queued_tracks": "most open (not ended) tracks in all (0: no cap); a submit past it is 429 with "
+                         "`Retry-After` from the ETA, and not created",
+    "max_queued_tracks_per_queue": "most open tracks on each live GPU queue (0: no cap; a full queue takes no "
+                                   "new track; 429 when none has room)",
+    "submit_rate_limit": "per-token rate limit of the submit routes together, e.g. `10/minute;200/day` (429 "
+                         "with `Retry-After`, `X-RateLimit-*`); unset: none",
+    "rate_limit_strategy": "the rate limit's window: `fixed-window`, `moving-window` or `sliding-window-counter`",
+    "eta_alpha": "weight of a finished stage in its queue's learned seconds per cost unit (ETA, routing)",
+}
 
 
 def load_settings() -> Settings:
