@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 # The module that holds `Settings`, `SETTING_DESCRIPTIONS` and `_env`: the one line to change when it moves.
-SETTINGS_MODULE = "app.config"
+SETTINGS_MODULE = "app.core.config"
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "configuration.md"

@@ -221,7 +221,7 @@ EXAMPLES = [
     Example("docs/api.md", "-H 'Authorization: Bearer secret'", url="ratelimit",
             expect=(r"HTTP/1\.1 202", r"(?i)X-RateLimit-Limit: 10", r"(?i)X-RateLimit-Remaining: 9",
                     r"(?i)X-RateLimit-Reset: \d+", JSON_ID)),
-    Example("docs/api.md", "python -m app.readiness gpu0@$(hostname)", expect=(r'"ready":\s*true',)),
+    Example("docs/api.md", "python -m app.control.readiness gpu0@$(hostname)", expect=(r'"ready":\s*true',)),
     Example("docs/api.md", "-F video=@face.mp4 -F audio=@speech.wav -F fps=25\n", job="lipsync",
             expect=(JSON_ID, r'"kind":\s*"lipsync"', r'"state":\s*"done"'), files={"synced.mp4": MP4_AT_4}),
     Example("docs/api.md", "curl -s $ENCORE_URL/tags",

@@ -265,7 +265,7 @@ class Settings:
 SETTING_DESCRIPTIONS: dict[str, str] = {
     "redis_url": "broker, result backend, job records, registry; under Sentinel only the database and the "
                  "primary's password",
-    "redis_sentinels": "Redis through Sentinel (`app/redis_conn.py`): the sentinels as `host:port,host:port` "
+    "redis_sentinels": "Redis through Sentinel (`app/adapters/redis_conn.py`): the sentinels as `host:port,host:port` "
                        "(port 26379 when left out); empty: no Sentinel",
     "redis_sentinel_master": "the name of the primary the sentinels monitor",
     "redis_sentinel_password": "the sentinels' own password, when they require one",
@@ -374,7 +374,7 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "webhook_timeout_s": "one webhook request's timeout (seconds)",
     "webhook_history": "delivery attempts kept in a job record",
     "webhook_progress_s": "least seconds between a job's progress webhooks",
-    "otel_endpoint": "OpenTelemetry tracing over OTLP/HTTP (`app/tracing.py`); unset: tracing off",
+    "otel_endpoint": "OpenTelemetry tracing over OTLP/HTTP (`app/adapters/tracing.py`); unset: tracing off",
     "otel_service_name": "spans come from `<name>-web` and `<name>-worker`",
     "max_queued_tracks": "most open (not ended) tracks in all (0: no cap); a submit past it is 429 with "
                          "`Retry-After` from the ETA, and not created",
