@@ -23,7 +23,7 @@ from app.eta import job_etas
 from app.events import HEADERS as SSE_HEADERS, JOB_END_STATES, job_events, valid_event_id
 from app.http_input import BodyError, json_object
 from app.joblog import job_event
-from app.khala_api import make_blueprint
+from app.http.khala import make_blueprint
 from app.metrics import make_registry
 from app.openapi import DOWNLOAD_REPLIES, TOO_MANY, build_spec, documented
 from app.pipeline.profiles import load_lipsync_profile
