@@ -1,7 +1,8 @@
 """Drop-in HTTP contract of the Khala reference backend (POST /generate, GET /job/<id>, track downloads,
 GET /status, GET /tags), served as a thin layer over Encore's own jobs: requests are translated into the
 native MusicRequest and submitted through app.submissions; replies are read from the same job records.
-Field names and strings are the reference's, exactly.
+Field names and strings are the reference's, exactly. One module-level blueprint, mounted twice by
+`register` (at ENCORE_COMPAT_PREFIX and under /api); its views read the application's handles (`context()`).
 """
 from __future__ import annotations
 
