@@ -140,7 +140,7 @@ def test_khala_errors_say_status_error_even_401(make_stack):
 
 
 def test_a_track_whose_worker_is_offline_says_so():
-    from app.khala_api import job_reply
+    from app.http.khala import job_reply
     track = {"track": 0, "state": "backbone", "stage": "backbone", "detail": "12/100 tokens", "progress": 0.12,
              "worker": "gpu0@a", "worker_status": "offline", "stages": {}, "queue_position": 0, "error": ""}
     record = {"job_id": "a" * 32, "params": {"lyrics": ""}, "created_at": 0.0, "queue_position": 0,

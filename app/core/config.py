@@ -346,7 +346,7 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "api_tokens": "bearer token(s) required on `/api/*` and the Khala-compatible routes (a comma-separated "
                   "list allowed); unset: no auth",
     "compat_prefix": "URL prefix of the Khala-compatible routes (they are always under `/api` too)",
-    "tags_file": "the tag catalogue served by `GET /tags` (unset: `app/khala_tags.json`)",
+    "tags_file": "the tag catalogue served by `GET /tags` (unset: `app/http/khala_tags.json`)",
     "cuda_visible_devices": "set by `worker_entrypoint.sh`; shown as the worker's `pinned_to` in the registry "
                             "and the cards its GPU readings cover (never read to pick a device)",
     "flower_basic_auth": "Flower's `user:password[,...]` (unset: a random password is generated and printed)",

@@ -92,7 +92,8 @@ def _path_parameter(name: str, converter: str) -> dict[str, Any]:
     return {"name": name, "in": "path", "required": True, "schema": schema}
 
 
-def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protected: bool) -> dict[str, Any]:
+def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protected: bool,
+               operation_id: str) -> dict[str, Any]:
     doc = getattr(view, "openapi", None)
     if doc is None:
         raise ValueError(f"view {endpoint} has no @documented description")
@@ -114,7 +115,7 @@ def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protect
     for status, description in implied.items():
         responses.setdefault(str(status), _error(description))
     operation: dict[str, Any] = {
-        "summary": doc["summary"], "operationId": endpoint.replace(".", "_"),
+        "summary": doc["summary"], "operationId": operation_id,
         "responses": dict(sorted(responses.items())),
         "security": [{"bearer": []}] if protected else [],
     }
@@ -144,9 +145,10 @@ REPLY_MODELS: tuple[type[BaseModel], ...] = (
 
 
 def build_spec(app: Flask, music_limits: dict[str, Any], is_protected: Callable[[str], bool],
-               title: str = "Encore", version: str = "1") -> dict[str, Any]:
-    """The document for `app` as configured: its duration and size limits, and security where a token is
-    required (`is_protected(endpoint)`; with no API_TOKEN nothing is)."""
+               operation_id: Callable[[str], str], title: str = "Encore", version: str = "1") -> dict[str, Any]:
+    """The document for `app` as configured: its duration and size limits, security where a token is
+    required (`is_protected(endpoint)`; with no API_TOKEN nothing is), and each operation's id
+    (`operation_id(endpoint)`)."""
     spec = APISpec(title=title, version=version, openapi_version="3.1.0",
                    info={"description": "GPU job service: music generation and lip-sync on Celery + Redis."},
                    components={"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}})
@@ -161,7 +163,8 @@ def build_spec(app: Flask, music_limits: dict[str, Any], is_protected: Callable[
         arguments = {name: type(rule._converters[name]).__name__ for name in rule.arguments}
         operations = paths.setdefault(openapi_path(rule.rule), {})
         for method in sorted(rule.methods - IGNORED_METHODS):
-            operations[method.lower()] = _operation(rule.endpoint, view, arguments, is_protected(rule.endpoint))
+            operations[method.lower()] = _operation(rule.endpoint, view, arguments, is_protected(rule.endpoint),
+                                                    operation_id(rule.endpoint))
     for path, operations in sorted(paths.items()):
         spec.path(path=path, operations=operations)
     return spec.to_dict()

@@ -17,7 +17,7 @@ from app.core.config import Settings
 from app.control.idempotency import scope
 from app.control.lifecycle import Layout
 
-SUBMIT_ENDPOINTS = frozenset({"submit_music", "submit_lipsync", "khala.generate", "khala_api.generate"})
+SUBMIT_ENDPOINTS = frozenset({"submit.submit_music", "submit.submit_lipsync", "khala.generate", "khala_api.generate"})
 
 
 def install(app: Flask, settings: Settings) -> Limiter | None:

@@ -1,7 +1,8 @@
 """Drop-in HTTP contract of the Khala reference backend (POST /generate, GET /job/<id>, track downloads,
 GET /status, GET /tags), served as a thin layer over Encore's own jobs: requests are translated into the
-native MusicRequest and submitted through app.http.submissions; replies are read from the same job records.
-Field names and strings are the reference's, exactly.
+native MusicRequest and submitted through app.submissions; replies are read from the same job records.
+Field names and strings are the reference's, exactly. One module-level blueprint, mounted twice by
+`register` (at ENCORE_COMPAT_PREFIX and under /api); its views read the application's handles (`context()`).
 """
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from flask import Blueprint, jsonify, request, send_file
+from flask import Blueprint, Flask, jsonify, request, send_file
+from flask.typing import ResponseReturnValue
 
+from app.control import idempotency
+from app.http.context import context
+from app.http.replies import KHALA_BLUEPRINTS
+from app.http.submit import IDEMPOTENCY_HEADER, idempotency_key, submit_once
 from app.http.http_input import BodyError, json_object
-from app.control.idempotency import OPENAPI_HEADER as IDEMPOTENCY_HEADER
 from app.core.kinds import CANCELED, DONE, FAILED, QUEUED
 from app.http.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented
 from app.http.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
 from app.control.services import Services
 from app.control.snapshot import take_snapshot
-from app.http.submissions import RequestError
+from app.http.submissions import RequestError, longest_song, submit_music, validate_music
 
 NUM_TRACKS = 2
 DEFAULT_TAGS = Path(__file__).with_name("khala_tags.json")
@@ -206,83 +211,103 @@ def _gpu_index(queue: str) -> int | None:
     return int(digits.group(1)) if digits else None
 
 
-def make_blueprint(name: str, svc: Services, submit: Callable[[Any, dict[str, Any]], tuple[str, bool]],
-                   validate: Callable[[dict], Any], tags_file: Path | None, longest_song: Callable[[dict[str, Any]], float],
-                   transport_options: dict[str, Any]) -> Blueprint:
-    """The contract's routes; registered once per prefix (none by default, and /api)."""
-    blueprint = Blueprint(name, __name__)
-    catalogue = json.loads((tags_file or DEFAULT_TAGS).read_text())
+blueprint = Blueprint("khala", __name__)
 
-    @blueprint.get("/tags")
-    @documented("Khala: the tag catalogue the reference frontend offers",
-                responses={200: ("groups of tags", TAGS_SCHEMA)})
-    def tags():
-        """The tag catalogue the reference frontend offers."""
-        return jsonify(catalogue)
 
-    @blueprint.get("/status")
-    @documented("Khala: GPUs, idle ones, active and queued jobs", responses={200: ("the status", KhalaStatus)})
-    def status():
-        """GPUs (live workers), idle ones, active and queued jobs, per worker phase."""
-        return jsonify(status_reply(svc, transport_options))
+def register(app: Flask, compat_prefix: str) -> None:
+    """The contract's routes at ENCORE_COMPAT_PREFIX (none by default) and again under /api (once, when the
+    prefix is /api), each mount under its own name (replies.KHALA_BLUEPRINTS)."""
+    prefix_mount, api_mount = KHALA_BLUEPRINTS
+    app.register_blueprint(blueprint, name=prefix_mount, url_prefix=compat_prefix or None)
+    if compat_prefix != "/api":
+        app.register_blueprint(blueprint, name=api_mount, url_prefix="/api")
 
-    @blueprint.post("/generate")
-    @documented("Khala: submit a 2-track song in the reference's format", json_body=KhalaGenerate,
-                headers=IDEMPOTENCY_HEADER,
-                responses={200: ("accepted or queued (or, with an Idempotency-Key used before with this body, the "
-                                 "job that request made)", KhalaAccepted),
-                           400: "invalid field (named first in `error`)",
-                           409: "the Idempotency-Key was used with a different body", 429: TOO_MANY})
-    def generate():
-        """Submit a 2-track song in the reference's format."""
-        try:
-            body = json_object(request)
-        except BodyError as exc:
-            return _error(400, str(exc))
-        try:
-            req = validate(_translate(body, longest_song))
-        except RequestError as exc:
-            field = NATIVE_TO_CONTRACT_FIELD.get(exc.field, exc.field)
-            if field == "tags" and body.get("prompt_mode") == "natural":
-                field = "prompt"
-            return _error(400, f"{field}: {exc.message}")
-        job_id, _ = submit(req, body)
-        record = svc.jobs.record(job_id)
-        return jsonify({"status": "accepted" if _starts_now(svc, record) else "queued", "job_id": job_id,
-                        "num_tracks": NUM_TRACKS, "queue_position": record["queue_position"]})
 
-    @blueprint.get("/job/<job_id>")
-    @documented("Khala: a job in the reference's shape", responses={200: ("the job", KhalaJob), 404: "unknown job"})
-    def job(job_id: str):
-        """A job in the reference's shape; both tracks are present from the first reply."""
-        record = svc.jobs.record(job_id)
-        if record is None or record["kind"] != "music":
-            return _error(404, f"Job {job_id} not found.")
-        return jsonify(job_reply(record))
+def load_catalogue(tags_file: Path | None) -> dict[str, Any]:
+    """The tag catalogue GET /tags serves: ENCORE_TAGS_FILE, or the reference's own."""
+    catalogue: dict[str, Any] = json.loads((tags_file or DEFAULT_TAGS).read_text())
+    return catalogue
 
-    @blueprint.get("/job/<job_id>/track/<int(signed=True):index>/<fmt>")
-    @documented("Khala: a track as mp3 (inline, ranges honoured) or wav (attachment)",
-                media=("audio/mpeg", "audio/wav"),
-                responses={**DOWNLOAD_REPLIES, 400: "track index out of range",
-                           404: "unknown job or format, or not ready"})
-    def track_file(job_id: str, index: int, fmt: str):
-        """mp3 inline (ranges honoured) or wav as an attachment."""
-        record = svc.jobs.record(job_id)
-        if record is None or record["kind"] != "music":
-            return _error(404, f"Job {job_id} not found.")
-        if fmt not in ("mp3", "wav"):
-            return _error(404, "format: use mp3 or wav")
-        if not 0 <= index < record["num_tracks"]:
-            return _error(400, f"track index {index} out of range (0..{record['num_tracks'] - 1})")
-        track, name = record["tracks"][index], f"track{index}.{fmt}"
-        if track["state"] != DONE or name not in track["artifacts"]:
-            return _error(404, f"Track {index} is not ready.")
-        path = svc.artifacts.local_path(job_id, name)
-        download_name = f"encore_{job_id[:8]}_track{index}.{fmt}"
-        if fmt == "mp3":
-            return send_file(path, mimetype="audio/mpeg", conditional=True, as_attachment=False,
-                             download_name=download_name)
-        return send_file(path, mimetype="audio/wav", conditional=True, as_attachment=True,
+
+@blueprint.get("/tags")
+@documented("Khala: the tag catalogue the reference frontend offers",
+            responses={200: ("groups of tags", TAGS_SCHEMA)})
+def tags() -> ResponseReturnValue:
+    """The tag catalogue the reference frontend offers."""
+    return jsonify(context().tags)
+
+
+@blueprint.get("/status")
+@documented("Khala: GPUs, idle ones, active and queued jobs", responses={200: ("the status", KhalaStatus)})
+def status() -> ResponseReturnValue:
+    """GPUs (live workers), idle ones, active and queued jobs, per worker phase."""
+    shared = context()
+    return jsonify(status_reply(shared.services, shared.transport_options))
+
+
+@blueprint.post("/generate")
+@documented("Khala: submit a 2-track song in the reference's format", json_body=KhalaGenerate,
+            headers=IDEMPOTENCY_HEADER,
+            responses={200: ("accepted or queued (or, with an Idempotency-Key used before with this body, the "
+                             "job that request made)", KhalaAccepted),
+                       400: "invalid field (named first in `error`)",
+                       409: "the Idempotency-Key was used with a different body", 429: TOO_MANY})
+def generate() -> ResponseReturnValue:
+    """Submit a 2-track song in the reference's format: translated into a native MusicRequest, validated and
+    submitted as the native route does (once per Idempotency-Key)."""
+    shared = context()
+    try:
+        body = json_object(request)
+    except BodyError as exc:
+        return _error(400, str(exc))
+    try:
+        req = validate_music(_translate(body, lambda native: longest_song(native, shared.profile)),
+                             shared.settings, shared.profile)
+    except RequestError as exc:
+        field = NATIVE_TO_CONTRACT_FIELD.get(exc.field, exc.field)
+        if field == "tags" and body.get("prompt_mode") == "natural":
+            field = "prompt"
+        return _error(400, f"{field}: {exc.message}")
+    job_id, _ = submit_once(shared, idempotency_key(), lambda: idempotency.json_digest(body),
+                            lambda new_id: submit_music(shared.services, shared.celery, req, shared.profile,
+                                                        job_id=new_id, api="khala"))
+    record = shared.services.jobs.record(job_id)
+    return jsonify({"status": "accepted" if _starts_now(shared.services, record) else "queued", "job_id": job_id,
+                    "num_tracks": NUM_TRACKS, "queue_position": record["queue_position"]})
+
+
+@blueprint.get("/job/<job_id>")
+@documented("Khala: a job in the reference's shape", responses={200: ("the job", KhalaJob), 404: "unknown job"})
+def job(job_id: str) -> ResponseReturnValue:
+    """A job in the reference's shape; both tracks are present from the first reply."""
+    record = context().services.jobs.record(job_id)
+    if record is None or record["kind"] != "music":
+        return _error(404, f"Job {job_id} not found.")
+    return jsonify(job_reply(record))
+
+
+@blueprint.get("/job/<job_id>/track/<int(signed=True):index>/<fmt>")
+@documented("Khala: a track as mp3 (inline, ranges honoured) or wav (attachment)",
+            media=("audio/mpeg", "audio/wav"),
+            responses={**DOWNLOAD_REPLIES, 400: "track index out of range",
+                       404: "unknown job or format, or not ready"})
+def track_file(job_id: str, index: int, fmt: str) -> ResponseReturnValue:
+    """mp3 inline (ranges honoured) or wav as an attachment."""
+    svc = context().services
+    record = svc.jobs.record(job_id)
+    if record is None or record["kind"] != "music":
+        return _error(404, f"Job {job_id} not found.")
+    if fmt not in ("mp3", "wav"):
+        return _error(404, "format: use mp3 or wav")
+    if not 0 <= index < record["num_tracks"]:
+        return _error(400, f"track index {index} out of range (0..{record['num_tracks'] - 1})")
+    track, name = record["tracks"][index], f"track{index}.{fmt}"
+    if track["state"] != DONE or name not in track["artifacts"]:
+        return _error(404, f"Track {index} is not ready.")
+    path = svc.artifacts.local_path(job_id, name)
+    download_name = f"encore_{job_id[:8]}_track{index}.{fmt}"
+    if fmt == "mp3":
+        return send_file(path, mimetype="audio/mpeg", conditional=True, as_attachment=False,
                          download_name=download_name)
-
-    return blueprint
+    return send_file(path, mimetype="audio/wav", conditional=True, as_attachment=True,
+                     download_name=download_name)

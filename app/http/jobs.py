@@ -1,0 +1,176 @@
+"""Reading and acting on jobs: list, read, follow (server-sent events), cancel, retry, download results."""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, redirect, request, send_file
+from flask.typing import ResponseReturnValue
+
+from app.control.eta import job_etas
+from app.http.events import HEADERS as SSE_HEADERS, job_events, valid_event_id
+from app.http.context import context
+from app.http.replies import error
+from app.core.joblog import job_event
+from app.http.openapi import DOWNLOAD_REPLIES, documented
+from app.control.recovery import RetryRefused, retry_job
+from app.http.schemas import JobList, JobReply, RetryReply
+from app.control.services import Services
+
+log = logging.getLogger("encore.web")
+blueprint = Blueprint("jobs", __name__)
+
+TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched whole: no "000.mp3", no "٠.mp3"
+MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
+SSE_EVENT = {"type": "object", "description": "one server-sent event", "properties": {  # what clients parse
+    "event": {"type": "string", "enum": ["message", "end"]}, "id": {"type": "string"},
+    "data": {"type": "string", "description": "a JSON object: the track event, or (end) the job's final state"},
+    "retry": {"type": "integer"}}}
+LAST_EVENT_ID = {"Last-Event-ID": {"type": "string", "pattern": r"^[0-9]{1,20}-[0-9]{1,20}$",
+                                   "description": "the `id:` of the last event received: only later ones are sent"}}
+
+
+@blueprint.get("/api/v1/jobs/<job_id>/video.mp4")
+@documented("Download a lip-sync job's video (Range requests honoured)", media=("video/mp4",),
+            responses={**DOWNLOAD_REPLIES, 404: "unknown job, or not done"})
+def download_video(job_id: str) -> ResponseReturnValue:
+    """The lip-sync output."""
+    return _serve_artifact(context().services, job_id, 0, "output.mp4", "mp4")
+
+
+@blueprint.get("/api/v1/jobs")
+@documented("Recent jobs, newest first", responses={200: ("the jobs", JobList)},
+            query={"limit": {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}})
+def list_jobs() -> ResponseReturnValue:
+    """Recent jobs, newest first (?limit=50, at most 500)."""
+    svc = context().services
+    limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
+    records = [svc.jobs.record(job_id) for job_id in svc.jobs.recent_job_ids(limit)]
+    return jsonify({"jobs": _with_eta(svc, [r for r in records if r])})
+
+
+@blueprint.get("/api/v1/jobs/<job_id>")
+@documented("A job's record", responses={200: ("the record", JobReply), 404: "unknown job"})
+def get_job(job_id: str) -> ResponseReturnValue:
+    """A job's record: state, queue position, per-track stages and progress, downloads."""
+    svc = context().services
+    record = svc.jobs.record(job_id)
+    if record is None:
+        return error(404, f"job {job_id} not found")
+    return jsonify(_with_eta(svc, [record])[0])
+
+
+@blueprint.get("/api/v1/jobs/<job_id>/events")
+@documented("The job's state and progress changes as server-sent events, until it ends",
+            media=("text/event-stream",), headers=LAST_EVENT_ID,
+            responses={200: ("`retry:`, then per change `id:` + `data:` (the track's state, progress, detail and "
+                             "the job's `job_state`), a `: heartbeat` comment while nothing changes, and "
+                             "`event: end` when the job has ended", SSE_EVENT),
+                       400: "Last-Event-ID is not an event id", 404: "unknown job"})
+def job_events_stream(job_id: str) -> ResponseReturnValue:
+    """Every transition of the job's tracks as SSE; a reconnect with Last-Event-ID replays what it missed."""
+    shared = context()
+    record = shared.services.jobs.record(job_id)
+    if record is None:
+        return error(404, f"job {job_id} not found")
+    after = request.headers.get("Last-Event-ID", "").strip()
+    if after and not valid_event_id(after):
+        return error(400, "Last-Event-ID: expected an event id such as 1700000000000-0", "Last-Event-ID")
+    stream = job_events(shared.services.jobs, job_id, after or "0-0", job_state=record["state"],
+                        heartbeat_s=shared.settings.sse_heartbeat_s, max_s=shared.settings.sse_max_s)
+    return Response(stream, mimetype="text/event-stream", headers=SSE_HEADERS)
+
+
+@blueprint.delete("/api/v1/jobs/<job_id>")
+@documented("Cancel a job", responses={200: ("the record, cancel requested", JobReply), 404: "unknown job"})
+def cancel_job(job_id: str) -> ResponseReturnValue:
+    """Cancel a job: queued stages never start, a running stage stops within seconds."""
+    shared = context()
+    svc = shared.services
+    if svc.jobs.job(job_id) is None:
+        return error(404, f"job {job_id} not found")
+    task_ids = svc.jobs.request_cancel(job_id)
+    if task_ids:
+        shared.celery.control.revoke(task_ids)
+    job_event(log, "cancel_requested", job_id)
+    return jsonify(_with_eta(svc, [svc.jobs.record(job_id)])[0])
+
+
+@blueprint.post("/api/v1/jobs/<job_id>/retry")
+@documented("Re-run a job's failed or canceled tracks from their first unfinished stage (same seed)",
+            responses={200: ("the record, the tracks queued again (each counts it in `retries`)", RetryReply),
+                       404: "unknown job", 409: "the job is still running, or no track failed or was canceled"})
+def retry(job_id: str) -> ResponseReturnValue:
+    """Queue a failed or canceled job's unfinished tracks again (the recovery module decides which)."""
+    shared = context()
+    try:
+        retried = retry_job(shared.services, shared.celery, job_id)
+    except KeyError:
+        return error(404, f"job {job_id} not found")
+    except RetryRefused as exc:
+        return error(409, f"job: {exc}", "job")
+    reply = _with_eta(shared.services, [shared.services.jobs.record(job_id)])[0]
+    return jsonify({**reply, "retried": retried})
+
+
+@blueprint.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
+@documented("Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)",
+            media=("audio/mpeg", "audio/wav"),
+            responses={**DOWNLOAD_REPLIES, 404: "unknown job, track or file name, or not done"})
+def download_track(job_id: str, file_name: str) -> ResponseReturnValue:
+    """A music track's file, named <track>.mp3 or <track>.wav."""
+    match = TRACK_FILE.fullmatch(file_name)
+    if not match:
+        return error(404, "file: expected <track>.mp3 or <track>.wav", "file")
+    index, fmt = int(match.group(1)), match.group(2)
+    return _serve_artifact(context().services, job_id, index, f"track{index}.{fmt}", fmt)
+
+
+def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str) -> ResponseReturnValue:
+    """A finished track's file (Range requests honoured); 404 until the track is done."""
+    record = svc.jobs.record(job_id)
+    if record is None:
+        return error(404, f"job {job_id} not found")
+    if index >= record["num_tracks"]:
+        return error(404, f"track: job has {record['num_tracks']} tracks", "track")
+    track = record["tracks"][index]
+    if track["state"] != "done":
+        return error(404, f"track {index} is {track['state']}, not done")
+    if name not in track["artifacts"]:
+        hint = f" (a lip-sync job: its result is /api/v1/jobs/{job_id}/video.mp4)" if record["kind"] == "lipsync" else ""
+        return error(404, f"track {index} has no file {name}{hint}")
+    download_name = f"encore-{job_id[:8]}-{name}"
+    presigned = svc.artifacts.presigned_url(job_id, name, download_name)
+    if presigned:  # the object store serves it (and its Range requests) itself
+        return redirect(presigned, code=302)
+    path = svc.artifacts.local_path(job_id, name)
+    return send_file(path, mimetype=MEDIA_TYPES[fmt], conditional=True, download_name=download_name)
+
+
+def _with_eta(svc: Services, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records as clients see them, each with its `eta_s` (one read of their queues for all of them)."""
+    return [{**_public(record), "eta_s": eta} for record, eta in zip(records, job_etas(svc, records))]
+
+
+def _public(record: dict[str, Any]) -> dict[str, Any]:
+    """The record as clients see it: internal bookkeeping (Celery ids, costs) left out; a track whose stage
+    runs (or last ran) on a worker has that worker's status (read with the record), so a client sees
+    `offline` when it died."""
+    tracks = []
+    for track in record["tracks"]:
+        public = {k: v for k, v in track.items() if k not in ("task_ids", "cost", "seq", "params")}
+        public["seed"] = track["params"].get("seed")
+        public["downloads"] = _download_urls(record["job_id"], track)
+        tracks.append(public)
+    return {**record, "tracks": tracks}
+
+
+def _download_urls(job_id: str, track: dict[str, Any]) -> dict[str, str]:
+    urls = {}
+    for name in track["artifacts"]:
+        if name == "output.mp4":
+            urls["mp4"] = f"/api/v1/jobs/{job_id}/video.mp4"
+        elif TRACK_FILE.fullmatch(name.removeprefix("track")):
+            urls[name.rsplit(".", 1)[1]] = f"/api/v1/jobs/{job_id}/tracks/{name.removeprefix('track')}"
+    return urls
