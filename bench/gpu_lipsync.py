@@ -218,7 +218,7 @@ def _phase_batch(models, frames, boxes, landmarks, windows, start, stop, path, s
     originals = timed("read", lambda: [np.asarray(frames[i]) for i in range(start, stop)])
     regions = [crop_box(boxes[i], originals[0].shape, MARGIN) for i in range(start, stop)]
     masks = [inference.mouth_mask(r[3] - r[1], r[2] - r[0]) if landmarks is None
-             else inference.jaw_mask(landmarks[i], r) for i, r in zip(range(start, stop), regions)]
+             else inference.jaw_mask(landmarks[i], r) for i, r in zip(range(start, stop), regions, strict=True)]
     prompts = windows[start:stop]
     if path == "reference":
         latents = timed("crops_encode", lambda: inference.SourceLatents(models, keep=False)(
@@ -235,7 +235,7 @@ def _phase_batch(models, frames, boxes, landmarks, windows, start, stop, path, s
     if path == "reference":
         faces = timed("copy_back", lambda: images.permute(0, 2, 3, 1).cpu().numpy())
         done = timed("blend", lambda: [inference.blend_mouth(f, c, r, m)
-                                       for f, c, r, m in zip(originals, faces, regions, masks)])
+                                       for f, c, r, m in zip(originals, faces, regions, masks, strict=True)])
     else:
         blended = timed("blend", lambda: inference.blend_on_device(on_device, images, regions, masks))
         done = timed("copy_back", lambda: list(blended.cpu().numpy()))
@@ -334,7 +334,7 @@ def section_parity(args) -> dict:
     for device, results in out.items():
         for name in ("device_same_latents", "device"):
             diffs = []
-            for i, (a, b) in enumerate(zip(results[name], results["reference"])):
+            for i, (a, b) in enumerate(zip(results[name], results["reference"], strict=True)):
                 x1, y1, x2, y2 = crop_box(track.boxes[shown[i]], frames[0].shape, MARGIN)
                 diffs.append(np.abs(a[y1:y2, x1:x2].astype(int) - b[y1:y2, x1:x2]))
             stacked = np.concatenate([d.ravel() for d in diffs])

@@ -21,6 +21,8 @@ The last line is {"summary": {...}} for comparing runs. Ratios to the Megatron b
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import os
 import statistics
@@ -91,7 +93,7 @@ class Clock:
 
     def ms_per_step(self, part: slice = slice(None)) -> float | None:
         """Median ms per token-step (all tracks together) between consecutive reports within `part`."""
-        pairs = list(zip(self.marks, self.marks[1:]))[part]
+        pairs = list(itertools.pairwise(self.marks))[part]
         rates = [(t1 - t0) * 1e3 / (n1 - n0) for (t0, n0), (t1, n1) in pairs if n1 > n0]
         return round(statistics.median(rates), 3) if rates else None
 
@@ -211,10 +213,12 @@ def section_parity(args) -> dict:
     plan = SongPlan(window_starts=starts, codebook_size=size, end_id=None, limit=frames, min_frames=frames,
                     expected_frames=frames, top_k=profile.backbone_top_k, temperature=1.0)
     eager = DeviceDecoder(plain, PROMPT, plan, [1, 2], use_graphs=False).run(StageControl())
-    result["device_loop_codes_equal_reference_loop"] = all(torch.equal(a, b) for a, b in zip(eager, codes))
+    result["device_loop_codes_equal_reference_loop"] = len(eager) == len(codes) and all(
+        torch.equal(a, b) for a, b in zip(eager, codes, strict=True))
     if device.type == "cuda":
         graphed = DeviceDecoder(plain, PROMPT, plan, [1, 2], use_graphs=True).run(StageControl())
-        result["graphs_codes_equal_eager"] = all(torch.equal(a, b) for a, b in zip(eager, graphed))
+        result["graphs_codes_equal_eager"] = len(eager) == len(graphed) and all(
+            torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
     return result
 
 
@@ -267,7 +271,6 @@ def section_song_inprocess(args) -> dict:
     """The four stages, models resident: device-loop backbone for both tracks, then per track superres,
     codec and WAV + MP3 export."""
     torch, device, profile = _setup(args)
-    from app.pipeline.music import export
     from app.pipeline.music.codec import decode_codes, random_decoder
     from app.pipeline.control import StageControl
     from app.pipeline.music.superres import fill_fine
@@ -288,13 +291,19 @@ def section_song_inprocess(args) -> dict:
     started = time.perf_counter()
     coarse = timed("backbone", lambda: _generate(plain, profile, frames, [1, 2], StageControl()))
     for track, codes in enumerate(coarse):
-        fine = timed("superres", lambda: fill_fine(superres_lm, codes, profile=profile, seed=track,
+        fine = timed("superres", functools.partial(fill_fine, superres_lm, codes, profile=profile, seed=track,
                                                    control=StageControl(), prompt_ids=PROMPT))
-        audio = timed("decode", lambda: decode_codes(decoder, fine, StageControl()))
+        audio = timed("decode", functools.partial(decode_codes, decoder, fine, StageControl()))
         wav = work / f"track{track}.wav"
-        timed("export", lambda: (export.write_wav(audio, wav, profile.codec.sample_rate),
-                                 export.write_mp3(wav, work / f"track{track}.mp3")))
+        timed("export", functools.partial(_export_track, audio, wav, work / f"track{track}.mp3",
+                                          profile.codec.sample_rate))
     return {"frames": frames, "tracks": 2, "stages": stages, "seconds": round(time.perf_counter() - started, 2)}
+
+
+def _export_track(audio, wav: Path, mp3: Path, sample_rate: int) -> None:
+    from app.pipeline.music import export
+    export.write_wav(audio, wav, sample_rate)
+    export.write_mp3(wav, mp3)
 
 
 def write_models(profile, directory: Path) -> Path:

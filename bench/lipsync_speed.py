@@ -58,7 +58,7 @@ def sequential(models, frames, features, num_frames: int, batch_size: int, sink)
         originals = [frames[s] for s in sources]
         regions = [crop_box(BOX, frame.shape, MARGIN) for frame in originals]
         faces = generate_faces(models, encode(sources, originals, regions), features[start:stop])
-        for frame, face, region in zip(originals, faces, regions):
+        for frame, face, region in zip(originals, faces, regions, strict=True):
             sink(blend_mouth(frame, face, region))
 
 
@@ -90,12 +90,16 @@ def main() -> None:
         run_lipsync(models, frames, boxes, features, num_frames=args.batch_size, batch_size=args.batch_size,
                     extra_margin=MARGIN, sink=lambda f: None, control=StageControl())  # warm-up
         baselines, currents = [], []
+        def baseline_run(sink, frames=frames):
+            return sequential(models, frames, features, args.frames, args.batch_size, sink)
+
+        def current_run(sink, frames=frames, boxes=boxes):
+            return run_lipsync(models, frames, boxes, features, num_frames=args.frames, batch_size=args.batch_size,
+                               extra_margin=MARGIN, sink=sink, control=StageControl())
+
         for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits both
-            baselines.append(measure(lambda sink: sequential(models, frames, features, args.frames,
-                                                             args.batch_size, sink), scratch / f"{case}_baseline.mp4"))
-            currents.append(measure(lambda sink: run_lipsync(
-                models, frames, boxes, features, num_frames=args.frames, batch_size=args.batch_size,
-                extra_margin=MARGIN, sink=sink, control=StageControl()), scratch / f"{case}_current.mp4"))
+            baselines.append(measure(baseline_run, scratch / f"{case}_baseline.mp4"))
+            currents.append(measure(current_run, scratch / f"{case}_current.mp4"))
         baseline, current = statistics.median(baselines), statistics.median(currents)
         results[case] = {"source_frames": sources, "baseline_fps": round(args.frames / baseline, 1),
                          "run_lipsync_fps": round(args.frames / current, 1),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def extension_loads() -> bool:
-    probe = subprocess.run([sys.executable, "-c", "import torchaudio"], capture_output=True, text=True)
+    probe = subprocess.run([sys.executable, "-c", "import torchaudio"], capture_output=True, text=True, check=False)
     return probe.returncode == 0
 
 
