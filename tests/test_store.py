@@ -171,7 +171,7 @@ def commands_on(monitored: redis.Redis, key: str, action) -> list[list[str]]:
                 seen.append(command.split())
 
 
-@pytest.mark.parametrize("chunks", [1, 8, 21])
+@pytest.mark.parametrize("chunks", [1, READ_BATCH_CHUNKS, 21])
 def test_a_read_fetches_several_chunks_per_round_trip(binary, redis_base_url, tmp_path, chunks):
     """A file of n chunks comes back in n // READ_BATCH_CHUNKS + 1 LRANGEs of at most READ_BATCH_CHUNKS chunks
     each (bounded memory), where it took one LINDEX per chunk (plus EXISTS and LLEN)."""
