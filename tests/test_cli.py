@@ -151,6 +151,26 @@ def test_token_from_flag_or_env_and_401_without_it(make_stack):
     assert canceled.returncode == 0 and f"job {job_id} canceled" in canceled.stdout, canceled.stderr
 
 
+# Server variables a client machine may well carry (a shared .env, a worker host), each one malformed.
+BROKEN_SERVER_ENV = {"ENCORE_ETA_ALPHA": "7", "ENCORE_LEASE_S": "soon", "ENCORE_RUNTIME_MODE": "sometimes",
+                     "REDIS_SENTINELS": "not a host list:x", "ENCORE_SUBMIT_RATE_LIMIT": "lots"}
+
+
+def test_the_cli_reads_only_its_own_settings(make_stack):
+    """Malformed server variables in the client's environment change nothing: it reads ENCORE_URL and
+    ENCORE_API_TOKEN alone (it used to build the server's whole Settings and die on a ValueError)."""
+    secured = make_stack(API_TOKEN="s3cret")  # no worker needed: a submitted job just waits
+    submitted = cli(secured, *TINY_MUSIC, ENCORE_API_TOKEN="s3cret", **BROKEN_SERVER_ENV)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.splitlines()[0]
+    assert JOB_ID.match(job_id), submitted.stdout
+    listed = cli(secured, "jobs", "--json", ENCORE_API_TOKEN="s3cret", **BROKEN_SERVER_ENV)
+    assert listed.returncode == 0, listed.stderr
+    assert [job["job_id"] for job in json.loads(listed.stdout)] == [job_id]
+    refused = cli(secured, "jobs", **BROKEN_SERVER_ENV)  # the token comes from ENCORE_API_TOKEN or nowhere
+    assert refused.returncode == 2 and "401" in refused.stderr, refused.stderr
+
+
 def test_wait_follows_the_event_stream_and_polling_stays_the_fallback(stack, tmp_path):
     streamed = cli(stack, *TINY_MUSIC, "--wait", "--progress", "lines", "--out", str(tmp_path / "a"))
     assert streamed.returncode == 0, streamed.stdout + streamed.stderr

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.pipeline.media.decode import extract_audio
-from app.pipeline.media.ffmpeg import MediaError
+from app.pipeline.media.ffmpeg import MediaError, MediaTools
 from app.pipeline.music.export import (MP3_ENCODER_DELAY_SAMPLES, MP3_FRAME_SAMPLES, ExportError, probe_duration,
                                        write_metadata, write_mp3, write_wav)
 from app.pipeline.profiles import load_profile
@@ -96,42 +96,43 @@ def _script(path: Path, body: str) -> str:
     return str(path)
 
 
-def test_a_bad_ENCORE_FFMPEG_is_a_clear_export_error_shaped_like_the_lipsync_ones(tmp_path, monkeypatch):
+def test_a_bad_ffmpeg_is_a_clear_export_error_shaped_like_the_lipsync_ones(tmp_path):
     """The export and the lip-sync media calls fail with one error type and one message shape."""
     wav_path = write_wav(stereo(4410), tmp_path / "song.wav", 44100)
     export, lipsync = "encoding song.wav to MP3 at 320k", f"extracting audio of {wav_path}"
     missing = str(tmp_path / "no" / "ffmpeg")
-    monkeypatch.setenv("ENCORE_FFMPEG", missing)
+    tools = MediaTools(ffmpeg=missing)
     with pytest.raises(ExportError) as failed:
-        write_mp3(wav_path, tmp_path / "song.mp3")
+        write_mp3(wav_path, tmp_path / "song.mp3", tools=tools)
     assert isinstance(failed.value, MediaError) and str(failed.value) == f"{export}: {missing} not found"
     with pytest.raises(MediaError) as failed:
-        extract_audio(wav_path, tmp_path / "16k.wav")
+        extract_audio(wav_path, tmp_path / "16k.wav", tools=tools)
     assert str(failed.value) == f"{lipsync}: {missing} not found"
 
     broken = _script(tmp_path / "broken-ffmpeg", 'echo "banner line" >&2; echo "fatal: no encoder here" >&2; exit 3\n')
-    monkeypatch.setenv("ENCORE_FFMPEG", broken)
+    tools = MediaTools(ffmpeg=broken)
     said = "broken-ffmpeg exited with 3:\nbanner line\nfatal: no encoder here"
     with pytest.raises(ExportError) as failed:
-        write_mp3(wav_path, tmp_path / "song.mp3")
+        write_mp3(wav_path, tmp_path / "song.mp3", tools=tools)
     assert str(failed.value) == f"{export}: {said}"
     with pytest.raises(MediaError) as failed:
-        extract_audio(wav_path, tmp_path / "16k.wav")
+        extract_audio(wav_path, tmp_path / "16k.wav", tools=tools)
     assert str(failed.value) == f"{lipsync}: {said}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken-ffmpeg", "song.wav"]
 
 
-def test_the_export_runs_the_configured_ffmpeg_and_ffprobe(tmp_path, monkeypatch):
-    """ENCORE_FFMPEG / ENCORE_FFPROBE name wrappers that log each call, then run the real tools."""
+def test_the_export_runs_the_ffmpeg_and_ffprobe_it_is_given(tmp_path):
+    """The tools name wrappers that log each call, then run the real tools."""
     log = tmp_path / "calls.log"
+    wrappers = {}
     for tool in ("ffmpeg", "ffprobe"):
         real = shutil.which(tool)
         assert real is not None
-        wrapper = _script(tmp_path / f"logged-{tool}", f'echo "{tool} $*" >> "{log}"\nexec "{real}" "$@"\n')
-        monkeypatch.setenv(f"ENCORE_{tool.upper()}", wrapper)
+        wrappers[tool] = _script(tmp_path / f"logged-{tool}", f'echo "{tool} $*" >> "{log}"\nexec "{real}" "$@"\n')
+    tools = MediaTools(**wrappers)
     wav_path = write_wav(stereo(44100), tmp_path / "song.wav", 44100)
-    mp3 = write_mp3(wav_path, tmp_path / "song.mp3")
-    assert 1.0 <= probe_duration(mp3) <= 1.0 + (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / 44100 + 1e-3
+    mp3 = write_mp3(wav_path, tmp_path / "song.mp3", tools=tools)
+    assert 1.0 <= probe_duration(mp3, tools=tools) <= 1.0 + (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / 44100 + 1e-3
     calls = log.read_text().splitlines()
     encodes = [c for c in calls if c.startswith("ffmpeg ") and "-f mp3" in c and "-b:a 320k" in c]
     probes = [c for c in calls if c.startswith("ffprobe ")]

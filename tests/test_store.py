@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from app.adapters.artifacts import DirectoryStore, RedisStore
+from app.adapters.artifacts import CHUNK_BYTES, READ_BATCH_CHUNKS, DirectoryStore, RedisStore
 from app.control.jobs import JobStore, overall_state
 from tests.conftest import wait_until
 
@@ -153,6 +153,52 @@ def test_store_round_trip_large_file(store, tmp_path):
     assert not store.exists(JOB, "track1.wav")
     with pytest.raises(FileNotFoundError):
         store.local_path(JOB, "track1.wav")
+
+
+def commands_on(monitored: redis.Redis, key: str, action) -> list[list[str]]:
+    """The commands the server ran on `key` while `action()` ran, as MONITOR shows them (one per round trip
+    here: the store pipelines nothing on its read path), each split into words."""
+    marker = f"end-of-{key}"
+    with monitored.monitor() as monitor:
+        action()
+        monitored.echo(marker)  # from another connection: MONITOR shows it after everything `action` sent
+        seen: list[list[str]] = []
+        while True:
+            command = monitor.next_command()["command"]
+            if marker in command:
+                return seen
+            if key in command:
+                seen.append(command.split())
+
+
+@pytest.mark.parametrize("chunks", [1, READ_BATCH_CHUNKS, 21])
+def test_a_read_fetches_several_chunks_per_round_trip(binary, redis_base_url, tmp_path, chunks):
+    """A file of n chunks comes back in n // READ_BATCH_CHUNKS + 1 LRANGEs of at most READ_BATCH_CHUNKS chunks
+    each (bounded memory), where it took one LINDEX per chunk (plus EXISTS and LLEN)."""
+    store = RedisStore(binary, "t", tmp_path / "cache")
+    payload = bytes(range(256)) * (CHUNK_BYTES // 256) * (chunks - 1) + b"tail" * 100
+    source = tmp_path / "big.bin"
+    source.write_bytes(payload)
+    store.put(JOB, "big.bin", source, ttl_s=60)
+    key = store._key(JOB, "big.bin")
+    assert binary.llen(key) == chunks
+    monitored = redis.Redis.from_url(f"{redis_base_url}/510", decode_responses=True)
+    reads = commands_on(monitored, key, lambda: store.local_path(JOB, "big.bin"))
+    assert len(reads) == chunks // READ_BATCH_CHUNKS + 1, reads
+    spans = [(int(start), int(stop)) for verb, _, start, stop in reads if verb.upper() == "LRANGE"]
+    assert len(spans) == len(reads) and all(stop - start + 1 <= READ_BATCH_CHUNKS for start, stop in spans), reads
+    assert store.local_path(JOB, "big.bin").read_bytes() == payload
+    assert not list((tmp_path / "cache" / JOB).glob(".*partial"))
+
+
+def test_an_empty_file_round_trips_and_a_missing_one_leaves_nothing_behind(store, tmp_path):
+    source = tmp_path / "empty.txt"
+    source.write_bytes(b"")
+    store.put(JOB, "empty.txt", source, ttl_s=60)
+    assert store.local_path(JOB, "empty.txt").read_bytes() == b""
+    with pytest.raises(FileNotFoundError):
+        store.local_path(JOB, "missing.txt")
+    assert not list(tmp_path.rglob("*missing*")) and not list(tmp_path.rglob("*.partial"))
 
 
 @pytest.mark.parametrize("job_id,name", [("../" * 5, "x"), (JOB, "../etc/passwd"), (JOB, ".hidden"),

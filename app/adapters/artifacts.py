@@ -3,12 +3,13 @@
 Three backends behind one interface:
 - `DirectoryStore` (default): a directory every worker and the web can see (a shared volume).
 - `RedisStore`: files chunked into Redis lists that expire with the job, for workers on hosts without a
-  shared filesystem. Readers get a local copy in a cache directory.
+  shared filesystem. Readers get a local copy in a cache directory, fetched a few chunks per round trip.
 - `S3Store`: objects in an S3-compatible bucket (AWS, MinIO, SeaweedFS, ...) through boto3, for hosts that
   share nothing but Redis and the bucket. Large files go up in multipart uploads (boto3's transfer manager);
   readers keep a local copy in a cache directory; objects are deleted explicitly once their job's record has
   expired (the workers' periodic sweep lists the job prefixes and removes those of gone jobs: no bucket
   lifecycle rule is needed, and none is assumed). Downloads can be handed out as presigned URLs.
+The two remote stores share their read path (`CachedStore`: the local copy, fetched when missing).
 Names are validated so a download can never escape the store.
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ from app.core.ids import is_job_id
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHUNK_BYTES = 1 << 20
+# Chunks fetched per round trip by a RedisStore reader (so at most 4 MiB held at once). Larger batches save
+# round trips but cost client time per MiB: measured by bench/artifact_reads.py, break-even near 0.4 ms RTT.
+READ_BATCH_CHUNKS = 4
 
 
 def check_name(job_id: str, name: str) -> None:
@@ -86,13 +90,41 @@ class DirectoryStore:
         return removed
 
 
-class RedisStore:
+class CachedStore:
+    """The read path of a store whose files live elsewhere: `local_path` gives the copy in a local cache
+    directory, fetched first when missing. A subclass says how to fetch (`_fetch`) and sets `cache`."""
+
+    cache: DirectoryStore
+
+    def local_path(self, job_id: str, name: str) -> Path:
+        """The cached copy, fetched first when missing (FileNotFoundError when the stored file is)."""
+        check_name(job_id, name)
+        cached = self.cache.root / job_id / name
+        if cached.is_file():
+            return cached
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f".{name}.{time.monotonic_ns()}.partial")  # readers never see it half-written
+        try:
+            self._fetch(job_id, name, partial)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        partial.replace(cached)
+        return cached
+
+    def _fetch(self, job_id: str, name: str, target: Path) -> None:
+        """Write the stored file to `target`; FileNotFoundError when there is none."""
+        raise NotImplementedError
+
+
+class RedisStore(CachedStore):
     """Files as Redis lists of 1 MiB chunks that expire with their job; reads go through a local cache."""
 
-    def __init__(self, client: redis.Redis, prefix: str, cache_dir: Path):
+    def __init__(self, client: redis.Redis, prefix: str, cache_dir: Path, read_batch_chunks: int = READ_BATCH_CHUNKS):
         self.redis = client
         self.prefix = prefix
         self.cache = DirectoryStore(cache_dir)
+        self.read_batch_chunks = max(1, read_batch_chunks)
 
     def _key(self, job_id: str, name: str) -> str:
         check_name(job_id, name)
@@ -120,20 +152,20 @@ class RedisStore:
     def exists(self, job_id: str, name: str) -> bool:
         return bool(self.redis.exists(self._key(job_id, name)))
 
-    def local_path(self, job_id: str, name: str) -> Path:
-        key = self._key(job_id, name)
-        cached = self.cache.root / job_id / name
-        if cached.is_file():
-            return cached
-        if not self.redis.exists(key):
+    def _fetch(self, job_id: str, name: str, target: Path) -> None:
+        """`read_batch_chunks` chunks per LRANGE, until a batch comes back short: a stored file has at least one
+        chunk (an empty file one empty chunk), so none at all means there is no such file (or it expired)."""
+        key, batch = self._key(job_id, name), self.read_batch_chunks
+        start = 0
+        with open(target, "wb") as handle:
+            while True:
+                chunks = self.redis.lrange(key, start, start + batch - 1)
+                handle.writelines(chunks)
+                start += len(chunks)
+                if len(chunks) < batch:
+                    break
+        if start == 0:
             raise FileNotFoundError(f"{job_id}/{name}")
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f".{name}.{time.monotonic_ns()}.partial")
-        with open(partial, "wb") as handle:
-            for index in range(self.redis.llen(key)):
-                handle.write(self.redis.lindex(key, index))
-        partial.replace(cached)
-        return cached
 
     def delete_job(self, job_id: str) -> None:
         names = self.redis.smembers(self._index_key(job_id))
@@ -149,7 +181,7 @@ class RedisStore:
         return None
 
 
-class S3Store:
+class S3Store(CachedStore):
     """Objects <prefix><job id>/<name> in one bucket; reads go through a local cache directory."""
 
     def __init__(self, client, bucket: str, prefix: str, cache_dir: Path, presign_s: int = 0,
@@ -179,24 +211,15 @@ class S3Store:
             raise
         return True
 
-    def local_path(self, job_id: str, name: str) -> Path:
-        """The cached copy, downloaded first when missing (FileNotFoundError when the object is)."""
+    def _fetch(self, job_id: str, name: str, target: Path) -> None:
+        """Download the object (multipart above the threshold)."""
         from botocore.exceptions import ClientError
-        key = self._key(job_id, name)
-        cached = self.cache.root / job_id / name
-        if cached.is_file():
-            return cached
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f".{name}.{time.monotonic_ns()}.partial")
         try:
-            self.s3.download_file(self.bucket, key, str(partial), Config=self.transfer)
+            self.s3.download_file(self.bucket, self._key(job_id, name), str(target), Config=self.transfer)
         except ClientError as exc:
-            partial.unlink(missing_ok=True)
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 raise FileNotFoundError(f"{job_id}/{name}") from None
             raise
-        partial.replace(cached)
-        return cached
 
     def _job_keys(self, job_id: str) -> list[str]:
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=f"{self.prefix}{job_id}/")

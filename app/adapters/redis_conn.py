@@ -5,7 +5,8 @@ With Sentinel, redis-py's `Sentinel(...).master_for()` asks the sentinels for th
 connection, so after a failover the next command reaches the promoted replica (the Lua scripts are loaded
 again by redis-py on NOSCRIPT); commands during the switch raise ConnectionError, which the web answers 503.
 Celery and kombu take the same sentinels as `sentinel://` URLs with the `master_name` transport option
-(Celery's supported way to a highly available Redis; Redis Cluster is not supported by Celery).
+(Celery's supported way to a highly available Redis; Redis Cluster is not supported by Celery), and the rate
+limiter (the limits library) its `redis+sentinel://` URI with the credentials and database as options.
 The database number and the primary's password still come from REDIS_URL.
 """
 from __future__ import annotations
@@ -41,6 +42,25 @@ def redis_client(settings: Settings, *, decode_responses: bool) -> redis.Redis:
     return sentinel.master_for(settings.redis_sentinel_master, db=_database(settings), password=_password(settings),
                                decode_responses=decode_responses, socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
                                socket_keepalive=True)
+
+
+def limits_storage(settings: Settings) -> tuple[str, dict[str, Any]]:
+    """The limits library's storage URI and options for the same Redis (it spells a socket redis+unix://).
+
+    Behind Sentinel: redis+sentinel://<sentinels>/<name>, and as options the database and the primary's
+    password from REDIS_URL and the sentinels' own password (REDIS_SENTINEL_PASSWORD). Its URI holds no
+    database, and a password in it would be sent to the sentinels and the primary alike."""
+    redis_url = settings.redis_url
+    if not settings.redis_sentinels:
+        return ("redis+unix://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://")
+                else redis_url), {}
+    hosts = ",".join(f"{host}:{port}" for host, port in settings.redis_sentinels)
+    options: dict[str, Any] = {
+        "db": _database(settings), "password": _password(settings), "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+        "sentinel_kwargs": {"password": settings.redis_sentinel_password or None,
+                            "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+                            "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S}}
+    return f"redis+sentinel://{hosts}/{settings.redis_sentinel_master}", options
 
 
 def celery_connection(settings: Settings) -> dict[str, Any]:

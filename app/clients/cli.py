@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import requests
 from tqdm import tqdm
 
-from app.core.config import DEFAULT_WEB_URL, load_settings
+from app.core.config import DEFAULT_WEB_URL
 from app.core.kinds import KINDS, QUEUED, TERMINAL_STATES
 from app.core.priority import PRIORITIES
 
@@ -40,6 +41,19 @@ class ApiError(Exception):
     @property
     def transient(self) -> bool:
         return self.status is None or self.status >= 500
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """The client's own two settings, read alone: a client machine's environment may hold the server's
+    variables too (a shared .env, a worker host), and their values are none of the client's business."""
+
+    url: str = DEFAULT_WEB_URL  # ENCORE_URL
+    token: str | None = None  # ENCORE_API_TOKEN
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "ClientSettings":
+        return cls(url=environ.get("ENCORE_URL", DEFAULT_WEB_URL), token=environ.get("ENCORE_API_TOKEN") or None)
 
 
 # -- HTTP ---------------------------------------------------------------------------------------------------
@@ -467,9 +481,9 @@ class UsageError(Exception):
 
 def add_connection_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
     """--url/--token both before and after the subcommand; the subcommand copies must not reset them."""
-    settings = None if suppress else load_settings()
-    url = argparse.SUPPRESS if settings is None else settings.client_url
-    token = argparse.SUPPRESS if settings is None else settings.client_token
+    settings = None if suppress else ClientSettings.from_env()
+    url = argparse.SUPPRESS if settings is None else settings.url
+    token = argparse.SUPPRESS if settings is None else settings.token
     parser.add_argument("--url", default=url, help=f"Encore base URL (env ENCORE_URL, default {DEFAULT_WEB_URL})")
     parser.add_argument("--token", default=token,
                         help="API token, sent as a Bearer header (env ENCORE_API_TOKEN)")

@@ -24,6 +24,7 @@ import requests
 
 from app.clients import cli
 from app.core.config import load_settings
+from app.pipeline.media.ffmpeg import MediaTools
 
 REPO = Path(__file__).resolve().parents[2]
 LYRICS = """[verse]
@@ -157,17 +158,18 @@ def submit_music(client: cli.Client, duration_s: float, tracks: int) -> str:
     return job_id
 
 
-def submit_lipsync(client: cli.Client, out: Path) -> str:
-    """Build a talking-head clip from a real photo and a spoken line, and submit it."""
+def submit_lipsync(client: cli.Client, out: Path, tools: MediaTools) -> str:
+    """Build a talking-head clip from a real photo and a spoken line (with `tools`' ffmpeg), and submit it."""
     import cv2
     import skimage.data
     from app.pipeline.media import samples
     clips = out / "inputs"
     clips.mkdir(parents=True, exist_ok=True)
     voice = clips / "speech.wav"
-    how = samples.make_speech(voice, "Hello from Encore. This face is a photograph; the lips are tiny random weights.")
+    how = samples.make_speech(voice, "Hello from Encore. This face is a photograph; the lips are tiny random weights.",
+                              tools=tools)
     face = cv2.resize(skimage.data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)
-    video = samples.make_face_video(clips / "face.mp4", face, 4.0, 25)
+    video = samples.make_face_video(clips / "face.mp4", face, 4.0, 25, tools=tools)
     with open(video, "rb") as v, open(voice, "rb") as a:  # no fps: the output takes the source's own
         files = {"video": (video.name, v), "audio": (voice.name, a)}
         job_id = client.json("POST", "/api/v1/lipsync", files=files)["job_id"]
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "music"):
         jobs.append(submit_music(client, args.duration_s, args.tracks))
     if args.only in (None, "lipsync"):
-        jobs.append(submit_lipsync(client, args.out))
+        jobs.append(submit_lipsync(client, args.out, MediaTools.of(settings)))
     states = []
     for job_id in jobs:
         reporter = cli.make_reporter("auto")  # bars on a terminal, one line per change otherwise

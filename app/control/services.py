@@ -1,4 +1,5 @@
-"""The shared handles every process needs (Redis clients, job store, worker registry, artifact store)."""
+"""The shared handles every process needs (Redis clients, job store, worker registry, artifact store, and the
+ffmpeg/ffprobe the pipeline's media calls are given)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ import redis
 from app.adapters.artifacts import ArtifactStore, open_store
 from app.core.config import Settings, load_settings
 from app.control.jobs import JobStore
+from app.pipeline.media.ffmpeg import MediaTools
 from app.adapters.redis_conn import redis_client
 from app.control.workers import WorkerRegistry
 
@@ -20,6 +22,7 @@ class Services:
     jobs: JobStore
     workers: WorkerRegistry
     artifacts: ArtifactStore
+    media: MediaTools  # ENCORE_FFMPEG / ENCORE_FFPROBE, handed to every pipeline call that runs them
 
 
 def build_services(settings: Settings) -> Services:
@@ -32,6 +35,7 @@ def build_services(settings: Settings) -> Services:
                       settings.webhook_progress_s),
         workers=WorkerRegistry(text_client, settings.key_prefix, settings.heartbeat_s),
         artifacts=open_store(settings, bytes_client),
+        media=MediaTools.of(settings),
     )
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app.pipeline.lipsync.options import LIPSYNC_MASKS, LIPSYNC_PATHS, LIPSYNC_PRECISIONS  # the pipeline's own
+
 if TYPE_CHECKING:
     from app.pipeline.profiles import MusicProfile
 
@@ -33,9 +35,6 @@ MODEL_PATH_VARIABLES = {"tokenizer_subdir": "ENCORE_TOKENIZER_DIR", "backbone_su
 
 DEFAULT_WEB_URL = "http://127.0.0.1:8000"
 
-LIPSYNC_PRECISIONS = ("auto", "fp16", "fp32")
-LIPSYNC_MASKS = ("jaw", "rectangle")  # app/pipeline/lipsync/inference.py draws them
-LIPSYNC_PATHS = ("device", "reference")  # inference.run_lipsync's two ways of doing the per-frame work
 RATE_LIMIT_STRATEGIES = ("fixed-window", "moving-window", "sliding-window-counter")  # limits' names
 
 DEFAULT_TIME_LIMITS = (

@@ -8,7 +8,7 @@ carries. Unset: no limiter at all.
 """
 from __future__ import annotations
 
-from urllib.parse import quote, urlsplit
+from typing import Any
 
 from flask import Flask, Response, request
 from flask_limiter import Limiter
@@ -16,6 +16,7 @@ from flask_limiter import Limiter
 from app.core.config import Settings
 from app.control.idempotency import scope
 from app.control.lifecycle import Layout
+from app.adapters.redis_conn import limits_storage
 
 SUBMIT_ENDPOINTS = frozenset({"submit.submit_music", "submit.submit_lipsync", "khala.generate", "khala_api.generate"})
 
@@ -26,24 +27,19 @@ def install(app: Flask, settings: Settings) -> Limiter | None:
     if not settings.submit_rate_limit:
         return None
     app.after_request(_retry_after_at_least_one_second)  # registered first: runs after the limiter's own
+    uri, options = storage(settings)
     return Limiter(
-        key_func=lambda: _client(settings), app=app, storage_uri=storage_uri(settings),
+        key_func=lambda: _client(settings), app=app, storage_uri=uri, storage_options=options,
         strategy=settings.rate_limit_strategy, headers_enabled=True,
         application_limits=[settings.submit_rate_limit],
-        application_limits_exempt_when=lambda: request.endpoint not in SUBMIT_ENDPOINTS,
-        storage_options={"key_prefix": Layout(settings.key_prefix).rate_limits})  # its keys under ours
+        application_limits_exempt_when=lambda: request.endpoint not in SUBMIT_ENDPOINTS)
 
 
-def storage_uri(settings: Settings) -> str:
-    """The limits library's name for the same Redis (it spells a socket redis+unix://, and the primary behind
-    Sentinel redis+sentinel://<sentinels>/<name>)."""
-    redis_url = settings.redis_url
-    if settings.redis_sentinels:
-        password = urlsplit(redis_url).password
-        auth = f":{quote(password, safe='')}@" if password else ""
-        hosts = ",".join(f"{host}:{port}" for host, port in settings.redis_sentinels)
-        return f"redis+sentinel://{auth}{hosts}/{settings.redis_sentinel_master}"
-    return "redis+unix://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://") else redis_url
+def storage(settings: Settings) -> tuple[str, dict[str, Any]]:
+    """The limiter's storage URI and options: the same Redis as every client (app/adapters/redis_conn.py, Sentinel
+    included), its keys under ours."""
+    uri, options = limits_storage(settings)
+    return uri, {**options, "key_prefix": Layout(settings.key_prefix).rate_limits}
 
 
 def _client(settings: Settings) -> str:

@@ -17,7 +17,7 @@ from werkzeug.datastructures import FileStorage
 
 from app.core.config import Settings
 from app.pipeline.lipsync.frames import output_frame_count
-from app.pipeline.media.ffmpeg import MediaError
+from app.pipeline.media.ffmpeg import MediaError, MediaTools
 from app.pipeline.media.probe import MediaInfo, probe
 from app.pipeline.profiles import LipsyncProfile
 from app.core.priority import DEFAULT_PRIORITY, Priority
@@ -82,7 +82,8 @@ def receive_lipsync(form: dict[str, str], files: dict[str, FileStorage], setting
         limits = {"video": settings.max_video_mb, "audio": settings.max_audio_mb}
         for name in FILE_FIELDS:
             received.files[name] = _stage(files[name], staging, name, limits[name])
-        video, audio = (_probe(received.files[n], n) for n in FILE_FIELDS)
+        tools = MediaTools.of(settings)  # the web's ENCORE_FFPROBE
+        video, audio = (_probe(received.files[n], n, tools) for n in FILE_FIELDS)
         fps, fps_from = output_fps(fields.fps, video.fps, profile.default_fps)
         _check_media(video, audio, settings, fps)
         received.params = _params(fields, fps, fps_from, video, audio, profile, received.files)
@@ -117,9 +118,9 @@ def _stage(upload: FileStorage, staging: Path, field: str, limit_mb: float) -> P
     return target
 
 
-def _probe(path: Path, field: str) -> MediaInfo:
+def _probe(path: Path, field: str, tools: MediaTools) -> MediaInfo:
     try:
-        return probe(path)
+        return probe(path, tools=tools)
     except MediaError:
         raise UploadError(400, field, "cannot be read as audio/video (ffprobe failed)") from None
 

@@ -57,21 +57,22 @@ def prepare_work(run: StageRun) -> None:
     settings = run.svc.settings
     run.info.update(_stages().run_prepare(_input(run, "video"), _input(run, "audio"), run.params["fps"],
                                           run.scratch, run.control, settings.ffmpeg_timeout_s, cache=source_cache(),
-                                          face_threads=settings.face_threads or _faces().default_threads()))
+                                          face_threads=settings.face_threads or _faces().default_threads(),
+                                          tools=run.svc.media))
 
 
 def lipsync_work(run: StageRun) -> None:
     settings = run.svc.settings
     run.info.update(_stages().run_lipsync_stage(models(), run.params, run.scratch, run.control, run.loaded,
                                                 mask=settings.lipsync_mask, path=settings.lipsync_path,
-                                                cache=source_cache()))
+                                                cache=source_cache(), tools=run.svc.media))
     models().cache.after_stage(["musetalk"])
 
 
 def mux_work(run: StageRun) -> None:
     out = run.workdir / OUTPUT
     run.info.update(_stages().run_mux(run.scratch, _input(run, "audio"), out, run.control,
-                                      run.svc.settings.ffmpeg_timeout_s))
+                                      run.svc.settings.ffmpeg_timeout_s, tools=run.svc.media))
     run.publish(OUTPUT, out)
 
 

@@ -99,7 +99,7 @@ def export_work(run: StageRun) -> None:
     record = run.svc.jobs.track(run.job_id, run.track) or {}
     metadata = _music().metadata_json(run.params, _seed(run), models().profile, record.get("song"))
     _music().run_export(run.input(names["wav"]), mp3, meta, {**metadata, "job_id": run.job_id, "track": run.track},
-                     run.control)
+                        run.control, tools=run.svc.media)
     run.publish(mp3.name, mp3)
     run.publish(meta.name, meta)
 

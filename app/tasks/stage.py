@@ -8,7 +8,9 @@ work:
   ENCORE_MAX_DELIVERIES times fails it (a stage that keeps killing its worker must not loop forever);
 - record worker, timestamps, throttled progress and model loads in the job record;
 - renew the lease while the work runs; a renewal that fails means the track was taken from this stage
-  (the reaper judged it dead): the stage stops and writes nothing;
+  (the reaper judged it dead): the stage stops and writes nothing. Redis outages are ridden out while the
+  lease lasts (past it, the same stop); any other error of the lease thread stops the stage, which fails
+  with LeaseWatchBroken: a stage never runs on unrenewed;
 - watch the cancel flag in a thread: the work sees it through StageControl within ~0.2 s; if the work
   has not stopped `cancel_grace_s` later, the child process exits (hard kill) and the master replaces it;
 - soft time limit -> failed with a timeout message; hard limit (child killed) -> on_failure in the master;
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import redis
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
@@ -216,23 +219,39 @@ class _Throttled:
                                  progress=round(min(max(fraction, 0.0), 1.0), 4), detail=detail)
 
 
+# What the lease thread rides out: Redis unreachable for a while (a restart, a Sentinel failover). Anything
+# else it meets (a bug, an answer it cannot read) means it can no longer keep the lease: it stops the stage.
+REDIS_OUTAGES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class LeaseWatchBroken(RuntimeError):
+    """The stage's lease thread failed: the stage stops rather than run on without renewing its lease (the
+    reaper would start the same stage again elsewhere)."""
+
+
 class CancelWatch:
     """In a thread: polls the job's cancel flag and renews the run's leases (its track's and its adopted
-    tracks'); hard-kills this process if the work ignores a cancel. A renewal that finds the lease gone or
+    tracks'); hard-kills this process if the work ignores a stop. A renewal that finds the lease gone or
     another's means the track was taken from this stage (it was thought dead): `lost` is set, and the stage
-    stops without writing the track, which is no longer its."""
+    stops without writing the track, which is no longer its. Redis outages are ridden out for as long as the
+    lease lasts; once the lease has gone unrenewed for its whole length the track is as good as taken, and
+    `lost` is set too. Any other error in the thread sets `broken` (and `canceled`): the work stops at its
+    next cancel check and the stage fails with LeaseWatchBroken (`raise_if_broken`)."""
 
     def __init__(self, svc: Services, job_id: str, track: int, grace_s: float, adopted: list[int] | None = None,
-                 lease_owner: str = ""):
+                 lease_owner: str = "", stage: str = ""):
         self.svc, self.job_id, self.track, self.grace_s = svc, job_id, track, grace_s
         self.adopted = adopted if adopted is not None else []  # filled by the run as it adopts tracks
-        self.lease_owner = lease_owner
+        self.lease_owner, self.stage = lease_owner, stage
         self.canceled = threading.Event()
         self.lost = threading.Event()
+        self.broken: Exception | None = None
+        self.renewed_at = time.monotonic()  # the last renewal that went through (the lease was taken just now)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"cancel-watch-{job_id[:8]}", daemon=True)
 
     def __enter__(self) -> "CancelWatch":
+        self.renewed_at = time.monotonic()
         self._thread.start()
         return self
 
@@ -240,38 +259,74 @@ class CancelWatch:
         self._done.set()
         self._thread.join(timeout=2)
 
+    def raise_if_broken(self) -> None:
+        """LeaseWatchBroken when the thread failed: whatever the work did, it did without a renewed lease."""
+        if self.broken is not None:
+            raise LeaseWatchBroken(self.failure()) from self.broken
+
+    def failure(self) -> str:
+        return (f"the stage's lease thread failed ({type(self.broken).__name__}: {self.broken}); "
+                "the stage was stopped rather than run on without renewing its lease")
+
     def _renew(self) -> bool:
         lease_s = self.svc.settings.lease_s
         return all(self.svc.jobs.renew_lease(self.job_id, track, self.lease_owner, lease_s)
                    for track in [self.track, *self.adopted])
 
     def _watch(self) -> None:
-        renew_every = self.svc.settings.lease_s / 3
-        renewed = time.monotonic()
-        while not self._done.wait(CANCEL_POLL_S):
-            try:
-                if self.lease_owner and time.monotonic() - renewed >= renew_every:
-                    if not self._renew():
-                        self.lost.set()
-                        job_event(log, "lease_lost", self.job_id, track=self.track, level=logging.ERROR,
-                                  owner=self.lease_owner)
-                        break
-                    renewed = time.monotonic()
-                if self.svc.jobs.cancel_requested(self.job_id):
-                    break
-            except Exception:  # Redis blip: keep watching (an unrenewed lease is the reaper's to judge)
-                continue
-        else:
+        try:
+            must_stop = self._poll()
+        except Exception as exc:  # noqa: BLE001 - not an outage: the lease cannot be kept, stop the stage
+            self.broken = exc
+            log.exception("lease thread of job %s track %s failed", self.job_id, self.track)
+            job_event(log, "lease_watch_broken", self.job_id, track=self.track, level=logging.ERROR,
+                      owner=self.lease_owner, error=repr(exc))
+            must_stop = True
+        if not must_stop:
             return
         self.canceled.set()
         if self._done.wait(self.grace_s):
             return
+        self._hard_kill()
+
+    def _poll(self) -> bool:
+        """Renew and watch until the run ends (False) or the stage must stop (True): a cancel, a lost lease."""
+        lease_s = self.svc.settings.lease_s
+        while not self._done.wait(CANCEL_POLL_S):
+            try:
+                if self.lease_owner and time.monotonic() - self.renewed_at >= lease_s / 3:
+                    if not self._renew():
+                        self._lose("lease_lost")
+                        return True
+                    self.renewed_at = time.monotonic()
+                if self.svc.jobs.cancel_requested(self.job_id):
+                    return True
+            except REDIS_OUTAGES as exc:
+                if self.lease_owner and time.monotonic() - self.renewed_at >= lease_s:
+                    self._lose("lease_expired_unrenewed", error=repr(exc))
+                    return True
+        return False
+
+    def _lose(self, event: str, **fields: Any) -> None:
+        self.lost.set()
+        job_event(log, event, self.job_id, track=self.track, level=logging.ERROR, owner=self.lease_owner, **fields)
+
+    def _hard_kill(self) -> None:
+        """The work ignored the stop for `grace_s`: end this process (the prefork master replaces it) after
+        writing what the redelivered message must find: canceled, or failed when the thread broke."""
         job_event(log, "cancel_hard_kill", self.job_id, track=self.track, level=logging.ERROR, pid=os.getpid())
         drop_scratch(self.svc, self.job_id, self.track)
-        if not self.lost.is_set():
-            for track in [self.track, *self.adopted]:
-                self.svc.jobs.cancel(self.job_id, track, "canceled (stage stopped by force)", owner=self.lease_owner)
-        os._exit(75)  # the prefork master replaces this child; the redelivered message sees 'canceled'
+        try:
+            if self.broken is not None:
+                self.svc.jobs.fail(self.job_id, self.track, self.failure(), owner=self.lease_owner)
+                release_adopted(self.svc, self.job_id, self.adopted, self.stage, self.lease_owner)
+            elif not self.lost.is_set():
+                for track in [self.track, *self.adopted]:
+                    self.svc.jobs.cancel(self.job_id, track, "canceled (stage stopped by force)",
+                                         owner=self.lease_owner)
+        except Exception:  # noqa: BLE001 - said, then the exit all the same: the lease is not renewed
+            log.exception("job %s track %s: could not record the forced stop", self.job_id, self.track)
+        os._exit(75)  # the prefork master replaces this child; the redelivered message finds the track ended
 
 
 class StageTask(Task):
@@ -326,7 +381,8 @@ class StageTask(Task):
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"encore-{job_id[:8]}-{self.stage.name}-"))
         succeeded = False
-        watch = CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s, [], lease_owner=owner)
+        watch = CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s, [], lease_owner=owner,
+                            stage=self.stage.name)
         try:
             with watch:
                 control = StageControl(report=_Throttled(svc, job_id, track, owner),
@@ -334,7 +390,7 @@ class StageTask(Task):
                 run = StageRun(svc, job_id, track, self.stage, job["params"], record["params"], workdir, control,
                                kind=self.kind, queue=record["queue"], worker=worker, adopted=watch.adopted,
                                lease_owner=owner)
-                self._work(run)
+                self._work_watched(run, watch)
             succeeded = True
         except Canceled:
             if watch.lost.is_set():  # taken from this stage: the track is someone else's now
@@ -361,6 +417,15 @@ class StageTask(Task):
 
     def _work(self, run: StageRun) -> None:
         type(self).work(run)
+
+    def _work_watched(self, run: StageRun, watch: CancelWatch) -> None:
+        """The work, failing with LeaseWatchBroken (never finishing) when its lease thread broke meanwhile."""
+        try:
+            self._work(run)
+        except Canceled:
+            watch.raise_if_broken()  # the stop came from the broken thread, not from a cancel
+            raise
+        watch.raise_if_broken()
 
     def _stale(self, job_id: str, track: int, worker: str, reason: str) -> None:
         job_event(log, "stale_delivery", job_id, track=track, worker=worker, level=logging.WARNING,

@@ -36,10 +36,10 @@ import cv2
 import numpy as np
 import torch
 
-from app.core.config import LIPSYNC_PATHS
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync.faces import Box, crop_box
 from app.pipeline.lipsync.frames import FrameSequence, FrameSink, shows_a_frame_twice, source_frame
+from app.pipeline.lipsync.options import LIPSYNC_PATHS
 from app.pipeline.lipsync.musetalk import (UNET_TIMESTEP, WHISPER_FEATURE_RATE, WHISPER_SAMPLE_RATE, WHISPER_WINDOW_S,
                        MuseTalkModels)
 

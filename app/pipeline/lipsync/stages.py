@@ -12,13 +12,14 @@ import wave
 from pathlib import Path
 from typing import Any
 
-from app.core.config import LIPSYNC_MASKS
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync import faces, inference, musetalk
 from app.pipeline.lipsync.frames import output_frame_count, shows_a_frame_twice
+from app.pipeline.lipsync.options import LIPSYNC_MASKS
 from app.pipeline.lipsync.source_cache import SourceCache, entry_key, file_digest
 from app.pipeline.media.decode import FrameCache, decode_frames, extract_audio
 from app.pipeline.media.encode import VideoWriter
+from app.pipeline.media.ffmpeg import ON_PATH, MediaTools
 from app.pipeline.media.mux import mux
 from app.pipeline.media.probe import probe
 from app.pipeline.profiles import LipsyncProfile
@@ -68,19 +69,20 @@ class LipsyncModels:
 
 
 def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: StageControl,
-                timeout_s: float, *, cache: SourceCache | None = None, face_threads: int = 1) -> dict[str, Any]:
+                timeout_s: float, *, cache: SourceCache | None = None, face_threads: int = 1,
+                tools: MediaTools = ON_PATH) -> dict[str, Any]:
     """16 kHz mono audio for whisper, every source frame decoded once, one face per frame (landmarks and
     MuseTalk's box, faces.find_faces, on `face_threads` threads; from the source cache when this video was
     seen before), and the plan: the exact audio duration (from the decoded samples: container durations of
     MP3 run long) and hence the output frame count floor(audio s x fps)."""
     control.check()
-    extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s)
+    extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s, tools=tools)
     with wave.open(str(scratch / AUDIO_16K)) as decoded:
         audio_seconds = decoded.getnframes() / decoded.getframerate()
     plan = {"audio_duration_s": audio_seconds, "fps": fps, "output_frames": output_frame_count(audio_seconds, fps),
             "video_sha256": file_digest(video)}
     (scratch / PLAN).write_text(json.dumps(plan))
-    frames = decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"))
+    frames = decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"), tools=tools)
     key = entry_key("faces", video=plan["video_sha256"], frames=len(frames), version=faces.FACE_PIPELINE_VERSION,
                     landmarks=faces.landmarks_available())
     cached = cache.read_json(key) if cache is not None else None
@@ -114,7 +116,7 @@ def _open_frames(scratch: Path) -> FrameCache:
 
 def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Path, control: StageControl,
                       loaded: list[str] | None = None, mask: str = "jaw", *, path: str = "device",
-                      cache: SourceCache | None = None) -> dict[str, Any]:
+                      cache: SourceCache | None = None, tools: MediaTools = ON_PATH) -> dict[str, Any]:
     """MuseTalk over floor(audio s x fps) frames into a picture-only MP4 at the output fps. The source is
     resampled from its own fps (frames.json, as decoded) to the output's, and cycled ping-pong when the audio
     is longer; the audio windows follow the output fps. Blended through the `mask` mode ("jaw" needs
@@ -136,7 +138,7 @@ def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Pa
                     margin=int(params["extra_margin"]), crop=engine.crop_size, vae=musetalk.vae_identity(profile),
                     dtype=musetalk.precision_name(engine.dtype), path=path)
     with _open_frames(scratch) as frames, VideoWriter(scratch / PICTURE, width=frames.width,
-                                                     height=frames.height, fps=params["fps"]) as writer:
+                                                     height=frames.height, fps=params["fps"], tools=tools) as writer:
         keep = (cache is not None or shows_a_frame_twice(frames_out, len(frames), frames.fps, params["fps"])) \
             and len(frames) <= inference.MAX_KEPT_SOURCE_FRAMES
         kept = cache.read_latents(key) if cache is not None and keep else {}
@@ -160,12 +162,12 @@ def _plan(scratch: Path) -> dict[str, Any]:
 
 
 def run_mux(scratch: Path, driving_audio: Path, out: Path, control: StageControl,
-            timeout_s: float) -> dict[str, Any]:
+            timeout_s: float, *, tools: MediaTools = ON_PATH) -> dict[str, Any]:
     """Picture from the lip-sync output, sound only from the driving audio."""
     plan = _plan(scratch)
     control.step(0, 1, "files")
     mux(scratch / PICTURE, driving_audio, out, audio_duration_s=plan["audio_duration_s"],
-        picture_duration_s=plan["output_frames"] / plan["fps"], timeout_s=timeout_s)
+        picture_duration_s=plan["output_frames"] / plan["fps"], timeout_s=timeout_s, tools=tools)
     control.step(1, 1, "files")
-    info = probe(out)
+    info = probe(out, tools=tools)
     return {"duration_s": info.duration_s, "frames": info.frame_count}

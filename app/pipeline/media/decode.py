@@ -14,8 +14,8 @@ from typing import Optional
 import numpy as np
 
 from app.pipeline.control import StageControl
-from app.pipeline.media.ffmpeg import (BASE_ARGS, MediaError, PathLike, Watchdog, exit_message, ffmpeg_binary, kill,
-                                       popen, read_tail, run_to_file)
+from app.pipeline.media.ffmpeg import (BASE_ARGS, ON_PATH, MediaError, MediaTools, PathLike, Watchdog, exit_message,
+                                       kill, popen, read_tail, run_to_file)
 from app.pipeline.media.probe import probe
 
 EXTRACT_TIMEOUT_S = 300.0
@@ -23,15 +23,15 @@ DECODE_TIMEOUT_S = 3600.0
 
 
 def extract_audio(src: PathLike, dst_wav: PathLike, sample_rate: int = 16000, *,
-                  timeout_s: float = EXTRACT_TIMEOUT_S) -> Path:
+                  timeout_s: float = EXTRACT_TIMEOUT_S, tools: MediaTools = ON_PATH) -> Path:
     """Mono 16-bit PCM WAV at `sample_rate` (16 kHz: what whisper's feature extractor expects) from the
     first audio stream of any container/codec. Written atomically."""
     src, dst = Path(src), Path(dst_wav)
-    if not probe(src).has_audio:
+    if not probe(src, tools=tools).has_audio:
         raise MediaError(f"{src.name} has no audio stream")
     return run_to_file(["-i", str(src), "-map", "0:a:0", "-vn", "-ac", "1", "-ar", str(sample_rate),
                         "-c:a", "pcm_s16le", "-f", "wav"], dst, timeout_s=timeout_s,
-                       what=f"extracting audio of {src}")
+                       what=f"extracting audio of {src}", tools=tools)
 
 
 class FrameCache:
@@ -77,17 +77,17 @@ class FrameCache:
 
 
 def decode_frames(video: PathLike, cache_path: PathLike, *, control: Optional[StageControl] = None,
-                  timeout_s: float = DECODE_TIMEOUT_S) -> FrameCache:
+                  timeout_s: float = DECODE_TIMEOUT_S, tools: MediaTools = ON_PATH) -> FrameCache:
     """Decode every frame once (ffmpeg → rgb24 pipe, rotation applied by ffmpeg's autorotate) into
     `cache_path`. Frames are passed through as decoded (no fps conversion: no duplicates, no drops).
     Canceled/timeouts kill ffmpeg and remove the cache file."""
     video, cache = Path(video), Path(cache_path)
-    info = probe(video)
+    info = probe(video, tools=tools)
     if not info.has_video or info.width <= 0 or info.height <= 0:
         raise MediaError(f"{video.name} has no video stream")
     frame_bytes = info.width * info.height * 3
     cache.parent.mkdir(parents=True, exist_ok=True)
-    argv = [ffmpeg_binary(), *BASE_ARGS, "-i", str(video), "-map", "0:v:0", "-an", "-sn", "-dn",
+    argv = [tools.ffmpeg, *BASE_ARGS, "-i", str(video), "-map", "0:v:0", "-an", "-sn", "-dn",
             "-fps_mode", "passthrough", "-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"]
     with tempfile.TemporaryFile() as errors:
         proc = popen(argv, f"decoding {video.name}", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -12,34 +12,33 @@ from typing import IO, Optional
 
 import numpy as np
 
-from app.pipeline.media.ffmpeg import (BASE_ARGS, FpsLike, MediaError, PathLike, Watchdog, ffmpeg_binary, kill,
+from app.pipeline.media.ffmpeg import (BASE_ARGS, ON_PATH, FpsLike, MediaError, MediaTools, PathLike, Watchdog, kill,
                                        popen, rate_arg, read_tail, run, temp_sibling)
 
 WRITER_STALL_TIMEOUT_S = 120.0   # one frame write may block this long before ffmpeg is presumed hung
 WRITER_FINISH_TIMEOUT_S = 600.0  # flushing + moov rewrite (+faststart) after the last frame
 AAC_BITRATE = "192k"  # the sound of every MP4 written here (the final mux, the demo's clips)
 
-_encoder_choice: Optional[str] = None
+_encoder_choice: dict[str, str] = {}  # per ffmpeg binary
 _encoder_lock = threading.Lock()
 
 
-def pick_h264_encoder(*, refresh: bool = False) -> str:
+def pick_h264_encoder(*, refresh: bool = False, tools: MediaTools = ON_PATH) -> str:
     """"h264_nvenc" when a tiny test encode with it succeeds (driver + GPU present), else "libx264".
 
     Listing in `ffmpeg -encoders` is not enough: nvenc is compiled into this ffmpeg but fails without a
-    driver. The answer is cached for the process."""
-    global _encoder_choice
+    driver. The answer is cached for the process (for each ffmpeg binary)."""
     with _encoder_lock:
-        if _encoder_choice is None or refresh:
+        if tools.ffmpeg not in _encoder_choice or refresh:
             try:
                 # the exact settings the writer and the mux use, so a rejected option also means "no"
-                run([ffmpeg_binary(), *BASE_ARGS, "-f", "lavfi", "-i", "testsrc2=s=256x256:r=25",
+                run([tools.ffmpeg, *BASE_ARGS, "-f", "lavfi", "-i", "testsrc2=s=256x256:r=25",
                      "-frames:v", "3", *h264_args("h264_nvenc"), "-f", "null", "-"],
                     timeout_s=30, what="probing h264_nvenc")
-                _encoder_choice = "h264_nvenc"
+                _encoder_choice[tools.ffmpeg] = "h264_nvenc"
             except MediaError:
-                _encoder_choice = "libx264"
-        return _encoder_choice
+                _encoder_choice[tools.ffmpeg] = "libx264"
+        return _encoder_choice[tools.ffmpeg]
 
 
 def h264_args(encoder: str) -> list[str]:
@@ -63,13 +62,15 @@ class VideoWriter:
     Odd sizes are cropped by one pixel row/column (yuv420p needs even sizes)."""
 
     def __init__(self, path: PathLike, *, width: int, height: int, fps: FpsLike, encoder: Optional[str] = None,
-                 stall_timeout_s: float = WRITER_STALL_TIMEOUT_S, finish_timeout_s: float = WRITER_FINISH_TIMEOUT_S):
+                 stall_timeout_s: float = WRITER_STALL_TIMEOUT_S, finish_timeout_s: float = WRITER_FINISH_TIMEOUT_S,
+                 tools: MediaTools = ON_PATH):
         if width <= 1 or height <= 1:
             raise ValueError(f"bad frame size {width}x{height}")
         self.path = Path(path)
         self.width, self.height = width, height
         self.rate = rate_arg(fps)
-        self.encoder = encoder or pick_h264_encoder()
+        self.tools = tools
+        self.encoder = encoder or pick_h264_encoder(tools=tools)
         self.stall_timeout_s, self.finish_timeout_s = stall_timeout_s, finish_timeout_s
         self.frames_written = 0
         self._tmp = temp_sibling(self.path)
@@ -79,7 +80,7 @@ class VideoWriter:
 
     def _argv(self) -> list[str]:
         even = [] if self.width % 2 == 0 and self.height % 2 == 0 else ["-vf", "crop=trunc(iw/2)*2:trunc(ih/2)*2:0:0"]
-        return [ffmpeg_binary(), *BASE_ARGS, "-f", "rawvideo", "-pix_fmt", "rgb24",
+        return [self.tools.ffmpeg, *BASE_ARGS, "-f", "rawvideo", "-pix_fmt", "rgb24",
                 "-s", f"{self.width}x{self.height}", "-framerate", self.rate, "-i", "pipe:0", "-an", *even,
                 *h264_args(self.encoder),
                 "-fps_mode", "passthrough", "-movflags", "+faststart", "-f", "mp4", str(self._tmp)]

@@ -3,8 +3,9 @@
 Every external call runs with an argument list (no shell), a timeout after which the process is killed (with
 its whole session), and its return code checked; failures raise `MediaError` naming what was being done and
 the tool, with its last stderr lines, so a job record says *why* a file was refused instead of a bare
-"returned non-zero exit status 1". The binaries are the configured ones (ENCORE_FFMPEG / ENCORE_FFPROBE in
-app/core/config.py), looked up at each call so a test or the demo can set them first.
+"returned non-zero exit status 1". The binaries are an argument (`MediaTools`) of every call that runs one:
+the pipeline reads no settings; whoever runs it (the worker's stages, the web's upload probe, the demo) builds
+its MediaTools once from its own settings (ENCORE_FFMPEG / ENCORE_FFPROBE) and passes it in.
 """
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import IO, Any, Optional, Sequence, Union
-
-from app.core.config import load_settings
+from typing import IO, Any, Optional, Protocol, Sequence, Union
 
 PathLike = Union[str, os.PathLike]
 FpsLike = Union[float, int, str, Fraction]
@@ -26,14 +26,27 @@ STDERR_TAIL_LINES = 8
 BASE_ARGS = ["-nostdin", "-hide_banner", "-v", "error", "-y"]  # every ffmpeg call: quiet, never prompts
 
 
-def ffmpeg_binary() -> str:
-    """The configured ffmpeg (ENCORE_FFMPEG)."""
-    return load_settings().ffmpeg
+class NamesTheTools(Protocol):
+    """Whatever names the two binaries (app/config.Settings does: ENCORE_FFMPEG, ENCORE_FFPROBE)."""
+
+    ffmpeg: str
+    ffprobe: str
 
 
-def ffprobe_binary() -> str:
-    """The configured ffprobe (ENCORE_FFPROBE)."""
-    return load_settings().ffprobe
+@dataclass(frozen=True)
+class MediaTools:
+    """The ffmpeg and ffprobe binaries every media call runs (names looked up on PATH, or paths)."""
+
+    ffmpeg: str = "ffmpeg"
+    ffprobe: str = "ffprobe"
+
+    @classmethod
+    def of(cls, settings: NamesTheTools) -> "MediaTools":
+        """The tools a settings object names; build it once per process and pass it down."""
+        return cls(ffmpeg=settings.ffmpeg, ffprobe=settings.ffprobe)
+
+
+ON_PATH = MediaTools()  # the default of every call: the tools on PATH
 
 
 class MediaError(RuntimeError):
@@ -151,11 +164,12 @@ class Watchdog:
                 kill(self._proc)
 
 
-def run_to_file(args: Sequence[str], path: Path, *, timeout_s: float, what: str) -> Path:
+def run_to_file(args: Sequence[str], path: Path, *, timeout_s: float, what: str,
+                tools: MediaTools = ON_PATH) -> Path:
     """ffmpeg <args> <path> (format from the extension), written atomically: `path` appears only on success."""
     tmp = temp_sibling(path)
     try:
-        run([ffmpeg_binary(), *BASE_ARGS, *args, str(tmp)], timeout_s=timeout_s, what=what)
+        run([tools.ffmpeg, *BASE_ARGS, *args, str(tmp)], timeout_s=timeout_s, what=what)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -12,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional
 
-from app.pipeline.media.ffmpeg import MediaError, PathLike, ffprobe_binary, run
+from app.pipeline.media.ffmpeg import ON_PATH, MediaError, MediaTools, PathLike, run
 
 PROBE_TIMEOUT_S = 30.0
 
@@ -95,9 +95,9 @@ def _rotation(stream: dict) -> int:
     return int(round(angle or 0)) % 360
 
 
-def _count_frames(path: Path, timeout_s: float) -> Optional[int]:
+def _count_frames(path: Path, timeout_s: float, tools: MediaTools) -> Optional[int]:
     """Count video packets (no decoding) when the container does not store nb_frames (mkv, webm)."""
-    out = run([ffprobe_binary(), "-v", "error", "-select_streams", "v:0", "-count_packets",
+    out = run([tools.ffprobe, "-v", "error", "-select_streams", "v:0", "-count_packets",
                "-show_entries", "stream=nb_read_packets", "-of", "json", str(path)],
               timeout_s=timeout_s, what=f"counting frames of {path}")
     streams = json.loads(out or b"{}").get("streams") or []
@@ -105,13 +105,13 @@ def _count_frames(path: Path, timeout_s: float) -> Optional[int]:
         else None
 
 
-def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S) -> MediaInfo:
+def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaTools = ON_PATH) -> MediaInfo:
     """Describe a media file; MediaError("… cannot be read as media") for anything ffprobe cannot parse."""
     path = Path(path)
     if not path.is_file():
         raise MediaError(f"{path} does not exist")
     try:
-        out = run([ffprobe_binary(), "-v", "error", "-print_format", "json", "-show_format", "-show_streams",
+        out = run([tools.ffprobe, "-v", "error", "-print_format", "json", "-show_format", "-show_streams",
                    str(path)], timeout_s=timeout_s, what=f"probing {path}")
         data = json.loads(out or b"{}")
     except (MediaError, ValueError) as exc:
@@ -135,7 +135,7 @@ def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S) -> MediaInfo:
         fps = _ratio(video.get("avg_frame_rate"))
         frames = int(video["nb_frames"]) if str(video.get("nb_frames", "")).isdigit() else None
         if not frames:
-            frames = _count_frames(path, timeout_s)
+            frames = _count_frames(path, timeout_s, tools)
         if not frames and fps:
             frames = int(round((video_duration or duration) * fps))
         info.update(width=width, height=height, fps=fps, frame_count=frames or 0,

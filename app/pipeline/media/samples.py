@@ -12,22 +12,23 @@ from typing import Optional
 import numpy as np
 
 from app.pipeline.media.encode import AAC_BITRATE, h264_args
-from app.pipeline.media.ffmpeg import FpsLike, MediaError, PathLike, rate_arg, run, run_to_file
+from app.pipeline.media.ffmpeg import ON_PATH, FpsLike, MediaError, MediaTools, PathLike, rate_arg, run, run_to_file
 
 ESPEAK = "espeak-ng"
 HELPER_TIMEOUT_S = 120.0
 
 
 def make_test_tone(path: PathLike, seconds: float, freq: float, sample_rate: int = 44100, *,
-                   amplitude: float = 0.5, timeout_s: float = HELPER_TIMEOUT_S) -> Path:
+                   amplitude: float = 0.5, timeout_s: float = HELPER_TIMEOUT_S, tools: MediaTools = ON_PATH) -> Path:
     """A sine tone in whatever format the extension names (.wav, .mp3, .m4a ...)."""
     path = Path(path)
     source = f"aevalsrc={amplitude:g}*sin(2*PI*{freq:g}*t):s={sample_rate}:d={seconds:g}"
-    run_to_file(["-f", "lavfi", "-i", source], path, timeout_s=timeout_s, what=f"making tone {path.name}")
+    run_to_file(["-f", "lavfi", "-i", source], path, timeout_s=timeout_s, what=f"making tone {path.name}",
+                tools=tools)
     return path
 
 
-def make_speech(path: PathLike, text: str, *, timeout_s: float = HELPER_TIMEOUT_S) -> str:
+def make_speech(path: PathLike, text: str, *, timeout_s: float = HELPER_TIMEOUT_S, tools: MediaTools = ON_PATH) -> str:
     """Spoken `text` via espeak-ng; returns "espeak-ng", or "tone" when espeak-ng is missing/failed and a
     440 Hz tone of about the speech's length was written instead (callers/tests can tell which they got)."""
     path = Path(path)
@@ -41,16 +42,17 @@ def make_speech(path: PathLike, text: str, *, timeout_s: float = HELPER_TIMEOUT_
                     what="espeak-ng")
                 if raw.is_file() and raw.stat().st_size > 44:
                     run_to_file(["-i", str(raw)], path, timeout_s=timeout_s,
-                                what=f"converting speech to {path.name}")
+                                what=f"converting speech to {path.name}", tools=tools)
                     return "espeak-ng"
             except MediaError:
                 pass
-    make_test_tone(path, max(1.0, 0.075 * len(text)), 440.0, timeout_s=timeout_s)
+    make_test_tone(path, max(1.0, 0.075 * len(text)), 440.0, timeout_s=timeout_s, tools=tools)
     return "tone"
 
 
 def make_face_video(path: PathLike, image_rgb: np.ndarray, seconds: float, fps: FpsLike, *, motion: bool = True,
-                    audio: Optional[PathLike] = None, timeout_s: float = HELPER_TIMEOUT_S) -> Path:
+                    audio: Optional[PathLike] = None, timeout_s: float = HELPER_TIMEOUT_S,
+                    tools: MediaTools = ON_PATH) -> Path:
     """H.264 MP4 of a still RGB image (odd sizes cropped to even). motion=True: a slow pan across the image
     enlarged by 8%, so consecutive frames differ as in real footage; motion=False: every frame is the image.
     `audio` (any file) is muxed in as the clip's own sound track, cut to the clip's length."""
@@ -80,6 +82,6 @@ def make_face_video(path: PathLike, image_rgb: np.ndarray, seconds: float, fps: 
             inputs += ["-i", str(audio)]
             maps += ["-map", "1:a:0", "-c:a", "aac", "-b:a", AAC_BITRATE]
         args = [*inputs, *maps, "-vf", pan, *h264_args("libx264"), "-t", length, "-movflags", "+faststart"]
-        run_to_file(args, path, timeout_s=timeout_s, what=f"making face video {path.name}")
+        run_to_file(args, path, timeout_s=timeout_s, what=f"making face video {path.name}", tools=tools)
     return path
 

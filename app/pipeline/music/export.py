@@ -1,8 +1,8 @@
 """Writing a decoded song to disk: 16-bit stereo WAV, MP3 via pydub/ffmpeg, JSON metadata.
 
 Every writer goes through a temporary file in the target folder and renames it into place, so a failed or
-interrupted export never leaves a truncated or empty file under the final name. pydub runs the configured
-ffmpeg (ENCORE_FFMPEG), and its failures read like every other ffmpeg failure (app/pipeline/media/ffmpeg.py):
+interrupted export never leaves a truncated or empty file under the final name. pydub runs the ffmpeg of the
+`MediaTools` it is given (the worker's: ENCORE_FFMPEG), and its failures read like every other ffmpeg failure (app/pipeline/media/ffmpeg.py):
 what was being done, the tool, its exit code and the tail of its stderr.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ with warnings.catch_warnings():  # pydub imports audioop, deprecated since Pytho
     from pydub import AudioSegment
     from pydub.exceptions import CouldntDecodeError, CouldntEncodeError
 
-from app.pipeline.media.ffmpeg import MediaError, exit_message, ffmpeg_binary, not_found_message
+from app.pipeline.media.ffmpeg import ON_PATH, MediaError, MediaTools, exit_message, not_found_message
 from app.pipeline.media.probe import probe
 
 # ffprobe's duration of an MP3 may exceed the audio's by the encoder delay (LAME: 576 + 529 samples)
@@ -74,10 +74,10 @@ def write_wav(audio: torch.Tensor, path: str | os.PathLike, sample_rate: int) ->
     return Path(path)
 
 
-def probe_duration(path: str | os.PathLike) -> float:
-    """Duration in seconds as the configured ffprobe reports it; ExportError when it cannot read the file."""
+def probe_duration(path: str | os.PathLike, *, tools: MediaTools = ON_PATH) -> float:
+    """Duration in seconds as `tools`' ffprobe reports it; ExportError when it cannot read the file."""
     try:
-        return probe(path).duration_s
+        return probe(path, tools=tools).duration_s
     except MediaError as exc:
         raise ExportError(str(exc)) from exc
 
@@ -94,10 +94,11 @@ def _encode_failure(what: str, binary: str, error: CouldntEncodeError) -> str:
     return exit_message(what, binary, int(found.group(1)), found.group(2))
 
 
-def write_mp3(wav_path: str | os.PathLike, mp3_path: str | os.PathLike, bitrate: str = "320k") -> Path:
-    """Encode a WAV to MP3 with the configured ffmpeg (through pydub) and check the result is a playable MP3
-    of the WAV's duration. pydub leaves an empty file when ffmpeg fails; here failure always raises."""
-    ffmpeg = ffmpeg_binary()
+def write_mp3(wav_path: str | os.PathLike, mp3_path: str | os.PathLike, bitrate: str = "320k", *,
+              tools: MediaTools = ON_PATH) -> Path:
+    """Encode a WAV to MP3 with `tools`' ffmpeg (through pydub) and check the result is a playable MP3 of the
+    WAV's duration. pydub leaves an empty file when ffmpeg fails; here failure always raises."""
+    ffmpeg = tools.ffmpeg
     what = f"encoding {Path(wav_path).name} to MP3 at {bitrate}"
     if shutil.which(ffmpeg) is None:
         raise ExportError(not_found_message(what, ffmpeg))
@@ -116,7 +117,7 @@ def write_mp3(wav_path: str | os.PathLike, mp3_path: str | os.PathLike, bitrate:
             raise ExportError(f"{what}: {exc}") from exc
         if tmp.stat().st_size == 0:
             raise ExportError(f"{what}: ffmpeg wrote an empty MP3")
-        got = probe_duration(tmp)
+        got = probe_duration(tmp, tools=tools)
         slack = (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / song.frame_rate + 1e-3
         if not expected - 1e-3 <= got <= expected + slack:
             raise ExportError(f"MP3 of {wav_path} lasts {got:.3f} s, expected {expected:.3f} s")

@@ -15,6 +15,7 @@ import torch
 
 from app.pipeline.music import backbone, codec, export, megatron_backend, prompt, superres, torch_engine
 from app.pipeline.control import StageControl
+from app.pipeline.media.ffmpeg import ON_PATH, MediaTools
 from app.pipeline.music.engine import BatchedCausalLM
 from app.pipeline.music.positions import frames_room
 from app.pipeline.profiles import MusicProfile, TransformerSpec
@@ -174,10 +175,10 @@ def run_decode(models: MusicModels, fine_path: Path, wav_out: Path, control: Sta
 
 
 def run_export(wav_path: Path, mp3_out: Path, meta_out: Path, metadata: dict[str, Any],
-               control: StageControl) -> None:
-    """WAV → 320 kb/s MP3 plus a JSON metadata file."""
+               control: StageControl, *, tools: MediaTools = ON_PATH) -> None:
+    """WAV → 320 kb/s MP3 (with `tools`' ffmpeg) plus a JSON metadata file."""
     control.step(0, 2, "files")
-    export.write_mp3(wav_path, mp3_out, bitrate="320k")
+    export.write_mp3(wav_path, mp3_out, bitrate="320k", tools=tools)
     control.step(1, 2, "files")
     export.write_metadata(meta_out, metadata)
     control.step(2, 2, "files")
