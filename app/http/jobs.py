@@ -64,9 +64,9 @@ def get_job(job_id: str) -> ResponseReturnValue:
 @blueprint.get("/api/v1/jobs/<job_id>/events")
 @documented("The job's state and progress changes as server-sent events, until it ends",
             media=("text/event-stream",), headers=LAST_EVENT_ID,
-            responses={200: ("`retry:`, then per change `id:` + `data:` (the track's state, progress, detail and "
-                             "the job's `job_state`), a `: heartbeat` comment while nothing changes, and "
-                             "`event: end` when the job has ended", SSE_EVENT),
+            responses={200: (("`retry:`, then per change `id:` + `data:` (the track's state, progress, detail and "
+                              "the job's `job_state`), a `: heartbeat` comment while nothing changes, and "
+                              "`event: end` when the job has ended"), SSE_EVENT),
                        400: "Last-Event-ID is not an event id", 404: "unknown job"})
 def job_events_stream(job_id: str) -> ResponseReturnValue:
     """Every transition of the job's tracks as SSE; a reconnect with Last-Event-ID replays what it missed."""
@@ -150,7 +150,7 @@ def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str)
 
 def _with_eta(svc: Services, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records as clients see them, each with its `eta_s` (one read of their queues for all of them)."""
-    return [{**_public(record), "eta_s": eta} for record, eta in zip(records, job_etas(svc, records))]
+    return [{**_public(record), "eta_s": eta} for record, eta in zip(records, job_etas(svc, records), strict=True)]
 
 
 def _public(record: dict[str, Any]) -> dict[str, Any]:

@@ -248,8 +248,8 @@ def status() -> ResponseReturnValue:
 @blueprint.post("/generate")
 @documented("Khala: submit a 2-track song in the reference's format", json_body=KhalaGenerate,
             headers=IDEMPOTENCY_HEADER,
-            responses={200: ("accepted or queued (or, with an Idempotency-Key used before with this body, the "
-                             "job that request made)", KhalaAccepted),
+            responses={200: (("accepted or queued (or, with an Idempotency-Key used before with this body, the "
+                              "job that request made)"), KhalaAccepted),
                        400: "invalid field (named first in `error`)",
                        409: "the Idempotency-Key was used with a different body", 429: TOO_MANY})
 def generate() -> ResponseReturnValue:

@@ -69,7 +69,7 @@ def backbone_work(run: StageRun) -> None:
         raise
     for out in outs:
         run.keep(out.name, out)
-    for track, song in zip(tracks, info.pop("songs")):  # the song's actual length, known from here on
+    for track, song in zip(tracks, info.pop("songs"), strict=True):  # the song's actual length, known from here on
         run.note(track, song=song)
     for track in siblings:
         run.finish_sibling(track, started)

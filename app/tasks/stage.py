@@ -276,7 +276,7 @@ class CancelWatch:
     def _watch(self) -> None:
         try:
             must_stop = self._poll()
-        except Exception as exc:  # noqa: BLE001 - not an outage: the lease cannot be kept, stop the stage
+        except Exception as exc:
             self.broken = exc
             log.exception("lease thread of job %s track %s failed", self.job_id, self.track)
             job_event(log, "lease_watch_broken", self.job_id, track=self.track, level=logging.ERROR,
@@ -324,7 +324,7 @@ class CancelWatch:
                 for track in [self.track, *self.adopted]:
                     self.svc.jobs.cancel(self.job_id, track, "canceled (stage stopped by force)",
                                          owner=self.lease_owner)
-        except Exception:  # noqa: BLE001 - said, then the exit all the same: the lease is not renewed
+        except Exception:
             log.exception("job %s track %s: could not record the forced stop", self.job_id, self.track)
         os._exit(75)  # the prefork master replaces this child; the redelivered message finds the track ended
 
@@ -395,11 +395,11 @@ class StageTask(Task):
         except Canceled:
             if watch.lost.is_set():  # taken from this stage: the track is someone else's now
                 drop_scratch(svc, job_id, track)
-                raise Ignore()
+                raise Ignore() from None
             drop_scratch(svc, job_id, track)
             svc.jobs.cancel(job_id, track, f"canceled during {self.stage.name}", owner=owner)
             job_event(log, "canceled", job_id, track=track, queue=record["queue"], worker=worker, stage=self.stage.name)
-            raise Ignore()
+            raise Ignore() from None
         except SoftTimeLimitExceeded:
             soft, _ = svc.settings.time_limits.get(self.stage.name, (None, 0))
             self._fail(svc, job_id, track, worker, f"timed out: {self.stage.name} ran past its {soft:g} s limit", owner)

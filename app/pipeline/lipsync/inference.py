@@ -178,7 +178,7 @@ def device_crops(frames: torch.Tensor, regions: list[Box], size: int) -> torch.T
     device) resized on that device. Bicubic with antialiasing stands in for OpenCV's Lanczos (torch has no
     Lanczos); the parity test bounds what that changes."""
     crops = []
-    for frame, (x1, y1, x2, y2) in zip(frames, regions):
+    for frame, (x1, y1, x2, y2) in zip(frames, regions, strict=True):
         pixels = frame[y1:y2, x1:x2].permute(2, 0, 1)[None].float()
         crops.append(torch.nn.functional.interpolate(pixels, size=(size, size), mode="bicubic", antialias=True,
                                                      align_corners=False))
@@ -232,7 +232,7 @@ class SourceLatents:
                 todo.setdefault(source, position)
         if todo:
             self.encoded += len(todo)
-            self.kept.update(zip(todo, encode_pixels(self.models, pixels_of(list(todo.values())))))
+            self.kept.update(zip(todo, encode_pixels(self.models, pixels_of(list(todo.values()))), strict=True))
         return torch.stack([self.kept[s] for s in sources])
 
     def __call__(self, sources: list[int], originals: list[np.ndarray], regions: list[Box]) -> torch.Tensor:
@@ -365,7 +365,7 @@ def blend_on_device(frames: torch.Tensor, faces: torch.Tensor, regions: list[Box
                     masks: list[np.ndarray]) -> torch.Tensor:
     """`blend_mouth` as tensor ops on the frames' device, in place: frames uint8 [B, H, W, 3], re-drawn
     crops uint8 [B, 3, s, s] (on that device), each pasted into its region under its mask [h, w, 1]."""
-    for frame, face, (x1, y1, x2, y2), mask in zip(frames, faces, regions, masks):
+    for frame, face, (x1, y1, x2, y2), mask in zip(frames, faces, regions, masks, strict=True):
         height, width = y2 - y1, x2 - x1
         resized = torch.nn.functional.interpolate(face[None].float(), size=(height, width), mode="bilinear",
                                                   align_corners=False)[0].permute(1, 2, 0)
@@ -412,7 +412,7 @@ class FrameWriter:
             try:
                 for frame in finish():
                     self.sink(frame)
-            except BaseException as error:  # handed to the caller's thread
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, raised there
                 self._error = error
 
     def _raise_error(self) -> None:
@@ -446,7 +446,7 @@ def read_ahead(items: Iterator, depth: int = 2) -> Iterator:
                 if stop.is_set():
                     return
             ready.put((done, None))
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer's thread, raised there
             ready.put((done, error))
 
     thread = threading.Thread(target=produce, name="lipsync-read", daemon=True)
@@ -488,9 +488,9 @@ def _batches(frames: FrameSequence, boxes: list[Box], landmarks: list[np.ndarray
         stop = min(start + batch_size, num_frames)
         sources = [source_frame(i, len(frames), source_fps, fps) for i in range(start, stop)]
         originals = [np.asarray(frames[s]) for s in sources]
-        regions = [crop_box(boxes[s], frame.shape, extra_margin) for s, frame in zip(sources, originals)]
+        regions = [crop_box(boxes[s], frame.shape, extra_margin) for s, frame in zip(sources, originals, strict=True)]
         batch_masks = []
-        for source, region in zip(sources, regions):
+        for source, region in zip(sources, regions, strict=True):
             mask = masks.get(source)
             if mask is None:
                 height, width = region[3] - region[1], region[2] - region[0]
@@ -518,7 +518,7 @@ def _copy_back(frames: torch.Tensor) -> Callable[[], Iterable[np.ndarray]]:
 
 def _blend_reference(batch: _Batch, faces: np.ndarray) -> Callable[[], Iterable[np.ndarray]]:
     return lambda: (blend_mouth(frame, face, region, mask)
-                    for frame, face, region, mask in zip(batch.originals, faces, batch.regions, batch.masks))
+                    for frame, face, region, mask in zip(batch.originals, faces, batch.regions, batch.masks, strict=True))
 
 
 @torch.inference_mode()

@@ -122,7 +122,7 @@ class SourceCache:
         if data is None:
             return {}
         saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        return dict(zip(saved["indices"].tolist(), saved["latents"].unbind(0)))
+        return dict(zip(saved["indices"].tolist(), saved["latents"].unbind(0), strict=True))
 
     def write_latents(self, key: str, latents: dict[int, torch.Tensor]) -> bool:
         indices = sorted(latents)

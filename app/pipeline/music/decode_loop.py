@@ -199,7 +199,7 @@ class DeviceDecoder:
         with torch.cuda.stream(stream):
             self.frame_step(may_end)
         torch.cuda.current_stream().wait_stream(stream)
-        for tensor, value in zip(state, saved):
+        for tensor, value in zip(state, saved, strict=True):
             tensor.copy_(value)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # records the kernels without running them

@@ -107,7 +107,7 @@ def run_backbone_tracks(models: MusicModels, params: dict[str, Any], seeds: list
         lm, prompt_ids, profile=profile, num_frames=length.expected_frames, temperature=params["temperature"],
         top_k=params["top_k"], seeds=seeds, control=control, end_id=end_id, max_frames=length.max_frames,
         min_frames=length.min_frames)
-    for coarse, out in zip(tracks, outs):
+    for coarse, out in zip(tracks, outs, strict=True):
         _save_codes(coarse, out)
     seconds = time.monotonic() - started
     tokens = sum(2 * int(coarse.shape[1]) for coarse in tracks)
