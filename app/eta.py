@@ -2,32 +2,40 @@
 
 A track's `cost` is its size in the unit its work grows with: song seconds for music, audio seconds for
 lip-sync. Every stage that finishes teaches its queue (one GPU card) how many wall seconds that stage takes per
-cost unit: an exponentially weighted mean per (queue, kind, stage), kept in the `{p}:throughput` hash, so a
-slow card is known to be slow. A batched stage (one pass for several tracks of a song) is learned per track
-served, so the sum of the tracks' estimates is the batch's time.
+cost unit: an exponentially weighted mean per (queue, kind, stage) with weight ENCORE_ETA_ALPHA, kept in the
+`{p}:throughput` hash, so a slow card is known to be slow. A batched stage (one pass for several tracks of a
+song) is learned per track served, so the sum of the tracks' estimates is the batch's time. The same mean is
+what /metrics shows as `encore_stage_seconds_per_unit` (app/metrics.py): there is one average.
 
-From those rates and the open tracks on each queue (one Lua round trip) come:
-- a track's remaining seconds: its current stage's estimate less what already ran, plus its later stages;
-- a queue's schedule: its tracks in the order the worker takes them (running and started tracks first, then
-  queued ones in queue order), each with the seconds until it is done;
-- a job's `eta_s` (its last track's finish on that schedule) and the seconds a queue has outstanding, which
-  routing compares instead of song seconds.
+The work outstanding on each queue is not counted per read: the transitions keep it in the backlog index
+(app/backlog.py), cost units per class ("every stage of kind from index on") and per group (running, waiting,
+queued by priority), with the sums ahead of each track. One round trip reads the rates, those sums and the
+few running tracks, and from them come:
+- a track's finish: the seconds of every track the worker takes before it and of itself, the queue's order
+  being running and started tracks first, then queued ones by priority, each group in submission order;
+- a running track's remaining seconds: its stage's estimate less what already ran (or, past the estimate,
+  what its progress leaves of it), plus its later stages. Only the first EXACT_RUNNING running tracks of a
+  queue (a worker runs one batch at a time) are read for their elapsed time; any further one (left by a dead
+  worker until the reaper restarts it) counts its whole stage;
+- a job's `eta_s` (its last track's finish) and the seconds a queue has outstanding, which routing compares
+  instead of song seconds.
 A stage no queue has learned yet counts its share of the cost (so with nothing learned a track's estimate is
 its cost, the old load); a queue that has not learned a stage another queue has borrows the fleet's mean.
+Reads cost the same whatever the number of jobs (the job's own tracks, a Fenwick lookup each: O(log seq)).
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from app.backlog import GROUP_ORDER, BacklogRead, Position, RunningRow, parse
 from app.kinds import KINDS
-from app.lifecycle import RUNNING, TERMINAL, WAITING, member
+from app.lifecycle import RUNNING, TERMINAL
 from app.services import Services
 
-DEFAULT_ALPHA = 0.3
+EXACT_RUNNING = 8  # running tracks per queue whose elapsed time an estimate reads (at least ENCORE_BATCH_TRACKS)
 
 _LEARN = r"""
 -- KEYS[1]: the throughput hash. ARGV: field, seconds per cost unit, weight of the new sample, cold (1: the
@@ -41,31 +49,6 @@ if old and not was_cold then new = alpha * sample + (1 - alpha) * old end
 redis.call('HSET', KEYS[1], ARGV[1], string.format('%.17g', new), ARGV[1] .. '|cold', cold and '1' or '0')
 redis.call('HINCRBY', KEYS[1], ARGV[1] .. '|n', 1)
 return tostring(new)
-"""
-
-_READ = r"""
--- ARGV: prefix, queues (comma-separated). The learned rates, and per queue its open tracks with what an
--- estimate needs: member, kind, status, order (queued: its queue position's score; else its seq), cost,
--- progress, stages (the raw JSON), in one round trip.
-local P = ARGV[1]
-local out = {rates = redis.call('HGETALL', P .. ':throughput'), queues = {}}
-for q in string.gmatch(ARGV[2], '[^,]+') do
-  local rows = {}
-  for _, m in ipairs(redis.call('ZRANGE', P .. ':queue:' .. q .. ':load', 0, -1)) do
-    local cut = string.find(m, ':[^:]*$')
-    local job_id, track = string.sub(m, 1, cut - 1), string.sub(m, cut + 1)
-    local h = redis.call('HMGET', P .. ':job:' .. job_id .. ':track:' .. track, 'status', 'seq', 'cost', 'progress',
-                         'stages')
-    local kind = redis.call('HGET', P .. ':job:' .. job_id, 'kind')
-    if h[1] and kind then
-      local order = h[2] or '0'
-      if h[1] == 'queued' then order = redis.call('ZSCORE', P .. ':queue:' .. q .. ':waiting', m) or order end
-      rows[#rows + 1] = {m, kind, h[1], tostring(order), h[3] or '0', h[4] or '0', h[5] or '{}'}
-    end
-  end
-  out.queues[#out.queues + 1] = {q, rows}
-end
-return cjson.encode(out)
 """
 
 
@@ -102,33 +85,23 @@ def _parse_rates(raw: dict[str, str] | list[str]) -> dict[tuple[str, str, str], 
     return rates
 
 
-@dataclass(frozen=True)
-class OpenTrack:
-    """One open track on a queue, as an estimate needs it."""
-
-    member: str
-    kind: str
-    status: str
-    order: float
-    cost: float
-    progress: float
-    stages: dict[str, Any]
-
-    @property
-    def rank(self) -> tuple[int, float]:
-        """Where the worker takes it: the running stage, then started tracks, then queued ones in queue order."""
-        group = {RUNNING: 0, WAITING: 1}.get(self.status.partition(":")[0], 2)
-        return group, self.order
+def running_heads(svc: Services) -> int:
+    """How many running tracks per queue an estimate reads for their elapsed time: a worker runs one batch."""
+    return max(EXACT_RUNNING, svc.settings.batch_tracks)
 
 
 @dataclass
 class Estimator:
-    """Seconds estimates over one consistent read of the rates and the queues' open tracks."""
+    """Seconds estimates over one consistent read of the rates and the queues' backlog index."""
 
     rates: dict[tuple[str, str, str], float]
-    queues: dict[str, list[OpenTrack]]
+    backlog: BacklogRead
     now: float = field(default_factory=time.time)
-    _schedules: dict[str, dict[str, float]] = field(default_factory=dict)
+    _from: dict[tuple[str, str, int], float] = field(default_factory=dict)
+
+    @classmethod
+    def from_read(cls, read: BacklogRead) -> "Estimator":
+        return cls(_parse_rates(read.rates), read)
 
     def per_unit(self, queue: str, kind: str, stage: str) -> float:
         """Seconds per cost unit of `stage` on `queue`: learned there, else the fleet's mean, else its share."""
@@ -143,85 +116,127 @@ class Estimator:
 
     def new_track_seconds(self, queue: str, kind: str, cost: float) -> float:
         """What a new track of `kind` and `cost` would take on `queue`, all stages."""
-        return sum(self.stage_seconds(queue, kind, stage.name, cost) for stage in KINDS[kind].stages)
+        return self.seconds_from(queue, kind, 0) * cost
 
-    def remaining_seconds(self, queue: str, track: OpenTrack) -> float:
-        """The work a track has left on `queue`: its running stage's estimate less what ran, then the rest."""
-        if track.status in TERMINAL:
+    def seconds_from(self, queue: str, kind: str, index: int) -> float:
+        """Seconds per cost unit of every stage of `kind` from `index` on, on `queue`."""
+        key = (queue, kind, index)
+        if key not in self._from:
+            self._from[key] = sum(self.per_unit(queue, kind, stage.name) for stage in KINDS[kind].stages[index:])
+        return self._from[key]
+
+    def units_seconds(self, queue: str, units: dict[str, int]) -> float:
+        """The seconds of `units` ({class "kind:index": thousandths of a cost unit}) on `queue`."""
+        total = 0.0
+        for cls, milli in units.items():
+            kind, _, index = cls.rpartition(":")
+            if kind in KINDS and milli:
+                total += self.seconds_from(queue, kind, int(index)) * milli / 1000
+        return total
+
+    def correction(self, queue: str, row: RunningRow) -> float:
+        """What a running track's elapsed time (or progress) takes off the whole estimate of its stage (<= 0)."""
+        state, _, stage = row.status.partition(":")
+        if state != RUNNING or row.kind not in KINDS or stage not in {s.name for s in KINDS[row.kind].stages}:
             return 0.0
-        names = [stage.name for stage in KINDS[track.kind].stages]
-        state, _, stage = track.status.partition(":")
-        start = names.index(stage) if stage in names else _first_unfinished(names, track.stages)
-        left = sum(self.stage_seconds(queue, track.kind, name, track.cost) for name in names[start:])
-        if state == RUNNING:
-            current = self.stage_seconds(queue, track.kind, stage, track.cost)
-            left += self._still_running(current, track, stage) - current
-        return max(left, 0.0)
+        estimate = self.stage_seconds(queue, row.kind, stage, row.cost)
+        return self._still_running(estimate, row, stage) - estimate
 
-    def _still_running(self, estimate: float, track: OpenTrack, stage: str) -> float:
+    def _still_running(self, estimate: float, row: RunningRow, stage: str) -> float:
         """What the running stage has left: its estimate less the time it ran, or, when it overran, what its
         progress leaves of the estimate."""
-        began = (track.stages.get(stage) or {}).get("started_at")
+        began = (row.stages.get(stage) or {}).get("started_at")
         elapsed = max(0.0, self.now - float(began)) if began else 0.0
-        progress = min(max(track.progress, 0.0), 1.0)
+        progress = min(max(row.progress, 0.0), 1.0)
         return max(estimate - elapsed, estimate * (1.0 - progress))
 
-    def schedule(self, queue: str) -> dict[str, float]:
-        """{member: seconds until that track is done} for the queue's open tracks, in the worker's order."""
-        if queue not in self._schedules:
-            finish, clock = {}, 0.0
-            for track in sorted(self.queues.get(queue, []), key=lambda t: t.rank):
-                clock += self.remaining_seconds(queue, track)
-                finish[track.member] = clock
-            self._schedules[queue] = finish
-        return self._schedules[queue]
+    def _heads(self, queue: str) -> list[RunningRow]:
+        held = self.backlog.queues.get(queue)
+        return held.running if held else []
 
     def queue_seconds(self, queue: str) -> float:
         """The seconds of work outstanding on `queue` (what routing compares)."""
-        finishes = self.schedule(queue).values()
-        return max(finishes) if finishes else 0.0
+        held = self.backlog.queues.get(queue)
+        if held is None:
+            return 0.0
+        units: dict[str, int] = {}
+        for (_, cls), milli in held.sums.items():
+            units[cls] = units.get(cls, 0) + milli
+        total = self.units_seconds(queue, units) + sum(self.correction(queue, row) for row in held.running)
+        return max(total, 0.0)
 
-    def job_eta(self, record: dict[str, Any]) -> float | None:
+    def finish(self, queue: str, place: Position, own: RunningRow | None = None) -> float:
+        """Seconds until the track at `place` on `queue` is done: every track the worker takes before it, and
+        itself (`own`: its running row, for its elapsed time when it is not among the queue's heads)."""
+        held = self.backlog.queues.get(queue)
+        sums = held.sums if held else {}
+        entry = place.entry
+        rank = GROUP_ORDER.get(entry.group, len(GROUP_ORDER))
+        units = dict(place.ahead)
+        for (group, cls), milli in sums.items():
+            if GROUP_ORDER.get(group, len(GROUP_ORDER)) < rank:
+                units[cls] = units.get(cls, 0) + milli
+        heads = self._heads(queue)
+        if entry.group == "r":
+            counted = [row for row in heads if row.seq <= entry.seq]
+            if own is not None and all(row.member != own.member for row in heads):
+                counted.append(own)
+        else:
+            counted = heads
+        return max(self.units_seconds(queue, units) + sum(self.correction(queue, row) for row in counted), 0.0)
+
+    def job_eta(self, job_id: str) -> float | None:
         """Seconds until the job's last open track is done; 0 when it ended; None while a track is on no queue
-        (no live worker) or not on its queue's schedule."""
+        (no live worker) or not in its queue's backlog."""
         times = []
-        for track in record["tracks"]:
-            if track["status"] in TERMINAL:
+        for track in self.backlog.jobs.get(job_id, []):
+            if not track.status or track.status in TERMINAL:
                 continue
-            finish = self.schedule(track["queue"]).get(member(record["job_id"], track["track"])) \
-                if track["queue"] else None
-            if finish is None:
+            if not track.queue or track.position is None:
                 return None
-            times.append(finish)
+            times.append(self.finish(track.queue, track.position, track.running))
         return round(max(times), 1) if times else 0.0
 
+    def schedule(self, queue: str) -> dict[str, float]:
+        """{member: seconds until that track is done} for every track on `queue`, in the worker's order (reads
+        every entry: only for an estimator made with `entries=True`; the admission caps bound how many)."""
+        held = self.backlog.queues.get(queue)
+        if held is None or held.entries is None:
+            return {}
+        corrections = {row.member: self.correction(queue, row) for row in held.running}
+        finish, clock = {}, 0.0
+        for value, entry in sorted(held.entries.items(), key=lambda item: item[1].rank):
+            kind, _, index = entry.cls.rpartition(":")
+            own = self.seconds_from(queue, kind, int(index)) * entry.milli / 1000 if kind in KINDS else 0.0
+            clock += max(own + corrections.get(value, 0.0), 0.0)
+            finish[value] = clock
+        return finish
 
-def _first_unfinished(names: list[str], stages: dict[str, Any]) -> int:
-    for index, name in enumerate(names):
-        if not (stages.get(name) or {}).get("finished_at"):
-            return index
-    return len(names) - 1
 
-
-def estimator(svc: Services, queues: Iterable[str]) -> Estimator:
-    """An Estimator over the learned rates and the open tracks of `queues` (one round trip)."""
-    names = sorted({q for q in queues if q and "," not in q})
-    raw = json.loads(svc.redis.register_script(_READ)(keys=[], args=[svc.jobs.keys.prefix, ",".join(names)]))
-    by_queue: dict[str, list[OpenTrack]] = {}
-    for entry in raw["queues"] if isinstance(raw["queues"], list) else []:
-        queue, rows = entry[0], entry[1] if isinstance(entry[1], list) else []
-        by_queue[queue] = [OpenTrack(m, kind, status, float(order), float(cost), float(progress), json.loads(stages))
-                           for m, kind, status, order, cost, progress, stages in rows]
-    return Estimator(_parse_rates(raw["rates"]), by_queue)
+def estimator(svc: Services, queues: Iterable[str], entries: bool = False) -> Estimator:
+    """An Estimator over the learned rates and the backlog of `queues` (one round trip; with `entries`, every
+    track's place too, for `schedule`)."""
+    names = sorted({q for q in queues if q})
+    return Estimator.from_read(svc.jobs.backlog.read(names, heads=running_heads(svc), entries=entries))
 
 
 def job_etas(svc: Services, records: list[dict[str, Any]]) -> list[float | None]:
-    """Each job's `eta_s` (see Estimator.job_eta), from one read of their queues (none when all have ended)."""
-    queues = {t["queue"] for r in records for t in r["tracks"] if t["queue"] and t["status"] not in TERMINAL}
-    if not queues:
-        return [0.0 if all(t["status"] in TERMINAL for t in r["tracks"]) else None for r in records]
-    estimate = estimator(svc, queues)
-    return [estimate.job_eta(record) for record in records]
+    """Each job's `eta_s` (see Estimator.job_eta), from one read of the backlog (none when no track is open on
+    a queue)."""
+    def on_queue(record: dict[str, Any]) -> bool:
+        return any(t["queue"] and t["status"] not in TERMINAL for t in record["tracks"])
+    ids = [record["job_id"] for record in records if on_queue(record)]
+    estimate = Estimator.from_read(svc.jobs.backlog.read(job_ids=ids, heads=running_heads(svc))) if ids else None
+    return [estimate.job_eta(record["job_id"]) if estimate is not None and on_queue(record)
+            else 0.0 if all(t["status"] in TERMINAL for t in record["tracks"]) else None for record in records]
+
+
+def record_with_eta(svc: Services, job_id: str) -> tuple[dict[str, Any] | None, float | None]:
+    """A job's record (app/jobs.JobStore.record) and its `eta_s`, in one round trip: what a poll costs."""
+    record, raw = svc.jobs.record_with_backlog(job_id, running_heads(svc))
+    if record is None or raw is None:
+        return record, None
+    return record, Estimator.from_read(parse(raw)).job_eta(job_id)
 
 
 def queue_seconds(svc: Services, queues: list[str]) -> dict[str, float]:

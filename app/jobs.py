@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 
+from app.backlog import BacklogReader
 from app.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
 from app.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open
 from app.priority import DEFAULT_PRIORITY
@@ -56,6 +57,7 @@ class JobStore:
         self.ttl_s = ttl_s
         self.keys = Layout(prefix)
         self.lifecycle = Lifecycle(client, self.keys, events_maxlen, webhook_progress_s)
+        self.backlog = BacklogReader(client, prefix)
         self._renew_lease = client.register_script(_RENEW_LEASE)
 
     # -- keys (the layout is app/lifecycle.Layout's) ------------------------------------------------
@@ -135,8 +137,15 @@ class JobStore:
         """The whole client-facing record in one round trip: job fields, tracks with queue positions (and
         their worker's status while open), overall state, cancel flag."""
         raw = self.lifecycle.read_job(job_id) if is_job_id(job_id) else None
-        if raw is None:
-            return None
+        return None if raw is None else self._record(job_id, raw)
+
+    def record_with_backlog(self, job_id: str, heads: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The record and, read in the same round trip, what its ETA needs (the backlog index's raw read for
+        its tracks, with `heads` running tracks per queue: app/backlog.py, app/eta.record_with_eta)."""
+        raw = self.lifecycle.read_job(job_id, backlog_heads=heads) if is_job_id(job_id) else None
+        return (None, None) if raw is None else (self._record(job_id, raw), raw.get("backlog"))
+
+    def _record(self, job_id: str, raw: dict[str, Any]) -> dict[str, Any]:
         job = _decode_job(job_id, raw["job"])
         tracks = raw["tracks"]  # decoded by the read
         job["tracks"] = tracks

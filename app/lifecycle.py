@@ -3,9 +3,9 @@
 Every key Encore keeps in Redis is built by `Layout`. Every change of a track's state goes through
 `Lifecycle.apply`, one Lua script that, atomically: checks the track's current status against the
 transition table below, checks who may make it (the holder of the running stage's lease, or anyone when no
-lease is live), honours a pending cancel, moves the track between the bookkeeping sets its status implies,
-keeps the job-level gauges, bumps the track's version, appends the change to the job's event stream and
-publishes it on the job's events channel.
+lease is live), honours a pending cancel, moves the track between the bookkeeping sets its status implies
+(its queue's backlog index among them, app/backlog.py), keeps the job-level gauges, bumps the track's
+version, appends the change to the job's event stream and publishes it on the job's events channel.
 
 Statuses (the `status` field of a track hash; clients see `state`, derived from it, as before):
   created       written, not routed yet (the submitter routes it once its inputs exist): in {p}:created
@@ -33,7 +33,10 @@ Layout (prefix `encore` by default; job keys expire with the job):
                                they are dispatched in)
   {p}:queue:{q}:waiting        zset of queued "job:track" by priority, then submission order (queue positions)
   {p}:queue:{q}:load           zset of "job:track" not finished on q, scored by estimated cost
-  {p}:queue:{q}:cost           the sum of that set's scores, in thousandths (routing reads one key)
+  {p}:queue:{q}:cost           the sum of that set's scores, in thousandths (the status page's estimated_load)
+  {p}:queue:{q}:backlog*       the backlog index: per class and group the cost still to run, and the sums ahead
+                               of each track (app/backlog.py), kept by the transition: what ETAs and routing read
+  {p}:queue:{q}:running        zset of running "job:track" by seq (app/backlog.py)
   {p}:queues                   set of every queue a track was assigned to
   {p}:draining                 set of queues an operator drained
   {p}:seq                      submission counter
@@ -64,6 +67,7 @@ from typing import Any
 
 import redis
 
+from app.backlog import BACKLOG_READ, BACKLOG_WRITE
 from app.kinds import KINDS
 from app.priority import DEFAULT_PRIORITY, RANK, RANK_SPAN
 
@@ -138,6 +142,13 @@ class Layout:
 
     def cost(self, queue: str) -> str:
         return f"{self.prefix}:queue:{queue}:cost"
+
+    def backlog(self, queue: str) -> str:
+        """The queue's backlog index (app/backlog.py): the entries; `:sums` and `:tree:*` hang off it."""
+        return f"{self.prefix}:queue:{queue}:backlog"
+
+    def running(self, queue: str) -> str:
+        return f"{self.prefix}:queue:{queue}:running"
 
     def queue_live_at(self, queue: str) -> str:
         return f"{self.prefix}:queue:{queue}:live_at"
@@ -392,6 +403,7 @@ local function leave(s, q)
   if in_load(s) and redis.call('ZREM', P .. ':queue:' .. q .. ':load', m) == 1 then
     redis.call('DECRBY', P .. ':queue:' .. q .. ':cost', milli)
   end
+  if in_load(s) then backlog_leave(P, q, m) end
   if split(s) == 'running' then
     local w = redis.call('HGET', key, 'worker') or ''
     local ck = P .. ':worker:' .. w .. ':current'
@@ -499,6 +511,9 @@ if event == 'retry' then
   redis.call('HSET', key, 'restarts', 0, 'worker', '')
 end
 for name, value in pairs(fields) do redis.call('HSET', key, name, value) end
+if (target ~= status or new_queue ~= queue) and in_load(target) then  -- from the hash as it now is
+  backlog_enter(P, new_queue, m)
+end
 local version = redis.call('HINCRBY', key, 'version', 1)
 
 -- the event: appended to the job's stream (replayed to a client that resumes) and published, in this step
@@ -540,7 +555,7 @@ return {result, target, ''}
 
 
 _READ_JOB = r"""
--- ARGV: prefix, job id, JSON field names (comma-separated). The job, its tracks with queue positions and their
+-- ARGV: prefix, job id, JSON field names (comma-separated), running heads for the backlog (0: none). The job, its tracks with queue positions and their
 -- workers' status, the cancel flag: one JSON document, built here so that Python parses it once. Track fields
 -- stored as JSON are spliced in as they are (cjson would turn their empty lists into {}); hash order is kept.
 local P, job_id = ARGV[1], ARGV[2]
@@ -575,8 +590,25 @@ for i = 0, tonumber(job.num_tracks) - 1 do
     tracks[#tracks + 1] = '{' .. table.concat(parts, ',') .. '}'
   end
 end
+local backlog = ''
+local heads = tonumber(ARGV[4] or '0')
+if heads > 0 then backlog = ',"backlog":' .. cjson.encode(backlog_read(P, {}, {job_id}, heads, false)) end
 return '{"job":' .. cjson.encode(job) .. ',"tracks":[' .. table.concat(tracks, ',') .. '],"cancel":' ..
-  redis.call('EXISTS', P .. ':cancel:' .. job_id) .. '}'
+  redis.call('EXISTS', P .. ':cancel:' .. job_id) .. backlog .. '}'
+"""
+
+
+_FORGET = r"""
+-- ARGV: prefix, queue, member. A track whose job expired while it was on the queue: out of every set of the
+-- queue, its cost counter lowered by what the load set held for it (its hash, and so its cost, is gone).
+local P, q, m = ARGV[1], ARGV[2], ARGV[3]
+local score = redis.call('ZSCORE', P .. ':queue:' .. q .. ':load', m)
+if score and redis.call('ZREM', P .. ':queue:' .. q .. ':load', m) == 1 then
+  redis.call('DECRBY', P .. ':queue:' .. q .. ':cost', math.floor(tonumber(score) * 1000 + 0.5))
+end
+redis.call('ZREM', P .. ':queue:' .. q .. ':waiting', m)
+backlog_leave(P, q, m)
+return score and 1 or 0
 """
 
 
@@ -644,8 +676,9 @@ class Lifecycle:
         self.layout = layout
         self.events_maxlen = events_maxlen
         self.webhook_progress_s = webhook_progress_s
-        self._script = client.register_script(_generated_tables() + _TRANSITION)
-        self._read_job = client.register_script(_READ_JOB)
+        self._script = client.register_script(_generated_tables() + BACKLOG_WRITE + _TRANSITION)
+        self._read_job = client.register_script(BACKLOG_READ + _READ_JOB)
+        self._forget = client.register_script(_generated_tables() + BACKLOG_WRITE + _FORGET)
         self._snapshot = client.register_script(_SNAPSHOT)
 
     def apply(self, event: str, job_id: str, track: int, args: dict[str, Any] | None = None,
@@ -662,11 +695,18 @@ class Lifecycle:
         return Outcome(code > 0, code == 2, _text(status), _text(reason))
 
 
-    def read_job(self, job_id: str) -> dict[str, Any] | None:
+    def read_job(self, job_id: str, backlog_heads: int = 0) -> dict[str, Any] | None:
         """The raw job hash, its track hashes (JSON fields decoded; with queue_position, and worker_status for
-        open tracks with a worker) and the cancel flag, in one round trip and one parse."""
-        reply = self._read_job(keys=[], args=[self.layout.prefix, job_id, ",".join(JSON_FIELDS)])
+        open tracks with a worker) and the cancel flag, in one round trip and one parse. With `backlog_heads`,
+        also what the job's ETA needs (`backlog`: the backlog index's read, app/backlog.py, with that many
+        running tracks per queue), in the same round trip."""
+        reply = self._read_job(keys=[], args=[self.layout.prefix, job_id, ",".join(JSON_FIELDS), str(backlog_heads)])
         return json.loads(reply) if reply else None
+
+    def forget(self, queue: str, value: str) -> bool:
+        """Take a track whose job expired off `queue`: its load set (and cost counter), its waiting set and
+        its backlog (app/backlog.py). False when the load set did not hold it."""
+        return self._forget(keys=[], args=[self.layout.prefix, queue, value]) == 1
 
 
     def snapshot(self, states: list[tuple[str, str]], stages: list[tuple[str, str]],

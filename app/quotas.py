@@ -106,7 +106,7 @@ def check(svc: Services, num_tracks: int) -> None:
 def _wait(svc: Services, on_queue: dict[str, int], need: int, skip) -> int:
     """Whole seconds until `need` tracks have finished on the queues in `on_queue` whose finishing frees room
     (the first `skip(queue)` finishes on an over-full queue free none), by the queues' ETA schedules."""
-    estimate: Estimator = estimator(svc, on_queue)
+    estimate: Estimator = estimator(svc, on_queue, entries=True)
     frees = sorted(finish for queue in on_queue
                    for finish in sorted(estimate.schedule(queue).values())[skip(queue):])
     if need <= 0 or len(frees) < need:

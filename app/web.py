@@ -19,7 +19,7 @@ from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllo
 from app.celery_app import make_celery
 from app import idempotency
 from app.config import Settings, load_settings
-from app.eta import job_etas
+from app.eta import job_etas, record_with_eta
 from app.events import HEADERS as SSE_HEADERS, JOB_END_STATES, job_events, valid_event_id
 from app.http_input import BodyError, json_object
 from app.joblog import job_event
@@ -223,10 +223,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     @documented("A job's record", responses={200: ("the record", JobReply), 404: "unknown job"})
     def get_job(job_id: str):
         """A job's record: state, queue position, per-track stages and progress, downloads."""
-        record = svc.jobs.record(job_id)
+        record, eta_s = record_with_eta(svc, job_id)
         if record is None:
             return error(404, f"job {job_id} not found")
-        return jsonify(_with_eta(svc, [record])[0])
+        return jsonify({**_public(record), "eta_s": eta_s})
 
     @app.get("/api/v1/jobs/<job_id>/events")
     @documented("The job's state and progress changes as server-sent events, until it ends",
