@@ -71,10 +71,11 @@ def learn(svc: Services, queue: str, kind: str, stage: str, seconds: float, cost
 
 def learned(svc: Services) -> dict[tuple[str, str, str], float]:
     """Every learned rate: {(queue, kind, stage): seconds per cost unit} (the per-stage throughput)."""
-    return _parse_rates(svc.redis.hgetall(svc.jobs.keys.throughput))
+    return parse_rates(svc.redis.hgetall(svc.jobs.keys.throughput))
 
 
-def _parse_rates(raw: dict[str, str] | list[str]) -> dict[tuple[str, str, str], float]:
+def parse_rates(raw: dict[str, str] | list[str]) -> dict[tuple[str, str, str], float]:
+    """The throughput hash's rates ({queue|kind|stage: value}; its "|n" and "|cold" fields left out)."""
     if isinstance(raw, list):  # HGETALL inside Lua: a flat list
         raw = dict(zip(raw[0::2], raw[1::2]))
     rates = {}
@@ -101,7 +102,7 @@ class Estimator:
 
     @classmethod
     def from_read(cls, read: BacklogRead) -> "Estimator":
-        return cls(_parse_rates(read.rates), read)
+        return cls(parse_rates(read.rates), read)
 
     def per_unit(self, queue: str, kind: str, stage: str) -> float:
         """Seconds per cost unit of `stage` on `queue`: learned there, else the fleet's mean, else its share."""

@@ -650,6 +650,7 @@ out.submitted = to_table(redis.call('HGETALL', P .. ':metrics:submitted'))
 for _, pair in ipairs(spec.stages) do
   out.stages[#out.stages + 1] = to_table(redis.call('HGETALL', P .. ':metrics:stage_seconds:' .. pair[1] .. ':' .. pair[2]))
 end
+out.rates = to_table(redis.call('HGETALL', P .. ':throughput'))
 return cjson.encode(out)
 """
 
@@ -712,8 +713,8 @@ class Lifecycle:
     def snapshot(self, states: list[tuple[str, str]], stages: list[tuple[str, str]],
                  list_suffixes: list[str]) -> dict[str, Any]:
         """Workers (with their current stage), queues (depths, load, broker messages, drained), parked
-        tracks, jobs per (kind, state) in `states` order, submission counters and the stage histograms of
-        `stages`, in one round trip (see app/snapshot.py)."""
+        tracks, jobs per (kind, state) in `states` order, submission counters, the stage histograms of
+        `stages` and the learned rates, in one round trip (see app/snapshot.py)."""
         spec = {"states": states, "stages": stages, "lists": list_suffixes}
         return json.loads(self._snapshot(keys=[], args=[self.layout.prefix, repr(time.time()), json.dumps(spec)]))
 
