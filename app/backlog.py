@@ -111,25 +111,7 @@ end
 BACKLOG_READ = r"""
 -- ---- the backlog index (app/backlog.py): read side ----
 local function flat_to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end; return t end
-local function running_row(P, m)  -- what a running track's ETA needs from its hashes
-  local cut = string.find(m, ':[^:]*$')
-  local job_key = P .. ':job:' .. string.sub(m, 1, cut - 1)
-  local h = redis.call('HMGET', job_key .. ':track:' .. string.sub(m, cut + 1), 'seq', 'status', 'cost',
-                       'progress', 'stages')
-  return {m, h[1] or '0', redis.call('HGET', job_key, 'kind') or '', h[2] or '', h[3] or '0', h[4] or '0',
-          h[5] or '{}'}
-end
--- {sums, running heads (the first `heads` by seq), and, with `entries`, every track's entry}
-local function backlog_queue(P, q, heads, entries)
-  local base = P .. ':queue:' .. q .. ':backlog'
-  local rows = {}
-  for _, m in ipairs(redis.call('ZRANGE', P .. ':queue:' .. q .. ':running', 0, heads - 1)) do
-    rows[#rows + 1] = running_row(P, m)
-  end
-  local out = {sums = flat_to_table(redis.call('HGETALL', base .. ':sums')), running = rows}
-  if entries then out.entries = flat_to_table(redis.call('HGETALL', base)) end
-  return out
-end
+local function is_open(status) return status ~= '' and status ~= 'done' and status ~= 'failed' and status ~= 'canceled' end
 -- A track's place on q: its entry and, per class of its group, the units of the tracks up to it (itself
 -- included) in that group; false when it is not in q's backlog.
 local function backlog_position(P, q, m, sums)
@@ -157,40 +139,67 @@ local function backlog_position(P, q, m, sums)
   end
   return {entry, ahead}
 end
--- Everything an estimate over `queues` and the tracks of `jobs` needs: the learned rates, per queue its sums
--- and running heads, per job per track its status, queue, place and (running) row.
-local function backlog_read(P, queues, jobs, heads, entries)
+-- Reads for an estimate: the learned rates; per queue (once each) its sums, its first `heads` running tracks
+-- (member, seq, kind, status, cost, progress, stages) and, with `entries`, every track's entry; per job its
+-- tracks' status, queue, place and (running) row.
+local function backlog_reader(P, heads, entries)
   local out = {rates = redis.call('HGETALL', P .. ':throughput'), queues = {}, jobs = {}}
-  local function queue_of(q)
-    if not out.queues[q] then out.queues[q] = backlog_queue(P, q, heads, entries) end
+  local reader = {out = out}
+  function reader.queue(q)
+    if out.queues[q] then return out.queues[q] end
+    local base = P .. ':queue:' .. q .. ':backlog'
+    local rows = {}
+    local running = redis.call('ZRANGE', P .. ':queue:' .. q .. ':running', 0, heads - 1)
+    if #running > 0 then
+      local placed = redis.call('HMGET', base, unpack(running))
+      for n, m in ipairs(running) do
+        local cut = string.find(m, ':[^:]*$')
+        local h = redis.call('HMGET', P .. ':job:' .. string.sub(m, 1, cut - 1) .. ':track:' .. string.sub(m, cut + 1),
+                             'seq', 'status', 'cost', 'progress', 'stages')
+        local kind = string.match(placed[n] or '', '^[^|]*|([^|:]*)') or ''
+        rows[#rows + 1] = {m, h[1] or '0', kind, h[2] or '', h[3] or '0', h[4] or '0', h[5] or '{}'}
+      end
+    end
+    out.queues[q] = {sums = flat_to_table(redis.call('HGETALL', base .. ':sums')), running = rows}
+    if entries then out.queues[q].entries = flat_to_table(redis.call('HGETALL', base)) end
     return out.queues[q]
   end
-  for _, q in ipairs(queues) do queue_of(q) end
-  for _, job_id in ipairs(jobs) do
-    local job_key = P .. ':job:' .. job_id
-    local tracks = {}
-    for t = 0, tonumber(redis.call('HGET', job_key, 'num_tracks') or '0') - 1 do
-      local m = job_id .. ':' .. t
-      local h = redis.call('HMGET', job_key .. ':track:' .. t, 'status', 'queue')
-      local row = {h[1] or '', h[2] or '', false, false}
-      local open = h[1] and h[1] ~= 'done' and h[1] ~= 'failed' and h[1] ~= 'canceled'
-      if open and h[2] and h[2] ~= '' then
-        row[3] = backlog_position(P, h[2], m, queue_of(h[2]).sums)
-        if string.sub(h[1], 1, 8) == 'running:' then row[4] = running_row(P, m) end
-      end
-      tracks[#tracks + 1] = row
-    end
+  -- one track of a job, from its hash's fields (t: status, queue, seq, cost, progress, stages)
+  function reader.track(job_id, index, kind, t)
+    local tracks = out.jobs[job_id] or {}
     out.jobs[job_id] = tracks
+    local status, q = t.status or '', t.queue or ''
+    local row = {status, q, false, false}
+    if is_open(status) and q ~= '' then
+      row[3] = backlog_position(P, q, job_id .. ':' .. index, reader.queue(q).sums)
+      if string.sub(status, 1, 8) == 'running:' then
+        row[4] = {job_id .. ':' .. index, t.seq or '0', kind, status, t.cost or '0', t.progress or '0', t.stages or '{}'}
+      end
+    end
+    tracks[#tracks + 1] = row
   end
-  return out
+  function reader.job(job_id)  -- every track of a job, read here
+    local job_key = P .. ':job:' .. job_id
+    local j = redis.call('HMGET', job_key, 'kind', 'num_tracks')
+    out.jobs[job_id] = {}
+    for index = 0, tonumber(j[2] or '0') - 1 do
+      local h = redis.call('HMGET', job_key .. ':track:' .. index, 'status', 'queue', 'seq', 'cost', 'progress', 'stages')
+      if h[1] then
+        reader.track(job_id, index, j[1] or '', {status = h[1], queue = h[2], seq = h[3], cost = h[4],
+                                               progress = h[5], stages = h[6]})
+      end
+    end
+  end
+  return reader
 end
 """
 
 _READ_SCRIPT = BACKLOG_READ + r"""
 -- ARGV: prefix, running heads per queue, queues (comma-separated), job ids (comma-separated), '1' for entries
-local function split_list(s) local t = {}; for x in string.gmatch(s, '[^,]+') do t[#t + 1] = x end; return t end
-return cjson.encode(backlog_read(ARGV[1], split_list(ARGV[3]), split_list(ARGV[4]), tonumber(ARGV[2]),
-                                 ARGV[5] == '1'))
+local reader = backlog_reader(ARGV[1], tonumber(ARGV[2]), ARGV[5] == '1')
+for q in string.gmatch(ARGV[3], '[^,]+') do reader.queue(q) end
+for job_id in string.gmatch(ARGV[4], '[^,]+') do reader.job(job_id) end
+return cjson.encode(reader.out)
 """
 
 

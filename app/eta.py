@@ -14,9 +14,9 @@ few running tracks, and from them come:
 - a track's finish: the seconds of every track the worker takes before it and of itself, the queue's order
   being running and started tracks first, then queued ones by priority, each group in submission order;
 - a running track's remaining seconds: its stage's estimate less what already ran (or, past the estimate,
-  what its progress leaves of it), plus its later stages. Only the first EXACT_RUNNING running tracks of a
-  queue (a worker runs one batch at a time) are read for their elapsed time; any further one (left by a dead
-  worker until the reaper restarts it) counts its whole stage;
+  what its progress leaves of it), plus its later stages. Only a queue's first running tracks, two batches'
+  worth (running_heads), are read for their elapsed time: a worker runs one batch at a time, so any further
+  one (left by a dead worker until the reaper restarts it) counts its whole stage;
 - a job's `eta_s` (its last track's finish) and the seconds a queue has outstanding, which routing compares
   instead of song seconds.
 A stage no queue has learned yet counts its share of the cost (so with nothing learned a track's estimate is
@@ -35,7 +35,7 @@ from app.kinds import KINDS
 from app.lifecycle import RUNNING, TERMINAL
 from app.services import Services
 
-EXACT_RUNNING = 8  # running tracks per queue whose elapsed time an estimate reads (at least ENCORE_BATCH_TRACKS)
+HEADS_PER_BATCH = 2  # running tracks per queue whose elapsed time is read, per track of a batch (two batches)
 
 _LEARN = r"""
 -- KEYS[1]: the throughput hash. ARGV: field, seconds per cost unit, weight of the new sample, cold (1: the
@@ -87,8 +87,9 @@ def parse_rates(raw: dict[str, str] | list[str]) -> dict[tuple[str, str, str], f
 
 
 def running_heads(svc: Services) -> int:
-    """How many running tracks per queue an estimate reads for their elapsed time: a worker runs one batch."""
-    return max(EXACT_RUNNING, svc.settings.batch_tracks)
+    """How many running tracks per queue (the first by seq) an estimate reads for their elapsed time: a worker
+    runs one batch at a time (ENCORE_BATCH_TRACKS); room for two, should two workers share a queue."""
+    return HEADS_PER_BATCH * max(1, svc.settings.batch_tracks)
 
 
 @dataclass

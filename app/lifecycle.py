@@ -566,10 +566,13 @@ local function to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = 
 local job = to_table(redis.call('HGETALL', job_key))
 if not job.kind then return false end
 local tracks = {}
+local heads = tonumber(ARGV[4] or '0')
+local reader = heads > 0 and backlog_reader(P, heads, false) or nil  -- what the job's ETA needs, in this step
 for i = 0, tonumber(job.num_tracks) - 1 do
   local flat = redis.call('HGETALL', job_key .. ':track:' .. i)
   local t = to_table(flat)
   if t.status then
+    if reader then reader.track(job_id, i, job.kind, t) end
     local parts = {}
     for j = 1, #flat, 2 do
       local value = json_field[flat[j]] and flat[j + 1] or cjson.encode(flat[j + 1])
@@ -591,8 +594,7 @@ for i = 0, tonumber(job.num_tracks) - 1 do
   end
 end
 local backlog = ''
-local heads = tonumber(ARGV[4] or '0')
-if heads > 0 then backlog = ',"backlog":' .. cjson.encode(backlog_read(P, {}, {job_id}, heads, false)) end
+if reader then backlog = ',"backlog":' .. cjson.encode(reader.out) end
 return '{"job":' .. cjson.encode(job) .. ',"tracks":[' .. table.concat(tracks, ',') .. '],"cancel":' ..
   redis.call('EXISTS', P .. ':cancel:' .. job_id) .. backlog .. '}'
 """

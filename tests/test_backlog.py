@@ -86,13 +86,23 @@ def _fill(svc, seed: int) -> list[str]:
                     _finish(svc, job_id, track, stage)
             if fate == "canceled":
                 assert svc.jobs.cancel(job_id, track, "canceled")
+    for index in range(eta.running_heads(svc) + 2):  # more running tracks on gpu1 than an estimate reads
+        job_id = svc.jobs.create("music", {}, [{"seed": index}], cost=3.0 + index)
+        _route(svc, job_id, 0, "gpu1")
+        _start(svc, job_id, 0, "backbone", "gpu1", started_ago=0.5 + index)
+        jobs.append(job_id)
     return jobs
 
 
 def _reference(svc, estimate: eta.Estimator, queue: str) -> dict[str, float]:
     """{member: finish} by the rule, from every open track's hash: running tracks, then waiting ones, in
     submission order, then queued ones in queue-position order; each its stages' seconds from its current (or
-    first unfinished) stage, a running one less what its stage already ran (or its progress leaves)."""
+    first unfinished) stage, a running one among the queue's first running_heads less what its stage already
+    ran (or its progress leaves)."""
+    running = sorted((svc.jobs.track(*parse_member(value))["seq"], value) for value in
+                     svc.redis.zrange(svc.jobs.keys.load(queue), 0, -1)
+                     if svc.jobs.track(*parse_member(value))["status"].startswith("running:"))
+    heads = {value for _, value in running[:eta.running_heads(svc)]}
     rows = []
     for value in svc.redis.zrange(svc.jobs.keys.load(queue), 0, -1):
         job_id, index = parse_member(value)
@@ -104,7 +114,7 @@ def _reference(svc, estimate: eta.Estimator, queue: str) -> dict[str, float]:
         start = names.index(stage) if stage in names else \
             next((n for n, name in enumerate(names) if not track["stages"].get(name, {}).get("finished_at")), 0)
         left = sum(estimate.per_unit(queue, kind, name) * track["cost"] for name in names[start:])
-        if state == "running":
+        if state == "running" and value in heads:
             whole = estimate.per_unit(queue, kind, stage) * track["cost"]
             elapsed = estimate.now - track["stages"][stage]["started_at"]
             left += max(whole - elapsed, whole * (1 - min(max(track["progress"], 0.0), 1.0))) - whole
@@ -124,12 +134,12 @@ def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_s
     estimate = eta.Estimator.from_read(read)
     open_tracks = 0
     for queue in QUEUES:
-        assert svc.redis.zcard(svc.jobs.keys.running(queue)) <= eta.running_heads(svc)  # each one's time is read
         expected = _reference(svc, estimate, queue)
         open_tracks += len(expected)
         assert estimate.schedule(queue) == pytest.approx(expected, rel=1e-9, abs=1e-9)
         assert estimate.queue_seconds(queue) == pytest.approx(max(expected.values(), default=0.0), rel=1e-9)
     assert open_tracks > 20  # the fill left work on both queues
+    assert svc.redis.zcard(svc.jobs.keys.running("gpu1")) > eta.running_heads(svc)
     finishes = {queue: _reference(svc, estimate, queue) for queue in QUEUES}
     for job_id in jobs:
         tracks = svc.jobs.record(job_id)["tracks"]
