@@ -35,6 +35,7 @@ from app.kinds import KINDS
 from app.lifecycle import RUNNING, TERMINAL
 from app.services import Services
 
+STAGE_NAMES = {name: frozenset(stage.name for stage in kind.stages) for name, kind in KINDS.items()}
 HEADS_PER_BATCH = 2  # running tracks per queue whose elapsed time is read, per track of a batch (two batches)
 
 _LEARN = r"""
@@ -100,6 +101,7 @@ class Estimator:
     backlog: BacklogRead
     now: float = field(default_factory=time.time)
     _from: dict[tuple[str, str, int], float] = field(default_factory=dict)
+    _unit: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
     @classmethod
     def from_read(cls, read: BacklogRead) -> "Estimator":
@@ -107,11 +109,13 @@ class Estimator:
 
     def per_unit(self, queue: str, kind: str, stage: str) -> float:
         """Seconds per cost unit of `stage` on `queue`: learned there, else the fleet's mean, else its share."""
-        own = self.rates.get((queue, kind, stage))
-        if own is not None:
-            return own
-        fleet = [rate for (_, k, s), rate in self.rates.items() if k == kind and s == stage]
-        return sum(fleet) / len(fleet) if fleet else 1.0 / len(KINDS[kind].stages)
+        key = (queue, kind, stage)
+        if key not in self._unit:
+            own = self.rates.get(key)
+            fleet = [rate for (_, k, s), rate in self.rates.items() if k == kind and s == stage] if own is None else []
+            self._unit[key] = own if own is not None else \
+                sum(fleet) / len(fleet) if fleet else 1.0 / len(KINDS[kind].stages)
+        return self._unit[key]
 
     def stage_seconds(self, queue: str, kind: str, stage: str, cost: float) -> float:
         return self.per_unit(queue, kind, stage) * cost
@@ -139,7 +143,7 @@ class Estimator:
     def correction(self, queue: str, row: RunningRow) -> float:
         """What a running track's elapsed time (or progress) takes off the whole estimate of its stage (<= 0)."""
         state, _, stage = row.status.partition(":")
-        if state != RUNNING or row.kind not in KINDS or stage not in {s.name for s in KINDS[row.kind].stages}:
+        if state != RUNNING or stage not in STAGE_NAMES.get(row.kind, ()):
             return 0.0
         estimate = self.stage_seconds(queue, row.kind, stage, row.cost)
         return self._still_running(estimate, row, stage) - estimate
