@@ -25,8 +25,7 @@ heads and the position of the tracks asked for.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import redis
 
@@ -112,6 +111,14 @@ BACKLOG_READ = r"""
 -- ---- the backlog index (app/backlog.py): read side ----
 local function flat_to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end; return t end
 local function is_open(status) return status ~= '' and status ~= 'done' and status ~= 'failed' and status ~= 'canceled' end
+local function started_at(status, stages)  -- when a running track's stage started ('' when it does not say)
+  local stage = string.match(status or '', '^running:(.*)$')
+  if not stage or not stages then return '' end
+  local ok, decoded = pcall(cjson.decode, stages)
+  local run = ok and type(decoded) == 'table' and decoded[stage]
+  if type(run) ~= 'table' or type(run.started_at) ~= 'number' then return '' end
+  return string.format('%.17g', run.started_at)
+end
 -- A track's place on q: its entry and, per class of its group, the units of the tracks up to it (itself
 -- included) in that group; false when it is not in q's backlog.
 local function backlog_position(P, q, m, sums)
@@ -140,7 +147,7 @@ local function backlog_position(P, q, m, sums)
   return {entry, ahead}
 end
 -- Reads for an estimate: the learned rates; per queue (once each) its sums, its first `heads` running tracks
--- (member, seq, kind, status, cost, progress, stages) and, with `entries`, every track's entry; per job its
+-- (member, seq, kind, status, cost, progress, when its stage started) and, with `entries`, every track's entry; per job its
 -- tracks' status, queue, place and (running) row.
 local function backlog_reader(P, heads, entries)
   local out = {rates = redis.call('HGETALL', P .. ':throughput'), queues = {}, jobs = {}}
@@ -157,7 +164,7 @@ local function backlog_reader(P, heads, entries)
         local h = redis.call('HMGET', P .. ':job:' .. string.sub(m, 1, cut - 1) .. ':track:' .. string.sub(m, cut + 1),
                              'seq', 'status', 'cost', 'progress', 'stages')
         local kind = string.match(placed[n] or '', '^[^|]*|([^|:]*)') or ''
-        rows[#rows + 1] = {m, h[1] or '0', kind, h[2] or '', h[3] or '0', h[4] or '0', h[5] or '{}'}
+        rows[#rows + 1] = {m, h[1] or '0', kind, h[2] or '', h[3] or '0', h[4] or '0', started_at(h[2], h[5])}
       end
     end
     out.queues[q] = {sums = flat_to_table(redis.call('HGETALL', base .. ':sums')), running = rows}
@@ -173,7 +180,8 @@ local function backlog_reader(P, heads, entries)
     if is_open(status) and q ~= '' then
       row[3] = backlog_position(P, q, job_id .. ':' .. index, reader.queue(q).sums)
       if string.sub(status, 1, 8) == 'running:' then
-        row[4] = {job_id .. ':' .. index, t.seq or '0', kind, status, t.cost or '0', t.progress or '0', t.stages or '{}'}
+        row[4] = {job_id .. ':' .. index, t.seq or '0', kind, status, t.cost or '0', t.progress or '0',
+                  started_at(status, t.stages)}
       end
     end
     tracks[#tracks + 1] = row
@@ -203,8 +211,7 @@ return cjson.encode(reader.out)
 """
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """What one track adds to its queue's backlog."""
 
     group: str
@@ -218,9 +225,8 @@ class Entry:
         return GROUP_ORDER.get(self.group, len(GROUP_ORDER)), self.seq
 
 
-@dataclass(frozen=True)
-class RunningRow:
-    """A running track's hash fields the ETA reads (its stage's start, its progress)."""
+class RunningRow(NamedTuple):
+    """A running track's fields the ETA reads (its stage's start, its progress)."""
 
     member: str
     seq: int
@@ -228,24 +234,21 @@ class RunningRow:
     status: str
     cost: float
     progress: float
-    stages: dict[str, Any]
+    started_at: float | None
 
 
-@dataclass(frozen=True)
-class QueueBacklog:
+class QueueBacklog(NamedTuple):
     sums: dict[tuple[str, str], int]          # (group, class) -> milli
     running: list[RunningRow]                 # the first running tracks, by seq
     entries: dict[str, Entry] | None = None   # every track's entry (only when asked for)
 
 
-@dataclass(frozen=True)
-class Position:
+class Position(NamedTuple):
     entry: Entry
     ahead: dict[str, int]   # class -> milli of the tracks of its group up to it, itself included
 
 
-@dataclass(frozen=True)
-class TrackView:
+class TrackView(NamedTuple):
     """One track of a job as the backlog read saw it."""
 
     status: str
@@ -254,8 +257,7 @@ class TrackView:
     running: RunningRow | None
 
 
-@dataclass(frozen=True)
-class BacklogRead:
+class BacklogRead(NamedTuple):
     rates: dict[str, str]
     queues: dict[str, QueueBacklog]
     jobs: dict[str, list[TrackView]]
@@ -275,8 +277,8 @@ def _dict(value: Any) -> dict:
 
 
 def _row(raw: list) -> RunningRow:
-    member, seq, kind, status, cost, progress, stages = raw
-    return RunningRow(member, int(seq), kind, status, float(cost), float(progress), json.loads(stages))
+    member, seq, kind, status, cost, progress, started = raw
+    return RunningRow(member, int(seq), kind, status, float(cost), float(progress), float(started) if started else None)
 
 
 def _queue(raw: dict[str, Any]) -> QueueBacklog:

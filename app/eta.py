@@ -102,6 +102,7 @@ class Estimator:
     now: float = field(default_factory=time.time)
     _from: dict[tuple[str, str, int], float] = field(default_factory=dict)
     _unit: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    _heads: dict[str, list[tuple[int, str, float]]] = field(default_factory=dict)
 
     @classmethod
     def from_read(cls, read: BacklogRead) -> "Estimator":
@@ -151,14 +152,17 @@ class Estimator:
     def _still_running(self, estimate: float, row: RunningRow, stage: str) -> float:
         """What the running stage has left: its estimate less the time it ran, or, when it overran, what its
         progress leaves of the estimate."""
-        began = (row.stages.get(stage) or {}).get("started_at")
-        elapsed = max(0.0, self.now - float(began)) if began else 0.0
+        elapsed = max(0.0, self.now - row.started_at) if row.started_at else 0.0
         progress = min(max(row.progress, 0.0), 1.0)
         return max(estimate - elapsed, estimate * (1.0 - progress))
 
-    def _heads(self, queue: str) -> list[RunningRow]:
-        held = self.backlog.queues.get(queue)
-        return held.running if held else []
+    def head_corrections(self, queue: str) -> list[tuple[int, str, float]]:
+        """(seq, member, correction) of the queue's first running tracks, the ones read for their elapsed time."""
+        if queue not in self._heads:
+            held = self.backlog.queues.get(queue)
+            self._heads[queue] = [(row.seq, row.member, self.correction(queue, row)) for row in held.running] \
+                if held else []
+        return self._heads[queue]
 
     def queue_seconds(self, queue: str) -> float:
         """The seconds of work outstanding on `queue` (what routing compares)."""
@@ -168,28 +172,27 @@ class Estimator:
         units: dict[str, int] = {}
         for (_, cls), milli in held.sums.items():
             units[cls] = units.get(cls, 0) + milli
-        total = self.units_seconds(queue, units) + sum(self.correction(queue, row) for row in held.running)
+        total = self.units_seconds(queue, units) + sum(c for _, _, c in self.head_corrections(queue))
         return max(total, 0.0)
 
     def finish(self, queue: str, place: Position, own: RunningRow | None = None) -> float:
         """Seconds until the track at `place` on `queue` is done: every track the worker takes before it, and
         itself (`own`: its running row, for its elapsed time when it is not among the queue's heads)."""
         held = self.backlog.queues.get(queue)
-        sums = held.sums if held else {}
         entry = place.entry
         rank = GROUP_ORDER.get(entry.group, len(GROUP_ORDER))
         units = dict(place.ahead)
-        for (group, cls), milli in sums.items():
+        for (group, cls), milli in (held.sums if held else {}).items():
             if GROUP_ORDER.get(group, len(GROUP_ORDER)) < rank:
                 units[cls] = units.get(cls, 0) + milli
-        heads = self._heads(queue)
-        if entry.group == "r":
-            counted = [row for row in heads if row.seq <= entry.seq]
-            if own is not None and all(row.member != own.member for row in heads):
-                counted.append(own)
+        heads = self.head_corrections(queue)
+        if entry.group == "r":  # the running tracks up to it, itself among them
+            corrections = sum(c for seq, _, c in heads if seq <= entry.seq)
+            if own is not None and all(member != own.member for _, member, _ in heads):
+                corrections += self.correction(queue, own)
         else:
-            counted = heads
-        return max(self.units_seconds(queue, units) + sum(self.correction(queue, row) for row in counted), 0.0)
+            corrections = sum(c for _, _, c in heads)
+        return max(self.units_seconds(queue, units) + corrections, 0.0)
 
     def job_eta(self, job_id: str) -> float | None:
         """Seconds until the job's last open track is done; 0 when it ended; None while a track is on no queue
@@ -209,7 +212,7 @@ class Estimator:
         held = self.backlog.queues.get(queue)
         if held is None or held.entries is None:
             return {}
-        corrections = {row.member: self.correction(queue, row) for row in held.running}
+        corrections = {member: c for _, member, c in self.head_corrections(queue)}
         finish, clock = {}, 0.0
         for value, entry in sorted(held.entries.items(), key=lambda item: item[1].rank):
             kind, _, index = entry.cls.rpartition(":")
