@@ -52,10 +52,23 @@ local function tree_add(tree, i, delta)  -- Fenwick update at index i
     b = lowbit(i, b)
   end
 end
-local function backlog_add(P, q, m, group, cls, milli, seq)
+local function track_parts(m)  -- the job key and the track index of a "job:track" member
+  local cut = string.find(m, ':[^:]*$')
+  return string.sub(m, 1, cut - 1), string.sub(m, cut + 1)
+end
+-- What the ETA reads of a running track, after its entry: "|started_at|progress" (its stage's start from the
+-- stages JSON, '' when it does not say).
+local function running_extras(stages, stage, progress)
+  local ok, decoded = pcall(cjson.decode, stages or '{}')
+  local run = ok and type(decoded) == 'table' and decoded[stage]
+  local began = ''
+  if type(run) == 'table' and type(run.started_at) == 'number' then began = string.format('%.17g', run.started_at) end
+  return '|' .. began .. '|' .. (progress or '0')
+end
+local function backlog_add(P, q, m, group, cls, milli, seq, extras)
   local base = backlog_key(P, q)
   redis.call('HSET', base, m, group .. '|' .. cls .. '|' .. string.format('%.0f', milli) .. '|' ..
-             string.format('%.0f', seq))
+             string.format('%.0f', seq) .. extras)
   if milli ~= 0 then
     tree_add(base .. ':tree:' .. group .. '|' .. cls, seq, milli)
     hincr_or_drop(base .. ':sums', group .. '|' .. cls, milli)
@@ -67,7 +80,7 @@ local function backlog_leave(P, q, m)
   local base = backlog_key(P, q)
   local entry = redis.call('HGET', base, m)
   if not entry then return end
-  local group, cls, milli, seq = string.match(entry, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  local group, cls, milli, seq = string.match(entry, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)')
   milli, seq = tonumber(milli), tonumber(seq)
   if milli ~= 0 then
     tree_add(base .. ':tree:' .. group .. '|' .. cls, seq, -milli)
@@ -76,11 +89,12 @@ local function backlog_leave(P, q, m)
   redis.call('HDEL', base, m)
   if group == 'r' then redis.call('ZREM', P .. ':queue:' .. q .. ':running', m) end
 end
--- Put a track into q's backlog as its hash now says (status, stages, cost, seq; its job's kind and priority).
+-- Put a track into q's backlog as its hash now says (status, stages, cost, seq, progress; its job's kind and
+-- priority).
 local function backlog_enter(P, q, m)
-  local cut = string.find(m, ':[^:]*$')
-  local job_key = P .. ':job:' .. string.sub(m, 1, cut - 1)
-  local h = redis.call('HMGET', job_key .. ':track:' .. string.sub(m, cut + 1), 'status', 'stages', 'cost', 'seq')
+  local job_id, track = track_parts(m)
+  local job_key = P .. ':job:' .. job_id
+  local h = redis.call('HMGET', job_key .. ':track:' .. track, 'status', 'stages', 'cost', 'seq', 'progress')
   local j = redis.call('HMGET', job_key, 'kind', 'priority')
   local names = STAGES[j[1] or '']
   if not h[1] or not names then return end
@@ -102,7 +116,19 @@ local function backlog_enter(P, q, m)
     end
   end
   local milli = math.floor(tonumber(h[3] or '0') * 1000 + 0.5)
-  backlog_add(P, q, m, group, j[1] .. ':' .. index, milli, tonumber(h[4] or '0'))
+  local extras = group == 'r' and running_extras(h[2], stage, h[5]) or ''
+  backlog_add(P, q, m, group, j[1] .. ':' .. index, milli, tonumber(h[4] or '0'), extras)
+end
+-- A running track that stays where it is but started again or reported progress: its entry's extras anew.
+local function backlog_touch(P, q, m)
+  local base = backlog_key(P, q)
+  local entry = redis.call('HGET', base, m)
+  local head = entry and string.match(entry, '^(r|[^|]*|[^|]*|[^|]*)')
+  if not head then return end
+  local job_id, track = track_parts(m)
+  local h = redis.call('HMGET', P .. ':job:' .. job_id .. ':track:' .. track, 'status', 'stages', 'progress')
+  local stage = string.match(h[1] or '', '^running:(.*)$')
+  if stage then redis.call('HSET', base, m, head .. running_extras(h[2], stage, h[3])) end
 end
 """
 
@@ -111,21 +137,13 @@ BACKLOG_READ = r"""
 -- ---- the backlog index (app/backlog.py): read side ----
 local function flat_to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end; return t end
 local function is_open(status) return status ~= '' and status ~= 'done' and status ~= 'failed' and status ~= 'canceled' end
-local function started_at(status, stages)  -- when a running track's stage started ('' when it does not say)
-  local stage = string.match(status or '', '^running:(.*)$')
-  if not stage or not stages then return '' end
-  local ok, decoded = pcall(cjson.decode, stages)
-  local run = ok and type(decoded) == 'table' and decoded[stage]
-  if type(run) ~= 'table' or type(run.started_at) ~= 'number' then return '' end
-  return string.format('%.17g', run.started_at)
-end
 -- A track's place on q: its entry and, per class of its group, the units of the tracks up to it (itself
 -- included) in that group; false when it is not in q's backlog.
 local function backlog_position(P, q, m, sums)
   local base = P .. ':queue:' .. q .. ':backlog'
   local entry = redis.call('HGET', base, m)
   if not entry then return false end
-  local group, seq = string.match(entry, '^([^|]*)|[^|]*|[^|]*|([^|]*)$')
+  local group, seq = string.match(entry, '^([^|]*)|[^|]*|[^|]*|([^|]*)')
   local nodes, i, b = {}, tonumber(seq), 1
   while i > 0 do
     while i % (2 * b) == 0 do b = 2 * b end
@@ -146,9 +164,8 @@ local function backlog_position(P, q, m, sums)
   end
   return {entry, ahead}
 end
--- Reads for an estimate: the learned rates; per queue (once each) its sums, its first `heads` running tracks
--- (member, seq, kind, status, cost, progress, when its stage started) and, with `entries`, every track's entry; per job its
--- tracks' status, queue, place and (running) row.
+-- Reads for an estimate: the learned rates; per queue (once each) its sums, the entries of its first `heads`
+-- running tracks (by seq) and, with `entries`, every track's entry; per job its tracks' status, queue and place.
 local function backlog_reader(P, heads, entries)
   local out = {rates = redis.call('HGETALL', P .. ':throughput'), queues = {}, jobs = {}}
   local reader = {out = out}
@@ -156,46 +173,32 @@ local function backlog_reader(P, heads, entries)
     if out.queues[q] then return out.queues[q] end
     local base = P .. ':queue:' .. q .. ':backlog'
     local rows = {}
-    local running = redis.call('ZRANGE', P .. ':queue:' .. q .. ':running', 0, heads - 1)
+    local running = heads > 0 and redis.call('ZRANGE', P .. ':queue:' .. q .. ':running', 0, heads - 1) or {}
     if #running > 0 then
-      local placed = redis.call('HMGET', base, unpack(running))
-      for n, m in ipairs(running) do
-        local cut = string.find(m, ':[^:]*$')
-        local h = redis.call('HMGET', P .. ':job:' .. string.sub(m, 1, cut - 1) .. ':track:' .. string.sub(m, cut + 1),
-                             'seq', 'status', 'cost', 'progress', 'stages')
-        local kind = string.match(placed[n] or '', '^[^|]*|([^|:]*)') or ''
-        rows[#rows + 1] = {m, h[1] or '0', kind, h[2] or '', h[3] or '0', h[4] or '0', started_at(h[2], h[5])}
+      for n, entry in ipairs(redis.call('HMGET', base, unpack(running))) do
+        if entry then rows[#rows + 1] = {running[n], entry} end
       end
     end
     out.queues[q] = {sums = flat_to_table(redis.call('HGETALL', base .. ':sums')), running = rows}
     if entries then out.queues[q].entries = flat_to_table(redis.call('HGETALL', base)) end
     return out.queues[q]
   end
-  -- one track of a job, from its hash's fields (t: status, queue, seq, cost, progress, stages)
-  function reader.track(job_id, index, kind, t)
+  -- one track of a job, from its hash's status and queue
+  function reader.track(job_id, index, status, q)
     local tracks = out.jobs[job_id] or {}
     out.jobs[job_id] = tracks
-    local status, q = t.status or '', t.queue or ''
-    local row = {status, q, false, false}
-    if is_open(status) and q ~= '' then
-      row[3] = backlog_position(P, q, job_id .. ':' .. index, reader.queue(q).sums)
-      if string.sub(status, 1, 8) == 'running:' then
-        row[4] = {job_id .. ':' .. index, t.seq or '0', kind, status, t.cost or '0', t.progress or '0',
-                  started_at(status, t.stages)}
-      end
+    local row = {status or '', q or '', false, tonumber(index)}
+    if is_open(row[1]) and row[2] ~= '' then
+      row[3] = backlog_position(P, row[2], job_id .. ':' .. index, reader.queue(row[2]).sums)
     end
     tracks[#tracks + 1] = row
   end
   function reader.job(job_id)  -- every track of a job, read here
     local job_key = P .. ':job:' .. job_id
-    local j = redis.call('HMGET', job_key, 'kind', 'num_tracks')
     out.jobs[job_id] = {}
-    for index = 0, tonumber(j[2] or '0') - 1 do
-      local h = redis.call('HMGET', job_key .. ':track:' .. index, 'status', 'queue', 'seq', 'cost', 'progress', 'stages')
-      if h[1] then
-        reader.track(job_id, index, j[1] or '', {status = h[1], queue = h[2], seq = h[3], cost = h[4],
-                                               progress = h[5], stages = h[6]})
-      end
+    for index = 0, tonumber(redis.call('HGET', job_key, 'num_tracks') or '0') - 1 do
+      local h = redis.call('HMGET', job_key .. ':track:' .. index, 'status', 'queue')
+      if h[1] then reader.track(job_id, index, h[1], h[2]) end
     end
   end
   return reader
@@ -212,12 +215,15 @@ return cjson.encode(reader.out)
 
 
 class Entry(NamedTuple):
-    """What one track adds to its queue's backlog."""
+    """What one track adds to its queue's backlog (a running track's entry also says when its stage started
+    and its progress)."""
 
     group: str
     cls: str      # "kind:index": every stage of kind from index on
     milli: int    # cost units, in thousandths
     seq: int
+    started_at: float | None = None
+    progress: float = 0.0
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -226,15 +232,10 @@ class Entry(NamedTuple):
 
 
 class RunningRow(NamedTuple):
-    """A running track's fields the ETA reads (its stage's start, its progress)."""
+    """A running track as the ETA reads it: its entry."""
 
     member: str
-    seq: int
-    kind: str
-    status: str
-    cost: float
-    progress: float
-    started_at: float | None
+    entry: Entry
 
 
 class QueueBacklog(NamedTuple):
@@ -254,7 +255,7 @@ class TrackView(NamedTuple):
     status: str
     queue: str
     position: Position | None
-    running: RunningRow | None
+    track: int
 
 
 class BacklogRead(NamedTuple):
@@ -264,8 +265,11 @@ class BacklogRead(NamedTuple):
 
 
 def parse_entry(value: str) -> Entry:
-    group, cls, milli, seq = value.split("|")
-    return Entry(group, cls, int(milli), int(seq))
+    group, cls, milli, seq, *extras = value.split("|")
+    if not extras:
+        return Entry(group, cls, int(milli), int(seq))
+    began, progress = extras
+    return Entry(group, cls, int(milli), int(seq), float(began) if began else None, float(progress or 0))
 
 
 def _list(value: Any) -> list:
@@ -276,23 +280,18 @@ def _dict(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _row(raw: list) -> RunningRow:
-    member, seq, kind, status, cost, progress, started = raw
-    return RunningRow(member, int(seq), kind, status, float(cost), float(progress), float(started) if started else None)
-
-
 def _queue(raw: dict[str, Any]) -> QueueBacklog:
     sums = {tuple(name.split("|", 1)): int(value) for name, value in _dict(raw.get("sums")).items()}
     entries = raw.get("entries")
-    return QueueBacklog(sums, [_row(r) for r in _list(raw.get("running"))],  # type: ignore[arg-type]
+    return QueueBacklog(sums, [RunningRow(m, parse_entry(e)) for m, e in _list(raw.get("running"))],  # type: ignore[arg-type]
                         None if entries is None else {m: parse_entry(v) for m, v in _dict(entries).items()})
 
 
 def _track(raw: list) -> TrackView:
-    status, queue, position, running = raw
+    status, queue, position, track = raw
     place = Position(parse_entry(position[0]), {c: int(v) for c, v in _dict(position[1]).items()}) \
         if position else None
-    return TrackView(status, queue, place, _row(running) if running else None)
+    return TrackView(status, queue, place, int(track))
 
 
 def parse(raw: dict[str, Any]) -> BacklogRead:

@@ -30,12 +30,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from app.backlog import GROUP_ORDER, BacklogRead, Position, RunningRow, parse
+from app.backlog import GROUP_ORDER, BacklogRead, Entry, Position, parse
 from app.kinds import KINDS
-from app.lifecycle import RUNNING, TERMINAL
+from app.lifecycle import TERMINAL, member
 from app.services import Services
 
-STAGE_NAMES = {name: frozenset(stage.name for stage in kind.stages) for name, kind in KINDS.items()}
 HEADS_PER_BATCH = 2  # running tracks per queue whose elapsed time is read, per track of a batch (two batches)
 
 _LEARN = r"""
@@ -141,26 +140,27 @@ class Estimator:
                 total += self.seconds_from(queue, kind, int(index)) * milli / 1000
         return total
 
-    def correction(self, queue: str, row: RunningRow) -> float:
+    def correction(self, queue: str, entry: Entry) -> float:
         """What a running track's elapsed time (or progress) takes off the whole estimate of its stage (<= 0)."""
-        state, _, stage = row.status.partition(":")
-        if state != RUNNING or stage not in STAGE_NAMES.get(row.kind, ()):
+        kind, _, index = entry.cls.rpartition(":")
+        if entry.group != "r" or kind not in KINDS:
             return 0.0
-        estimate = self.stage_seconds(queue, row.kind, stage, row.cost)
-        return self._still_running(estimate, row, stage) - estimate
+        estimate = self.stage_seconds(queue, kind, KINDS[kind].stages[int(index)].name, entry.milli / 1000)
+        return self._still_running(estimate, entry) - estimate
 
-    def _still_running(self, estimate: float, row: RunningRow, stage: str) -> float:
+    def _still_running(self, estimate: float, entry: Entry) -> float:
         """What the running stage has left: its estimate less the time it ran, or, when it overran, what its
         progress leaves of the estimate."""
-        elapsed = max(0.0, self.now - row.started_at) if row.started_at else 0.0
-        progress = min(max(row.progress, 0.0), 1.0)
+        elapsed = max(0.0, self.now - entry.started_at) if entry.started_at else 0.0
+        progress = min(max(entry.progress, 0.0), 1.0)
         return max(estimate - elapsed, estimate * (1.0 - progress))
 
     def head_corrections(self, queue: str) -> list[tuple[int, str, float]]:
         """(seq, member, correction) of the queue's first running tracks, the ones read for their elapsed time."""
         if queue not in self._heads:
             held = self.backlog.queues.get(queue)
-            self._heads[queue] = [(row.seq, row.member, self.correction(queue, row)) for row in held.running] \
+            self._heads[queue] = [(row.entry.seq, row.member, self.correction(queue, row.entry))
+                                  for row in held.running] \
                 if held else []
         return self._heads[queue]
 
@@ -175,9 +175,9 @@ class Estimator:
         total = self.units_seconds(queue, units) + sum(c for _, _, c in self.head_corrections(queue))
         return max(total, 0.0)
 
-    def finish(self, queue: str, place: Position, own: RunningRow | None = None) -> float:
-        """Seconds until the track at `place` on `queue` is done: every track the worker takes before it, and
-        itself (`own`: its running row, for its elapsed time when it is not among the queue's heads)."""
+    def finish(self, queue: str, member: str, place: Position) -> float:
+        """Seconds until the track `member` at `place` on `queue` is done: every track the worker takes before
+        it, and itself (a running one's own elapsed time counts even when it is not among the queue's heads)."""
         held = self.backlog.queues.get(queue)
         entry = place.entry
         rank = GROUP_ORDER.get(entry.group, len(GROUP_ORDER))
@@ -188,8 +188,8 @@ class Estimator:
         heads = self.head_corrections(queue)
         if entry.group == "r":  # the running tracks up to it, itself among them
             corrections = sum(c for seq, _, c in heads if seq <= entry.seq)
-            if own is not None and all(member != own.member for _, member, _ in heads):
-                corrections += self.correction(queue, own)
+            if all(head != member for _, head, _ in heads):
+                corrections += self.correction(queue, entry)
         else:
             corrections = sum(c for _, _, c in heads)
         return max(self.units_seconds(queue, units) + corrections, 0.0)
@@ -203,7 +203,7 @@ class Estimator:
                 continue
             if not track.queue or track.position is None:
                 return None
-            times.append(self.finish(track.queue, track.position, track.running))
+            times.append(self.finish(track.queue, member(job_id, track.track), track.position))
         return round(max(times), 1) if times else 0.0
 
     def schedule(self, queue: str) -> dict[str, float]:
@@ -212,7 +212,7 @@ class Estimator:
         held = self.backlog.queues.get(queue)
         if held is None or held.entries is None:
             return {}
-        corrections = {member: c for _, member, c in self.head_corrections(queue)}
+        corrections = {head: c for _, head, c in self.head_corrections(queue)}
         finish, clock = {}, 0.0
         for value, entry in sorted(held.entries.items(), key=lambda item: item[1].rank):
             kind, _, index = entry.cls.rpartition(":")

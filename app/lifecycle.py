@@ -513,6 +513,8 @@ end
 for name, value in pairs(fields) do redis.call('HSET', key, name, value) end
 if (target ~= status or new_queue ~= queue) and in_load(target) then  -- from the hash as it now is
   backlog_enter(P, new_queue, m)
+elseif tk == 'running' and (event == 'start' or event == 'adopt' or fields.progress) then
+  backlog_touch(P, new_queue, m)  -- started again where it ran, or reported progress
 end
 local version = redis.call('HINCRBY', key, 'version', 1)
 
@@ -572,7 +574,7 @@ for i = 0, tonumber(job.num_tracks) - 1 do
   local flat = redis.call('HGETALL', job_key .. ':track:' .. i)
   local t = to_table(flat)
   if t.status then
-    if reader then reader.track(job_id, i, job.kind, t) end
+    if reader then reader.track(job_id, i, t.status, t.queue) end
     local parts = {}
     for j = 1, #flat, 2 do
       local value = json_field[flat[j]] and flat[j + 1] or cjson.encode(flat[j + 1])
