@@ -1,38 +1,45 @@
-"""The backlog index: each queue's outstanding work, kept up to date by the transitions that move tracks, so
-that an ETA or a routing decision reads a few sums instead of every open track.
+"""The backlog index: each queue's outstanding work, kept up to date by the transitions that move tracks, and
+the estimates read from it, so that an ETA or a routing decision reads a few sums instead of every open track.
 
 What a track adds: its cost (song or audio seconds, in thousandths) in one *class*, `kind:index`, "this many
 cost units still need every stage of `kind` from stage `index` on" (running:S and waiting:S from S; a queued
-track from its first unfinished stage). Seconds come later, on read, from the queue's learned rates
-(app/eta.py), so a rate that changes never needs the index rebuilt. Every track is in one *group*, in the order
-the worker takes them: `r` running, `w` waiting for its next stage, then `q0`, `q1`, `q2`: queued, by priority
-rank (app/priority.py); within a group by submission order (`seq`).
+track from its first unfinished stage). Seconds come on read, from the queue's learned rates (app/eta.py), so a
+rate that changes never needs the index rebuilt. Every track is in one *group*, in the order the worker takes
+them: `r` running, `w` waiting for its next stage, then `q0`, `q1`, `q2`: queued, by priority rank
+(app/priority.py); within a group by submission order (`seq`).
 
 Per queue `q` (under the prefix `{p}`):
-  {p}:queue:{q}:backlog                 hash "job:track" -> "group|class|milli|seq": what the track added, so
-                                        that taking it out removes exactly that (also after its job expired)
-  {p}:queue:{q}:backlog:sums            hash "group|class" -> milli: the totals
-  {p}:queue:{q}:backlog:tree:{g}|{c}    hash: a Fenwick tree over seq of that group and class (node -> milli):
-                                        the units ahead of a track in its own group, in O(log seq)
-  {p}:queue:{q}:running                 zset "job:track" by seq: the running tracks, whose elapsed time the
-                                        ETA reads from their hashes (the first few: a worker runs one batch)
+  {p}:queue:{q}:backlog        hash "job:track" -> "group|class|milli|seq" (a running track's also
+                               "|started_at|progress"): what the track added, so that taking it out removes exactly
+                               that (also after its job expired)
+  {p}:queue:{q}:backlog:sums   hash "group|class" -> milli: the totals
+  {p}:queue:{q}:backlog:tree   hash "group|class|node" -> milli: per group and class a Fenwick tree over seq, the
+                               units ahead of a track in its own group in O(log seq)
+  {p}:queue:{q}:running        zset "job:track" by seq: the running tracks (the first few are read for their
+                               elapsed time: a worker runs one batch at a time)
 Each field is deleted when it reaches zero, so a queue whose tracks all ended holds no backlog keys at all.
 
-The write side (BACKLOG_WRITE) is Lua that the transition script (app/lifecycle.py) includes and runs in the
-same atomic step as the move; the read side (READ_BACKLOG) answers, in one round trip, the sums, the running
-heads and the position of the tracks asked for.
+The estimates (ESTIMATE, Lua, one implementation for every read): a track's finish is the seconds of every track
+the worker takes before it and of itself; a track's seconds are its stages' from its class's stage on, at the
+queue's rate per cost unit (learned there, else the fleet's mean, else the stage's share of the cost); a running
+track among its queue's first `heads` (by seq) counts its stage's estimate less what already ran (or, past the
+estimate, what its progress leaves of it); a further running one (left by a dead worker until the reaper restarts
+it) counts its whole stage. A job's ETA is its last open track's finish; a queue's seconds are all of its tracks'.
+
+BACKLOG_WRITE is included by the transition script (app/lifecycle.py) and runs in the same atomic step as the
+move; ESTIMATE by the job read (a poll's ETA in the same round trip as its record) and by this module's script.
+Both need the state machine's tables (STAGES, RANK, DEFAULT_RANK: app/lifecycle.lua_tables) before them.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import redis
 
 FENWICK_SIZE = 2 ** 40  # seq stays below it (app/priority.RANK_SPAN already assumes fewer than 10**12)
 GROUP_ORDER = {"r": 0, "w": 1, "q0": 2, "q1": 3, "q2": 4}
 
-# Needs, from the script that includes it: STAGES (kind -> stage names) and RANK / DEFAULT_RANK (app/lifecycle.py).
 BACKLOG_WRITE = f"local FENWICK_SIZE = {FENWICK_SIZE}\n" + r"""
 -- ---- the backlog index (app/backlog.py): write side ----
 local function backlog_key(P, q) return P .. ':queue:' .. q .. ':backlog' end
@@ -44,20 +51,20 @@ end
 local function hincr_or_drop(key, field, delta)
   if redis.call('HINCRBY', key, field, string.format('%.0f', delta)) == 0 then redis.call('HDEL', key, field) end
 end
-local function tree_add(tree, i, delta)  -- Fenwick update at index i
+local function tree_add(tree, prefix, i, delta)  -- Fenwick update at index i of the tree whose fields start with prefix
   local b = lowbit(i)
   while i <= FENWICK_SIZE do
-    hincr_or_drop(tree, string.format('%.0f', i), delta)
+    hincr_or_drop(tree, prefix .. string.format('%.0f', i), delta)
     i = i + b
     b = lowbit(i, b)
   end
 end
-local function track_parts(m)  -- the job key and the track index of a "job:track" member
+local function track_parts(m)  -- the job id and the track index of a "job:track" member
   local cut = string.find(m, ':[^:]*$')
   return string.sub(m, 1, cut - 1), string.sub(m, cut + 1)
 end
--- What the ETA reads of a running track, after its entry: "|started_at|progress" (its stage's start from the
--- stages JSON, '' when it does not say).
+-- What the ETA reads of a running track after its entry: "|started_at|progress" (its stage's start from the
+-- stages JSON, '' when that does not say).
 local function running_extras(stages, stage, progress)
   local ok, decoded = pcall(cjson.decode, stages or '{}')
   local run = ok and type(decoded) == 'table' and decoded[stage]
@@ -70,7 +77,7 @@ local function backlog_add(P, q, m, group, cls, milli, seq, extras)
   redis.call('HSET', base, m, group .. '|' .. cls .. '|' .. string.format('%.0f', milli) .. '|' ..
              string.format('%.0f', seq) .. extras)
   if milli ~= 0 then
-    tree_add(base .. ':tree:' .. group .. '|' .. cls, seq, milli)
+    tree_add(base .. ':tree', group .. '|' .. cls .. '|', seq, milli)
     hincr_or_drop(base .. ':sums', group .. '|' .. cls, milli)
   end
   if group == 'r' then redis.call('ZADD', P .. ':queue:' .. q .. ':running', seq, m) end
@@ -83,7 +90,7 @@ local function backlog_leave(P, q, m)
   local group, cls, milli, seq = string.match(entry, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)')
   milli, seq = tonumber(milli), tonumber(seq)
   if milli ~= 0 then
-    tree_add(base .. ':tree:' .. group .. '|' .. cls, seq, -milli)
+    tree_add(base .. ':tree', group .. '|' .. cls .. '|', seq, -milli)
     hincr_or_drop(base .. ':sums', group .. '|' .. cls, -milli)
   end
   redis.call('HDEL', base, m)
@@ -132,188 +139,214 @@ local function backlog_touch(P, q, m)
 end
 """
 
-# Read side. Needs nothing from the includer.
-BACKLOG_READ = r"""
--- ---- the backlog index (app/backlog.py): read side ----
-local function flat_to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end; return t end
+ESTIMATE = r"""
+-- ---- estimates over the backlog index (app/backlog.py) ----
+local GROUP_ORDER = {r = 0, w = 1, q0 = 2, q1 = 3, q2 = 4}
+local function group_order(g) return GROUP_ORDER[g] or 5 end
+local function parse_entry(value)
+  local group, cls, milli, seq, rest = string.match(value, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)(.*)$')
+  local e = {group = group, cls = cls, milli = tonumber(milli), seq = tonumber(seq), started = '', progress = '0'}
+  if rest ~= '' then e.started, e.progress = string.match(rest, '^|([^|]*)|(.*)$') end
+  return e
+end
 local function is_open(status) return status ~= '' and status ~= 'done' and status ~= 'failed' and status ~= 'canceled' end
--- A track's place on q: its entry and, per class of its group, the units of the tracks up to it (itself
--- included) in that group; false when it is not in q's backlog.
-local function backlog_position(P, q, m, sums)
-  local base = P .. ':queue:' .. q .. ':backlog'
-  local entry = redis.call('HGET', base, m)
-  if not entry then return false end
-  local group, seq = string.match(entry, '^([^|]*)|[^|]*|[^|]*|([^|]*)')
-  local nodes, i, b = {}, tonumber(seq), 1
-  while i > 0 do
-    while i % (2 * b) == 0 do b = 2 * b end
-    nodes[#nodes + 1] = string.format('%.0f', i)
-    i = i - b
-  end
-  local ahead = {}
-  if #nodes == 0 then return {entry, ahead} end
-  for field, _ in pairs(sums) do
-    local g, cls = string.match(field, '^([^|]*)|(.*)$')
-    if g == group then
-      local total = 0
-      for _, value in ipairs(redis.call('HMGET', base .. ':tree:' .. field, unpack(nodes))) do
-        if value then total = total + tonumber(value) end
-      end
-      ahead[cls] = total
+
+-- An estimator at time `now` reading the first `heads` running tracks of each queue.
+local function estimator(P, now, heads)
+  local E = {}
+  local own, fleet, per_unit_cache, from_cache, queues = {}, {}, {}, {}, {}
+  local flat = redis.call('HGETALL', P .. ':throughput')
+  for i = 1, #flat, 2 do
+    local kind, stage, extra = string.match(flat[i], '^[^|]*|([^|]*)|([^|]*)(.*)$')
+    if kind and extra == '' then  -- not a "|n" or "|cold" field
+      local rate = tonumber(flat[i + 1])
+      own[flat[i]] = rate
+      local f = fleet[kind .. '|' .. stage] or {0, 0}
+      f[1], f[2] = f[1] + rate, f[2] + 1
+      fleet[kind .. '|' .. stage] = f
     end
   end
-  return {entry, ahead}
-end
--- Reads for an estimate: the learned rates; per queue (once each) its sums, the entries of its first `heads`
--- running tracks (by seq) and, with `entries`, every track's entry; per job its tracks' status, queue and place.
-local function backlog_reader(P, heads, entries)
-  local out = {rates = redis.call('HGETALL', P .. ':throughput'), queues = {}, jobs = {}}
-  local reader = {out = out}
-  function reader.queue(q)
-    if out.queues[q] then return out.queues[q] end
+  -- seconds per cost unit of a stage on q: learned there, else the fleet's mean, else its share
+  function E.per_unit(q, kind, stage)
+    local key = q .. '|' .. kind .. '|' .. stage
+    if per_unit_cache[key] == nil then
+      local f = fleet[kind .. '|' .. stage]
+      per_unit_cache[key] = own[key] or (f and f[1] / f[2]) or 1 / #STAGES[kind]
+    end
+    return per_unit_cache[key]
+  end
+  -- seconds per cost unit of every stage of kind from index (0-based) on
+  function E.seconds_from(q, kind, index)
+    local key = q .. '|' .. kind .. '|' .. index
+    if from_cache[key] == nil then
+      local total, names = 0, STAGES[kind]
+      for n = index + 1, #names do total = total + E.per_unit(q, kind, names[n]) end
+      from_cache[key] = total
+    end
+    return from_cache[key]
+  end
+  function E.class_seconds(q, cls, milli)
+    local kind, index = string.match(cls, '^(.*):(%d+)$')
+    if not STAGES[kind or ''] then return 0 end
+    return E.seconds_from(q, kind, tonumber(index)) * milli / 1000
+  end
+  -- what a running track's elapsed time (or progress) takes off its stage's whole estimate (<= 0)
+  function E.correction(q, e)
+    local kind, index = string.match(e.cls, '^(.*):(%d+)$')
+    local names = STAGES[kind or '']
+    if e.group ~= 'r' or not names then return 0 end
+    local estimate = E.per_unit(q, kind, names[tonumber(index) + 1]) * (e.milli / 1000)
+    local elapsed = e.started ~= '' and math.max(0, now - tonumber(e.started)) or 0
+    local progress = math.min(math.max(tonumber(e.progress) or 0, 0), 1)
+    return math.max(estimate - elapsed, estimate * (1 - progress)) - estimate
+  end
+  -- q's sums and its heads (seq, member, correction), read once
+  function E.queue(q)
+    if queues[q] then return queues[q] end
     local base = P .. ':queue:' .. q .. ':backlog'
-    local rows = {}
+    local Q = {sums = {}, heads = {}, base = base}
+    local sums = redis.call('HGETALL', base .. ':sums')
+    for i = 1, #sums, 2 do Q.sums[sums[i]] = tonumber(sums[i + 1]) end
     local running = heads > 0 and redis.call('ZRANGE', P .. ':queue:' .. q .. ':running', 0, heads - 1) or {}
     if #running > 0 then
-      for n, entry in ipairs(redis.call('HMGET', base, unpack(running))) do
-        if entry then rows[#rows + 1] = {running[n], entry} end
+      for n, value in ipairs(redis.call('HMGET', base, unpack(running))) do
+        if value then
+          local e = parse_entry(value)
+          Q.heads[#Q.heads + 1] = {e.seq, running[n], E.correction(q, e)}
+        end
       end
     end
-    out.queues[q] = {sums = flat_to_table(redis.call('HGETALL', base .. ':sums')), running = rows}
-    if entries then out.queues[q].entries = flat_to_table(redis.call('HGETALL', base)) end
-    return out.queues[q]
+    queues[q] = Q
+    return Q
   end
-  -- one track of a job, from its hash's status and queue
-  function reader.track(job_id, index, status, q)
-    local tracks = out.jobs[job_id] or {}
-    out.jobs[job_id] = tracks
-    local row = {status or '', q or '', false, tonumber(index)}
-    if is_open(row[1]) and row[2] ~= '' then
-      row[3] = backlog_position(P, row[2], job_id .. ':' .. index, reader.queue(row[2]).sums)
+  function E.queue_seconds(q)
+    local Q, total = E.queue(q), 0
+    for field, milli in pairs(Q.sums) do total = total + E.class_seconds(q, string.match(field, '|(.*)$'), milli) end
+    for _, head in ipairs(Q.heads) do total = total + head[3] end
+    return math.max(total, 0)
+  end
+  -- seconds until track m of q is done (false when it is not in q's backlog)
+  function E.finish(q, m)
+    local Q = E.queue(q)
+    local value = redis.call('HGET', Q.base, m)
+    if not value then return false end
+    local e = parse_entry(value)
+    local rank, total = group_order(e.group), 0
+    local nodes, i, b = {}, e.seq, 1  -- the Fenwick nodes whose sum is "up to seq" in e's group
+    while i > 0 do
+      while i % (2 * b) == 0 do b = 2 * b end
+      nodes[#nodes + 1] = string.format('%.0f', i)
+      i = i - b
     end
-    tracks[#tracks + 1] = row
-  end
-  function reader.job(job_id)  -- every track of a job, read here
-    local job_key = P .. ':job:' .. job_id
-    out.jobs[job_id] = {}
-    for index = 0, tonumber(redis.call('HGET', job_key, 'num_tracks') or '0') - 1 do
-      local h = redis.call('HMGET', job_key .. ':track:' .. index, 'status', 'queue')
-      if h[1] then reader.track(job_id, index, h[1], h[2]) end
+    for field, milli in pairs(Q.sums) do
+      local g, cls = string.match(field, '^([^|]*)|(.*)$')
+      if group_order(g) < rank then
+        total = total + E.class_seconds(q, cls, milli)
+      elseif g == e.group and #nodes > 0 then
+        local fields = {}
+        for n, node in ipairs(nodes) do fields[n] = field .. '|' .. node end
+        local ahead = 0
+        for _, v in ipairs(redis.call('HMGET', Q.base .. ':tree', unpack(fields))) do
+          if v then ahead = ahead + tonumber(v) end
+        end
+        total = total + E.class_seconds(q, cls, ahead)
+      end
     end
+    local counted = false
+    for _, head in ipairs(Q.heads) do
+      if e.group ~= 'r' or head[1] <= e.seq then total = total + head[3] end
+      if head[2] == m then counted = true end
+    end
+    if e.group == 'r' and not counted then total = total + E.correction(q, e) end
+    return math.max(total, 0)
   end
-  return reader
+  -- a job's ETA from its tracks ({index, status, queue}): its last open track's finish; 0 when every track
+  -- ended; false while an open track is on no queue or not in its queue's backlog
+  function E.job_eta(job_id, tracks)
+    local eta = 0
+    for _, t in ipairs(tracks) do
+      if is_open(t[2]) then
+        if t[3] == '' then return false end
+        local finish = E.finish(t[3], job_id .. ':' .. t[1])
+        if not finish then return false end
+        eta = math.max(eta, finish)
+      end
+    end
+    return eta
+  end
+  -- {member, finish} of every track of q, in the worker's order (reads every entry)
+  function E.schedule(q)
+    local Q, rows, clock, out = E.queue(q), {}, 0, {}
+    local flat = redis.call('HGETALL', Q.base)
+    for i = 1, #flat, 2 do
+      local e = parse_entry(flat[i + 1])
+      rows[#rows + 1] = {group_order(e.group), e.seq, flat[i], e}
+    end
+    table.sort(rows, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
+    local corrections = {}
+    for _, head in ipairs(Q.heads) do corrections[head[2]] = head[3] end
+    for _, row in ipairs(rows) do
+      clock = clock + math.max(E.class_seconds(q, row[4].cls, row[4].milli) + (corrections[row[3]] or 0), 0)
+      out[#out + 1] = {row[3], string.format('%.17g', clock)}
+    end
+    return out
+  end
+  return E
 end
+local function seconds_text(value) return value and string.format('%.17g', value) or false end
 """
 
-_READ_SCRIPT = BACKLOG_READ + r"""
--- ARGV: prefix, running heads per queue, queues (comma-separated), job ids (comma-separated), '1' for entries
-local reader = backlog_reader(ARGV[1], tonumber(ARGV[2]), ARGV[5] == '1')
-for q in string.gmatch(ARGV[3], '[^,]+') do reader.queue(q) end
-for job_id in string.gmatch(ARGV[4], '[^,]+') do reader.job(job_id) end
-return cjson.encode(reader.out)
+_ESTIMATE_SCRIPT = ESTIMATE + r"""
+-- ARGV: prefix, now, running heads per queue, what (JSON: {jobs = [id...], queues = [q...], kind, cost,
+-- schedules = [q...]}). Per job its ETA, per queue its seconds (and those of a new track of kind and cost),
+-- per schedule queue its tracks' finishes: one JSON object, numbers as text (a Lua number would be truncated).
+local P = ARGV[1]
+local E = estimator(P, tonumber(ARGV[2]), tonumber(ARGV[3]))
+local what = cjson.decode(ARGV[4])
+local out = {jobs = {}, queues = {}, schedules = {}}
+for _, job_id in ipairs(what.jobs or {}) do
+  local job_key = P .. ':job:' .. job_id
+  local tracks = {}
+  for index = 0, tonumber(redis.call('HGET', job_key, 'num_tracks') or '0') - 1 do
+    local h = redis.call('HMGET', job_key .. ':track:' .. index, 'status', 'queue')
+    if h[1] then tracks[#tracks + 1] = {index, h[1], h[2] or ''} end
+  end
+  out.jobs[job_id] = seconds_text(E.job_eta(job_id, tracks))
+end
+for _, q in ipairs(what.queues or {}) do
+  local new = 0
+  if what.kind and STAGES[what.kind] then new = E.seconds_from(q, what.kind, 0) * tonumber(what.cost) end
+  out.queues[q] = {seconds_text(E.queue_seconds(q)), seconds_text(new)}
+end
+for _, q in ipairs(what.schedules or {}) do out.schedules[q] = E.schedule(q) end
+return cjson.encode(out)
 """
-
-
-class Entry(NamedTuple):
-    """What one track adds to its queue's backlog (a running track's entry also says when its stage started
-    and its progress)."""
-
-    group: str
-    cls: str      # "kind:index": every stage of kind from index on
-    milli: int    # cost units, in thousandths
-    seq: int
-    started_at: float | None = None
-    progress: float = 0.0
-
-    @property
-    def rank(self) -> tuple[int, int]:
-        """Where the worker takes it: by group, then submission order."""
-        return GROUP_ORDER.get(self.group, len(GROUP_ORDER)), self.seq
-
-
-class RunningRow(NamedTuple):
-    """A running track as the ETA reads it: its entry."""
-
-    member: str
-    entry: Entry
-
-
-class QueueBacklog(NamedTuple):
-    sums: dict[tuple[str, str], int]          # (group, class) -> milli
-    running: list[RunningRow]                 # the first running tracks, by seq
-    entries: dict[str, Entry] | None = None   # every track's entry (only when asked for)
-
-
-class Position(NamedTuple):
-    entry: Entry
-    ahead: dict[str, int]   # class -> milli of the tracks of its group up to it, itself included
-
-
-class TrackView(NamedTuple):
-    """One track of a job as the backlog read saw it."""
-
-    status: str
-    queue: str
-    position: Position | None
-    track: int
-
-
-class BacklogRead(NamedTuple):
-    rates: dict[str, str]
-    queues: dict[str, QueueBacklog]
-    jobs: dict[str, list[TrackView]]
-
-
-def parse_entry(value: str) -> Entry:
-    group, cls, milli, seq, *extras = value.split("|")
-    if not extras:
-        return Entry(group, cls, int(milli), int(seq))
-    began, progress = extras
-    return Entry(group, cls, int(milli), int(seq), float(began) if began else None, float(progress or 0))
-
-
-def _list(value: Any) -> list:
-    return value if isinstance(value, list) else []  # cjson writes an empty table as {}
 
 
 def _dict(value: Any) -> dict:
-    return value if isinstance(value, dict) else {}
+    return value if isinstance(value, dict) else {}  # cjson writes an empty table as {}
 
 
-def _queue(raw: dict[str, Any]) -> QueueBacklog:
-    sums = {tuple(name.split("|", 1)): int(value) for name, value in _dict(raw.get("sums")).items()}
-    entries = raw.get("entries")
-    return QueueBacklog(sums, [RunningRow(m, parse_entry(e)) for m, e in _list(raw.get("running"))],  # type: ignore[arg-type]
-                        None if entries is None else {m: parse_entry(v) for m, v in _dict(entries).items()})
+def _number(value: Any) -> float | None:
+    return None if value is False or value is None else float(value)
 
 
-def _track(raw: list) -> TrackView:
-    status, queue, position, track = raw
-    place = Position(parse_entry(position[0]), {c: int(v) for c, v in _dict(position[1]).items()}) \
-        if position else None
-    return TrackView(status, queue, place, int(track))
+class Estimates:
+    """The estimate script, registered once per client (app/jobs.JobStore.estimates)."""
 
-
-def parse(raw: dict[str, Any]) -> BacklogRead:
-    """The read side's JSON (alone, or inside the job read: app/lifecycle.Lifecycle.read_job)."""
-    flat = _list(raw.get("rates"))
-    return BacklogRead(rates=dict(zip(flat[0::2], flat[1::2])),
-                       queues={q: _queue(_dict(v)) for q, v in _dict(raw.get("queues")).items()},
-                       jobs={job_id: [_track(t) for t in _list(v)] for job_id, v in _dict(raw.get("jobs")).items()})
-
-
-class BacklogReader:
-    """The read script, registered once per client."""
-
-    def __init__(self, client: redis.Redis, prefix: str):
+    def __init__(self, client: redis.Redis, prefix: str, tables: str):
         self.prefix = prefix
-        self._script = client.register_script(_READ_SCRIPT)
+        self._script = client.register_script(tables + _ESTIMATE_SCRIPT)
 
-    def read(self, queues: Sequence[str] = (), job_ids: Sequence[str] = (), heads: int = 8,
-             entries: bool = False) -> BacklogRead:
-        """The rates; per queue in `queues` (and every queue a track of `job_ids` is on) its sums and first
-        `heads` running tracks (with `entries`: every track's entry); per job its tracks' places."""
-        names = [q for q in queues if q and "," not in q]
-        reply = self._script(keys=[], args=[self.prefix, str(heads), ",".join(names), ",".join(job_ids),
-                                            "1" if entries else "0"])
-        return parse(json.loads(reply))
+    def read(self, now: float, heads: int, jobs: Sequence[str] = (), queues: Sequence[str] = (),
+             work: tuple[str, float] | None = None, schedules: Sequence[str] = ()) -> dict[str, Any]:
+        """{"jobs": {id: ETA or None}, "queues": {q: (its seconds, a new track of `work`'s seconds there)},
+        "schedules": {q: [(member, finish)...] in the worker's order}}, in one round trip."""
+        what: dict[str, Any] = {"jobs": list(jobs), "queues": list(queues), "schedules": list(schedules)}
+        if work is not None:
+            what["kind"], what["cost"] = work[0], repr(float(work[1]))
+        raw = json.loads(self._script(keys=[], args=[self.prefix, repr(now), str(heads), json.dumps(what)]))
+        return {"jobs": {job_id: _number(v) for job_id, v in _dict(raw["jobs"]).items()},
+                "queues": {q: (float(v[0]), float(v[1])) for q, v in _dict(raw["queues"]).items()},
+                "schedules": {q: [(m, float(f)) for m, f in (v if isinstance(v, list) else [])]
+                              for q, v in _dict(raw["schedules"]).items()}}

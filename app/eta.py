@@ -8,31 +8,23 @@ song) is learned per track served, so the sum of the tracks' estimates is the ba
 what /metrics shows as `encore_stage_seconds_per_unit` (app/metrics.py): there is one average.
 
 The work outstanding on each queue is not counted per read: the transitions keep it in the backlog index
-(app/backlog.py), cost units per class ("every stage of kind from index on") and per group (running, waiting,
-queued by priority), with the sums ahead of each track. One round trip reads the rates, those sums and the
-few running tracks, and from them come:
-- a track's finish: the seconds of every track the worker takes before it and of itself, the queue's order
-  being running and started tracks first, then queued ones by priority, each group in submission order;
-- a running track's remaining seconds: its stage's estimate less what already ran (or, past the estimate,
-  what its progress leaves of it), plus its later stages. Only a queue's first running tracks, two batches'
-  worth (running_heads), are read for their elapsed time: a worker runs one batch at a time, so any further
-  one (left by a dead worker until the reaper restarts it) counts its whole stage;
-- a job's `eta_s` (its last track's finish) and the seconds a queue has outstanding, which routing compares
-  instead of song seconds.
+(app/backlog.py, which also states the estimate's rule and computes it, in Lua, next to the data). From it, in
+one round trip whatever the number of jobs:
+- a job's `eta_s`: its last open track's finish (0 once it ended; None while a track waits for a live worker);
+  a poll reads it with the record (record_with_eta);
+- the seconds a queue has outstanding, and what a new track would add there: what routing compares instead of
+  song seconds (done_in);
+- the finish of every track on a queue, for the admission caps' Retry-After (finishes; reads every entry).
 A stage no queue has learned yet counts its share of the cost (so with nothing learned a track's estimate is
 its cost, the old load); a queue that has not learned a stage another queue has borrows the fleet's mean.
-Reads cost the same whatever the number of jobs (the job's own tracks, a Fenwick lookup each: O(log seq)).
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from app.backlog import GROUP_ORDER, BacklogRead, Entry, Position, parse
-from app.kinds import KINDS
-from app.lifecycle import TERMINAL, member
+from app.lifecycle import TERMINAL
 from app.services import Services
 
 HEADS_PER_BATCH = 2  # running tracks per queue whose elapsed time is read, per track of a batch (two batches)
@@ -92,163 +84,48 @@ def running_heads(svc: Services) -> int:
     return HEADS_PER_BATCH * max(1, svc.settings.batch_tracks)
 
 
-@dataclass
-class Estimator:
-    """Seconds estimates over one consistent read of the rates and the queues' backlog index."""
-
-    rates: dict[tuple[str, str, str], float]
-    backlog: BacklogRead
-    now: float = field(default_factory=time.time)
-    _from: dict[tuple[str, str, int], float] = field(default_factory=dict)
-    _unit: dict[tuple[str, str, str], float] = field(default_factory=dict)
-    _heads: dict[str, list[tuple[int, str, float]]] = field(default_factory=dict)
-
-    @classmethod
-    def from_read(cls, read: BacklogRead) -> "Estimator":
-        return cls(parse_rates(read.rates), read)
-
-    def per_unit(self, queue: str, kind: str, stage: str) -> float:
-        """Seconds per cost unit of `stage` on `queue`: learned there, else the fleet's mean, else its share."""
-        key = (queue, kind, stage)
-        if key not in self._unit:
-            own = self.rates.get(key)
-            fleet = [rate for (_, k, s), rate in self.rates.items() if k == kind and s == stage] if own is None else []
-            self._unit[key] = own if own is not None else \
-                sum(fleet) / len(fleet) if fleet else 1.0 / len(KINDS[kind].stages)
-        return self._unit[key]
-
-    def stage_seconds(self, queue: str, kind: str, stage: str, cost: float) -> float:
-        return self.per_unit(queue, kind, stage) * cost
-
-    def new_track_seconds(self, queue: str, kind: str, cost: float) -> float:
-        """What a new track of `kind` and `cost` would take on `queue`, all stages."""
-        return self.seconds_from(queue, kind, 0) * cost
-
-    def seconds_from(self, queue: str, kind: str, index: int) -> float:
-        """Seconds per cost unit of every stage of `kind` from `index` on, on `queue`."""
-        key = (queue, kind, index)
-        if key not in self._from:
-            self._from[key] = sum(self.per_unit(queue, kind, stage.name) for stage in KINDS[kind].stages[index:])
-        return self._from[key]
-
-    def units_seconds(self, queue: str, units: dict[str, int]) -> float:
-        """The seconds of `units` ({class "kind:index": thousandths of a cost unit}) on `queue`."""
-        total = 0.0
-        for cls, milli in units.items():
-            kind, _, index = cls.rpartition(":")
-            if kind in KINDS and milli:
-                total += self.seconds_from(queue, kind, int(index)) * milli / 1000
-        return total
-
-    def correction(self, queue: str, entry: Entry) -> float:
-        """What a running track's elapsed time (or progress) takes off the whole estimate of its stage (<= 0)."""
-        kind, _, index = entry.cls.rpartition(":")
-        if entry.group != "r" or kind not in KINDS:
-            return 0.0
-        estimate = self.stage_seconds(queue, kind, KINDS[kind].stages[int(index)].name, entry.milli / 1000)
-        return self._still_running(estimate, entry) - estimate
-
-    def _still_running(self, estimate: float, entry: Entry) -> float:
-        """What the running stage has left: its estimate less the time it ran, or, when it overran, what its
-        progress leaves of the estimate."""
-        elapsed = max(0.0, self.now - entry.started_at) if entry.started_at else 0.0
-        progress = min(max(entry.progress, 0.0), 1.0)
-        return max(estimate - elapsed, estimate * (1.0 - progress))
-
-    def head_corrections(self, queue: str) -> list[tuple[int, str, float]]:
-        """(seq, member, correction) of the queue's first running tracks, the ones read for their elapsed time."""
-        if queue not in self._heads:
-            held = self.backlog.queues.get(queue)
-            self._heads[queue] = [(row.entry.seq, row.member, self.correction(queue, row.entry))
-                                  for row in held.running] \
-                if held else []
-        return self._heads[queue]
-
-    def queue_seconds(self, queue: str) -> float:
-        """The seconds of work outstanding on `queue` (what routing compares)."""
-        held = self.backlog.queues.get(queue)
-        if held is None:
-            return 0.0
-        units: dict[str, int] = {}
-        for (_, cls), milli in held.sums.items():
-            units[cls] = units.get(cls, 0) + milli
-        total = self.units_seconds(queue, units) + sum(c for _, _, c in self.head_corrections(queue))
-        return max(total, 0.0)
-
-    def finish(self, queue: str, member: str, place: Position) -> float:
-        """Seconds until the track `member` at `place` on `queue` is done: every track the worker takes before
-        it, and itself (a running one's own elapsed time counts even when it is not among the queue's heads)."""
-        held = self.backlog.queues.get(queue)
-        entry = place.entry
-        rank = GROUP_ORDER.get(entry.group, len(GROUP_ORDER))
-        units = dict(place.ahead)
-        for (group, cls), milli in (held.sums if held else {}).items():
-            if GROUP_ORDER.get(group, len(GROUP_ORDER)) < rank:
-                units[cls] = units.get(cls, 0) + milli
-        heads = self.head_corrections(queue)
-        if entry.group == "r":  # the running tracks up to it, itself among them
-            corrections = sum(c for seq, _, c in heads if seq <= entry.seq)
-            if all(head != member for _, head, _ in heads):
-                corrections += self.correction(queue, entry)
-        else:
-            corrections = sum(c for _, _, c in heads)
-        return max(self.units_seconds(queue, units) + corrections, 0.0)
-
-    def job_eta(self, job_id: str) -> float | None:
-        """Seconds until the job's last open track is done; 0 when it ended; None while a track is on no queue
-        (no live worker) or not in its queue's backlog."""
-        times = []
-        for track in self.backlog.jobs.get(job_id, []):
-            if not track.status or track.status in TERMINAL:
-                continue
-            if not track.queue or track.position is None:
-                return None
-            times.append(self.finish(track.queue, member(job_id, track.track), track.position))
-        return round(max(times), 1) if times else 0.0
-
-    def schedule(self, queue: str) -> dict[str, float]:
-        """{member: seconds until that track is done} for every track on `queue`, in the worker's order (reads
-        every entry: only for an estimator made with `entries=True`; the admission caps bound how many)."""
-        held = self.backlog.queues.get(queue)
-        if held is None or held.entries is None:
-            return {}
-        corrections = {head: c for _, head, c in self.head_corrections(queue)}
-        finish, clock = {}, 0.0
-        for value, entry in sorted(held.entries.items(), key=lambda item: item[1].rank):
-            kind, _, index = entry.cls.rpartition(":")
-            own = self.seconds_from(queue, kind, int(index)) * entry.milli / 1000 if kind in KINDS else 0.0
-            clock += max(own + corrections.get(value, 0.0), 0.0)
-            finish[value] = clock
-        return finish
-
-
-def estimator(svc: Services, queues: Iterable[str], entries: bool = False) -> Estimator:
-    """An Estimator over the learned rates and the backlog of `queues` (one round trip; with `entries`, every
-    track's place too, for `schedule`)."""
-    names = sorted({q for q in queues if q})
-    return Estimator.from_read(svc.jobs.backlog.read(names, heads=running_heads(svc), entries=entries))
-
-
 def job_etas(svc: Services, records: list[dict[str, Any]]) -> list[float | None]:
-    """Each job's `eta_s` (see Estimator.job_eta), from one read of the backlog (none when no track is open on
-    a queue)."""
+    """Each job's `eta_s` (app/backlog.py's rule), from one read (none when no track is open on a queue)."""
     def on_queue(record: dict[str, Any]) -> bool:
         return any(t["queue"] and t["status"] not in TERMINAL for t in record["tracks"])
     ids = [record["job_id"] for record in records if on_queue(record)]
-    estimate = Estimator.from_read(svc.jobs.backlog.read(job_ids=ids, heads=running_heads(svc))) if ids else None
-    return [estimate.job_eta(record["job_id"]) if estimate is not None and on_queue(record)
+    etas = svc.jobs.estimates.read(time.time(), running_heads(svc), jobs=ids)["jobs"] if ids else {}
+    return [_rounded(etas.get(record["job_id"])) if on_queue(record)
             else 0.0 if all(t["status"] in TERMINAL for t in record["tracks"]) else None for record in records]
 
 
 def record_with_eta(svc: Services, job_id: str) -> tuple[dict[str, Any] | None, float | None]:
     """A job's record (app/jobs.JobStore.record) and its `eta_s`, in one round trip: what a poll costs."""
-    record, raw = svc.jobs.record_with_backlog(job_id, running_heads(svc))
-    if record is None or raw is None:
-        return record, None
-    return record, Estimator.from_read(parse(raw)).job_eta(job_id)
+    record, eta = svc.jobs.record_with_eta(job_id, time.time(), running_heads(svc))
+    return record, _rounded(eta)
+
+
+def _rounded(eta: float | None) -> float | None:
+    return None if eta is None else round(eta, 1)
+
+
+def done_in(svc: Services, queues: Iterable[str], work: tuple[str, float] | None = None) -> dict[str, float]:
+    """Per queue, the seconds until a new track of `work` (kind, cost) would be done there: the queue's
+    outstanding seconds plus its own (without `work`: the outstanding seconds)."""
+    names = sorted({q for q in queues if q})
+    read = svc.jobs.estimates.read(time.time(), running_heads(svc), queues=names, work=work)["queues"]
+    return {queue: outstanding + own for queue, (outstanding, own) in read.items()}
 
 
 def queue_seconds(svc: Services, queues: list[str]) -> dict[str, float]:
     """Seconds of outstanding work per queue."""
-    estimate = estimator(svc, queues)
-    return {queue: round(estimate.queue_seconds(queue), 3) for queue in queues}
+    seconds = done_in(svc, queues)
+    return {queue: round(seconds.get(queue, 0.0), 3) for queue in queues}
+
+
+def new_track_seconds(svc: Services, queue: str, kind: str, cost: float) -> float:
+    """What a new track of `kind` and `cost` would take on `queue`, all stages, at that queue's rates."""
+    read = svc.jobs.estimates.read(time.time(), 0, queues=[queue], work=(kind, cost))["queues"]
+    return read[queue][1]
+
+
+def finishes(svc: Services, queues: Iterable[str]) -> dict[str, list[tuple[str, float]]]:
+    """Per queue, (member, seconds until it is done) of every track on it, in the worker's order. Reads every
+    entry: for the admission caps' Retry-After, which the caps bound."""
+    names = sorted({q for q in queues if q})
+    return svc.jobs.estimates.read(time.time(), running_heads(svc), schedules=names)["schedules"]

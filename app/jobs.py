@@ -14,9 +14,9 @@ from typing import Any
 
 import redis
 
-from app.backlog import BacklogReader
+from app.backlog import Estimates
 from app.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
-from app.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open
+from app.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open, lua_tables
 from app.priority import DEFAULT_PRIORITY
 
 JOB_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
@@ -57,7 +57,7 @@ class JobStore:
         self.ttl_s = ttl_s
         self.keys = Layout(prefix)
         self.lifecycle = Lifecycle(client, self.keys, events_maxlen, webhook_progress_s)
-        self.backlog = BacklogReader(client, prefix)
+        self.estimates = Estimates(client, prefix, lua_tables())
         self._renew_lease = client.register_script(_RENEW_LEASE)
 
     # -- keys (the layout is app/lifecycle.Layout's) ------------------------------------------------
@@ -139,11 +139,11 @@ class JobStore:
         raw = self.lifecycle.read_job(job_id) if is_job_id(job_id) else None
         return None if raw is None else self._record(job_id, raw)
 
-    def record_with_backlog(self, job_id: str, heads: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The record and, read in the same round trip, what its ETA needs (the backlog index's raw read for
-        its tracks, with `heads` running tracks per queue: app/backlog.py, app/eta.record_with_eta)."""
-        raw = self.lifecycle.read_job(job_id, backlog_heads=heads) if is_job_id(job_id) else None
-        return (None, None) if raw is None else (self._record(job_id, raw), raw.get("backlog"))
+    def record_with_eta(self, job_id: str, now: float, heads: int) -> tuple[dict[str, Any] | None, float | None]:
+        """The record and, in the same round trip, its job's ETA at `now` in seconds (None while a track waits
+        for a live worker; app/backlog.py, app/eta.record_with_eta)."""
+        raw = self.lifecycle.read_job(job_id, eta_at=now, heads=heads) if is_job_id(job_id) else None
+        return (None, None) if raw is None else (self._record(job_id, raw), raw.get("eta_s"))
 
     def _record(self, job_id: str, raw: dict[str, Any]) -> dict[str, Any]:
         job = _decode_job(job_id, raw["job"])

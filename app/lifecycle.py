@@ -67,7 +67,7 @@ from typing import Any
 
 import redis
 
-from app.backlog import BACKLOG_READ, BACKLOG_WRITE
+from app.backlog import BACKLOG_WRITE, ESTIMATE
 from app.kinds import KINDS
 from app.priority import DEFAULT_PRIORITY, RANK, RANK_SPAN
 
@@ -288,7 +288,9 @@ def _lua_table(value: Any) -> str:
     return "{" + ", ".join(f"[{json.dumps(k)}] = {_lua_table(v)}" for k, v in value.items()) + "}"
 
 
-def _generated_tables() -> str:
+def lua_tables() -> str:
+    """The transition table, stages, display states and priority ranks as Lua locals (STAGES, RANK, ...), for
+    every script that needs them."""
     table = {name: {"sources": list(t.sources), "target": t.target, "holder": t.holder, "cancel": t.cancel}
              for name, t in TRANSITIONS.items()}
     stages = {kind.name: [stage.name for stage in kind.stages] for kind in KINDS.values()}
@@ -557,7 +559,7 @@ return {result, target, ''}
 
 
 _READ_JOB = r"""
--- ARGV: prefix, job id, JSON field names (comma-separated), running heads for the backlog (0: none). The job, its tracks with queue positions and their
+-- ARGV: prefix, job id, JSON field names (comma-separated); for the ETA too: running heads, now. The job, its tracks with queue positions and their
 -- workers' status, the cancel flag: one JSON document, built here so that Python parses it once. Track fields
 -- stored as JSON are spliced in as they are (cjson would turn their empty lists into {}); hash order is kept.
 local P, job_id = ARGV[1], ARGV[2]
@@ -568,13 +570,12 @@ local function to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = 
 local job = to_table(redis.call('HGETALL', job_key))
 if not job.kind then return false end
 local tracks = {}
-local heads = tonumber(ARGV[4] or '0')
-local reader = heads > 0 and backlog_reader(P, heads, false) or nil  -- what the job's ETA needs, in this step
+local states = {}  -- {index, status, queue} of each track, for the ETA
 for i = 0, tonumber(job.num_tracks) - 1 do
   local flat = redis.call('HGETALL', job_key .. ':track:' .. i)
   local t = to_table(flat)
   if t.status then
-    if reader then reader.track(job_id, i, t.status, t.queue) end
+    states[#states + 1] = {i, t.status, t.queue or ''}
     local parts = {}
     for j = 1, #flat, 2 do
       local value = json_field[flat[j]] and flat[j + 1] or cjson.encode(flat[j + 1])
@@ -595,10 +596,13 @@ for i = 0, tonumber(job.num_tracks) - 1 do
     tracks[#tracks + 1] = '{' .. table.concat(parts, ',') .. '}'
   end
 end
-local backlog = ''
-if reader then backlog = ',"backlog":' .. cjson.encode(reader.out) end
+local eta = ''
+if ARGV[5] and ARGV[5] ~= '' then  -- the job's ETA at time ARGV[5], in this same step (app/backlog.py)
+  local seconds = estimator(P, tonumber(ARGV[5]), tonumber(ARGV[4])).job_eta(job_id, states)
+  eta = ',"eta_s":' .. (seconds and string.format('%.17g', seconds) or 'null')
+end
 return '{"job":' .. cjson.encode(job) .. ',"tracks":[' .. table.concat(tracks, ',') .. '],"cancel":' ..
-  redis.call('EXISTS', P .. ':cancel:' .. job_id) .. backlog .. '}'
+  redis.call('EXISTS', P .. ':cancel:' .. job_id) .. eta .. '}'
 """
 
 
@@ -681,9 +685,9 @@ class Lifecycle:
         self.layout = layout
         self.events_maxlen = events_maxlen
         self.webhook_progress_s = webhook_progress_s
-        self._script = client.register_script(_generated_tables() + BACKLOG_WRITE + _TRANSITION)
-        self._read_job = client.register_script(BACKLOG_READ + _READ_JOB)
-        self._forget = client.register_script(_generated_tables() + BACKLOG_WRITE + _FORGET)
+        self._script = client.register_script(lua_tables() + BACKLOG_WRITE + _TRANSITION)
+        self._read_job = client.register_script(lua_tables() + ESTIMATE + _READ_JOB)
+        self._forget = client.register_script(lua_tables() + BACKLOG_WRITE + _FORGET)
         self._snapshot = client.register_script(_SNAPSHOT)
 
     def apply(self, event: str, job_id: str, track: int, args: dict[str, Any] | None = None,
@@ -700,12 +704,14 @@ class Lifecycle:
         return Outcome(code > 0, code == 2, _text(status), _text(reason))
 
 
-    def read_job(self, job_id: str, backlog_heads: int = 0) -> dict[str, Any] | None:
+    def read_job(self, job_id: str, eta_at: float | None = None, heads: int = 0) -> dict[str, Any] | None:
         """The raw job hash, its track hashes (JSON fields decoded; with queue_position, and worker_status for
-        open tracks with a worker) and the cancel flag, in one round trip and one parse. With `backlog_heads`,
-        also what the job's ETA needs (`backlog`: the backlog index's read, app/backlog.py, with that many
-        running tracks per queue), in the same round trip."""
-        reply = self._read_job(keys=[], args=[self.layout.prefix, job_id, ",".join(JSON_FIELDS), str(backlog_heads)])
+        open tracks with a worker) and the cancel flag, in one round trip and one parse. With `eta_at` (a time),
+        also `eta_s`: the job's ETA then, reading `heads` running tracks per queue (app/backlog.py)."""
+        args = [self.layout.prefix, job_id, ",".join(JSON_FIELDS)]
+        if eta_at is not None:
+            args += [str(heads), repr(eta_at)]
+        reply = self._read_job(keys=[], args=args)
         return json.loads(reply) if reply else None
 
     def forget(self, queue: str, value: str) -> bool:

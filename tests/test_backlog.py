@@ -94,17 +94,26 @@ def _fill(svc, seed: int) -> list[str]:
     return jobs
 
 
-def _reference(svc, estimate: eta.Estimator, queue: str) -> dict[str, float]:
+def _per_unit(rates: dict, queue: str, kind: str, stage: str) -> float:
+    """The rule's rate: learned on the queue, else the fleet's mean, else the stage's share of the cost."""
+    if (queue, kind, stage) in rates:
+        return rates[(queue, kind, stage)]
+    fleet = [rate for (_, k, s), rate in rates.items() if (k, s) == (kind, stage)]
+    return sum(fleet) / len(fleet) if fleet else 1 / len(KINDS[kind].stages)
+
+
+def _reference(svc, queue: str, now: float) -> dict[str, float]:
     """{member: finish} by the rule, from every open track's hash: running tracks, then waiting ones, in
     submission order, then queued ones in queue-position order; each its stages' seconds from its current (or
     first unfinished) stage, a running one among the queue's first running_heads less what its stage already
     ran (or its progress leaves)."""
-    running = sorted((svc.jobs.track(*parse_member(value))["seq"], value) for value in
-                     svc.redis.zrange(svc.jobs.keys.load(queue), 0, -1)
+    rates = eta.learned(svc)
+    members = svc.redis.zrange(svc.jobs.keys.load(queue), 0, -1)
+    running = sorted((svc.jobs.track(*parse_member(value))["seq"], value) for value in members
                      if svc.jobs.track(*parse_member(value))["status"].startswith("running:"))
     heads = {value for _, value in running[:eta.running_heads(svc)]}
     rows = []
-    for value in svc.redis.zrange(svc.jobs.keys.load(queue), 0, -1):
+    for value in members:
         job_id, index = parse_member(value)
         track, kind = svc.jobs.track(job_id, index), svc.jobs.job(job_id)["kind"]
         names = [stage.name for stage in KINDS[kind].stages]
@@ -113,10 +122,10 @@ def _reference(svc, estimate: eta.Estimator, queue: str) -> dict[str, float]:
         order = svc.redis.zscore(svc.jobs.keys.waiting(queue), value) if group == 2 else track["seq"]
         start = names.index(stage) if stage in names else \
             next((n for n, name in enumerate(names) if not track["stages"].get(name, {}).get("finished_at")), 0)
-        left = sum(estimate.per_unit(queue, kind, name) * track["cost"] for name in names[start:])
+        left = sum(_per_unit(rates, queue, kind, name) * track["cost"] for name in names[start:])
         if state == "running" and value in heads:
-            whole = estimate.per_unit(queue, kind, stage) * track["cost"]
-            elapsed = estimate.now - track["stages"][stage]["started_at"]
+            whole = _per_unit(rates, queue, kind, stage) * track["cost"]
+            elapsed = now - track["stages"][stage]["started_at"]
             left += max(whole - elapsed, whole * (1 - min(max(track["progress"], 0.0), 1.0))) - whole
         rows.append(((group, order), value, left))
     finish, clock = {}, 0.0
@@ -130,27 +139,25 @@ def _reference(svc, estimate: eta.Estimator, queue: str) -> dict[str, float]:
 def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_seq):
     svc.redis.set(svc.jobs.keys.seq, first_seq)  # also near the top of the Fenwick trees' range
     jobs = _fill(svc, seed=first_seq % 97)
-    read = svc.jobs.backlog.read(QUEUES, job_ids=jobs, heads=eta.running_heads(svc), entries=True)
-    estimate = eta.Estimator.from_read(read)
-    open_tracks = 0
+    now = time.time()
+    read = svc.jobs.estimates.read(now, eta.running_heads(svc), jobs=jobs, queues=QUEUES, schedules=QUEUES)
+    expected = {queue: _reference(svc, queue, now) for queue in QUEUES}
     for queue in QUEUES:
-        expected = _reference(svc, estimate, queue)
-        open_tracks += len(expected)
-        assert estimate.schedule(queue) == pytest.approx(expected, rel=1e-9, abs=1e-9)
-        assert estimate.queue_seconds(queue) == pytest.approx(max(expected.values(), default=0.0), rel=1e-9)
-    assert open_tracks > 20  # the fill left work on both queues
+        assert dict(read["schedules"][queue]) == pytest.approx(expected[queue], rel=1e-9, abs=1e-9)
+        assert list(dict(read["schedules"][queue])) == list(expected[queue])  # in the worker's order
+        assert read["queues"][queue][0] == pytest.approx(max(expected[queue].values(), default=0.0), rel=1e-9)
+    assert sum(map(len, expected.values())) > 20  # the fill left work on both queues
     assert svc.redis.zcard(svc.jobs.keys.running("gpu1")) > eta.running_heads(svc)
-    finishes = {queue: _reference(svc, estimate, queue) for queue in QUEUES}
     for job_id in jobs:
-        tracks = svc.jobs.record(job_id)["tracks"]
-        open_ones = [t for t in tracks if t["status"] not in ("done", "failed", "canceled")]
+        open_ones = [t for t in svc.jobs.record(job_id)["tracks"] if t["status"] not in ("done", "failed", "canceled")]
         if any(not t["queue"] for t in open_ones):
-            expected = None
+            wanted = None
         else:
-            expected = round(max((finishes[t["queue"]][f"{job_id}:{t['track']}"] for t in open_ones), default=0.0), 1)
-        got = estimate.job_eta(job_id)
-        assert got == expected or (got is not None and expected is not None and abs(got - expected) <= 0.1 + 1e-9), \
-            (job_id, got, expected)
+            wanted = max((expected[t["queue"]][f"{job_id}:{t['track']}"] for t in open_ones), default=0.0)
+        got = read["jobs"][job_id]
+        assert got == wanted if wanted is None else got == pytest.approx(wanted, rel=1e-9, abs=1e-9), \
+            (job_id, got, wanted)
+    assert any(v is None for v in read["jobs"].values()) and any(read["jobs"].values())
 
 
 def test_a_poll_reads_its_eta_in_the_same_round_trip_as_its_record(svc):
@@ -220,7 +227,7 @@ def test_the_sums_return_to_nothing_when_every_track_has_ended(svc):
     for queue in QUEUES:
         assert _backlog_keys(svc, queue) in ([], [svc.jobs.keys.cost(queue)]), _backlog_keys(svc, queue)
         assert int(svc.redis.get(svc.jobs.keys.cost(queue)) or 0) == 0, queue
-        assert eta.queue_seconds(svc, [queue]) == {queue: 0.0}
+        assert eta.queue_seconds(svc, [queue]) == {queue: 0.0} and eta.finishes(svc, [queue]) == {queue: []}
 
 
 def test_the_reaper_lowers_the_load_of_a_track_whose_job_expired(svc):

@@ -98,7 +98,8 @@ def test_the_metric_average_is_the_etas_one_with_its_alpha(redis_base_url, tmp_p
     average = samples[("encore_stage_seconds_per_unit", (("kind", "music"), ("queue", "gpu1"), ("stage", "decode")))]
     assert average == pytest.approx(2.0 + 0.5 * (1.0 - 2.0))
     assert average == pytest.approx(eta.learned(svc)[("gpu1", "music", "decode")])
-    assert eta.estimator(svc, ["gpu1"]).per_unit("gpu1", "music", "decode") == pytest.approx(average)
+    # the ETA's seconds for one song second: this rate, and the three stages not learned yet at their share
+    assert eta.new_track_seconds(svc, "gpu1", "music", 1.0) == pytest.approx(average + 3 * 0.25)
 
 
 def test_a_worker_reports_the_cards_its_cuda_visible_devices_names():
