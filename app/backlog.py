@@ -27,8 +27,9 @@ estimate, what its progress leaves of it); a further running one (left by a dead
 it) counts its whole stage. A job's ETA is its last open track's finish; a queue's seconds are all of its tracks'.
 
 BACKLOG_WRITE is included by the transition script (app/lifecycle.py) and runs in the same atomic step as the
-move; ESTIMATE by the job read (a poll's ETA in the same round trip as its record) and by this module's script.
-Both need the state machine's tables (STAGES, RANK, DEFAULT_RANK: app/lifecycle.lua_tables) before them.
+move, after the state machine's tables (STAGES, RANK, DEFAULT_RANK: app/lifecycle.lua_tables); ESTIMATE by the
+job read (a poll's ETA in the same round trip as its record) and by this module's script, after STAGES alone
+(app/lifecycle.lua_stages).
 """
 from __future__ import annotations
 

@@ -27,8 +27,6 @@ from typing import Any, Iterable
 from app.lifecycle import TERMINAL
 from app.services import Services
 
-HEADS_PER_BATCH = 2  # running tracks per queue whose elapsed time is read, per track of a batch (two batches)
-
 _LEARN = r"""
 -- KEYS[1]: the throughput hash. ARGV: field, seconds per cost unit, weight of the new sample, cold (1: the
 -- stage also loaded models, a one-off that only stands in until a sample without loads comes).
@@ -80,8 +78,8 @@ def parse_rates(raw: dict[str, str] | list[str]) -> dict[tuple[str, str, str], f
 
 def running_heads(svc: Services) -> int:
     """How many running tracks per queue (the first by seq) an estimate reads for their elapsed time: a worker
-    runs one batch at a time (ENCORE_BATCH_TRACKS); room for two, should two workers share a queue."""
-    return HEADS_PER_BATCH * max(1, svc.settings.batch_tracks)
+    runs one batch (ENCORE_BATCH_TRACKS tracks) at a time; any other running track's worker died."""
+    return max(1, svc.settings.batch_tracks)
 
 
 def job_etas(svc: Services, records: list[dict[str, Any]]) -> list[float | None]:

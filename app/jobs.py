@@ -16,7 +16,7 @@ import redis
 
 from app.backlog import Estimates
 from app.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
-from app.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open, lua_tables
+from app.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open, lua_stages
 from app.priority import DEFAULT_PRIORITY
 
 JOB_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
@@ -57,7 +57,7 @@ class JobStore:
         self.ttl_s = ttl_s
         self.keys = Layout(prefix)
         self.lifecycle = Lifecycle(client, self.keys, events_maxlen, webhook_progress_s)
-        self.estimates = Estimates(client, prefix, lua_tables())
+        self.estimates = Estimates(client, prefix, lua_stages())
         self._renew_lease = client.register_script(_RENEW_LEASE)
 
     # -- keys (the layout is app/lifecycle.Layout's) ------------------------------------------------

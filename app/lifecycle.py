@@ -288,15 +288,20 @@ def _lua_table(value: Any) -> str:
     return "{" + ", ".join(f"[{json.dumps(k)}] = {_lua_table(v)}" for k, v in value.items()) + "}"
 
 
+def lua_stages() -> str:
+    """Each kind's stage names as the Lua local STAGES: all an estimate needs (app/backlog.py)."""
+    stages = {kind.name: [stage.name for stage in kind.stages] for kind in KINDS.values()}
+    return f"local STAGES = {_lua_table(stages)}\n"
+
+
 def lua_tables() -> str:
-    """The transition table, stages, display states and priority ranks as Lua locals (STAGES, RANK, ...), for
-    every script that needs them."""
+    """The transition table, stages, display states and priority ranks as Lua locals (T, STAGES, DISPLAY,
+    STRUCTURAL, RANK, ...), for the scripts that change a track."""
     table = {name: {"sources": list(t.sources), "target": t.target, "holder": t.holder, "cancel": t.cancel}
              for name, t in TRANSITIONS.items()}
-    stages = {kind.name: [stage.name for stage in kind.stages] for kind in KINDS.values()}
     display = {kind.name: {stage.name: stage.state for stage in kind.stages} for kind in KINDS.values()}
     ranks = {level: str(rank) for level, rank in RANK.items()}
-    return (f"local T = {_lua_table(table)}\nlocal STAGES = {_lua_table(stages)}\n"
+    return (f"local T = {_lua_table(table)}\n{lua_stages()}"
             f"local DISPLAY = {_lua_table(display)}\nlocal STRUCTURAL = {_lua_table({f: True for f in STRUCTURAL})}\n"
             f"local RANK = {_lua_table(ranks)}\nlocal RANK_SPAN = {RANK_SPAN}\n"
             f"local DEFAULT_RANK = {RANK[DEFAULT_PRIORITY]}\n")
@@ -686,7 +691,7 @@ class Lifecycle:
         self.events_maxlen = events_maxlen
         self.webhook_progress_s = webhook_progress_s
         self._script = client.register_script(lua_tables() + BACKLOG_WRITE + _TRANSITION)
-        self._read_job = client.register_script(lua_tables() + ESTIMATE + _READ_JOB)
+        self._read_job = client.register_script(lua_stages() + ESTIMATE + _READ_JOB)
         self._forget = client.register_script(lua_tables() + BACKLOG_WRITE + _FORGET)
         self._snapshot = client.register_script(_SNAPSHOT)
 
