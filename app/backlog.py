@@ -253,12 +253,9 @@ local function estimator(P, now, heads)
         total = total + E.class_seconds(q, cls, ahead)
       end
     end
-    local counted = false
-    for _, head in ipairs(Q.heads) do
+    for _, head in ipairs(Q.heads) do  -- the running heads it comes after (itself, when it is one)
       if e.group ~= 'r' or head[1] <= e.seq then total = total + head[3] end
-      if head[2] == m then counted = true end
     end
-    if e.group == 'r' and not counted then total = total + E.correction(q, e) end
     return math.max(total, 0)
   end
   -- a job's ETA from its tracks ({index, status, queue}): its last open track's finish; 0 when every track
