@@ -144,7 +144,7 @@ class Layout:
         return f"{self.prefix}:queue:{queue}:cost"
 
     def backlog(self, queue: str) -> str:
-        """The queue's backlog index (app/backlog.py): the entries; `:sums` and `:tree:*` hang off it."""
+        """The queue's backlog index (app/backlog.py): the entries; `:sums` and `:tree` hang off it."""
         return f"{self.prefix}:queue:{queue}:backlog"
 
     def running(self, queue: str) -> str:
@@ -564,9 +564,10 @@ return {result, target, ''}
 
 
 _READ_JOB = r"""
--- ARGV: prefix, job id, JSON field names (comma-separated); for the ETA too: running heads, now. The job, its tracks with queue positions and their
--- workers' status, the cancel flag: one JSON document, built here so that Python parses it once. Track fields
--- stored as JSON are spliced in as they are (cjson would turn their empty lists into {}); hash order is kept.
+-- ARGV: prefix, job id, JSON field names (comma-separated); for the ETA too: running heads, now. The job, its
+-- tracks with queue positions and their workers' status, the cancel flag (and the job's ETA): one JSON document,
+-- built here so that Python parses it once. Track fields stored as JSON are spliced in as they are (cjson would
+-- turn their empty lists into {}); hash order is kept.
 local P, job_id = ARGV[1], ARGV[2]
 local json_field = {}
 for name in string.gmatch(ARGV[3], '[^,]+') do json_field[name] = true end
