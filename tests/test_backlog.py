@@ -73,6 +73,8 @@ def _fill(svc, seed: int) -> list[str]:
                 _start(svc, job_id, track, names[0], queue, started_ago=rng.uniform(0, 40))
                 if fate == "running" and rng.random() < 0.5:
                     assert svc.jobs.report(job_id, track, _owner(job_id, track), progress=rng.uniform(0, 1))
+                if fate == "running" and rng.random() < 0.3:  # delivered again where it runs: a new start
+                    _start(svc, job_id, track, names[0], queue, started_ago=rng.uniform(0, 5))
             if fate in ("waiting", "resumed", "done"):
                 _finish(svc, job_id, track, names[0])
             if fate == "resumed":  # moved after its first stage: queued again from the second (music keeps it)
@@ -194,13 +196,29 @@ def _backlog_keys(svc, queue: str) -> list[str]:
 
 
 def test_the_sums_return_to_nothing_when_every_track_has_ended(svc):
-    """Done, canceled, failed, restarted until it gives up, retried and finished, and a job that expired on
-    its queue (the reaper takes it off): afterwards no queue holds any backlog, load or cost."""
+    """Done, canceled, failed, retried, restarted until it gives up, adopted into a batch and released,
+    taken off a queue and routed again, and a job that expired on its queue (the reaper takes it off):
+    afterwards no queue holds any backlog, load or cost."""
     jobs = _fill(svc, seed=11)
     expired = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=8.0)
     for track, queue in enumerate(QUEUES):
         _route(svc, expired, track, queue)
     _start(svc, expired, 0, "backbone", "gpu0")
+    batched = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=5.0)  # adopted, then released
+    for track in (0, 1):
+        _route(svc, batched, track, "gpu0")
+    _start(svc, batched, 0, "backbone", "gpu0")
+    owner = _owner(batched, 0)
+    assert svc.jobs.transition("adopt", batched, 1, stage="backbone", queue_is="gpu0", owner=owner,
+                               worker=WORKER["gpu0"], lease_ms=600_000).status == "running:backbone"
+    assert svc.jobs.report(batched, 1, owner, progress=0.5)
+    assert svc.jobs.transition("release", batched, 1, stage="backbone", owner=owner).status == "queued"
+    moved = svc.jobs.create("lipsync", {}, [{}], cost=4.0)  # taken off its queue with its message, routed again
+    _route(svc, moved, 0, "gpu1")
+    svc.redis.rpush("fake:broker", "its message")
+    assert svc.jobs.transition("unroute", moved, 0, lrem=["fake:broker", "its message"]).status == "parked"
+    _route(svc, moved, 0, "gpu0")
+    jobs += [batched, moved]
     assert all(_backlog_keys(svc, queue) for queue in QUEUES)
     for job_id in jobs:
         for track in svc.jobs.record(job_id)["tracks"]:
@@ -248,3 +266,23 @@ def test_the_reaper_lowers_the_load_of_a_track_whose_job_expired(svc):
     assert svc.redis.zrange(svc.jobs.keys.waiting("gpu0"), 0, -1) == [f"{kept}:0"]  # positions count it no more
     assert svc.jobs.record(kept)["queue_position"] == 1
     assert eta.queue_seconds(svc, ["gpu0"]) == {"gpu0": 12.0}
+
+
+def test_a_running_stage_counts_from_its_latest_start_and_its_progress(svc):
+    """A running stage has left the larger of its estimate less the time it ran and what its progress leaves
+    of the estimate; a stage delivered again where it runs starts its clock anew."""
+    eta.learn(svc, "gpu0", "music", "backbone", seconds=100.0, cost=1.0)  # 100 s per song second
+    job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
+    _route(svc, job_id, 0, "gpu0")
+    later = 3 * 0.25  # the three stages no queue learned: their share of the one song second
+
+    def eta_now() -> float:
+        return svc.jobs.estimates.read(time.time(), eta.running_heads(svc), jobs=[job_id])["jobs"][job_id]
+    _start(svc, job_id, 0, "backbone", "gpu0", started_ago=60)
+    assert eta_now() == pytest.approx(100 + later, abs=0.01)  # no progress yet: the whole estimate
+    assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.5)
+    assert eta_now() == pytest.approx(50 + later, abs=0.01)  # half done, though 60 s of 100 ran
+    _start(svc, job_id, 0, "backbone", "gpu0", started_ago=10)
+    assert eta_now() == pytest.approx(90 + later, abs=1.0)  # started again 10 s ago
+    assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.95)
+    assert eta_now() == pytest.approx(90 + later, abs=1.0)  # its clock says more is left than its progress
