@@ -155,24 +155,15 @@ local function is_open(status) return status ~= '' and status ~= 'done' and stat
 -- An estimator at time `now` reading the first `heads` running tracks of each queue.
 local function estimator(P, now, heads)
   local E = {}
-  local own, fleet, per_unit_cache, from_cache, queues = {}, {}, {}, {}, {}
-  local flat = redis.call('HGETALL', P .. ':throughput')
-  for i = 1, #flat, 2 do
-    local kind, stage, extra = string.match(flat[i], '^[^|]*|([^|]*)|([^|]*)(.*)$')
-    if kind and extra == '' then  -- not a "|n" or "|cold" field
-      local rate = tonumber(flat[i + 1])
-      own[flat[i]] = rate
-      local f = fleet[kind .. '|' .. stage] or {0, 0}
-      f[1], f[2] = f[1] + rate, f[2] + 1
-      fleet[kind .. '|' .. stage] = f
-    end
-  end
+  local per_unit_cache, from_cache, queues = {}, {}, {}
   -- seconds per cost unit of a stage on q: learned there, else the fleet's mean, else its share
   function E.per_unit(q, kind, stage)
     local key = q .. '|' .. kind .. '|' .. stage
     if per_unit_cache[key] == nil then
-      local f = fleet[kind .. '|' .. stage]
-      per_unit_cache[key] = own[key] or (f and f[1] / f[2]) or 1 / #STAGES[kind]
+      local fleet = '*|' .. kind .. '|' .. stage
+      local h = redis.call('HMGET', P .. ':throughput', key, fleet .. '|sum', fleet .. '|queues')
+      local n = tonumber(h[3] or '0')
+      per_unit_cache[key] = tonumber(h[1]) or (n > 0 and tonumber(h[2]) / n) or 1 / #STAGES[kind]
     end
     return per_unit_cache[key]
   end

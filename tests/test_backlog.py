@@ -286,3 +286,15 @@ def test_a_running_stage_counts_from_its_latest_start_and_its_progress(svc):
     assert eta_now() == pytest.approx(90 + later, abs=1.0)  # started again 10 s ago
     assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.95)
     assert eta_now() == pytest.approx(90 + later, abs=1.0)  # its clock says more is left than its progress
+
+
+def test_the_fleet_mean_counts_rates_learned_before_it_was_kept(svc):
+    """A queue that learned nothing borrows the mean of the queues that did, kept by `learn` beside the rates
+    (counted once from the rates already there, such as those an older version learned)."""
+    svc.redis.hset(svc.jobs.keys.throughput, "gpu5|music|decode", "4.0")  # no fleet count beside it
+    eta.learn(svc, "gpu6", "music", "decode", seconds=2.0, cost=1.0)
+    eta.learn(svc, "gpu6", "music", "decode", seconds=1.0, cost=1.0, alpha=0.5)  # 1.5 now
+    shares = 3 * 0.25  # the other three stages: learned nowhere
+    assert eta.new_track_seconds(svc, "gpu7", "music", 1.0) == pytest.approx((4.0 + 1.5) / 2 + shares)
+    assert eta.new_track_seconds(svc, "gpu6", "music", 1.0) == pytest.approx(1.5 + shares)
+    assert eta.learned(svc) == {("gpu5", "music", "decode"): 4.0, ("gpu6", "music", "decode"): 1.5}
