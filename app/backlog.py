@@ -156,14 +156,23 @@ local function is_open(status) return status ~= '' and status ~= 'done' and stat
 local function estimator(P, now, heads)
   local E = {}
   local per_unit_cache, from_cache, queues = {}, {}, {}
-  -- seconds per cost unit of a stage on q: learned there, else the fleet's mean, else its share
+  -- seconds per cost unit of a stage on q: learned there, else the fleet's mean, else its share (every stage of
+  -- the kind read at once, in one HMGET)
   function E.per_unit(q, kind, stage)
     local key = q .. '|' .. kind .. '|' .. stage
     if per_unit_cache[key] == nil then
-      local fleet = '*|' .. kind .. '|' .. stage
-      local h = redis.call('HMGET', P .. ':throughput', key, fleet .. '|sum', fleet .. '|queues')
-      local n = tonumber(h[3] or '0')
-      per_unit_cache[key] = tonumber(h[1]) or (n > 0 and tonumber(h[2]) / n) or 1 / #STAGES[kind]
+      local names, fields = STAGES[kind], {}
+      for _, name in ipairs(names) do
+        local fleet = '*|' .. kind .. '|' .. name
+        fields[#fields + 1] = q .. '|' .. kind .. '|' .. name
+        fields[#fields + 1] = fleet .. '|sum'
+        fields[#fields + 1] = fleet .. '|queues'
+      end
+      local h = redis.call('HMGET', P .. ':throughput', unpack(fields))
+      for n, name in ipairs(names) do
+        local own, sum, count = tonumber(h[3 * n - 2]), tonumber(h[3 * n - 1]), tonumber(h[3 * n] or '0')
+        per_unit_cache[fields[3 * n - 2]] = own or (count > 0 and sum / count) or 1 / #names
+      end
     end
     return per_unit_cache[key]
   end
