@@ -7,8 +7,13 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prometheus_client import generate_latest
+
+from app.control import eta
+from app.core.config import Settings
 from app.adapters.gpu import GpuProbe, parse_readings, visible_indices
-from app.control.metrics import THROUGHPUT_ALPHA, observe_stage
+from app.control.metrics import make_registry, observe_stage
+from app.control.services import build_services
 from tests.conftest import unit_services
 
 STAGES = ("backbone", "superres", "decode", "export")
@@ -39,11 +44,14 @@ def test_no_gpu_series_on_a_cpu_host_and_throughput_gauges_once_a_job_finished(m
     text = _metrics(stack)
     assert "encore_gpu" not in text, [line for line in text.splitlines() if "encore_gpu" in line]
     samples = _samples(text)
+    rates = eta.learned(stack.app.config["SERVICES"])
     for stage in STAGES:
         labels = (("kind", "music"), ("stage", stage))
         # two tracks of 2 s: 4 song seconds through every stage, batched into one run or not
         assert samples[("encore_stage_units_total", labels)] == pytest.approx(4.0), stage
-        assert samples[("encore_stage_seconds_per_unit", labels)] > 0, stage
+        # the average is the one the queue's ETAs use
+        average = samples[("encore_stage_seconds_per_unit", (("kind", "music"), ("queue", "gpu0"), ("stage", stage)))]
+        assert average > 0 and average == pytest.approx(rates[("gpu0", "music", stage)], rel=1e-6), stage
         assert samples[("encore_stage_last_seconds_per_unit", labels)] > 0, stage
         runs = samples[("encore_stage_duration_seconds_count", labels)]
         if runs == 1:  # a single run: its seconds per unit are its duration over the 4 units
@@ -70,15 +78,28 @@ def test_gpu_readings_of_live_workers_are_exposed_per_card(make_stack):
     assert "encore_gpu" not in _metrics(stack)
 
 
-def test_the_seconds_per_unit_average_follows_each_run(redis_base_url, tmp_path):
+def test_a_stage_run_is_counted_in_its_histogram_units_and_last_rate(redis_base_url, tmp_path):
     svc = unit_services(redis_base_url, 501, tmp_path)
     observe_stage(svc, "music", "decode", 10.0, units=5.0)  # 2 s per song second
     observe_stage(svc, "music", "decode", 4.0, units=4.0)   # then 1
     observe_stage(svc, "music", "decode", 3.0)               # no units (unknown cost): duration only
     raw = svc.redis.hgetall(svc.jobs.keys.metric("stage_seconds", "music", "decode"))
     assert float(raw["units"]) == 9.0 and float(raw["last_s_per_unit"]) == 1.0
-    assert float(raw["ewma_s_per_unit"]) == pytest.approx(2.0 + THROUGHPUT_ALPHA * (1.0 - 2.0))
     assert (raw["count"], float(raw["sum"]), raw["5"], raw["10"]) == ("3", 17.0, "2", "3")
+
+
+def test_the_metric_average_is_the_etas_one_with_its_alpha(redis_base_url, tmp_path):
+    """ENCORE_ETA_ALPHA weighs the one seconds-per-unit average, which both the ETA and /metrics read."""
+    svc = unit_services(redis_base_url, 501, tmp_path)
+    svc = build_services(Settings(redis_url=svc.settings.redis_url, artifact_dir=tmp_path, eta_alpha=0.5))
+    eta.learn(svc, "gpu1", "music", "decode", seconds=10.0, cost=5.0)  # 2 s per song second
+    eta.learn(svc, "gpu1", "music", "decode", seconds=4.0, cost=4.0)   # then 1
+    samples = _samples(generate_latest(make_registry(svc, {})).decode())
+    average = samples[("encore_stage_seconds_per_unit", (("kind", "music"), ("queue", "gpu1"), ("stage", "decode")))]
+    assert average == pytest.approx(2.0 + 0.5 * (1.0 - 2.0))
+    assert average == pytest.approx(eta.learned(svc)[("gpu1", "music", "decode")])
+    # the ETA's seconds for one song second: this rate, and the three stages not learned yet at their share
+    assert eta.new_track_seconds(svc, "gpu1", "music", 1.0) == pytest.approx(average + 3 * 0.25)
 
 
 def test_a_worker_reports_the_cards_its_cuda_visible_devices_names():

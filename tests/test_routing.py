@@ -72,4 +72,4 @@ def test_routing_weighs_learned_seconds_so_a_slow_card_gets_less_work(svc):
         placed.append(queue)
     assert placed == ["gpu1", "gpu1", "gpu0", "gpu1"]  # done soonest: 4 s, 8 s, then 12 s on either (the tie)
     assert queue_loads(svc, ["gpu0", "gpu1"]) == {"gpu0": 12.0, "gpu1": 12.0}  # seconds, not song seconds
-    assert eta.estimator(svc, ["gpu2"]).new_track_seconds("gpu2", "music", 10.0) == pytest.approx(8.0)
+    assert eta.new_track_seconds(svc, "gpu2", "music", 10.0) == pytest.approx(8.0)

@@ -29,7 +29,7 @@ import requests
 from standardwebhooks import Webhook
 
 from app.core.config import Settings
-from app.control.lifecycle import Layout
+from app.core.keys import Layout
 
 log = logging.getLogger("encore.webhooks")
 

@@ -12,9 +12,10 @@ from typing import Any
 
 import redis
 
+from app.control.backlog import Estimates
 from app.core.ids import is_job_id, new_job_id
 from app.core.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
-from app.control.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open
+from app.control.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open, lua_stages
 from app.core.priority import DEFAULT_PRIORITY
 
 JOB_STATES = ("queued", "running", "done", "failed", "canceled", "partial")
@@ -46,6 +47,7 @@ class JobStore:
         self.ttl_s = ttl_s
         self.keys = Layout(prefix)
         self.lifecycle = Lifecycle(client, self.keys, events_maxlen, webhook_progress_s)
+        self.estimates = Estimates(client, prefix, lua_stages())
         self._renew_lease = client.register_script(_RENEW_LEASE)
 
     # -- keys (the layout is app/lifecycle.Layout's) ------------------------------------------------
@@ -125,8 +127,15 @@ class JobStore:
         """The whole client-facing record in one round trip: job fields, tracks with queue positions (and
         their worker's status while open), overall state, cancel flag."""
         raw = self.lifecycle.read_job(job_id) if is_job_id(job_id) else None
-        if raw is None:
-            return None
+        return None if raw is None else self._record(job_id, raw)
+
+    def record_with_eta(self, job_id: str, now: float, heads: int) -> tuple[dict[str, Any] | None, float | None]:
+        """The record and, in the same round trip, its job's ETA at `now` in seconds (None while a track waits
+        for a live worker; app/control/backlog.py, app/eta.record_with_eta)."""
+        raw = self.lifecycle.read_job(job_id, eta_at=now, heads=heads) if is_job_id(job_id) else None
+        return (None, None) if raw is None else (self._record(job_id, raw), raw.get("eta_s"))
+
+    def _record(self, job_id: str, raw: dict[str, Any]) -> dict[str, Any]:
         job = _decode_job(job_id, raw["job"])
         tracks = raw["tracks"]  # decoded by the read
         job["tracks"] = tracks

@@ -3,9 +3,9 @@
 Every key Encore keeps in Redis is built by `Layout`. Every change of a track's state goes through
 `Lifecycle.apply`, one Lua script that, atomically: checks the track's current status against the
 transition table below, checks who may make it (the holder of the running stage's lease, or anyone when no
-lease is live), honours a pending cancel, moves the track between the bookkeeping sets its status implies,
-keeps the job-level gauges, bumps the track's version, appends the change to the job's event stream and
-publishes it on the job's events channel.
+lease is live), honours a pending cancel, moves the track between the bookkeeping sets its status implies
+(its queue's backlog index among them, app/control/backlog.py), keeps the job-level gauges, bumps the track's
+version, appends the change to the job's event stream and publishes it on the job's events channel.
 
 Statuses (the `status` field of a track hash; clients see `state`, derived from it, as before):
   created       written, not routed yet (the submitter routes it once its inputs exist): in {p}:created
@@ -33,7 +33,10 @@ Layout (prefix `encore` by default; job keys expire with the job):
                                they are dispatched in)
   {p}:queue:{q}:waiting        zset of queued "job:track" by priority, then submission order (queue positions)
   {p}:queue:{q}:load           zset of "job:track" not finished on q, scored by estimated cost
-  {p}:queue:{q}:cost           the sum of that set's scores, in thousandths (routing reads one key)
+  {p}:queue:{q}:cost           the sum of that set's scores, in thousandths (the status page's estimated_load)
+  {p}:queue:{q}:backlog*       the backlog index: per class and group the cost still to run, and the sums ahead
+                               of each track (app/control/backlog.py), kept by the transition: what ETAs and routing read
+  {p}:queue:{q}:running        zset of running "job:track" by seq (app/control/backlog.py)
   {p}:queues                   set of every queue a track was assigned to
   {p}:draining                 set of queues an operator drained
   {p}:seq                      submission counter
@@ -64,6 +67,7 @@ from typing import Any
 
 import redis
 
+from app.control.backlog import BACKLOG_WRITE, ESTIMATE
 from app.core.kinds import KINDS
 from app.core.priority import DEFAULT_PRIORITY, RANK, RANK_SPAN
 
@@ -138,6 +142,13 @@ class Layout:
 
     def cost(self, queue: str) -> str:
         return f"{self.prefix}:queue:{queue}:cost"
+
+    def backlog(self, queue: str) -> str:
+        """The queue's backlog index (app/control/backlog.py): the entries; `:sums` and `:tree` hang off it."""
+        return f"{self.prefix}:queue:{queue}:backlog"
+
+    def running(self, queue: str) -> str:
+        return f"{self.prefix}:queue:{queue}:running"
 
     def queue_live_at(self, queue: str) -> str:
         return f"{self.prefix}:queue:{queue}:live_at"
@@ -277,13 +288,20 @@ def _lua_table(value: Any) -> str:
     return "{" + ", ".join(f"[{json.dumps(k)}] = {_lua_table(v)}" for k, v in value.items()) + "}"
 
 
-def _generated_tables() -> str:
+def lua_stages() -> str:
+    """Each kind's stage names as the Lua local STAGES: all an estimate needs (app/control/backlog.py)."""
+    stages = {kind.name: [stage.name for stage in kind.stages] for kind in KINDS.values()}
+    return f"local STAGES = {_lua_table(stages)}\n"
+
+
+def lua_tables() -> str:
+    """The transition table, stages, display states and priority ranks as Lua locals (T, STAGES, DISPLAY,
+    STRUCTURAL, RANK, ...), for the scripts that change a track."""
     table = {name: {"sources": list(t.sources), "target": t.target, "holder": t.holder, "cancel": t.cancel}
              for name, t in TRANSITIONS.items()}
-    stages = {kind.name: [stage.name for stage in kind.stages] for kind in KINDS.values()}
     display = {kind.name: {stage.name: stage.state for stage in kind.stages} for kind in KINDS.values()}
     ranks = {level: str(rank) for level, rank in RANK.items()}
-    return (f"local T = {_lua_table(table)}\nlocal STAGES = {_lua_table(stages)}\n"
+    return (f"local T = {_lua_table(table)}\n{lua_stages()}"
             f"local DISPLAY = {_lua_table(display)}\nlocal STRUCTURAL = {_lua_table({f: True for f in STRUCTURAL})}\n"
             f"local RANK = {_lua_table(ranks)}\nlocal RANK_SPAN = {RANK_SPAN}\n"
             f"local DEFAULT_RANK = {RANK[DEFAULT_PRIORITY]}\n")
@@ -392,6 +410,7 @@ local function leave(s, q)
   if in_load(s) and redis.call('ZREM', P .. ':queue:' .. q .. ':load', m) == 1 then
     redis.call('DECRBY', P .. ':queue:' .. q .. ':cost', milli)
   end
+  if in_load(s) then backlog_leave(P, q, m) end
   if split(s) == 'running' then
     local w = redis.call('HGET', key, 'worker') or ''
     local ck = P .. ':worker:' .. w .. ':current'
@@ -499,6 +518,11 @@ if event == 'retry' then
   redis.call('HSET', key, 'restarts', 0, 'worker', '')
 end
 for name, value in pairs(fields) do redis.call('HSET', key, name, value) end
+if (target ~= status or new_queue ~= queue) and in_load(target) then  -- from the hash as it now is
+  backlog_enter(P, new_queue, m)
+elseif tk == 'running' and (event == 'start' or event == 'adopt' or fields.progress) then
+  backlog_touch(P, new_queue, m)  -- started again where it ran, or reported progress
+end
 local version = redis.call('HINCRBY', key, 'version', 1)
 
 -- the event: appended to the job's stream (replayed to a client that resumes) and published, in this step
@@ -540,9 +564,10 @@ return {result, target, ''}
 
 
 _READ_JOB = r"""
--- ARGV: prefix, job id, JSON field names (comma-separated). The job, its tracks with queue positions and their
--- workers' status, the cancel flag: one JSON document, built here so that Python parses it once. Track fields
--- stored as JSON are spliced in as they are (cjson would turn their empty lists into {}); hash order is kept.
+-- ARGV: prefix, job id, JSON field names (comma-separated); for the ETA too: running heads, now. The job, its
+-- tracks with queue positions and their workers' status, the cancel flag (and the job's ETA): one JSON document,
+-- built here so that Python parses it once. Track fields stored as JSON are spliced in as they are (cjson would
+-- turn their empty lists into {}); hash order is kept.
 local P, job_id = ARGV[1], ARGV[2]
 local json_field = {}
 for name in string.gmatch(ARGV[3], '[^,]+') do json_field[name] = true end
@@ -551,10 +576,12 @@ local function to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = 
 local job = to_table(redis.call('HGETALL', job_key))
 if not job.kind then return false end
 local tracks = {}
+local states = {}  -- {index, status, queue} of each track, for the ETA
 for i = 0, tonumber(job.num_tracks) - 1 do
   local flat = redis.call('HGETALL', job_key .. ':track:' .. i)
   local t = to_table(flat)
   if t.status then
+    states[#states + 1] = {i, t.status, t.queue or ''}
     local parts = {}
     for j = 1, #flat, 2 do
       local value = json_field[flat[j]] and flat[j + 1] or cjson.encode(flat[j + 1])
@@ -575,8 +602,27 @@ for i = 0, tonumber(job.num_tracks) - 1 do
     tracks[#tracks + 1] = '{' .. table.concat(parts, ',') .. '}'
   end
 end
+local eta = ''
+if ARGV[5] and ARGV[5] ~= '' then  -- the job's ETA at time ARGV[5], in this same step (app/control/backlog.py)
+  local seconds = estimator(P, tonumber(ARGV[5]), tonumber(ARGV[4])).job_eta(job_id, states)
+  eta = ',"eta_s":' .. (seconds and string.format('%.17g', seconds) or 'null')
+end
 return '{"job":' .. cjson.encode(job) .. ',"tracks":[' .. table.concat(tracks, ',') .. '],"cancel":' ..
-  redis.call('EXISTS', P .. ':cancel:' .. job_id) .. '}'
+  redis.call('EXISTS', P .. ':cancel:' .. job_id) .. eta .. '}'
+"""
+
+
+_FORGET = r"""
+-- ARGV: prefix, queue, member. A track whose job expired while it was on the queue: out of every set of the
+-- queue, its cost counter lowered by what the load set held for it (its hash, and so its cost, is gone).
+local P, q, m = ARGV[1], ARGV[2], ARGV[3]
+local score = redis.call('ZSCORE', P .. ':queue:' .. q .. ':load', m)
+if score and redis.call('ZREM', P .. ':queue:' .. q .. ':load', m) == 1 then
+  redis.call('DECRBY', P .. ':queue:' .. q .. ':cost', math.floor(tonumber(score) * 1000 + 0.5))
+end
+redis.call('ZREM', P .. ':queue:' .. q .. ':waiting', m)
+backlog_leave(P, q, m)
+return score and 1 or 0
 """
 
 
@@ -618,6 +664,7 @@ out.submitted = to_table(redis.call('HGETALL', P .. ':metrics:submitted'))
 for _, pair in ipairs(spec.stages) do
   out.stages[#out.stages + 1] = to_table(redis.call('HGETALL', P .. ':metrics:stage_seconds:' .. pair[1] .. ':' .. pair[2]))
 end
+out.rates = to_table(redis.call('HGETALL', P .. ':throughput'))
 return cjson.encode(out)
 """
 
@@ -644,8 +691,9 @@ class Lifecycle:
         self.layout = layout
         self.events_maxlen = events_maxlen
         self.webhook_progress_s = webhook_progress_s
-        self._script = client.register_script(_generated_tables() + _TRANSITION)
-        self._read_job = client.register_script(_READ_JOB)
+        self._script = client.register_script(lua_tables() + BACKLOG_WRITE + _TRANSITION)
+        self._read_job = client.register_script(lua_stages() + ESTIMATE + _READ_JOB)
+        self._forget = client.register_script(lua_tables() + BACKLOG_WRITE + _FORGET)
         self._snapshot = client.register_script(_SNAPSHOT)
 
     def apply(self, event: str, job_id: str, track: int, args: dict[str, Any] | None = None,
@@ -662,18 +710,27 @@ class Lifecycle:
         return Outcome(code > 0, code == 2, _text(status), _text(reason))
 
 
-    def read_job(self, job_id: str) -> dict[str, Any] | None:
+    def read_job(self, job_id: str, eta_at: float | None = None, heads: int = 0) -> dict[str, Any] | None:
         """The raw job hash, its track hashes (JSON fields decoded; with queue_position, and worker_status for
-        open tracks with a worker) and the cancel flag, in one round trip and one parse."""
-        reply = self._read_job(keys=[], args=[self.layout.prefix, job_id, ",".join(JSON_FIELDS)])
+        open tracks with a worker) and the cancel flag, in one round trip and one parse. With `eta_at` (a time),
+        also `eta_s`: the job's ETA then, reading `heads` running tracks per queue (app/control/backlog.py)."""
+        args = [self.layout.prefix, job_id, ",".join(JSON_FIELDS)]
+        if eta_at is not None:
+            args += [str(heads), repr(eta_at)]
+        reply = self._read_job(keys=[], args=args)
         return json.loads(reply) if reply else None
+
+    def forget(self, queue: str, value: str) -> bool:
+        """Take a track whose job expired off `queue`: its load set (and cost counter), its waiting set and
+        its backlog (app/control/backlog.py). False when the load set did not hold it."""
+        return self._forget(keys=[], args=[self.layout.prefix, queue, value]) == 1
 
 
     def snapshot(self, states: list[tuple[str, str]], stages: list[tuple[str, str]],
                  list_suffixes: list[str]) -> dict[str, Any]:
         """Workers (with their current stage), queues (depths, load, broker messages, drained), parked
-        tracks, jobs per (kind, state) in `states` order, submission counters and the stage histograms of
-        `stages`, in one round trip (see app/control/snapshot.py)."""
+        tracks, jobs per (kind, state) in `states` order, submission counters, the stage histograms of
+        `stages` and the learned rates, in one round trip (see app/control/snapshot.py)."""
         spec = {"states": states, "stages": stages, "lists": list_suffixes}
         return json.loads(self._snapshot(keys=[], args=[self.layout.prefix, repr(time.time()), json.dumps(spec)]))
 

@@ -3,7 +3,8 @@
 Stages run in worker processes on other hosts, so their durations are aggregated in Redis (a histogram's
 bucket counters per kind/stage, HINCRBY) and exposed by the web, with the stage's throughput: the cost units
 it got through (song seconds for music, audio seconds for lip-sync, summed over the tracks one run served),
-the last run's and an exponentially weighted average of seconds per unit. Job gauges come from the per-state
+the last run's seconds per unit, and per queue the average the ETA and routing use (app/control/eta.py: weighted by
+ENCORE_ETA_ALPHA; there is no second average here). Job gauges come from the per-state
 sets the track transitions keep (app/control/lifecycle.py), queue and worker gauges from the bookkeeping and the
 worker registry, GPU gauges from the NVML readings live workers' heartbeats carry (app/adapters/gpu.py; none on a CPU
 host): a scrape costs one round trip, whatever the number of jobs.
@@ -16,28 +17,24 @@ from typing import Any, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from app.control.eta import parse_rates
 from app.adapters.gpu import parse_readings
 from app.core.kinds import KINDS
 from app.control.services import Services
 from app.control.snapshot import Snapshot, take_snapshot
 
 STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, math.inf)
-THROUGHPUT_ALPHA = 0.3  # weight of the newest run in the seconds-per-unit average: a few runs follow a change
 
-# KEYS: the stage's hash. ARGV: seconds, units, alpha, then the labels of the buckets the duration falls in.
-# One step, so that two workers finishing the same stage at once never lose an update of the average.
+# KEYS: the stage's hash. ARGV: seconds, units, then the labels of the buckets the duration falls in. One step, so
+# that a scrape never sees a run counted in its buckets but not in its sum.
 _OBSERVE = """
-local key, seconds, units, alpha = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-for i = 4, #ARGV do redis.call('HINCRBY', key, ARGV[i], 1) end
+local key, seconds, units = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
+for i = 3, #ARGV do redis.call('HINCRBY', key, ARGV[i], 1) end
 redis.call('HINCRBYFLOAT', key, 'sum', ARGV[1])
 redis.call('HINCRBY', key, 'count', 1)
 if units > 0 then
-  local per_unit = seconds / units
-  local average = tonumber(redis.call('HGET', key, 'ewma_s_per_unit') or '')
-  if average then average = average + alpha * (per_unit - average) else average = per_unit end
   redis.call('HINCRBYFLOAT', key, 'units', ARGV[2])
-  redis.call('HSET', key, 'last_s_per_unit', string.format('%.9g', per_unit),
-             'ewma_s_per_unit', string.format('%.9g', average))
+  redis.call('HSET', key, 'last_s_per_unit', string.format('%.9g', seconds / units))
 end
 """
 
@@ -47,7 +44,7 @@ def observe_stage(svc: Services, kind: str, stage: str, seconds: float, units: f
     `units` of work through (cost units: song or audio seconds), in its throughput."""
     key = svc.jobs.keys.metric("stage_seconds", kind, stage)
     buckets = [_bucket_label(bound) for bound in STAGE_BUCKETS if seconds <= bound]
-    svc.redis.eval(_OBSERVE, 1, key, repr(float(seconds)), repr(float(units)), repr(THROUGHPUT_ALPHA), *buckets)
+    svc.redis.eval(_OBSERVE, 1, key, repr(float(seconds)), repr(float(units)), *buckets)
 
 
 def count_submission(svc: Services, kind: str) -> None:
@@ -70,7 +67,7 @@ class EncoreCollector(Collector):
         yield from _queues(snapshot)
         yield _workers(snapshot)
         yield _stage_durations(snapshot)
-        yield from _stage_throughput(snapshot)
+        yield from _stage_throughput(snapshot, self.svc.settings.eta_alpha)
         yield from _gpus(snapshot)
 
 
@@ -121,19 +118,21 @@ def _stage_durations(snapshot: Snapshot) -> HistogramMetricFamily:
     return histogram
 
 
-def _stage_throughput(snapshot: Snapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+def _stage_throughput(snapshot: Snapshot, alpha: float) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     labels = ["kind", "stage"]
     units = CounterMetricFamily("encore_stage_units", "Cost units (song seconds for music, audio seconds for "
                                 "lip-sync) finished stages got through, over every track a run served", labels=labels)
     last = GaugeMetricFamily("encore_stage_last_seconds_per_unit", "Wall seconds per cost unit of the stage's last "
                              "finished run", labels=labels)
-    average = GaugeMetricFamily("encore_stage_seconds_per_unit", "Wall seconds per cost unit of finished stages, "
-                                f"exponentially weighted (newest run {THROUGHPUT_ALPHA:g})", labels=labels)
+    average = GaugeMetricFamily("encore_stage_seconds_per_unit", "Wall seconds per cost unit of the stage on the "
+                                "queue, exponentially weighted (ENCORE_ETA_ALPHA, here the newest run "
+                                f"{alpha:g}): the rate its ETAs and routing use", labels=["queue", "kind", "stage"])
     for (kind, stage), raw in snapshot.stages.items():
-        if raw.get("ewma_s_per_unit"):
+        if raw.get("last_s_per_unit"):
             units.add_metric([kind, stage], float(raw.get("units", 0)))
             last.add_metric([kind, stage], float(raw["last_s_per_unit"]))
-            average.add_metric([kind, stage], float(raw["ewma_s_per_unit"]))
+    for (queue, kind, stage), rate in sorted(parse_rates(snapshot.rates).items()):
+        average.add_metric([queue, kind, stage], rate)
     yield units
     yield last
     yield average

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from app.control.eta import Estimator, estimator
+from app.control.eta import finishes
 from app.control.routing import routable_queues
 from app.control.services import Services
 
@@ -106,9 +106,9 @@ def check(svc: Services, num_tracks: int) -> None:
 def _wait(svc: Services, on_queue: dict[str, int], need: int, skip) -> int:
     """Whole seconds until `need` tracks have finished on the queues in `on_queue` whose finishing frees room
     (the first `skip(queue)` finishes on an over-full queue free none), by the queues' ETA schedules."""
-    estimate: Estimator = estimator(svc, on_queue)
+    schedules = finishes(svc, on_queue)
     frees = sorted(finish for queue in on_queue
-                   for finish in sorted(estimate.schedule(queue).values())[skip(queue):])
+                   for finish in sorted(f for _, f in schedules.get(queue, []))[skip(queue):])
     if need <= 0 or len(frees) < need:
         return UNKNOWN_WAIT_S
     return max(1, math.ceil(frees[need - 1]))

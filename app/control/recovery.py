@@ -171,8 +171,8 @@ def _reap_queue(svc: Services, celery: Celery, queue: str, live: set[str], check
     for value in members:
         job_id, track = parse_member(value)
         record = svc.jobs.track(job_id, track)
-        if record is None:  # its job expired under it
-            svc.redis.zrem(svc.jobs.load_key(queue), value)
+        if record is None:  # its job expired under it: off every set of the queue, its load counted down
+            svc.jobs.lifecycle.forget(queue, value)
             continue
         status = record["status"]
         if status.startswith("running:"):

@@ -26,7 +26,7 @@ from typing import Any
 from celery import Celery, chain
 
 from app.control.broker import broker_lists, find_message
-from app.control.eta import estimator, queue_seconds
+from app.control.eta import done_in, queue_seconds
 from app.core.joblog import job_event
 from app.core.kinds import KINDS, JobKind
 from app.control.lifecycle import CREATED, PARKED, QUEUED, member, parse_member
@@ -66,12 +66,8 @@ def pick_queue(svc: Services, workers: list[dict] | None = None,
     queues = _with_room(svc, routable_queues(svc, workers))
     if not queues:
         return None
-    estimate = estimator(svc, queues)
-
-    def done_in(queue: str) -> float:
-        own = estimate.new_track_seconds(queue, *work) if work else 0.0
-        return round(estimate.queue_seconds(queue) + own, 6)  # equal estimates tie, whatever the float noise
-    return min(queues, key=lambda q: (done_in(q), _queue_number(q)))
+    seconds = done_in(svc, queues, work)  # equal estimates tie, whatever the float noise:
+    return min(queues, key=lambda q: (round(seconds[q], 6), _queue_number(q)))
 
 
 def _with_room(svc: Services, queues: list[str]) -> list[str]:

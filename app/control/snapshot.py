@@ -20,6 +20,7 @@ class Snapshot:
     jobs: dict[tuple[str, str], int]         # (kind, overall state) -> jobs held in Redis
     submitted: dict[str, int]                # kind -> jobs accepted since Redis was created
     stages: dict[tuple[str, str], dict[str, str]]  # (kind, stage) -> its duration histogram's raw counters
+    rates: dict[str, str]                    # the learned seconds per cost unit, raw (app/control/eta.py)
 
 
 def take_snapshot(svc: Services, transport_options: dict[str, Any]) -> Snapshot:
@@ -33,7 +34,8 @@ def take_snapshot(svc: Services, transport_options: dict[str, Any]) -> Snapshot:
     return Snapshot(workers=workers, queues=queues, unrouted=raw["unrouted"],
                     jobs=dict(zip(states, _list(raw["jobs"]))),
                     submitted={kind: int(n) for kind, n in _dict(raw["submitted"]).items()},
-                    stages={pair: _dict(h) for pair, h in zip(stages, _list(raw["stages"]))})
+                    stages={pair: _dict(h) for pair, h in zip(stages, _list(raw["stages"]))},
+                    rates=_dict(raw.get("rates")))
 
 
 def _list(value: Any) -> list:

@@ -192,7 +192,8 @@ class Settings:
     # "5/second;100/hour"); empty: none. Its window strategy: fixed-window, moving-window or sliding-window-counter.
     submit_rate_limit: str = field(default_factory=lambda: _env("ENCORE_SUBMIT_RATE_LIMIT", "").strip())
     rate_limit_strategy: str = field(default_factory=lambda: _env("ENCORE_RATE_LIMIT_STRATEGY", "fixed-window"))
-    # ETA (app/control/eta.py): the weight of a finished stage's seconds in its queue's learned rate (exponential mean).
+    # ETA (app/control/eta.py): the weight of a finished stage's seconds in its queue's learned rate (exponential mean), the
+    # one average the ETAs, routing and /metrics' encore_stage_seconds_per_unit read.
     eta_alpha: float = field(default_factory=lambda: float(_env("ENCORE_ETA_ALPHA", "0.3")))
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, redirect, request, send_file
 from flask.typing import ResponseReturnValue
 
-from app.control.eta import job_etas
+from app.control.eta import job_etas, record_with_eta
 from app.http.events import HEADERS as SSE_HEADERS, job_events, valid_event_id
 from app.http.context import context
 from app.http.replies import error
@@ -55,10 +55,10 @@ def list_jobs() -> ResponseReturnValue:
 def get_job(job_id: str) -> ResponseReturnValue:
     """A job's record: state, queue position, per-track stages and progress, downloads."""
     svc = context().services
-    record = svc.jobs.record(job_id)
+    record, eta_s = record_with_eta(svc, job_id)
     if record is None:
         return error(404, f"job {job_id} not found")
-    return jsonify(_with_eta(svc, [record])[0])
+    return jsonify({**_public(record), "eta_s": eta_s})
 
 
 @blueprint.get("/api/v1/jobs/<job_id>/events")

@@ -1,0 +1,300 @@
+"""The backlog index (app/control/backlog.py) against a real redis-server: the sums the transitions keep give the same
+ETAs, queue seconds and schedules as counting every open track from its hash (the rule app/control/eta.py states,
+restated here over a scan), and they come back to nothing when every track has ended, however it ended."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from app.control import eta
+from app.control.backlog import FENWICK_SIZE
+from app.adapters.celery_app import make_celery
+from app.core.kinds import KINDS
+from app.control.lifecycle import parse_member
+from app.control.recovery import reap
+from tests.conftest import unit_services
+
+QUEUES = ("gpu0", "gpu1")
+WORKER = {"gpu0": "gpu0@a", "gpu1": "gpu1@a"}
+
+
+@pytest.fixture
+def svc(redis_base_url, tmp_path):
+    return unit_services(redis_base_url, 504, tmp_path)
+
+
+def _owner(job_id: str, track: int) -> str:
+    return f"w|{job_id}-{track}|1"
+
+
+def _start(svc, job_id: str, track: int, stage: str, queue: str, started_ago: float = 0.0) -> None:
+    record = svc.jobs.track(job_id, track)
+    stages = {**record["stages"], stage: {"started_at": time.time() - started_ago}}
+    assert svc.jobs.transition("start", job_id, track, {"stages": stages}, stage=stage, owner=_owner(job_id, track),
+                               task_id=record["task_ids"][0], worker=WORKER[queue], lease_ms=600_000), (job_id, stage)
+
+
+def _finish(svc, job_id: str, track: int, stage: str) -> None:
+    record = svc.jobs.track(job_id, track)
+    stages = {**record["stages"], stage: {**record["stages"].get(stage, {}), "finished_at": time.time()}}
+    assert svc.jobs.transition("finish", job_id, track, {"stages": stages}, stage=stage, owner=_owner(job_id, track))
+
+
+def _route(svc, job_id: str, track: int, queue: str) -> None:
+    assert svc.jobs.route(job_id, track, queue, [f"{job_id}-{track}-{n}" for n in range(4)])
+
+
+def _fill(svc, seed: int) -> list[str]:
+    """Jobs of both kinds and every priority in every open status on two queues: queued, running (with elapsed
+    time and progress), waiting between stages, resumed after a finished stage; some ended. Rates learned for
+    some stages of one queue only, so the other borrows the fleet's mean and unlearned stages their share."""
+    rng = random.Random(seed)
+    eta.learn(svc, "gpu0", "music", "backbone", seconds=6.0, cost=2.0)
+    eta.learn(svc, "gpu0", "music", "decode", seconds=1.0, cost=4.0)
+    eta.learn(svc, "gpu1", "lipsync", "lipsync", seconds=9.0, cost=3.0)
+    jobs = []
+    for index in range(40):
+        kind = "music" if index % 3 else "lipsync"
+        tracks = 2 if kind == "music" else 1
+        job_id = svc.jobs.create(kind, {}, [{"seed": n} for n in range(tracks)], cost=round(rng.uniform(1, 30), 3),
+                                 priority=rng.choice(("high", "normal", "low")))
+        jobs.append(job_id)
+        names = [stage.name for stage in KINDS[kind].stages]
+        for track in range(tracks):
+            queue = rng.choice(QUEUES)
+            fate = rng.choice(("queued", "queued", "running", "waiting", "resumed", "parked", "done", "canceled"))
+            if fate == "parked":
+                assert svc.jobs.transition("park", job_id, track)
+                continue
+            _route(svc, job_id, track, queue)
+            if fate in ("running", "waiting", "resumed", "done"):
+                _start(svc, job_id, track, names[0], queue, started_ago=rng.uniform(0, 40))
+                if fate == "running" and rng.random() < 0.5:
+                    assert svc.jobs.report(job_id, track, _owner(job_id, track), progress=rng.uniform(0, 1))
+                if fate == "running" and rng.random() < 0.3:  # delivered again where it runs: a new start
+                    _start(svc, job_id, track, names[0], queue, started_ago=rng.uniform(0, 5))
+            if fate in ("waiting", "resumed", "done"):
+                _finish(svc, job_id, track, names[0])
+            if fate == "resumed":  # moved after its first stage: queued again from the second (music keeps it)
+                record = svc.jobs.track(job_id, track)
+                kept = {names[0]: record["stages"][names[0]]} if kind == "music" else {}
+                assert svc.jobs.transition("restart", job_id, track, {"stages": kept})
+                _route(svc, job_id, track, rng.choice(QUEUES))
+            if fate == "done":
+                for stage in names[1:]:
+                    _start(svc, job_id, track, stage, queue)
+                    _finish(svc, job_id, track, stage)
+            if fate == "canceled":
+                assert svc.jobs.cancel(job_id, track, "canceled")
+    for index in range(eta.running_heads(svc) + 2):  # more running tracks on gpu1 than an estimate reads
+        job_id = svc.jobs.create("music", {}, [{"seed": index}], cost=3.0 + index)
+        _route(svc, job_id, 0, "gpu1")
+        _start(svc, job_id, 0, "backbone", "gpu1", started_ago=0.5 + index)
+        jobs.append(job_id)
+    return jobs
+
+
+def _per_unit(rates: dict, queue: str, kind: str, stage: str) -> float:
+    """The rule's rate: learned on the queue, else the fleet's mean, else the stage's share of the cost."""
+    if (queue, kind, stage) in rates:
+        return rates[(queue, kind, stage)]
+    fleet = [rate for (_, k, s), rate in rates.items() if (k, s) == (kind, stage)]
+    return sum(fleet) / len(fleet) if fleet else 1 / len(KINDS[kind].stages)
+
+
+def _reference(svc, queue: str, now: float) -> dict[str, float]:
+    """{member: finish} by the rule, from every open track's hash: running tracks, then waiting ones, in
+    submission order, then queued ones in queue-position order; each its stages' seconds from its current (or
+    first unfinished) stage, a running one among the queue's first running_heads less what its stage already
+    ran (or its progress leaves)."""
+    rates = eta.learned(svc)
+    members = svc.redis.zrange(svc.jobs.keys.load(queue), 0, -1)
+    running = sorted((svc.jobs.track(*parse_member(value))["seq"], value) for value in members
+                     if svc.jobs.track(*parse_member(value))["status"].startswith("running:"))
+    heads = {value for _, value in running[:eta.running_heads(svc)]}
+    rows = []
+    for value in members:
+        job_id, index = parse_member(value)
+        track, kind = svc.jobs.track(job_id, index), svc.jobs.job(job_id)["kind"]
+        names = [stage.name for stage in KINDS[kind].stages]
+        state, _, stage = track["status"].partition(":")
+        group = {"running": 0, "waiting": 1}.get(state, 2)
+        order = svc.redis.zscore(svc.jobs.keys.waiting(queue), value) if group == 2 else track["seq"]
+        start = names.index(stage) if stage in names else \
+            next((n for n, name in enumerate(names) if not track["stages"].get(name, {}).get("finished_at")), 0)
+        left = sum(_per_unit(rates, queue, kind, name) * track["cost"] for name in names[start:])
+        if state == "running" and value in heads:
+            whole = _per_unit(rates, queue, kind, stage) * track["cost"]
+            elapsed = now - track["stages"][stage]["started_at"]
+            left += max(whole - elapsed, whole * (1 - min(max(track["progress"], 0.0), 1.0))) - whole
+        rows.append(((group, order), value, left))
+    finish, clock = {}, 0.0
+    for _, value, left in sorted(rows):
+        clock += left
+        finish[value] = clock
+    return finish
+
+
+@pytest.mark.parametrize("first_seq", [0, FENWICK_SIZE - 1000])
+def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_seq):
+    svc.redis.set(svc.jobs.keys.seq, first_seq)  # also near the top of the Fenwick trees' range
+    jobs = _fill(svc, seed=first_seq % 97)
+    now = time.time()
+    read = svc.jobs.estimates.read(now, eta.running_heads(svc), jobs=jobs, queues=QUEUES, schedules=QUEUES)
+    expected = {queue: _reference(svc, queue, now) for queue in QUEUES}
+    for queue in QUEUES:
+        assert dict(read["schedules"][queue]) == pytest.approx(expected[queue], rel=1e-9, abs=1e-9)
+        assert list(dict(read["schedules"][queue])) == list(expected[queue])  # in the worker's order
+        assert read["queues"][queue][0] == pytest.approx(max(expected[queue].values(), default=0.0), rel=1e-9)
+    assert sum(map(len, expected.values())) > 20  # the fill left work on both queues
+    assert svc.redis.zcard(svc.jobs.keys.running("gpu1")) > eta.running_heads(svc)
+    for job_id in jobs:
+        open_ones = [t for t in svc.jobs.record(job_id)["tracks"] if t["status"] not in ("done", "failed", "canceled")]
+        if any(not t["queue"] for t in open_ones):
+            wanted = None
+        else:
+            wanted = max((expected[t["queue"]][f"{job_id}:{t['track']}"] for t in open_ones), default=0.0)
+        got = read["jobs"][job_id]
+        assert got == wanted if wanted is None else got == pytest.approx(wanted, rel=1e-9, abs=1e-9), \
+            (job_id, got, wanted)
+    assert any(v is None for v in read["jobs"].values()) and any(read["jobs"].values())
+
+
+def test_a_poll_reads_its_eta_in_the_same_round_trip_as_its_record(svc):
+    jobs = _fill(svc, seed=5)
+    calls = []
+    original = svc.redis.execute_command
+    svc.redis.execute_command = lambda *a, **k: calls.append(a[0]) or original(*a, **k)
+    began = time.monotonic()
+    try:
+        polled = [eta.record_with_eta(svc, job_id) for job_id in jobs]
+    finally:
+        svc.redis.execute_command = original
+    assert len(calls) == len(jobs), calls
+    by_records = eta.job_etas(svc, [record for record, _ in polled])
+    ran = time.monotonic() - began  # running stages' estimates shrink as they run
+    assert [value for _, value in polled] == pytest.approx(by_records, abs=ran + 0.1 + 1e-9)
+    assert any(value for value in by_records) and None in by_records  # open jobs, and parked ones
+
+
+def _run_to_the_end(svc, job_id: str, index: int) -> None:
+    """Every stage the track has not finished, started (unless it runs) and finished on its queue."""
+    names = [stage.name for stage in KINDS[svc.jobs.job(job_id)["kind"]].stages]
+    current = svc.jobs.track(job_id, index)
+    finished = [n for n in names if current["stages"].get(n, {}).get("finished_at")]
+    for stage in names[len(finished):]:
+        if not svc.jobs.track(job_id, index)["status"].startswith("running:"):
+            _start(svc, job_id, index, stage, current["queue"])
+        _finish(svc, job_id, index, stage)
+    assert svc.jobs.track(job_id, index)["status"] == "done"
+
+
+def _backlog_keys(svc, queue: str) -> list[str]:
+    return sorted(svc.redis.scan_iter(match=f"{svc.jobs.keys.prefix}:queue:{queue}:*"))
+
+
+def test_the_sums_return_to_nothing_when_every_track_has_ended(svc):
+    """Done, canceled, failed, retried, restarted until it gives up, adopted into a batch and released,
+    taken off a queue and routed again, and a job that expired on its queue (the reaper takes it off):
+    afterwards no queue holds any backlog, load or cost."""
+    jobs = _fill(svc, seed=11)
+    expired = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=8.0)
+    for track, queue in enumerate(QUEUES):
+        _route(svc, expired, track, queue)
+    _start(svc, expired, 0, "backbone", "gpu0")
+    batched = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=5.0)  # adopted, then released
+    for track in (0, 1):
+        _route(svc, batched, track, "gpu0")
+    _start(svc, batched, 0, "backbone", "gpu0")
+    owner = _owner(batched, 0)
+    assert svc.jobs.transition("adopt", batched, 1, stage="backbone", queue_is="gpu0", owner=owner,
+                               worker=WORKER["gpu0"], lease_ms=600_000).status == "running:backbone"
+    assert svc.jobs.report(batched, 1, owner, progress=0.5)
+    assert svc.jobs.transition("release", batched, 1, stage="backbone", owner=owner).status == "queued"
+    moved = svc.jobs.create("lipsync", {}, [{}], cost=4.0)  # taken off its queue with its message, routed again
+    _route(svc, moved, 0, "gpu1")
+    svc.redis.rpush("fake:broker", "its message")
+    assert svc.jobs.transition("unroute", moved, 0, lrem=["fake:broker", "its message"]).status == "parked"
+    _route(svc, moved, 0, "gpu0")
+    jobs += [batched, moved]
+    assert all(_backlog_keys(svc, queue) for queue in QUEUES)
+    for job_id in jobs:
+        for track in svc.jobs.record(job_id)["tracks"]:
+            index, status, owner = track["track"], track["status"], _owner(job_id, track["track"])
+            if status in ("done", "canceled"):
+                continue
+            if status == "parked":
+                _route(svc, job_id, index, "gpu1")
+            ending = (index + int(job_id[:4], 16)) % 3
+            if ending == 0:
+                assert svc.jobs.cancel(job_id, index, "canceled", owner=owner)
+            elif ending == 1:
+                assert svc.jobs.fail(job_id, index, "failed", owner=owner)
+                assert svc.jobs.transition("retry", job_id, index)
+                _route(svc, job_id, index, "gpu0")
+                assert svc.jobs.transition("restart", job_id, index, max_restarts=0).status == "failed"
+            else:
+                _run_to_the_end(svc, job_id, index)
+    for key in svc.redis.scan_iter(match=f"{svc.jobs.keys.prefix}:job:{expired}*"):
+        svc.redis.delete(key)  # its record expired while its tracks were still on a queue
+    leftover = [q for q in QUEUES if svc.redis.zcard(svc.jobs.keys.load(q))]
+    assert leftover  # the expired job's tracks
+    reap(svc, make_celery(svc.settings))
+    for queue in QUEUES:
+        assert _backlog_keys(svc, queue) in ([], [svc.jobs.keys.cost(queue)]), _backlog_keys(svc, queue)
+        assert int(svc.redis.get(svc.jobs.keys.cost(queue)) or 0) == 0, queue
+        assert eta.queue_seconds(svc, [queue]) == {queue: 0.0} and eta.finishes(svc, [queue]) == {queue: []}
+
+
+def test_the_reaper_lowers_the_load_of_a_track_whose_job_expired(svc):
+    """The status page's estimated_load comes back down when the reaper drops a track whose job expired on
+    its queue (it used to leave the queue's cost counter up for good)."""
+    svc.workers.heartbeat(WORKER["gpu0"], {"queue": "gpu0"})  # live: the reaper leaves the queued track alone
+    kept = svc.jobs.create("music", {}, [{"seed": 1}], cost=12.0)
+    gone = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=30.0)
+    for job_id, tracks in ((kept, 1), (gone, 2)):
+        for track in range(tracks):
+            _route(svc, job_id, track, "gpu0")
+    assert int(svc.redis.get(svc.jobs.keys.cost("gpu0"))) == 72_000
+    for key in svc.redis.scan_iter(match=f"{svc.jobs.keys.prefix}:job:{gone}*"):
+        svc.redis.delete(key)
+    reap(svc, make_celery(svc.settings))
+    assert svc.redis.zrange(svc.jobs.keys.load("gpu0"), 0, -1) == [f"{kept}:0"]
+    assert int(svc.redis.get(svc.jobs.keys.cost("gpu0"))) == 12_000
+    assert svc.redis.zrange(svc.jobs.keys.waiting("gpu0"), 0, -1) == [f"{kept}:0"]  # positions count it no more
+    assert svc.jobs.record(kept)["queue_position"] == 1
+    assert eta.queue_seconds(svc, ["gpu0"]) == {"gpu0": 12.0}
+
+
+def test_a_running_stage_counts_from_its_latest_start_and_its_progress(svc):
+    """A running stage has left the larger of its estimate less the time it ran and what its progress leaves
+    of the estimate; a stage delivered again where it runs starts its clock anew."""
+    eta.learn(svc, "gpu0", "music", "backbone", seconds=100.0, cost=1.0)  # 100 s per song second
+    job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
+    _route(svc, job_id, 0, "gpu0")
+    later = 3 * 0.25  # the three stages no queue learned: their share of the one song second
+
+    def eta_now() -> float:
+        return svc.jobs.estimates.read(time.time(), eta.running_heads(svc), jobs=[job_id])["jobs"][job_id]
+    _start(svc, job_id, 0, "backbone", "gpu0", started_ago=60)
+    assert eta_now() == pytest.approx(100 + later, abs=0.01)  # no progress yet: the whole estimate
+    assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.5)
+    assert eta_now() == pytest.approx(50 + later, abs=0.01)  # half done, though 60 s of 100 ran
+    _start(svc, job_id, 0, "backbone", "gpu0", started_ago=10)
+    assert eta_now() == pytest.approx(90 + later, abs=1.0)  # started again 10 s ago
+    assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.95)
+    assert eta_now() == pytest.approx(90 + later, abs=1.0)  # its clock says more is left than its progress
+
+
+def test_the_fleet_mean_counts_rates_learned_before_it_was_kept(svc):
+    """A queue that learned nothing borrows the mean of the queues that did, kept by `learn` beside the rates
+    (counted once from the rates already there, such as those an older version learned)."""
+    svc.redis.hset(svc.jobs.keys.throughput, "gpu5|music|decode", "4.0")  # no fleet count beside it
+    eta.learn(svc, "gpu6", "music", "decode", seconds=2.0, cost=1.0)
+    eta.learn(svc, "gpu6", "music", "decode", seconds=1.0, cost=1.0, alpha=0.5)  # 1.5 now
+    shares = 3 * 0.25  # the other three stages: learned nowhere
+    assert eta.new_track_seconds(svc, "gpu7", "music", 1.0) == pytest.approx((4.0 + 1.5) / 2 + shares)
+    assert eta.new_track_seconds(svc, "gpu6", "music", 1.0) == pytest.approx(1.5 + shares)
+    assert eta.learned(svc) == {("gpu5", "music", "decode"): 4.0, ("gpu6", "music", "decode"): 1.5}
