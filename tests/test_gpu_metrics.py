@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.gpu import GpuProbe, parse_readings, visible_indices
 from app.metrics import THROUGHPUT_ALPHA, observe_stage
-from tests.conftest import unit_services
+from tests.support.stack import unit_services
 
 STAGES = ("backbone", "superres", "decode", "export")
 

@@ -12,8 +12,9 @@ from app.kinds import MUSIC
 from app.priority import FIRST_STAGE_PRIORITY, LATER_STAGE_PRIORITY
 from app.routing import build_chain, dispatch_unrouted, route_job
 from app.submissions import create_job
-from tests.conftest import REFERENCE_ENGINE, project_celery_config, unit_services, wait_until
-from tests.lipsync_media import face_video, tone, upload
+from tests.support.processes import wait_until
+from tests.support.stack import REFERENCE_ENGINE, project_celery_config, unit_services
+from tests.support.media import face_video, tone, upload
 
 BUSY_S = 30.0  # song seconds that keep the reference engine's backbone busy while the test submits three jobs
 

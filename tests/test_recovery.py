@@ -10,7 +10,7 @@ import pytest
 from app.recovery import reap, restart_track
 from app.priority import FIRST_STAGE_PRIORITY
 from app.routing import enqueue_track, unroute_waiting
-from tests.conftest import project_celery_config, unit_services
+from tests.support.stack import project_celery_config, unit_services
 
 FIRST = FIRST_STAGE_PRIORITY["normal"]  # the broker list a normal job's first stage waits in: gpu<n>:<FIRST>
 
@@ -175,7 +175,7 @@ def test_the_reaper_sends_a_lost_message_again(svc, celery_app, monkeypatch):
     lost, kept = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     for job_id in (lost, kept):
         enqueue_track(svc, celery_app, job_id, 0, "gpu8")
-    old_ids = svc.jobs.track(lost, 0)["task_ids"]
+    old_ids, kept_ids = (svc.jobs.track(job_id, 0)["task_ids"] for job_id in (lost, kept))
     svc.redis.lrem(f"gpu8:{FIRST}", 1, next(p for p in svc.redis.lrange(f"gpu8:{FIRST}", 0, -1) if old_ids[0] in p))
     assert reap(svc, celery_app) == 0  # not waited long enough
     for job_id in (lost, kept):
@@ -186,7 +186,8 @@ def test_the_reaper_sends_a_lost_message_again(svc, celery_app, monkeypatch):
     assert track["status"] == "queued" and track["task_ids"] != old_ids and len(track["task_ids"]) == 4
     payloads = svc.redis.lrange(f"gpu8:{FIRST}", 0, -1)
     assert len(payloads) == 2 and any(track["task_ids"][0] in p for p in payloads)
-    assert svc.jobs.track(kept, 0)["task_ids"] == svc.jobs.track(kept, 0)["task_ids"]
+    assert svc.jobs.track(kept, 0)["task_ids"] == kept_ids  # its message was there: left alone
+    assert any(kept_ids[0] in p for p in payloads)
 
 
 def test_the_reaper_parks_tracks_their_submitter_never_routed(svc, celery_app):

@@ -13,7 +13,7 @@ import requests
 
 from app.artifacts import S3Store
 from app.jobs import new_job_id
-from tests.conftest import S3_ENV
+from tests.support.stack import S3_ENV
 
 
 @pytest.fixture

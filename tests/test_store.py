@@ -9,7 +9,7 @@ import redis
 
 from app.artifacts import DirectoryStore, RedisStore
 from app.jobs import JobStore, overall_state
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 
 
 @pytest.fixture
