@@ -13,167 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.conftest import REFERENCE_ENGINE, Stack, free_port, redis_server_binary, wait_until  # noqa: E402
-
-ENDED = ("done", "failed", "canceled", "partial")
-
-
-class Redis:
-    """The private redis-server all scenarios share (one database each); killable and restartable."""
-
-    def __init__(self, root: Path):
-        self.port = free_port()
-        (root / "aof").mkdir()
-        self.argv = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "yes", "--appendfsync", "always", "--dir", str(root / "aof"),
-                     "--databases", "512"]
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self.answers, 10, what="redis-server")
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def answers(self) -> bool:
-        import redis
-        try:
-            return redis.Redis(port=self.port, socket_timeout=1).ping()
-        except redis.RedisError:
-            return False
-
-
-def _running(stack: Stack, job_id: str) -> bool:
-    return stack.job(job_id)["tracks"][0]["progress"] > 0
-
-
-def _wait_running(stack: Stack, job_id: str) -> None:
-    wait_until(lambda: _running(stack, job_id), 90, 0.1, f"job {job_id} running")
-
-
-# -- scenarios: each sets up, injects its fault, and returns (job ids, when the fault cleared) ---------------
-def redis_crash(stack: Stack, redis: Redis) -> tuple[list[str], float]:
-    """redis-server kill -9 with two stages running, back 10 s later on its AOF."""
-    stack.start_worker(0)
-    stack.start_worker(1)
-    jobs = [stack.submit_music(duration_s=20.0, seed=s) for s in (1, 2)]
-    for job_id in jobs:
-        _wait_running(stack, job_id)
-    redis.kill()
-    time.sleep(10)  # the fault itself: Redis stays down 10 s
-    redis.start()
-    return jobs, time.monotonic()
-
-
-def two_consumers_one_killed(stack: Stack, redis: Redis) -> tuple[list[str], float]:
-    """gpu0 consumed by two workers; the one running the track is killed (master and child)."""
-    stack.start_worker(0)
-    stack.start_worker(1, wait=False, args=("-Q", "gpu0", "-n", "gpu0b@%h"))
-    wait_until(lambda: sum(w["status"] == "idle" for w in stack.client.get("/api/v1/status").get_json()["workers"])
-               == 2, 90, 0.2, "both consumers idle")
-    job_id = stack.submit_music(duration_s=20.0)
-    _wait_running(stack, job_id)
-    runner = stack.job(job_id)["tracks"][0]["worker"]
-    stack.stop_worker(1 if runner.startswith("gpu0b@") else 0)
-    return [job_id], time.monotonic()
-
-
-def cancel_while_worker_dead(stack: Stack, redis: Redis) -> tuple[list[str], float]:
-    """The running stage's worker is killed, then the job is canceled."""
-    stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=30.0)
-    _wait_running(stack, job_id)
-    stack.start_worker(1)
-    stack.stop_worker(0)
-    stack.client.delete(f"/api/v1/jobs/{job_id}")
-    return [job_id], time.monotonic()
-
-
-def worker_on_two_queues(stack: Stack, redis: Redis) -> tuple[list[str], float]:
-    """One worker started with -Q gpu0,gpu1; four jobs."""
-    stack.start_worker(0, args=("-Q", "gpu0,gpu1"))
-    return [stack.submit_music(duration_s=2.0, seed=s) for s in range(4)], time.monotonic()
-
-
-def warm_shutdown_between_stages(stack: Stack, redis: Redis) -> tuple[list[str], float]:
-    """SIGTERM to gpu0 during the backbone; gpu1 is live."""
-    stack.start_worker(1)
-    stack.client.post("/api/v1/queues/gpu1/drain")
-    stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=8.0)
-    _wait_running(stack, job_id)
-    stack.client.delete("/api/v1/queues/gpu1/drain")
-    stack.workers[0].send_signal(signal.SIGTERM)
-    stack.workers.pop(0).wait(120)
-    return [job_id], time.monotonic()
-
-
-def cancel_storm(stack: Stack, redis: Redis) -> tuple[list[str], float]:
-    """60 jobs on two workers, all canceled within seconds."""
-    stack.start_worker(0)
-    stack.start_worker(1)
-    jobs = [stack.submit_music(duration_s=3.0, seed=s) for s in range(60)]
-    wait_until(lambda: any(stack.job(j)["tracks"][0]["state"] != "queued" for j in jobs[:2]), 90, 0.1, "a job running")
-    for job_id in jobs:
-        stack.client.delete(f"/api/v1/jobs/{job_id}")
-    return jobs, time.monotonic()
-
-
-def child_killed(stack: Stack, redis: Redis) -> tuple[list[str], float]:
-    """kill -9 of the prefork child only."""
-    stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=20.0)
-    _wait_running(stack, job_id)
-    os.kill(stack.child_pid(0), signal.SIGKILL)
-    return [job_id], time.monotonic()
-
-
-def worker_killed_and_restarted(stack: Stack, redis: Redis) -> tuple[list[str], float]:
-    """kill -9 of master and child mid-stage, the worker started again."""
-    stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=20.0)
-    _wait_running(stack, job_id)
-    stack.stop_worker(0)
-    stack.start_worker(0)
-    return [job_id], time.monotonic()
-
-
-def worker_started_while_redis_down(stack: Stack, redis: Redis) -> tuple[list[str], float]:
-    """A job parked (no worker), Redis down, a worker started, Redis back."""
-    parked = stack.submit_music(duration_s=2.0)
-    redis.kill()
-    stack.start_worker(0, wait=False)
-    wait_until(lambda: "Cannot connect to redis://" in stack.worker_log(0), 90, 0.2, "the worker retrying")
-    redis.start()
-    cleared = time.monotonic()
-    stack.wait_worker(0, "idle", timeout=120)
-    return [parked, stack.submit_music(duration_s=2.0)], cleared
-
-
-SCENARIOS: dict[str, Callable[[Stack, Redis], tuple[list[str], float]]] = {
-    f.__name__: f for f in (redis_crash, two_consumers_one_killed, cancel_while_worker_dead, worker_on_two_queues,
-                            warm_shutdown_between_stages, cancel_storm, child_killed, worker_killed_and_restarted,
-                            worker_started_while_redis_down)}
+from tests.support.faults import ENDED, SCENARIOS, left_behind  # noqa: E402  (shared with tests/test_reliability.py)
+from tests.support.processes import RedisServer, wait_until  # noqa: E402
+from tests.support.stack import REFERENCE_ENGINE, Stack  # noqa: E402
 
 
 def _duplicated(stack: Stack) -> int:
@@ -203,28 +55,11 @@ def _finished_too_late(stack: Stack) -> int:
                for path in (stack.root / "logs").glob("worker_*.log"))
 
 
-def _left_behind(stack: Stack) -> list[str]:
-    r, p = stack.redis, stack.settings.key_prefix
-    left = []
-    for queue in sorted(r.smembers(f"{p}:queues") | {"gpu0", "gpu1"}):
-        lists = [queue, *(f"{queue}:{step}" for step in range(1, 10))]
-        if sum(r.llen(name) for name in lists):
-            left.append(f"{queue} messages")
-        for name in ("waiting", "load"):
-            if r.zcard(f"{p}:queue:{queue}:{name}"):
-                left.append(f"{queue} {name}")
-    for name in ("unrouted", "created"):
-        if r.zcard(f"{p}:{name}"):
-            left.append(name)
-    if r.hlen("unacked"):
-        left.append("unacked")
-    return left
-
-
-def run(name: str, redis: Redis, models: Path, root: Path, env: dict[str, str], deadline_s: float) -> dict:
+def run(name: str, redis: RedisServer, models: Path, root: Path, env: dict[str, str], deadline_s: float) -> dict:
     stack = Stack(redis.url, models, root / name, **env)
     try:
-        jobs, cleared = SCENARIOS[name](stack, redis)
+        fault = SCENARIOS[name](stack, redis)
+        jobs, cleared = fault.jobs, fault.cleared
         states: dict[str, str] = {}
         last_end = cleared
         while time.monotonic() - cleared < deadline_s:
@@ -237,9 +72,9 @@ def run(name: str, redis: Redis, models: Path, root: Path, env: dict[str, str], 
         left = []
         if len(states) == len(jobs):  # acks follow the records; give them a moment
             try:
-                wait_until(lambda: not _left_behind(stack), 15, 0.2, "the bookkeeping to empty")
+                wait_until(lambda: not left_behind(stack), 15, 0.2, "the bookkeeping to empty")
             except AssertionError:
-                left = _left_behind(stack)
+                left = left_behind(stack)
         counts = Counter(states.values())
         return {"scenario": name, "submitted": len(jobs), "done": counts["done"], "failed": counts["failed"],
                 "canceled": counts["canceled"], "partial": counts["partial"], "stuck": len(jobs) - len(states),
@@ -267,7 +102,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "app.pipeline.tiny", "--out", str(root / "models" / "tiny"),
                         "--lipsync-out", str(root / "models" / "lipsync-tiny")], cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL)
-        redis = Redis(root)
+        redis = RedisServer(root / "aof")
         try:
             rows = [run(name, redis, root / "models" / "tiny", root, env, args.deadline) for name in names]
         finally:

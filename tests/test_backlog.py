@@ -14,7 +14,7 @@ from app.adapters.celery_app import make_celery
 from app.core.kinds import KINDS
 from app.control.lifecycle import parse_member
 from app.control.recovery import reap
-from tests.conftest import unit_services
+from tests.support.stack import unit_services
 
 QUEUES = ("gpu0", "gpu1")
 WORKER = {"gpu0": "gpu0@a", "gpu1": "gpu1@a"}

@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from tests import lipsync_media
-from tests.conftest import REFERENCE_ENGINE, wait_until
+from tests.support import media
+from tests.support.processes import wait_until
+from tests.support.stack import REFERENCE_ENGINE
 
 MUSIC = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3}
 KHALA = {"mode": "instrumental", "prompt_mode": "tags", "tags": "lo-fi", "duration": 1}
@@ -46,9 +47,9 @@ def test_a_submit_past_the_total_cap_is_429_with_a_retry_after_from_the_eta(make
     khala = stack.client.post("/generate", json=KHALA)
     assert khala.status_code == 429 and khala.get_json()["status"] == "error", khala.get_json()
     retry_after(khala)
-    video = lipsync_media.face_video(tmp_path / "v.mp4", 1.0, size=192)
-    audio = lipsync_media.tone(tmp_path / "a.wav", 1.0)
-    lipsync = lipsync_media.upload(stack.client, video, audio)
+    video = media.face_video(tmp_path / "v.mp4", 1.0, size=192)
+    audio = media.tone(tmp_path / "a.wav", 1.0)
+    lipsync = media.upload(stack.client, video, audio)
     assert lipsync.status_code == 429, lipsync.get_json()
     retry_after(lipsync)
     assert job_count(stack) == 1  # no refused job was created

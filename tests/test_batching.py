@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 
 
 def test_two_tracks_on_one_worker_share_a_backbone_pass_and_sound_as_they_would_alone(make_stack):
@@ -41,8 +41,8 @@ def test_cancel_during_a_batched_backbone_ends_both_tracks(make_stack):
 
 def test_adopted_tracks_go_back_to_waiting_or_end_with_a_cancel(redis_base_url, tmp_path):
     """What a failed or killed batched run leaves behind (the child's list of adopted tracks may be gone)."""
-    from app.tasks.stage import adopted_by_killed_run, release_adopted  # not app.tasks.music: see conftest
-    from tests.conftest import unit_services
+    from app.tasks.stage import adopted_by_killed_run, release_adopted  # not app.tasks.music: see tests/support/stack.py
+    from tests.support.stack import unit_services
     svc = unit_services(redis_base_url, 507, tmp_path)
     owner = "gpu0@a|t0|1"
     job_id = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}, {"seed": 3}], cost=1.0)

@@ -7,12 +7,12 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.support.processes import LONGEST_WAIT_S, REPO
 
 
 def test_fault_matrix_script_runs_a_scenario_and_reports_it():
     run = subprocess.run([sys.executable, "bench/faults.py", "--quick", "--only", "worker_on_two_queues"], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=LONGEST_WAIT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     [row] = report["rows"]

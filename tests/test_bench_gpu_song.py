@@ -7,12 +7,12 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.support.processes import LONGEST_WAIT_S, REPO
 
 
 def test_gpu_song_bench_runs_every_section_at_tiny_size():
     run = subprocess.run([sys.executable, "bench/gpu_song.py", "--tiny"], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=LONGEST_WAIT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     sections = {name: value for line in lines[:-1] for name, value in line.items()}

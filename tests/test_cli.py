@@ -3,16 +3,16 @@ submit music/lip-sync with --wait (progress, downloads, exit codes), status, job
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests import lipsync_media
-from tests.conftest import REFERENCE_ENGINE, REPO, Stack, free_port, wait_until
+from tests.support import media
+from tests.support.cli import cli
+from tests.support.processes import free_port, wait_until
+from tests.support.stack import REFERENCE_ENGINE, Stack
 
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 TINY_MUSIC = ["submit", "music", "--mode", "instrumental", "--tags", "x", "--duration-s", "2", "--tracks", "1",
@@ -26,14 +26,6 @@ def stack(redis_base_url, tiny_models, tmp_path_factory):
     stack.start_worker(0)
     yield stack
     stack.close()
-
-
-def cli(stack: Stack, *args: str, cwd: Path = REPO, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    """Run the CLI exactly as a user would; ENCORE_URL points at the stack unless overridden."""
-    environ = {k: v for k, v in os.environ.items() if k != "ENCORE_API_TOKEN"}
-    environ.update({"ENCORE_URL": stack.base_url, "PYTHONPATH": str(REPO), **env})
-    return subprocess.run([sys.executable, "-m", "app", *args], cwd=cwd, env=environ, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def ffprobe(path: Path) -> dict:
@@ -83,8 +75,8 @@ def test_submit_music_wait_shows_bars_and_downloads_both_files(stack, tmp_path):
 
 
 def test_submit_lipsync_wait_downloads_the_video_into_the_default_folder(stack, tmp_path):
-    video = lipsync_media.face_video(tmp_path / "face.mp4", seconds=3.2)
-    audio = lipsync_media.tone(tmp_path / "tone.wav", seconds=1.0)
+    video = media.face_video(tmp_path / "face.mp4", seconds=3.2)
+    audio = media.tone(tmp_path / "tone.wav", seconds=1.0)
     result = cli(stack, "submit", "lipsync", str(video), str(audio), "--fps", "10", "--batch-size", "4", "--wait",
                  cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

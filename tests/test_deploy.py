@@ -10,14 +10,14 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import REPO
+from tests.support.processes import REPO
 
 SECRETS = {"REDIS_PASSWORD": "s3cret-redis", "ENCORE_FLOWER_BASIC_AUTH": "ops:pw", "API_TOKEN": "tok"}
 
 
 def compose_config(env: dict[str, str]) -> subprocess.CompletedProcess:
     binary = shutil.which("docker-compose")
-    assert binary, "docker-compose is not installed (.ci/run installs Debian's package)"
+    assert binary, "docker-compose is not installed (scripts/setup.sh --test installs Debian's package)"
     clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
     return subprocess.run([binary, "-f", str(REPO / "docker-compose.yml"), "config"], cwd=REPO,
                           env={**clean, **env}, capture_output=True, text=True, timeout=60)

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import REPO, Stack, free_port, wait_until
+from tests.support.processes import REPO, free_port, wait_until
+from tests.support.stack import Stack
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Files other branches write, linked before they land: allowed to be missing until then (drop them once merged).

@@ -1,8 +1,9 @@
 """Draining a queue for maintenance, with real workers: new tracks avoid it, its waiting tracks move."""
 from __future__ import annotations
 
-from tests.conftest import REFERENCE_ENGINE, wait_until
-from tests.test_cli import cli
+from tests.support.processes import wait_until
+from tests.support.stack import REFERENCE_ENGINE
+from tests.support.cli import cli
 
 
 def queue_row(stack, name: str) -> dict:

@@ -9,7 +9,8 @@ import time
 from app.control import eta
 from app.core.kinds import MUSIC
 from app.control.routing import pick_queue
-from tests.conftest import REFERENCE_ENGINE, wait_until
+from tests.support.processes import wait_until
+from tests.support.stack import REFERENCE_ENGINE
 
 FACTOR = 2.5  # the stated bound: the estimate is within real/FACTOR .. real*FACTOR
 SONG = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 20.0, "num_tracks": 1}  # seconds of work each

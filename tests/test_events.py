@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import requests
 
 from app.clients.cli import sse_messages
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 
 TRACK_STATES = ["queued", "backbone", "superres", "decoding", "exporting", "done"]
 

@@ -8,21 +8,9 @@ from skimage import data
 
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync.faces import NoFaceDetected, crop_box, detect_face, detect_faces, fill_missing
+from tests.support.media import astronaut_frames
 
 ASTRONAUT_FACE = (177, 66, 272, 161)  # the face in skimage.data.astronaut() (512x512), by inspection
-
-
-def astronaut_frames(count: int, size: tuple[int, int] = (320, 240)) -> list[np.ndarray]:
-    """A short clip: the astronaut scaled to the frame height, drifting right 3 px a frame over a grey
-    background whose level differs per frame (so every frame's pixels outside the face differ)."""
-    width, height = size
-    portrait = cv2.resize(data.astronaut(), (height, height), interpolation=cv2.INTER_AREA)
-    frames = []
-    for i in range(count):
-        frame = np.full((height, width, 3), 90 + 7 * i, np.uint8)
-        frame[:, 20 + 3 * i:20 + 3 * i + height] = portrait
-        frames.append(frame)
-    return frames
 
 
 def expected_face(i: int, size: tuple[int, int] = (320, 240)) -> tuple[float, float, float, float]:

@@ -8,7 +8,7 @@ import sys
 
 import requests
 
-from tests.conftest import REPO, free_port, wait_until
+from tests.support.processes import REPO, free_port, wait_until
 
 
 def test_flower_requires_auth_and_sees_the_worker(make_stack, tmp_path):

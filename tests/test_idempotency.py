@@ -7,7 +7,7 @@ import threading
 
 import requests
 
-from tests import lipsync_media
+from tests.support import media
 
 MUSIC = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 4}
 
@@ -87,9 +87,9 @@ def test_keys_are_per_token_and_the_khala_submit_honours_them(make_stack):
 
 def test_lipsync_submit_is_idempotent_over_the_uploaded_files(make_stack, tmp_path):
     stack = make_stack()
-    video = lipsync_media.face_video(tmp_path / "face.mp4", seconds=3.2)
-    audio = lipsync_media.tone(tmp_path / "tone.wav", seconds=1.0)
-    other_audio = lipsync_media.tone(tmp_path / "other.wav", seconds=1.0, freq=440.0)
+    video = media.face_video(tmp_path / "face.mp4", seconds=3.2)
+    audio = media.tone(tmp_path / "tone.wav", seconds=1.0)
+    other_audio = media.tone(tmp_path / "other.wav", seconds=1.0, freq=440.0)
 
     def upload(audio_path, **fields):
         with open(video, "rb") as v, open(audio_path, "rb") as a:

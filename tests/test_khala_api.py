@@ -6,7 +6,8 @@ import re
 import pytest
 import requests
 
-from tests.conftest import REFERENCE_ENGINE, wait_until
+from tests.support.processes import LONGEST_WAIT_S, wait_until
+from tests.support.stack import REFERENCE_ENGINE
 
 SONG = {"mode": "vocal", "prompt_mode": "tags", "tags": "synthpop, female vocal", "prompt": "",
         "lyrics": "[verse]\nＨｅｌｌｏ｜world\n", "duration": 1, "top_k_bb": 50, "temperature": 1}
@@ -184,7 +185,7 @@ def test_the_frontends_default_song_runs_to_the_end_on_the_tiny_profile(make_sta
     def finished():
         job = requests.get(f"{stack.base_url}/api/job/{job_id}", timeout=5).json()
         return job if job["status"] in ("completed", "partial", "error", "failed") else None
-    final = wait_until(finished, 900, 0.5, "the 3-minute song")
+    final = wait_until(finished, LONGEST_WAIT_S, 0.5, "the 3-minute song")
     assert final["status"] == "completed", final
     assert [t["status"] for t in final["tracks"]] == ["done", "done"]
     assert [t["duration_sec"] for t in final["tracks"]] == [180, 180]

@@ -17,7 +17,7 @@ from app.core.config import Settings
 from app.pipeline.control import Canceled, StageControl
 from app.control.services import Services, build_services
 from app.tasks.stage import CancelWatch, LeaseWatchBroken  # not app.tasks.music: see conftest
-from tests.conftest import PYTHON, REPO, free_port, redis_server_binary, wait_until
+from tests.support.processes import PYTHON, REPO, free_port, redis_server_binary, wait_until
 
 OWNER = "gpu0@host|task-1|4242"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.lipsync_media import face_video, tone, upload
+from tests.support.media import face_video, tone, upload
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from app.pipeline.media.probe import probe
-from tests.conftest import wait_until
-from tests.lipsync_media import blank_video, face_video, tone, upload
+from tests.support.processes import wait_until
+from tests.support.media import blank_video, face_video, tone, upload
 
 FPS = 25
 

@@ -1,8 +1,6 @@
 """The MuseTalk procedure end to end on tiny random-weight models and a real face photo."""
 from __future__ import annotations
 
-import wave
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,23 +12,11 @@ from app.pipeline.lipsync.frames import output_frame_count, pingpong_index
 from app.pipeline.lipsync.inference import (SourceLatents, audio_features, read_wav_16k, run_lipsync,
                                   whisper_hidden_states, window_features)
 from app.pipeline.lipsync.musetalk import load_musetalk
-from tests.conftest import tiny_musetalk_profile
-from tests.test_faces import astronaut_frames
+from tests.support.media import astronaut_frames, write_wav
+from tests.support.models import tiny_musetalk_profile
 
 MARGIN = 10
 LAYERS, DIM = 3, 64  # tiny whisper: embedding output + 2 layers, d_model 64
-
-
-def write_wav(path: Path, seconds: float, rate: int = 16000) -> Path:
-    rng = np.random.default_rng(0)
-    t = np.arange(int(seconds * rate)) / rate
-    signal = 0.3 * np.sin(2 * np.pi * (200 + 100 * t) * t) + 0.05 * rng.standard_normal(t.size)
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(rate)
-        wav.writeframes((signal * 32767).astype(np.int16).tobytes())
-    return path
 
 
 @pytest.fixture(scope="module")

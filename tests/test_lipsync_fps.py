@@ -10,9 +10,8 @@ from app.pipeline.lipsync.frames import pingpong_index, shows_a_frame_twice, sou
 from app.pipeline.lipsync.inference import audio_features, run_lipsync
 from app.pipeline.lipsync.musetalk import load_musetalk
 from app.http.uploads import output_fps
-from tests.conftest import tiny_musetalk_profile
-from tests.test_faces import astronaut_frames
-from tests.test_lipsync_engine import write_wav
+from tests.support.models import tiny_musetalk_profile
+from tests.support.media import astronaut_frames, write_wav
 
 MARGIN = 10
 

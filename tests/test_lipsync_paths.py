@@ -24,7 +24,7 @@ from app.pipeline.lipsync.inference import (WHISPER_WINDOWS_PER_PASS, AudioWindo
                                             encode_pixels, face_crop, read_ahead, redraw_faces, run_lipsync,
                                             whisper_hidden_states, window_features)
 from app.pipeline.lipsync.musetalk import WHISPER_SAMPLE_RATE, load_musetalk
-from tests.conftest import tiny_musetalk_profile
+from tests.support.models import tiny_musetalk_profile
 
 MARGIN = 10
 CROP_MEAN, CROP_MAX = 1.5, 40  # device crops vs OpenCV's Lanczos, in 8-bit levels

@@ -10,7 +10,7 @@ import wave
 import redis
 import requests
 
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 
 HOP = 2048
 RATE = 44100

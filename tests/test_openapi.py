@@ -13,7 +13,7 @@ from pathlib import Path
 
 import requests
 
-from tests.conftest import wait_until
+from tests.support.processes import LONGEST_WAIT_S, wait_until
 
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
           "response_schema_conformance")
@@ -30,7 +30,8 @@ def _run_schemathesis(url: str, config: Path, report: Path) -> subprocess.Comple
          # inside schemathesis (a SystemError of the interpreter, not of the API)
          "--seed", "2026", "--request-timeout", "30", "--workers", "1", "--report", "json",
          "--report-json-path", str(report)],
-        capture_output=True, text=True, timeout=900, cwd=report.parent)  # its cache goes there, not the repo
+        capture_output=True, text=True, timeout=LONGEST_WAIT_S,
+        cwd=report.parent)  # its cache goes there, not the repo
 
 
 def test_schemathesis_finds_no_server_error_and_no_undocumented_reply(make_stack, tmp_path):

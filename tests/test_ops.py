@@ -5,7 +5,7 @@ import logging
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:

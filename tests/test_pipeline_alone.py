@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.conftest import PYTHON, REPO
+from tests.support.processes import PYTHON, REPO
 
 PIPELINE_ALONE = r'''
 import importlib, importlib.abc, json, pkgutil, sys

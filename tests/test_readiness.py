@@ -9,7 +9,7 @@ import sys
 
 import requests
 
-from tests.conftest import REPO, wait_until
+from tests.support.processes import REPO, wait_until
 
 
 def readyz(url: str) -> tuple[int, dict]:

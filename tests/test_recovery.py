@@ -10,7 +10,7 @@ import pytest
 from app.control.recovery import reap, restart_track
 from app.core.priority import FIRST_STAGE_PRIORITY
 from app.control.routing import enqueue_track, unroute_waiting
-from tests.conftest import project_celery_config, unit_services
+from tests.support.stack import project_celery_config, unit_services
 
 FIRST = FIRST_STAGE_PRIORITY["normal"]  # the broker list a normal job's first stage waits in: gpu<n>:<FIRST>
 
@@ -150,6 +150,32 @@ def test_the_reaper_restarts_running_tracks_without_a_lease_cancels_canceled_one
     assert reap(svc, celery_app) == 0  # nothing left to do
 
 
+def test_a_stage_that_finishes_while_the_reaper_looks_is_not_taken_for_dead(svc, celery_app, monkeypatch):
+    """The reaper reads a running track's record, then its lease. A stage that finishes in between (on a busy
+    machine the reaper's thread may wait for a CPU between the two reads) released its lease with its finish:
+    it did not die. Taken for dead, the healthy track was restarted, its next message dropped from the broker
+    and its stage run again, and other jobs' first stages overtook it (tests/test_priority.py failed so).
+    The interleaving is forced here: the stage's real `finish` transition runs just before the lease is read."""
+    svc.workers.heartbeat("gpu4@x", {"queue": "gpu4"})
+    job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
+    owner = _running(svc, job_id, "decode")
+    export_id = svc.jobs.track(job_id, 0)["task_ids"][3]
+    celery_app.signature("encore.music.export").set(queue="gpu4", priority=0, task_id=export_id).apply_async()
+    read_lease, finished = svc.jobs.lease, []
+
+    def lease_once_the_stage_has_finished(job: str, track: int):
+        if job == job_id and not finished:
+            stages = {n: {"started_at": 1.0, "finished_at": 2.0} for n in ("backbone", "superres", "decode")}
+            finished.append(svc.jobs.transition("finish", job_id, 0, {"stages": stages}, stage="decode", owner=owner))
+        return read_lease(job, track)
+    monkeypatch.setattr(svc.jobs, "lease", lease_once_the_stage_has_finished)
+    assert reap(svc, celery_app) == 0
+    assert finished == [finished[0]] and finished[0]
+    track = svc.jobs.track(job_id, 0)
+    assert (track["status"], track["restarts"], track["task_ids"][3]) == ("waiting:export", 0, export_id)
+    assert [json.loads(p)["headers"]["id"] for p in svc.redis.lrange("gpu4", 0, -1)] == [export_id]  # still there
+
+
 def test_the_reaper_moves_the_tracks_of_a_queue_offline_too_long(svc, celery_app, monkeypatch):
     queued, between = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     owner = _running(svc, between, "backbone", queue="gpu7", worker="gpu7@gone")
@@ -175,7 +201,7 @@ def test_the_reaper_sends_a_lost_message_again(svc, celery_app, monkeypatch):
     lost, kept = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     for job_id in (lost, kept):
         enqueue_track(svc, celery_app, job_id, 0, "gpu8")
-    old_ids = svc.jobs.track(lost, 0)["task_ids"]
+    old_ids, kept_ids = (svc.jobs.track(job_id, 0)["task_ids"] for job_id in (lost, kept))
     svc.redis.lrem(f"gpu8:{FIRST}", 1, next(p for p in svc.redis.lrange(f"gpu8:{FIRST}", 0, -1) if old_ids[0] in p))
     assert reap(svc, celery_app) == 0  # not waited long enough
     for job_id in (lost, kept):
@@ -186,7 +212,36 @@ def test_the_reaper_sends_a_lost_message_again(svc, celery_app, monkeypatch):
     assert track["status"] == "queued" and track["task_ids"] != old_ids and len(track["task_ids"]) == 4
     payloads = svc.redis.lrange(f"gpu8:{FIRST}", 0, -1)
     assert len(payloads) == 2 and any(track["task_ids"][0] in p for p in payloads)
-    assert svc.jobs.track(kept, 0)["task_ids"] == svc.jobs.track(kept, 0)["task_ids"]
+    assert svc.jobs.track(kept, 0)["task_ids"] == kept_ids  # its message was there: left alone
+    assert any(kept_ids[0] in p for p in payloads)
+
+
+def test_a_message_taken_while_the_reaper_looks_is_not_sent_again(svc, celery_app, monkeypatch):
+    """The reaper reads a waiting track's record, then which messages the broker holds. A worker that took the
+    message and ran the stage in between left nothing in the broker, yet nothing was lost: the track moved on.
+    Resent from the stale record, it got a new chain from its first stage, and its real next message was
+    stale. The interleaving is forced: the stage is taken and run just before the broker is read."""
+    import app.control.recovery
+    svc.workers.heartbeat("gpu8@a", {"queue": "gpu8"})
+    job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
+    enqueue_track(svc, celery_app, job_id, 0, "gpu8")
+    svc.redis.hset(svc.jobs.track_key(job_id, 0), "updated_at", time.time() - svc.settings.stall_after_s - 1)
+    ids = svc.jobs.track(job_id, 0)["task_ids"]
+    read_broker = app.control.recovery.messages_present
+
+    def broker_once_the_stage_ran(*args, **kwargs):
+        assert svc.redis.rpop(f"gpu8:{FIRST}") is not None  # a worker takes the message...
+        owner = f"gpu8@a|{ids[0]}|1"
+        assert svc.jobs.transition("start", job_id, 0, stage="backbone", owner=owner, task_id=ids[0],
+                                   worker="gpu8@a", lease_ms=60_000)
+        assert svc.jobs.transition("finish", job_id, 0, {"stages": {"backbone": {"finished_at": 2.0}}},
+                                   stage="backbone", owner=owner)  # ...runs the stage, and acks it
+        return read_broker(*args, **kwargs)
+    monkeypatch.setattr(app.control.recovery, "messages_present", broker_once_the_stage_ran)
+    svc.redis.delete(svc.jobs.keys.lock("stall-check"))
+    assert reap(svc, celery_app) == 0
+    track = svc.jobs.track(job_id, 0)
+    assert (track["status"], track["task_ids"]) == ("waiting:superres", ids)
 
 
 def test_the_reaper_parks_tracks_their_submitter_never_routed(svc, celery_app):

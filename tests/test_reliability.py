@@ -1,14 +1,16 @@
 """Time limits, crash redelivery caps, runtime modes and the faults of the track lifecycle (dead workers, a lost
-Redis, cancels and shutdowns), with real worker processes."""
+Redis, cancels and shutdowns), with real worker processes. The fault scenarios are those of bench/faults.py
+(tests/support/faults.py): here each one's outcome is checked in detail."""
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 from app.core.priority import FIRST_STAGE_PRIORITY
-from tests.conftest import REFERENCE_ENGINE, wait_until
+from tests.support import faults
+from tests.support.processes import RedisServer, wait_until
+from tests.support.stack import REFERENCE_ENGINE, Stack
 
 LONG_S = 120.0
 
@@ -80,22 +82,15 @@ def test_a_worker_killed_mid_stage_and_started_again_runs_the_track_once_its_lea
     visibility timeout). The stage's lease, no longer renewed, expires; the reaper of the restarted worker
     starts the track again on its queue and drops the dead delivery from `unacked`."""
     stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
-    stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=30.0)
 
-    def backbone_running():
-        track = stack.job(job_id)["tracks"][0]
-        return track["state"] == "backbone" and track["progress"] > 0
-    wait_until(backbone_running, 60, 0.1, "backbone progress")
-    stack.stop_worker(0)  # SIGKILL to master and child
-    assert stack.redis.hlen("unacked") == 1
-    assert stack.job(job_id)["tracks"][0]["status"] == "running:backbone"
-
-    stack.start_worker(0)
+    def left_by_the_dead_worker(stack, job_id):
+        assert stack.redis.hlen("unacked") == 1
+        assert stack.job(job_id)["tracks"][0]["status"] == "running:backbone"
+    [job_id] = faults.worker_killed_and_restarted(stack, None, while_dead=left_by_the_dead_worker).jobs
     record = stack.wait_job(job_id, timeout=120)
     track = record["tracks"][0]
     assert record["state"] == "done" and track["restarts"] == 1, record
-    _no_unacked(stack)
+    faults.assert_nothing_left(stack)
     assert any(f"job={job_id} track=0 queue=gpu0 " in line and "event=restarting" in line and "lease expired" in line
                for line in stack.worker_log(0).splitlines())
 
@@ -105,17 +100,12 @@ def test_killing_only_the_prefork_child_redelivers_the_stage_which_takes_over_it
     child takes the dead one's lease over at once (same delivery, same worker, its pid gone): the stage runs
     again without waiting for the lease to expire, and no restart is counted."""
     stack = make_stack(ENCORE_LEASE_S="60", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
-    stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=20.0)
-    wait_until(lambda: stack.job(job_id)["tracks"][0]["progress"] > 0, 60, 0.1, "backbone progress")
-    first_child = stack.child_pid(0)
-    os.kill(first_child, signal.SIGKILL)
+    [job_id] = faults.child_killed(stack, None).jobs
     record = stack.wait_job(job_id, timeout=120)  # well inside the 60 s lease twice over
     track = record["tracks"][0]
     assert record["state"] == "done" and track["restarts"] == 0, record
     assert track["stages"]["backbone"]["attempt"] == 2 and track["stages"]["superres"]["attempt"] == 1
-    _no_unacked(stack)
-    _nothing_left(stack)
+    faults.assert_nothing_left(stack)
 
 
 def test_tracks_of_a_dead_workers_queue_move_to_a_live_one_and_its_old_messages_never_run(make_stack):
@@ -175,21 +165,6 @@ def test_a_stage_message_not_of_the_tracks_current_chain_is_ignored(make_stack):
     assert (track["state"], track["stages"], track["attempts"]) == ("queued", {}, 0)
 
 
-def _no_unacked(stack) -> None:
-    """No delivery left in kombu's unacked hash (the last stage's own is acked just after its record says
-    done: poll)."""
-    wait_until(lambda: stack.redis.hlen("unacked") == 0, 10, 0.1, "no unacked delivery")
-
-
-def _nothing_left(stack) -> None:
-    prefix = stack.settings.key_prefix
-    for queue in ("gpu0", "gpu1"):
-        assert stack.redis.zcard(f"{prefix}:queue:{queue}:waiting") == 0
-        assert stack.redis.zcard(f"{prefix}:queue:{queue}:load") == 0
-        assert sum(stack.redis.llen(name) for name in (queue, *(f"{queue}:{step}" for step in range(1, 10)))) == 0
-    assert stack.redis.zcard(f"{prefix}:unrouted") == 0
-
-
 def _running_on_gpu0_then_killed(stack) -> str:
     job_id = stack.submit_music(duration_s=30.0)
     wait_until(lambda: stack.job(job_id)["tracks"][0]["progress"] > 0, 60, 0.1, "the job's backbone on gpu0")
@@ -203,18 +178,15 @@ def test_cancel_while_the_running_stages_worker_is_dead_ends_once_its_lease_expi
     as soon as the stage's lease expires (ENCORE_LEASE_S), with nothing left waiting, parked or in a broker
     list."""
     stack = make_stack(ENCORE_REROUTE_AFTER_S="0", ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
-    stack.start_worker(1)
-    stack.client.post("/api/v1/queues/gpu1/drain")  # a live worker for the reaper, not one to run the track
-    stack.start_worker(0)
-    job_id = _running_on_gpu0_then_killed(stack)
-    asked = time.monotonic()
-    assert stack.client.delete(f"/api/v1/jobs/{job_id}").get_json()["tracks"][0]["state"] == "backbone"
+    fault = faults.cancel_while_worker_dead(stack, None)
+    [job_id] = fault.jobs
+    assert fault.facts["queue"] == "gpu0" and fault.facts["canceled"]["tracks"][0]["state"] == "backbone"
     record = stack.wait_job(job_id, timeout=30)
     track = record["tracks"][0]
     assert track["state"] == "canceled" and track["detail"] == "canceled during backbone (its stage had stopped)"
-    assert time.monotonic() - asked < 4 + 15  # the lease, plus the reaper's heartbeats
-    _no_unacked(stack)  # the dead stage's delivery is dropped, not left for kombu to restore in an hour
-    _nothing_left(stack)
+    assert time.monotonic() - fault.cleared < 4 + 15  # the lease, plus the reaper's heartbeats
+    # Nothing left, the dead stage's delivery included: dropped, not left for kombu to restore in an hour.
+    faults.assert_nothing_left(stack)
 
 
 def test_cancel_before_the_dead_worker_is_noticed_ends_when_the_track_would_move(make_stack):
@@ -230,7 +202,7 @@ def test_cancel_before_the_dead_worker_is_noticed_ends_when_the_track_would_move
     assert stack.client.delete(f"/api/v1/jobs/{job_id}").get_json()["tracks"][0]["state"] == "backbone"
     record = stack.wait_job(job_id, timeout=60)
     assert record["state"] == "canceled", record
-    _nothing_left(stack)
+    faults.assert_nothing_left(stack)
     assert not any(f"job={job_id}" in line and "event=stage_started" in line for line in stack.worker_log(1).splitlines())
 
 
@@ -239,14 +211,7 @@ def test_warm_shutdown_between_stages_resumes_elsewhere_without_running_the_fini
     message waits on gpu0. Once gpu0 has been offline ENCORE_REROUTE_AFTER_S, gpu1 takes the track over from
     the first unfinished stage: the backbone ran once, on gpu0."""
     stack = make_stack(ENCORE_REROUTE_AFTER_S="1", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
-    stack.start_worker(1)
-    stack.client.post("/api/v1/queues/gpu1/drain")
-    stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=8.0)
-    wait_until(lambda: stack.job(job_id)["tracks"][0]["progress"] > 0, 60, 0.1, "the backbone on gpu0")
-    stack.client.delete("/api/v1/queues/gpu1/drain")
-    stack.workers[0].send_signal(signal.SIGTERM)  # warm shutdown: the running stage finishes first
-    stack.workers[0].wait(120)
+    [job_id] = faults.warm_shutdown_between_stages(stack, None).jobs
     record = stack.wait_job(job_id, timeout=120)
     assert record["state"] == "done", record
     stages = record["tracks"][0]["stages"]
@@ -256,25 +221,17 @@ def test_warm_shutdown_between_stages_resumes_elsewhere_without_running_the_fini
                if f"job={job_id}" in line and "event=stage_started" in line and "stage=backbone" in line]
     assert len(started) == 1, started
     assert record["tracks"][0]["restarts"] == 1  # resumed after the backbone, its output in the artifact store
-    _nothing_left(stack)
+    faults.assert_nothing_left(stack)
 
 
 def test_one_of_two_workers_of_a_queue_killed_mid_stage_the_other_takes_the_track_over(make_stack):
     """Issue 10, fault 2: gpu0 is consumed by two workers; the one running a track is killed (master and
     child). The queue still has a live consumer, so nothing reroutes it: only the stage's lease, no longer
-    renewed, says it died. Within
-    a lease (+ a heartbeat) the survivor runs the track from its first unfinished stage; no stage completes
-    twice, and nothing is left in the broker or kombu's unacked hash."""
+    renewed, says it died. Within a lease (+ a heartbeat) the survivor runs the track from its first
+    unfinished stage; no stage completes twice, and nothing is left in the broker or kombu's unacked hash."""
     stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
-    stack.start_worker(0)
-    stack.start_worker(1, wait=False, args=("-Q", "gpu0", "-n", "gpu0b@%h"))  # named gpu0b: wait below
-    wait_until(lambda: len([w for w in stack.client.get("/api/v1/status").get_json()["workers"]
-                            if w["status"] == "idle"]) == 2, 60, 0.2, "both gpu0 workers idle")
-    job_id = stack.submit_music(duration_s=20.0)
-    wait_until(lambda: stack.job(job_id)["tracks"][0]["progress"] > 0, 60, 0.1, "the backbone")
-    runner = stack.job(job_id)["tracks"][0]["worker"]
-    victim, survivor = (1, 0) if runner.startswith("gpu0b@") else (0, 1)
-    stack.stop_worker(victim)
+    fault = faults.two_consumers_one_killed(stack, None)
+    [job_id], runner, survivor = fault.jobs, fault.facts["runner"], fault.facts["survivor"]
     record = stack.wait_job(job_id, timeout=150)
     assert record["state"] == "done", record
     track = record["tracks"][0]
@@ -285,105 +242,54 @@ def test_one_of_two_workers_of_a_queue_killed_mid_stage_the_other_takes_the_trac
                                                                                "superres"]
     assert any(f"job={job_id}" in line and "event=restarting" in line and "lease expired" in line
                for line in stack.worker_log(survivor).splitlines())
-    _no_unacked(stack)
-    _nothing_left(stack)
+    faults.assert_nothing_left(stack)
 
 
 def test_redis_crash_mid_stage_the_stage_starts_again_when_redis_is_back(tmp_path, tiny_models):
     """Issue 10, fault 1: redis-server is killed (-9) with a stage running and restarted 5 s later on its AOF.
     Celery terminates the stage it can no longer acknowledge and its delivery is gone from `unacked`; the
     stage's lease, no longer renewed, expires, and the reaper starts the track again: the job ends done."""
-    from tests.conftest import Stack
-    port, argv = _private_redis_argv(tmp_path)
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = RedisServer(tmp_path / "aof")  # the test's own: it is killed and restarted
     stack = None
     try:
-        wait_until(lambda: _answers(port), 10, what="the private redis-server")
-        stack = Stack(f"redis://127.0.0.1:{port}", tiny_models, tmp_path / "stack", ENCORE_LEASE_S="4",
-                      ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
-        stack.start_worker(0)
-        job_id = stack.submit_music(duration_s=20.0)
-        wait_until(lambda: stack.job(job_id)["tracks"][0]["progress"] > 0, 60, 0.1, "the backbone")
-        server.kill()
-        server.wait(10)
-        time.sleep(5)  # the fault itself, not a wait for anything: Redis stays down 5 s
-        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: _answers(port), 10, what="redis-server back on its AOF")
+        stack = Stack(server.url, tiny_models, tmp_path / "stack", ENCORE_LEASE_S="4", ENCORE_PRELOAD="1",
+                      **REFERENCE_ENGINE)
+        [job_id] = faults.redis_crash(stack, server, workers=1, jobs=1, down_s=5.0).jobs
         record = stack.wait_job(job_id, timeout=120)
         assert record["state"] == "done", record
         assert record["tracks"][0]["restarts"] == 1
-        _no_unacked(stack)
-        _nothing_left(stack)
+        faults.assert_nothing_left(stack)
     finally:
         if stack is not None:
             stack.close()
         server.kill()
-        server.wait(10)
-
-
-def _private_redis_argv(tmp_path) -> tuple[int, list[str]]:
-    """A redis-server of the test's own (it is killed and restarted), on its AOF, with as many databases as
-    the test stacks number."""
-    from tests.conftest import free_port, redis_server_binary
-    port, data = free_port(), tmp_path / "aof"
-    data.mkdir()
-    return port, [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                  "yes", "--appendfsync", "always", "--dir", str(data), "--databases", "512"]
 
 
 def test_a_worker_started_while_redis_is_down_takes_work_when_it_comes_up(tmp_path, tiny_models):
     """The worker retries its broker connection; once Redis is back it registers, and a job submitted then
     (and one parked before it came) both end done."""
-    from tests.conftest import Stack
-    port, argv = _private_redis_argv(tmp_path)
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = RedisServer(tmp_path / "aof")
     stack = None
     try:
-        wait_until(lambda: _answers(port), 10, what="the private redis-server")
-        stack = Stack(f"redis://127.0.0.1:{port}", tiny_models, tmp_path / "stack")
-        parked = stack.submit_music(duration_s=2.0)  # no worker yet: parked
-        server.kill()
-        server.wait(10)
-        stack.start_worker(0, wait=False)
-        wait_until(lambda: "Cannot connect to redis://" in stack.worker_log(0), 60, 0.2,
-                   "the worker to fail to reach Redis and retry")
-        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: _answers(port), 10, what="redis-server back on its AOF")
-        stack.wait_worker(0, "idle", timeout=120)
-        fresh = stack.submit_music(duration_s=2.0)
+        stack = Stack(server.url, tiny_models, tmp_path / "stack")
+        parked, fresh = faults.worker_started_while_redis_down(stack, server).jobs
         for job_id in (parked, fresh):
             assert stack.wait_job(job_id, timeout=120)["state"] == "done"
-        _nothing_left(stack)
+        faults.assert_nothing_left(stack)
     finally:
         if stack is not None:
             stack.close()
         server.kill()
-        server.wait(10)
-
-
-def _answers(port: int) -> bool:
-    import redis
-    try:
-        return redis.Redis(port=port, socket_timeout=1).ping()
-    except redis.RedisError:
-        return False
 
 
 def test_cancel_storm_ends_every_job_and_leaves_nothing_behind(make_stack):
     """Issue 10: 60 jobs on two workers, all canceled within seconds while the first ones run: each ends
     (canceled, or done if it finished first), and no queue bookkeeping, broker message or unacked delivery
-    is left."""
+    is left (revoked messages still queued are dropped as the workers reach them)."""
     stack = make_stack()
-    stack.start_worker(0)
-    stack.start_worker(1)
-    jobs = [stack.submit_music(duration_s=3.0, seed=i) for i in range(60)]
-    wait_until(lambda: any(stack.job(j)["tracks"][0]["state"] != "queued" for j in jobs[:2]), 60, 0.1, "a job running")
-    for job_id in jobs:
-        assert stack.client.delete(f"/api/v1/jobs/{job_id}").status_code == 200
+    jobs = faults.cancel_storm(stack, None).jobs
     states = [stack.wait_job(job_id, timeout=60)["state"] for job_id in jobs]
     assert set(states) <= {"canceled", "done"} and states.count("canceled") >= 55, states
-    def drained():  # revoked messages still queued are dropped as the workers reach them
-        lists = [name for queue in ("gpu0", "gpu1") for name in (queue, *(f"{queue}:{s}" for s in range(1, 10)))]
-        return sum(stack.redis.llen(name) for name in lists) == 0 and stack.redis.hlen("unacked") == 0
-    wait_until(drained, 60, 0.2, "the revoked messages drained")
-    _nothing_left(stack)
+    faults.assert_nothing_left(stack, timeout=60)
+
+

@@ -2,7 +2,7 @@
 first unfinished stage, with the same seed, counted in the record; real Redis, real workers."""
 from __future__ import annotations
 
-from tests.test_cli import cli
+from tests.support.cli import cli
 
 
 def test_a_failed_track_runs_again_from_its_first_unfinished_stage(make_stack):

@@ -13,7 +13,7 @@ import requests
 
 from app.adapters.artifacts import S3Store
 from app.core.ids import new_job_id
-from tests.conftest import S3_ENV
+from tests.support.stack import S3_ENV
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import REFERENCE_ENGINE, REPO, wait_until
+from tests.support.processes import REPO, wait_until
+from tests.support.stack import REFERENCE_ENGINE
 
 LONG_S = 120.0  # the tiny backbone needs several seconds for this many tokens on a CPU
 

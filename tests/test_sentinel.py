@@ -14,7 +14,8 @@ import pytest
 import redis
 import requests
 
-from tests.conftest import REFERENCE_ENGINE, Stack, free_port, redis_server_binary, wait_until
+from tests.support.processes import free_port, redis_server_binary, wait_until
+from tests.support.stack import REFERENCE_ENGINE, Stack
 
 MASTER = "encore-primary"
 
@@ -140,7 +141,7 @@ def test_jobs_run_through_sentinel_and_survive_a_failover(sentinels, sentinel_st
     stop.set()
     prober.join(20)
     track = record["tracks"][0]
-    assert record["state"] == "done" or track["error"], record
+    assert record["state"] == "done", record  # a failover never fails the job: its stage starts again
     statuses = {status for _, status, _ in answers}
     assert statuses <= {200, 503}, statuses  # never a 500 or a connection error from the web
     assert max(took for _, _, took in answers) < 10, max(took for _, _, took in answers)  # never a hang

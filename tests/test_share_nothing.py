@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import uuid
 
-from tests.conftest import REFERENCE_ENGINE, S3_ENV, wait_until
+from tests.support.processes import wait_until
+from tests.support.stack import REFERENCE_ENGINE, S3_ENV
 
 
 def host(stack, gpu: int) -> dict[str, str]:

@@ -9,7 +9,7 @@ import redis
 
 from app.adapters.artifacts import CHUNK_BYTES, READ_BATCH_CHUNKS, DirectoryStore, RedisStore
 from app.control.jobs import JobStore, overall_state
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 
 
 @pytest.fixture

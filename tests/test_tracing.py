@@ -13,7 +13,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from app.adapters import tracing
 from app.core.config import Settings
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 
 MUSIC_STAGES = ["backbone", "superres", "decode", "export"]
 

@@ -11,8 +11,9 @@ import subprocess
 import pytest
 import requests
 
-from tests.conftest import REFERENCE_ENGINE, REPO, wait_until
-from tests.lipsync_media import face_video, tone
+from tests.support.processes import REPO, wait_until
+from tests.support.stack import REFERENCE_ENGINE
+from tests.support.media import face_video, tone
 
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -14,7 +14,7 @@ from standardwebhooks import Webhook
 
 from app.adapters import webhooks
 from app.core.config import Settings
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 
 SECRET = "whsec_" + base64.b64encode(b"encore-test-webhook-secret-0123").decode()
 

@@ -176,7 +176,7 @@ def _reap_queue(svc: Services, celery: Celery, queue: str, live: set[str], check
             continue
         status = record["status"]
         if status.startswith("running:"):
-            if svc.jobs.lease(job_id, track) is None:
+            if svc.jobs.lease(job_id, track) is None and _unchanged(svc, job_id, track, record):
                 acted += _lease_expired(svc, celery, job_id, track, record, queue, live)
         elif dead and record["queue"] == queue:
             outcome = restart_track(svc, celery, job_id, track, record, f"{queue} has no live worker")
@@ -186,6 +186,15 @@ def _reap_queue(svc: Services, celery: Celery, queue: str, live: set[str], check
                 present = messages_present(svc, queue, options)
             acted += _resend_if_lost(svc, celery, job_id, track, record, queue, present)
     return acted
+
+
+def _unchanged(svc: Services, job_id: str, track: int, record: dict[str, Any]) -> bool:
+    """The track is still as `record` showed it (same version). A running stage that finished between the
+    read of its record and the look at its lease released the lease with its finish: it did not die, and
+    taking it for dead would restart a healthy track and drop its next message (another job's first stage
+    then overtook it: tests/test_recovery.py forces that interleaving)."""
+    current = svc.jobs.track(job_id, track)
+    return current is not None and current.get("version") == record.get("version")
 
 
 def _lease_expired(svc: Services, celery: Celery, job_id: str, track: int, record: dict[str, Any], queue: str,
@@ -218,8 +227,8 @@ def _resend_if_lost(svc: Services, celery: Celery, job_id: str, track: int, reco
     kind = KINDS[job["kind"]]
     stage = chain_start(kind, record) if record["status"] == QUEUED else record["stage"]
     expected = expected_task_id(kind, record, stage)
-    if expected is None or expected in present:
-        return 0
+    if expected is None or expected in present or not _unchanged(svc, job_id, track, record):
+        return 0  # its message is there, or the track moved on since its record was read (it was not lost)
     if resend(svc, celery, job_id, track, record, queue):
         job_event(log, "resent", job_id, track=track, queue=queue, stage=stage, task_id=expected,
                   reason="its message was in no broker list and not delivered", level=logging.WARNING)
