@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 from urllib.parse import urljoin, urlsplit
 
 import redis
@@ -56,7 +56,7 @@ def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
                               for entry in allowed)
 
 
-def check_target(url: str | None, events: list[str] | None, settings: Settings) -> dict[str, Any] | None:
+def check_target(url: str | None, events: Sequence[str] | None, settings: Settings) -> dict[str, Any] | None:
     """The webhook a job stores ({"url", "events"}), or None without a URL; WebhookRefused names the field."""
     if url is None:
         if events:
