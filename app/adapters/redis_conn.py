@@ -11,11 +11,12 @@ The database number and the primary's password still come from REDIS_URL.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast, overload
 from urllib.parse import quote, urlsplit
 
 import redis
 from redis.sentinel import Sentinel
+from redis.typing import ZSetRangeResponse
 
 from app.core.config import Settings
 
@@ -75,3 +76,27 @@ def celery_connection(settings: Settings) -> dict[str, Any]:
         options["sentinel_kwargs"] = {"password": settings.redis_sentinel_password}
     return {"broker_url": urls, "result_backend": urls, "broker_transport_options": options,
             "result_backend_transport_options": dict(options)}
+
+
+# redis-py types every reply `bytes | str` (and containers of them) whichever way the client was opened. Encore's
+# text clients (decode_responses=True: every client but the artifact store's) only ever get str back, so for
+# their replies these say so to the type checker; they return their argument unchanged.
+
+@overload
+def decoded(reply: bytes | str) -> str: ...
+@overload
+def decoded(reply: bytes | str | None) -> str | None: ...
+@overload
+def decoded(reply: dict[bytes | str, bytes | str]) -> dict[str, str]: ...
+@overload
+def decoded(reply: set[bytes | str]) -> set[str]: ...
+@overload
+def decoded(reply: list[bytes | str]) -> list[str]: ...
+def decoded(reply: Any) -> Any:
+    """A text client's reply (a value, None, a hash, a set or a list) as the str it is."""
+    return reply
+
+
+def decoded_members(reply: ZSetRangeResponse) -> list[str]:
+    """A text client's ZRANGE (or ZRANGEBYSCORE, ZREVRANGE) reply without scores: the members."""
+    return cast(list[str], reply)

@@ -14,9 +14,13 @@ The propagation is the OpenTelemetry API's own (`opentelemetry.propagate`); only
 from __future__ import annotations
 
 import logging
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from app.core.config import Settings
+
+if TYPE_CHECKING:
+    from opentelemetry.propagators.textmap import Getter
 
 log = logging.getLogger("encore.tracing")
 
@@ -69,22 +73,28 @@ def _inject(headers: dict | None = None, **_: Any) -> None:
         propagate.inject(headers)
 
 
-class _RequestGetter:
-    """Reads propagated fields from a Celery task request: custom message headers become its attributes."""
+@lru_cache(maxsize=1)
+def _request_getter() -> Getter[Any]:
+    """Reads propagated fields from a Celery task request: custom message headers become its attributes.
+    Built on first use, so that a process without tracing never imports OpenTelemetry's context."""
+    from opentelemetry.propagators.textmap import Getter
 
-    def get(self, carrier: Any, key: str) -> list[str] | None:
-        value = getattr(carrier, key, None)
-        if value is None and isinstance(getattr(carrier, "headers", None), dict):
-            value = carrier.headers.get(key)
-        return None if value is None else [value]
+    class RequestGetter(Getter[Any]):
+        def get(self, carrier: Any, key: str) -> list[str] | None:
+            value = getattr(carrier, key, None)
+            if value is None and isinstance(getattr(carrier, "headers", None), dict):
+                value = carrier.headers.get(key)
+            return None if value is None else [value]
 
-    def keys(self, carrier: Any) -> list[str]:
-        return []
+        def keys(self, carrier: Any) -> list[str]:
+            return []
+
+    return RequestGetter()
 
 
 def _start_stage(task_id: str | None = None, task: Any = None, args: tuple = (), **_: Any) -> None:
     from opentelemetry import context, propagate, trace
-    parent = propagate.extract(task.request, getter=_RequestGetter())
+    parent = propagate.extract(task.request, getter=_request_getter())
     ref = args[0] if args and isinstance(args[0], dict) else {}
     span = _tracer().start_span(f"stage {task.name.rsplit('.', 1)[-1]}", context=parent,
                                 kind=trace.SpanKind.CONSUMER, attributes={

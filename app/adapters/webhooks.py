@@ -21,13 +21,14 @@ import json
 import logging
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 from urllib.parse import urljoin, urlsplit
 
 import redis
 import requests
 from standardwebhooks import Webhook
 
+from app.adapters.redis_conn import decoded
 from app.core.config import Settings
 from app.core.keys import Layout
 
@@ -55,7 +56,7 @@ def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
                               for entry in allowed)
 
 
-def check_target(url: str | None, events: list[str] | None, settings: Settings) -> dict[str, Any] | None:
+def check_target(url: str | None, events: Sequence[str] | None, settings: Settings) -> dict[str, Any] | None:
     """The webhook a job stores ({"url", "events"}), or None without a URL; WebhookRefused names the field."""
     if url is None:
         if events:
@@ -123,7 +124,7 @@ def deliver(client: redis.Redis, layout: Layout, settings: Settings, message: di
     """One delivery attempt of an outbox message, recorded in its job; (delivered, seconds until the next
     attempt or None when there is none: delivered, given up, or the job is gone)."""
     job_key = layout.job(message["job_id"])
-    url = client.hget(job_key, "webhook")
+    url = decoded(client.hget(job_key, "webhook"))
     if not url:
         return False, None  # the job expired: nobody to tell
     body = json.dumps({"type": f"job.{message['type']}", "timestamp": _iso(message["at"]), "data": message["data"]},
@@ -157,7 +158,8 @@ def pump_outbox(client: redis.Redis, layout: Layout, worker: str, send: Callable
     """Move one message from the outbox to this worker's in-flight list (waiting up to `block_s`), `send`
     it, then drop it from the list; returns how many were sent (0 or 1). Call `recover_in_flight` first."""
     mine = layout.webhook_in_flight(worker)
-    raw = client.blmove(layout.webhook_outbox, mine, block_s, "LEFT", "RIGHT")
+    # BLMOVE takes a float timeout (Redis >= 6); redis-py's annotation says int.
+    raw = decoded(client.blmove(layout.webhook_outbox, mine, block_s, "LEFT", "RIGHT"))  # type: ignore[arg-type]
     if raw is None:
         return 0
     send(json.loads(raw))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from app.adapters.redis_conn import decoded
 from app.control.services import Services
 
 
@@ -63,7 +64,8 @@ def drop_unacked(svc: Services, transport_options: dict[str, Any], task_ids: lis
 
 def messages_present(svc: Services, queue: str, transport_options: dict[str, Any]) -> set[str]:
     """Ids of the messages of `queue` still in the broker, and of every delivery not acked yet."""
-    ids = {_message_id(p) for key in broker_lists(queue, transport_options) for p in svc.redis.lrange(key, 0, -1)}
+    ids = {_message_id(p) for key in broker_lists(queue, transport_options)
+           for p in decoded(svc.redis.lrange(key, 0, -1))}
     unacked, _ = _unacked_keys(transport_options)
     for raw in svc.redis.hvals(unacked):
         try:

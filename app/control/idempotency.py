@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from app.adapters.redis_conn import decoded
 from app.core.ids import new_job_id
 from app.control.services import Services
 
@@ -89,7 +90,7 @@ def claim(svc: Services, owner: str, key: str, body_hash: str) -> Claim:
         value = f"{body_hash}|{job_id}"
         if svc.redis.set(redis_key, value, nx=True, ex=svc.settings.job_ttl_s):
             return Claim(redis_key, value, job_id, True)
-        held = svc.redis.get(redis_key)
+        held = decoded(svc.redis.get(redis_key))
         if held is None:
             continue  # it expired (or its first request failed) in between: claim it again
         held_hash, _, held_job = held.partition("|")

@@ -25,6 +25,7 @@ from typing import Any
 
 from celery import Celery, chain
 
+from app.adapters.redis_conn import decoded, decoded_members
 from app.control.broker import broker_lists, find_message
 from app.control.eta import done_in, queue_seconds
 from app.core.joblog import job_event
@@ -50,7 +51,7 @@ def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
 
 def draining(svc: Services) -> set[str]:
     """Queues an operator drained: no new tracks go there."""
-    return set(svc.redis.smembers(svc.jobs.keys.draining))
+    return decoded(svc.redis.smembers(svc.jobs.keys.draining))
 
 
 def routable_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
@@ -196,7 +197,7 @@ def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:
     """Route parked tracks, highest priority first and within a level oldest submission first (the order of
     `{p}:unrouted`), while a worker is live; returns how many were routed."""
     routed = 0
-    for value in svc.redis.zrange(svc.jobs.keys.unrouted, 0, limit - 1):
+    for value in decoded_members(svc.redis.zrange(svc.jobs.keys.unrouted, 0, limit - 1)):
         job_id, track = parse_member(value)
         queue = pick_queue(svc, work=track_work(svc, job_id, track))
         if queue is None:
@@ -210,7 +211,7 @@ def unroute_waiting(svc: Services, queue: str, transport_options: dict[str, Any]
     the message atomically, so a worker that took it meanwhile keeps the track). Returns the members moved."""
     lists = broker_lists(queue, transport_options)
     moved = []
-    for value in svc.redis.zrange(svc.jobs.waiting_key(queue), 0, -1):
+    for value in decoded_members(svc.redis.zrange(svc.jobs.waiting_key(queue), 0, -1)):
         job_id, track = parse_member(value)
         record = svc.jobs.track(job_id, track)
         if record is None or record["status"] != QUEUED or not record["task_ids"]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from app.adapters.redis_conn import decoded
 from app.control.lifecycle import Layout
 
 LIVE_AT_TTL_S = 7 * 24 * 3600
@@ -77,7 +78,7 @@ class WorkerRegistry:
 
     def info(self, name: str) -> dict[str, str]:
         """The worker's heartbeat hash; empty once it missed three heartbeats."""
-        return self.redis.hgetall(self._key(name))
+        return decoded(self.redis.hgetall(self._key(name)))
 
     def update(self, name: str, **fields: Any) -> None:
         """Fields only the child knows (device, free GPU memory, model loads); kept until the next restart."""
@@ -90,7 +91,7 @@ class WorkerRegistry:
 
     def workers(self) -> list[dict[str, Any]]:
         """Every known worker with status idle | busy | offline (two round trips, whatever their number)."""
-        names = sorted(self.redis.smembers(self.keys.workers))
+        names = sorted(decoded(self.redis.smembers(self.keys.workers)))
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(self._key(name))

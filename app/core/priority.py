@@ -15,7 +15,7 @@ from typing import Literal
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
-DEFAULT_PRIORITY = "normal"
+DEFAULT_PRIORITY: Priority = "normal"
 
 LATER_STAGE_PRIORITY = 0
 FIRST_STAGE_PRIORITY = {"high": 3, "normal": 6, "low": 9}

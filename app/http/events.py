@@ -64,10 +64,11 @@ def job_events(jobs: JobStore, job_id: str, after: str, *, job_state: str, heart
                 yield end_frame(job_id, job_state)
                 return
             if not entries:
-                job_state = _current_state(jobs, job_id)
-                if job_state is None:
+                current = _current_state(jobs, job_id)
+                if current is None:
                     yield end_frame(job_id, "expired")
                     return
+                job_state = current
                 ended = job_state in JOB_END_STATES  # its last event was trimmed away: drained next round
                 yield ": heartbeat\n\n"  # a gone client makes this write fail, which ends the stream
     except redis.RedisError:

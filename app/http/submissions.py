@@ -43,7 +43,8 @@ def longest_song(body: dict[str, Any], profile: MusicProfile) -> float:
     def text(name: str) -> str:
         value = body.get(name)
         return value if isinstance(value, str) and untokenizable(value) is None else ""
-    mode = body.get("mode") if body.get("mode") in ("vocal", "instrumental") else "vocal"
+    requested = body.get("mode")
+    mode = requested if isinstance(requested, str) and requested in ("vocal", "instrumental") else "vocal"
     return longest_song_for(profile, mode=mode, tags=text("tags"), description=text("prompt"), lyrics=text("lyrics"))
 
 
@@ -59,6 +60,8 @@ def submit_music(svc: Services, celery: Celery, req: MusicRequest, profile: Musi
                  job_id: str | None = None, webhook: dict[str, Any] | None = None, **extra: Any) -> str:
     """Create the job record (one track per requested track, seeds seed+i) and route its tracks; `job_id` when
     the caller drew it (an idempotent submit); `webhook` as app/webhooks.check_target gives it."""
+    if req.duration_s is None:  # validate_music sets it (the deployment's default when the body has none)
+        raise ValueError("submit_music needs a validated MusicRequest: duration_s is unset")
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - req.num_tracks)
     params = {
         "mode": req.mode, "tags": req.tags or "", "prompt": req.prompt or "",

@@ -37,6 +37,7 @@ class TransformerSpec:
 
     @property
     def head_dim(self) -> int:
+        assert self.kv_channels is not None, "__post_init__ resolves it"
         return self.kv_channels
 
 
@@ -197,7 +198,11 @@ def load_profile(name: str, model_dir: str | os.PathLike | None = None, *, song_
         if song_end not in ("model", "duration"):
             raise ValueError(f"song_end must be 'model' or 'duration', not {song_end!r}")
         profile = replace(profile, song_end=song_end)
-    return replace(profile, **paths)
+    return replace(profile,  # by name, so that each field gets a str and a new field is not set by accident
+                   tokenizer_subdir=paths.get("tokenizer_subdir", profile.tokenizer_subdir),
+                   backbone_subdir=paths.get("backbone_subdir", profile.backbone_subdir),
+                   superres_subdir=paths.get("superres_subdir", profile.superres_subdir),
+                   codec_file=paths.get("codec_file", profile.codec_file))
 
 
 @dataclass(frozen=True)

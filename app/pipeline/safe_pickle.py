@@ -44,7 +44,8 @@ class Opaque(dict):
         return f"Opaque({self.pickled_global})"
 
     # Pickled objects can be dict keys (paths in ModelCheckpoint's best_k_models): hash and compare by identity.
-    def __hash__(self) -> int:
+    # dict declares `__hash__ = None` (dicts are unhashable); a subclass may make itself hashable again.
+    def __hash__(self) -> int:  # type: ignore[override]
         return id(self)
 
     def __eq__(self, other: object) -> bool:

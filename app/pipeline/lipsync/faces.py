@@ -27,15 +27,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import cv2
+import cv2.data  # the cascade files' folder (imported by cv2 at run time too; named so the types know it)
 import numpy as np
 
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync.frames import FrameSequence
 
 Box = tuple[int, int, int, int]  # x1, y1, x2, y2 in pixels; x2/y2 exclusive
+Found = TypeVar("Found")  # what a frame may lack: a box, or landmarks
 
 CASCADE_FILE = "haarcascade_frontalface_default.xml"
 DETECT_MAX_SIDE = 640   # detect on a downscaled copy: Haar cost grows with pixels, faces stay findable
@@ -134,17 +136,18 @@ def detect_faces(frames: FrameSequence, *, stride: int = 1, threads: int = 1,
     return boxes
 
 
-def fill_missing(boxes: list[Box | None]) -> list[Box]:
-    """Give every frame without a box the box of the nearest frame that has one (the earlier one on ties)."""
-    detected = [i for i, box in enumerate(boxes) if box is not None]
+def fill_missing(boxes: Sequence[Found | None]) -> list[Found]:
+    """Give every frame without a box (or landmarks) the one of the nearest frame that has one (the earlier
+    one on ties)."""
+    detected = [(i, box) for i, box in enumerate(boxes) if box is not None]
     if not detected:
         raise NoFaceDetected("no face detected")
-    filled: list[Box] = []
+    filled: list[Found] = []
     j = 0  # index into `detected` of the nearest detection; only moves forward as i grows
     for i in range(len(boxes)):
-        while j + 1 < len(detected) and abs(detected[j + 1] - i) < abs(detected[j] - i):
+        while j + 1 < len(detected) and abs(detected[j + 1][0] - i) < abs(detected[j][0] - i):
             j += 1
-        filled.append(boxes[detected[j]])
+        filled.append(detected[j][1])
     return filled
 
 
@@ -218,7 +221,10 @@ def _detect_rect(frame: np.ndarray) -> Box | None:
 def _fit_landmarks(frame: np.ndarray, rect: Box) -> np.ndarray:
     """[68, 2] float landmarks inside `rect`."""
     import dlib
-    shape = _shape_predictor()(np.ascontiguousarray(frame), dlib.rectangle(*(int(v) for v in rect)))
+    predictor = _shape_predictor()
+    if predictor is None:  # callers ask landmarks_available() first
+        raise RuntimeError("dlib's 68-point shape predictor is not available")
+    shape = predictor(np.ascontiguousarray(frame), dlib.rectangle(*(int(v) for v in rect)))
     return np.array([(p.x, p.y) for p in shape.parts()], dtype=np.float64)
 
 
@@ -287,10 +293,10 @@ def smooth(values: list[np.ndarray | None], cuts: Sequence[int], radius: int = S
     bounds = list(cuts) + [len(values)]
     out: list[np.ndarray | None] = list(values)
     for start, stop in zip(bounds, bounds[1:]):
-        present = [i for i in range(start, stop) if values[i] is not None]
-        for k, i in enumerate(present):
+        present = [(i, value) for i, value in enumerate(values[start:stop], start) if value is not None]
+        for k, (i, _) in enumerate(present):
             window = present[max(0, k - radius):k + radius + 1]
-            out[i] = np.mean([values[j] for j in window], axis=0)
+            out[i] = np.mean([value for _, value in window], axis=0)
     return out
 
 

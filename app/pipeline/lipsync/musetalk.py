@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, UNet2DConditionModel
+# From diffusers.models, not diffusers: the top level's type-checking imports name the placeholder classes it
+# exports when torch is missing, which have none of the models' attributes.
+from diffusers.models import AutoencoderKL, UNet2DConditionModel
 from transformers import (WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration,
                           WhisperModel)
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
@@ -49,7 +51,7 @@ class MuseTalkModels:
     @property
     def scaling_factor(self) -> float:
         """sd-vae-ft-mse has no scaling_factor in its config; diffusers' default 0.18215 is what MuseTalk uses."""
-        return float(self.vae.config.scaling_factor)
+        return float(self.vae.config["scaling_factor"])
 
     @property
     def audio_dim(self) -> int:
@@ -183,8 +185,8 @@ def load_musetalk(profile: LipsyncProfile, device: str | torch.device, *, precis
             raise FileNotFoundError(f"MuseTalk file missing: {path}")
     encoder, extractor = load_whisper(profile, device, dtype)
     unet = load_unet(profile, device, dtype)
-    if unet.config.cross_attention_dim != encoder.config.d_model:
-        raise ValueError(f"UNet cross_attention_dim {unet.config.cross_attention_dim} != whisper d_model "
+    if unet.config["cross_attention_dim"] != encoder.config.d_model:
+        raise ValueError(f"UNet cross_attention_dim {unet.config['cross_attention_dim']} != whisper d_model "
                          f"{encoder.config.d_model}")
     return MuseTalkModels(unet=unet, vae=load_vae(profile, device, dtype), whisper=encoder,
                           feature_extractor=extractor, device=device, dtype=dtype, crop_size=profile.crop_size)
@@ -263,5 +265,7 @@ def write_random_musetalk(profile: LipsyncProfile, seed: int = 0, *, real_size: 
     vae = tiny_vae() if not real_size else AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
         up_block_types=["UpDecoderBlock2D"] * 4, latent_channels=4, sample_size=256, **REAL_VAE)
-    vae.to(dtype).save_pretrained(profile.vae_dir, safe_serialization=False)
+    # diffusers wraps ModelMixin.to with functools.wraps, which typeshed types as a callable attribute rather than
+    # a method, so the checker takes `dtype` for `self`.
+    vae.to(dtype).save_pretrained(profile.vae_dir, safe_serialization=False)  # type: ignore[arg-type]
     return profile.model_dir

@@ -24,8 +24,8 @@ from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 def generate_coarse(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile,
                     num_frames: int, temperature: float, top_k: int, seed: int,
                     control: StageControl, end_id: int | None = None, max_frames: int | None = None,
-                    min_frames: int = 1, loop: str = "auto") -> torch.LongTensor:
-    """Codes [2, frames] (values 0..codebook_size-1) for q0 and q1, reproducible per seed.
+                    min_frames: int = 1, loop: str = "auto") -> Tensor:
+    """Codes [2, frames] (int64, values 0..codebook_size-1) for q0 and q1, reproducible per seed.
 
     Reports "done/expected tokens" through `control` (per frame, or per block on a device loop), which
     raises Canceled to stop.
@@ -38,7 +38,7 @@ def generate_coarse(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicPr
 def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile, num_frames: int,
                            temperature: float, top_k: int, seeds: Sequence[int], control: StageControl,
                            end_id: int | None = None, max_frames: int | None = None,
-                           min_frames: int = 1, loop: str = "auto") -> list[torch.LongTensor]:
+                           min_frames: int = 1, loop: str = "auto") -> list[Tensor]:
     """Coarse codes of several tracks of one song (same prompt, one seed each), in one batch when the engine
     batches (a track's codes are those it gets alone: each track samples from its own seeded generator), else
     one track after the other.
@@ -86,9 +86,14 @@ def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: 
 
 def _reference_loop(lm: CausalLM, prompt_ids: Sequence[int], profile: MusicProfile, limit: int, num_frames: int,
                     temperature: float, top_k: int, seeds: Sequence[int], control: StageControl,
-                    end_id: int | None, min_frames: int) -> list[torch.LongTensor]:
+                    end_id: int | None, min_frames: int) -> list[Tensor]:
     """Token by token on the host side of the engine protocol: what every engine can run."""
     batch = len(seeds)
+    batched: BatchedCausalLM | None = None  # the engine when it runs several tracks at once, None for one track
+    if batch > 1:
+        if not isinstance(lm, BatchedCausalLM):  # generate_coarse_tracks runs such tracks one by one
+            raise TypeError(f"{type(lm).__name__} does not batch: generate {batch} tracks one at a time")
+        batched = lm
     size = profile.codebook_size
     windows = [slice(profile.audio_token_offset(q), profile.audio_token_offset(q) + size)
                for q in range(COARSE_CODEBOOKS)]
@@ -96,24 +101,26 @@ def _reference_loop(lm: CausalLM, prompt_ids: Sequence[int], profile: MusicProfi
     codes = torch.zeros(batch, COARSE_CODEBOOKS, limit, dtype=torch.long)
     lengths: list[int | None] = [None] * batch  # frames of each track that has ended
     try:
-        if batch == 1:
+        if batched is None:
             lm.reset(len(prompt_ids) + COARSE_CODEBOOKS * limit)
             logits = lm.prefill(prompt_ids)[None]
         else:
-            lm.reset(len(prompt_ids) + COARSE_CODEBOOKS * limit, batch=batch)
-            logits = lm.prefill_batch(prompt_ids)
+            batched.reset(len(prompt_ids) + COARSE_CODEBOOKS * limit, batch=batch)
+            logits = batched.prefill_batch(prompt_ids)
         for frame in range(limit):
             may_end = end_id is not None and frame >= min_frames
             for q, window in enumerate(windows):
-                following = []
+                following: list[int] = []
                 for row in range(batch):
                     if lengths[row] is not None:  # ended: its row keeps pace with the batch, its logits unused
+                        assert end_id is not None  # a track ends only by sampling end-of-text
                         following.append(end_id)
                         continue
                     candidates = _candidates(logits[row], window, end_id if may_end else None)
                     choice = int(sample_top_k(candidates, top_k=top_k, temperature=temperature,
                                               generator=generators[row]))
                     if choice == size:  # end-of-text
+                        assert end_id is not None  # a candidate only when end_id is set
                         lengths[row] = frame
                         following.append(end_id)
                     else:
@@ -122,7 +129,7 @@ def _reference_loop(lm: CausalLM, prompt_ids: Sequence[int], profile: MusicProfi
                 if all(length is not None for length in lengths):
                     break
                 if frame < limit - 1 or q < COARSE_CODEBOOKS - 1:
-                    logits = lm.decode(following[0])[None] if batch == 1 else lm.decode_batch(following)
+                    logits = lm.decode(following[0])[None] if batched is None else batched.decode_batch(following)
             if all(length is not None for length in lengths):
                 break
             _report(control, COARSE_CODEBOOKS * (frame + 1), COARSE_CODEBOOKS * num_frames, open_ended=end_id is not None)

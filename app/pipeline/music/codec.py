@@ -52,9 +52,9 @@ class CodebookSum(nn.Module):
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [num_codebooks, T] -> latent [1, dim, T]."""
-        z = F.embedding(codes[0], self.embed_0)
+        z = F.embedding(codes[0], self.get_parameter("embed_0"))
         for i in range(1, self.num_codebooks):
-            z = z + F.embedding(codes[i], getattr(self, f"embed_{i}"))
+            z = z + F.embedding(codes[i], self.get_parameter(f"embed_{i}"))
         return z.t().unsqueeze(0)
 
 

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,9 @@ def _cpu_device() -> Iterator[None]:
     """Shim 2: while active, Megatron's CUDA device lookups, syncs and scratch resolve to the CPU."""
     saved = torch.cuda.synchronize, torch.cuda.current_device, parallel_state._GLOBAL_MEMORY_BUFFER
     torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.current_device = lambda: "cpu"
+    # A device name where torch's returns an index: Megatron only passes it on as a device. Set with setattr
+    # because it deliberately does not match torch's signature.
+    setattr(torch.cuda, "current_device", lambda: "cpu")
     parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_scratch
     try:
         yield
@@ -226,8 +228,9 @@ class CheckpointArgsError(ValueError):
     """A checkpoint whose recorded architecture Encore cannot run (or cannot read)."""
 
 
-def _saved(args: argparse.Namespace, name: str, default: object = None) -> object:
-    """A field as load_args_from_checkpoint would leave it: the checkpoint's value unless that is None."""
+def _saved(args: argparse.Namespace, name: str, default: object = None) -> Any:
+    """A field as load_args_from_checkpoint would leave it: the checkpoint's value unless that is None (of
+    whatever type the training run saved; callers convert it)."""
     if name == "add_bias_linear" and hasattr(args, "disable_bias_linear"):  # Megatron's one-off conversion
         return not args.disable_bias_linear
     if name == "position_embedding_type" and getattr(args, "use_rotary_position_embeddings", False):

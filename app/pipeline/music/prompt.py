@@ -77,7 +77,8 @@ class PromptTokenIds:
 
 def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
     token_id = tokenizer.convert_tokens_to_ids(token)
-    if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != token:
+    if (not isinstance(token_id, int) or token_id == tokenizer.unk_token_id
+            or tokenizer.convert_ids_to_tokens(token_id) != token):
         raise ValueError(f"tokenizer has no {token!r} token; is it a Llama-3 style tokenizer?")
     return token_id
 

@@ -27,8 +27,8 @@ def task_marker(profile: MusicProfile, layer: int) -> int:
 
 @torch.inference_mode()
 def fill_fine(lm: BidirectionalLM, coarse: Tensor, *, profile: MusicProfile, top_k: int | None = None,
-              seed: int, control: StageControl, prompt_ids: Sequence[int] = ()) -> torch.LongTensor:
-    """Codes [num_codebooks, F]: rows 0-1 are `coarse` [2, F], the rest sampled layer by layer.
+              seed: int, control: StageControl, prompt_ids: Sequence[int] = ()) -> Tensor:
+    """Codes [num_codebooks, F] (int64): rows 0-1 are `coarse` [2, F], the rest sampled layer by layer.
 
     `prompt_ids` is the super-resolution text prompt (Khala: the backbone's prompt); without one the
     model gets no layer marker, as in Khala with an empty prompt. Reports "done/62 layers" per pass.
@@ -46,8 +46,9 @@ def fill_fine(lm: BidirectionalLM, coarse: Tensor, *, profile: MusicProfile, top
     codes = torch.empty(num_codebooks, coarse.shape[1], dtype=torch.long)
     codes[:COARSE_CODEBOOKS] = coarse.cpu()
     # Running sum over known layers, kept in float32 and rounded once per pass like Khala's sum.
-    audio = sum(table[profile.audio_token_offset(j) + codes[j].to(device)].float()
-                for j in range(COARSE_CODEBOOKS))
+    audio = table[profile.audio_token_offset(0) + codes[0].to(device)].float()
+    for j in range(1, COARSE_CODEBOOKS):
+        audio = audio + table[profile.audio_token_offset(j) + codes[j].to(device)].float()
     prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
     generator = torch.Generator(device=lm.device).manual_seed(seed)
     passes = num_codebooks - COARSE_CODEBOOKS

@@ -77,6 +77,8 @@ class Attention(nn.Module):
         v = v.view(batch, length, s.groups, s.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
+            if positions is None:
+                raise ValueError("a KV cache write needs the positions")
             k, v = cache.write(k, v, positions)
         # GQA without copying keys and values: the query heads of a group become extra query rows of that
         # group (heads are numbered group by group), so each group's K/V is read once, unrepeated.
@@ -116,6 +118,9 @@ class Block(nn.Module):
 
 class KVCache(nn.Module):
     """Keys and values of one layer for `max_len` positions, written in place at given positions."""
+
+    keys: Tensor  # buffers, registered in __init__
+    values: Tensor
 
     def __init__(self, shape: Shape, max_len: int, device: torch.device, dtype: torch.dtype, batch: int = 1):
         super().__init__()
@@ -217,6 +222,8 @@ class TorchCausalLM:
     def cached_hidden(self, ids: Tensor, positions: Tensor) -> Tensor:
         """Run tokens [B, T] at `positions` [T] (a device tensor) through the cache; final-norm hidden states
         [B, T, hidden]. No host sync: the decode loop (decode_loop.py) calls it with device-side positions."""
+        if self._rope is None or self._slots is None:
+            raise RuntimeError("call reset(max_len) first")
         cos, sin = (table[positions] for table in self._rope)
         visible = self._slots[None, :] <= positions[:, None]  # [T, max_len]
         return self.model.hidden_states(self.model.embedding(ids), cos, sin, visible[None, None], self._caches,
