@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 
 from app.adapters.redis_conn import decoded
 from app.core.ids import new_job_id
+from app.control.scripts import script
 from app.control.services import Services
 
 HEADER = "Idempotency-Key"
@@ -26,11 +27,6 @@ OPENAPI_HEADER = {HEADER: {  # the header as the submit routes document it (app/
     "type": "string", "pattern": PATTERN, "description": "a retry with the same key (per token) within the job "
     "TTL gets the same job (200) instead of a second one; the same key with another body: 409"}}
 WAIT_FOR_FIRST_S = 10.0  # how long a retry waits for a concurrent first request to write its job
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class IdempotencyError(Exception):
@@ -101,7 +97,7 @@ def claim(svc: Services, owner: str, key: str, body_hash: str) -> Claim:
 
 def release(svc: Services, held: Claim) -> None:
     """The first request failed before its job existed: the key is free again (only if still its claim)."""
-    svc.redis.eval(_RELEASE, 1, held.key, held.value)
+    script(svc.redis, "release_lock")(keys=[held.key], args=[held.value])
 
 
 def submit_once(svc: Services, owner: str, key: str, body_hash: str,

@@ -20,16 +20,12 @@ from typing import Iterator
 
 from app.control.eta import finishes
 from app.control.routing import routable_queues
+from app.control.scripts import script
 from app.control.services import Services
 
 UNKNOWN_WAIT_S = 60  # Retry-After when no schedule says when room comes (every open track parked)
 LOCK_S = 5.0         # the lock's expiry (a web process that dies holding it delays admissions this long)
 LOCK_WAIT_S = 5.0    # how long a submit waits for the lock before it is refused (Retry-After 1)
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class QueueFull(Exception):
@@ -67,7 +63,7 @@ def admission(svc: Services, num_tracks: int) -> Iterator[None]:
         check(svc, num_tracks)
         yield
     finally:
-        svc.redis.register_script(_RELEASE)(keys=[svc.jobs.keys.lock("admission")], args=[token])
+        script(svc.redis, "release_lock")(keys=[svc.jobs.keys.lock("admission")], args=[token])
 
 
 def count_open(svc: Services) -> OpenTracks:
@@ -80,7 +76,7 @@ def count_open(svc: Services) -> OpenTracks:
     for queue in queues:
         pipe.zcard(svc.jobs.keys.load(queue))
     created, parked, *loads = pipe.execute()
-    return OpenTracks(created + parked, dict(zip(queues, loads)), live)
+    return OpenTracks(created + parked, dict(zip(queues, loads, strict=True)), live)
 
 
 def check(svc: Services, num_tracks: int) -> None:
