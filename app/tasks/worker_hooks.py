@@ -83,7 +83,7 @@ def stop_heartbeat(sender=None, **_: object) -> None:
     if hostname:
         svc = services()
         if _consumed_queues() != [svc.settings.webhook_queue]:
-            svc.redis.delete(f"{svc.settings.key_prefix}:worker:{hostname}")  # offline at once, not after TTL
+            svc.redis.delete(svc.workers.keys.worker(hostname))  # offline at once, not after TTL
 
 
 @worker_process_init.connect
