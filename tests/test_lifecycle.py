@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from app.control.jobs import JobStore, overall_state
-from app.control.lifecycle import TRANSITIONS, Layout
+from app.control.lifecycle import TRANSITIONS
+from app.core.keys import Layout
 
 STATUSES = ("new", "created", "parked", "queued", "running:backbone", "running:superres", "waiting:superres",
             "waiting:decode", "done", "failed", "canceled")

@@ -15,7 +15,8 @@ import redis
 from app.control.backlog import Estimates
 from app.core.ids import is_job_id, new_job_id
 from app.core.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
-from app.control.lifecycle import JSON_FIELDS, Layout, Lifecycle, Outcome, is_open, lua_stages
+from app.control.lifecycle import JSON_FIELDS, Lifecycle, Outcome, is_open, lua_stages
+from app.core.keys import Layout
 from app.core.priority import DEFAULT_PRIORITY
 
 JOB_STATES = ("queued", "running", "done", "failed", "canceled", "partial")
@@ -50,7 +51,7 @@ class JobStore:
         self.estimates = Estimates(client, prefix, lua_stages())
         self._renew_lease = client.register_script(_RENEW_LEASE)
 
-    # -- keys (the layout is app/lifecycle.Layout's) ------------------------------------------------
+    # -- keys (the layout is app/core/keys.py) ------------------------------------------------
     def job_key(self, job_id: str) -> str:
         return self.keys.job(job_id)
 
@@ -165,7 +166,7 @@ class JobStore:
             pipe = self.redis.pipeline(transaction=False)
             for job_id in chunk:
                 pipe.exists(self.job_key(job_id))
-            alive += [job_id for job_id, exists in zip(chunk, pipe.execute()) if exists]
+            alive += [job_id for job_id, exists in zip(chunk, pipe.execute(), strict=True) if exists]
         gone = set(ids) - set(alive)
         if gone:
             self.redis.zrem(self.jobs_key, *gone)
@@ -179,7 +180,7 @@ class JobStore:
         pipe = self.redis.pipeline(transaction=False)
         for kind, state in pairs:
             pipe.zcount(self.keys.jobs_in_state(kind, state), f"({now}", "+inf")
-        return dict(zip(pairs, pipe.execute()))
+        return dict(zip(pairs, pipe.execute(), strict=True))
 
     # -- transitions (app/lifecycle.TRANSITIONS) ------------------------------------------------------
     def transition(self, event: str, job_id: str, track: int, fields: dict[str, Any] | None = None,

@@ -1,6 +1,6 @@
 """The track state machine and the whole Redis layout: the one place that changes a track's state.
 
-Every key Encore keeps in Redis is built by `Layout`. Every change of a track's state goes through
+Every key Encore keeps in Redis is named in app/core/keys.py and built by its `Layout`. Every change of a track's state goes through
 `Lifecycle.apply`, one Lua script that, atomically: checks the track's current status against the
 transition table below, checks who may make it (the holder of the running stage's lease, or anyone when no
 lease is live), honours a pending cancel, moves the track between the bookkeeping sets its status implies
@@ -68,134 +68,13 @@ from typing import Any
 import redis
 
 from app.control.backlog import BACKLOG_WRITE, ESTIMATE
+from app.core.keys import Layout
 from app.core.kinds import KINDS
 from app.core.priority import DEFAULT_PRIORITY, RANK, RANK_SPAN
 
 CREATED, PARKED, QUEUED, DONE, FAILED, CANCELED = "created", "parked", "queued", "done", "failed", "canceled"
 RUNNING, WAITING = "running", "waiting"
 TERMINAL = (DONE, FAILED, CANCELED)
-
-
-class Layout:
-    """Every Redis key Encore uses, under one prefix."""
-
-    def __init__(self, prefix: str = "encore"):
-        self.prefix = prefix
-
-    def job(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{job_id}"
-
-    def track(self, job_id: str, track: int) -> str:
-        return f"{self.prefix}:job:{job_id}:track:{track}"
-
-    def cancel(self, job_id: str) -> str:
-        return f"{self.prefix}:cancel:{job_id}"
-
-    def lease(self, job_id: str, track: int) -> str:
-        return f"{self.prefix}:lease:{job_id}:{track}"
-
-    def deliveries(self, task_id: str) -> str:
-        return f"{self.prefix}:deliveries:{task_id}"
-
-    def events(self, job_id: str) -> str:
-        return f"{self.prefix}:events:{job_id}"
-
-    def event_stream(self, job_id: str) -> str:
-        """The job's events as a Redis Stream (the same payloads as the channel, with their entry ids)."""
-        return f"{self.prefix}:job:{job_id}:events"
-
-    def idempotency(self, scope: str, key_hash: str) -> str:
-        return f"{self.prefix}:idempotency:{scope}:{key_hash}"
-
-    @property
-    def webhook_outbox(self) -> str:
-        """Webhook messages the transitions wrote, not yet handed to a delivery task (app/adapters/webhooks.py)."""
-        return f"{self.prefix}:webhooks:outbox"
-
-    def webhook_in_flight(self, worker: str) -> str:
-        return f"{self.prefix}:webhooks:in-flight:{worker}"
-
-    def webhook_deliveries(self, job_id: str) -> str:
-        """The job's delivery attempts (JSON each), expiring with it."""
-        return f"{self.prefix}:job:{job_id}:webhooks"
-
-    @property
-    def jobs(self) -> str:
-        return f"{self.prefix}:jobs"
-
-    def jobs_in_state(self, kind: str, state: str) -> str:
-        return f"{self.prefix}:jobs:{kind}:{state}"
-
-    @property
-    def created(self) -> str:
-        return f"{self.prefix}:created"
-
-    @property
-    def unrouted(self) -> str:
-        return f"{self.prefix}:unrouted"
-
-    def waiting(self, queue: str) -> str:
-        return f"{self.prefix}:queue:{queue}:waiting"
-
-    def load(self, queue: str) -> str:
-        return f"{self.prefix}:queue:{queue}:load"
-
-    def cost(self, queue: str) -> str:
-        return f"{self.prefix}:queue:{queue}:cost"
-
-    def backlog(self, queue: str) -> str:
-        """The queue's backlog index (app/control/backlog.py): the entries; `:sums` and `:tree` hang off it."""
-        return f"{self.prefix}:queue:{queue}:backlog"
-
-    def running(self, queue: str) -> str:
-        return f"{self.prefix}:queue:{queue}:running"
-
-    def queue_live_at(self, queue: str) -> str:
-        return f"{self.prefix}:queue:{queue}:live_at"
-
-    @property
-    def queues(self) -> str:
-        return f"{self.prefix}:queues"
-
-    @property
-    def draining(self) -> str:
-        return f"{self.prefix}:draining"
-
-    @property
-    def seq(self) -> str:
-        return f"{self.prefix}:seq"
-
-    @property
-    def workers(self) -> str:
-        return f"{self.prefix}:workers"
-
-    def worker(self, name: str) -> str:
-        return f"{self.prefix}:worker:{name}"
-
-    def worker_current(self, name: str) -> str:
-        return f"{self.prefix}:worker:{name}:current"
-
-    def lock(self, name: str) -> str:
-        return f"{self.prefix}:lock:{name}"
-
-    @property
-    def throughput(self) -> str:
-        """Learned seconds per cost unit, field "queue|kind|stage" (app/control/eta.py)."""
-        return f"{self.prefix}:throughput"
-
-    @property
-    def rate_limits(self) -> str:
-        """The prefix of the submit routes' rate-limit counters (app/http/ratelimit.py)."""
-        return f"{self.prefix}:ratelimit"
-
-    def metric(self, *parts: str) -> str:
-        return ":".join((self.prefix, "metrics", *parts))
-
-    def artifact(self, job_id: str, name: str) -> str:
-        return f"{self.prefix}:artifact:{job_id}:{name}"
-
-    def artifact_index(self, job_id: str) -> str:
-        return f"{self.prefix}:artifacts:{job_id}"
 
 
 def member(job_id: str, track: int) -> str:

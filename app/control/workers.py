@@ -7,7 +7,7 @@ its child is running. Routing and /api/v1/status read it (no broadcast `inspect`
   {p}:worker:{name}:current   hash while a stage runs (written by the `start` transition, removed when its
                               track leaves that stage): job_id, track, stage, since, pid
   {p}:queue:{q}:live_at       last heartbeat of a worker consuming q (how long a queue has had no consumer)
-(key builders: app/lifecycle.Layout)
+(key builders: app/core/keys.py)
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from app.adapters.redis_conn import decoded
-from app.control.lifecycle import Layout
+from app.core.keys import Layout
 
 LIVE_AT_TTL_S = 7 * 24 * 3600
 _RECORD_MODELS = """
@@ -97,7 +97,7 @@ class WorkerRegistry:
             pipe.hgetall(self._key(name))
             pipe.hgetall(self.keys.worker_current(name))
         replies = pipe.execute()
-        return [worker_entry(name, info, current) for name, info, current in zip(names, replies[0::2], replies[1::2])]
+        return [worker_entry(name, info, current) for name, info, current in zip(names, replies[0::2], replies[1::2], strict=True)]
 
     def live_queues(self, workers: list[dict[str, Any]] | None = None) -> list[str]:
         """Queues of live workers, from `workers` when the caller already read them."""

@@ -35,6 +35,8 @@ KEYS: dict[str, str] = {
     "load": "queue:{queue}:load",                            # zset: tracks not finished on the queue, by cost
     "cost": "queue:{queue}:cost",                            # counter: that set's scores summed, in thousandths
     "queue_live_at": "queue:{queue}:live_at",                # string: when a consumer was last seen
+    "backlog": "queue:{queue}:backlog",                      # hash: the backlog index (app/control/backlog.py)
+    "running": "queue:{queue}:running",                      # zset: running tracks by submission order
     # workers
     "workers": "workers",                                    # set: registered worker names
     "worker": "worker:{name}",                               # hash: a worker's heartbeat, with an expiry
@@ -134,6 +136,13 @@ class Layout:
 
     def cost(self, queue: str) -> str:
         return self.key("cost", queue=queue)
+
+    def backlog(self, queue: str) -> str:
+        """The queue's backlog index; its sums and trees hang off this key (app/control/backlog.py)."""
+        return self.key("backlog", queue=queue)
+
+    def running(self, queue: str) -> str:
+        return self.key("running", queue=queue)
 
     def queue_live_at(self, queue: str) -> str:
         return self.key("queue_live_at", queue=queue)

@@ -15,7 +15,7 @@ from flask_limiter import Limiter
 
 from app.core.config import Settings
 from app.control.idempotency import scope
-from app.control.lifecycle import Layout
+from app.core.keys import Layout
 from app.adapters.redis_conn import limits_storage
 
 SUBMIT_ENDPOINTS = frozenset({"submit.submit_music", "submit.submit_lipsync", "khala.generate", "khala_api.generate"})
