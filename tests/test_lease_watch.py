@@ -17,7 +17,7 @@ from app.core.config import Settings
 from app.pipeline.control import Canceled, StageControl
 from app.control.services import Services, build_services
 from app.tasks.stage import CancelWatch, LeaseWatchBroken  # not app.tasks.music: see conftest
-from tests.support.processes import PYTHON, REPO, free_port, redis_server_binary, wait_until
+from tests.support.processes import PYTHON, REPO, RedisServer, wait_until
 
 OWNER = "gpu0@host|task-1|4242"
 
@@ -40,49 +40,13 @@ def break_lease_key(svc: Services, job_id: str) -> None:
     svc.redis.rpush(key, "not a lease")
 
 
-class PrivateRedis:
-    """A redis-server of the test's own, which the test stops (saving its data) and starts again on the same
-    port with the same data, as a restarted Redis comes back."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.port = folder, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.folder), "--dbfilename", "dump.rdb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        wait_until(lambda: self._answers(client), 10, what="the private redis-server")
-
-    def stop(self) -> None:
-        """SAVE, then kill -9: the data is on disk for the next start, and the port refuses connections."""
-        redis.Redis(port=self.port).save()
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    @staticmethod
-    def _answers(client: redis.Redis) -> bool:
-        try:
-            return bool(client.ping())
-        except redis.ConnectionError:
-            return False
-
-
 @pytest.fixture
 def private_redis(tmp_path):
-    server = PrivateRedis(tmp_path)
-    server.start()
+    """A redis-server of the test's own, killed (-9) and started again on the same port with its data (its
+    append-only file), as a restarted Redis comes back."""
+    server = RedisServer(tmp_path / "redis", aof=True)
     yield server
-    server.close()
+    server.stop()
 
 
 def services_on(url: str, root: Path, lease_s: float) -> Services:
@@ -99,7 +63,7 @@ def test_an_error_that_is_no_outage_stops_the_stage_at_its_next_cancel_check(red
         control = StageControl(cancel_requested=watch.canceled.is_set)
         break_lease_key(svc, job_id)
         with pytest.raises(Canceled):  # the work's own loop, checking once per step as every stage does
-            wait_until(lambda: control.check(), 10, 0.05, "the stage to be told to stop")
+            wait_until(control.check, 10, 0.05, "the stage to be told to stop")
         assert isinstance(watch.broken, redis.ResponseError) and "WRONGTYPE" in str(watch.broken)
         assert not watch.lost.is_set()  # not taken: broken, which the stage must say
         with pytest.raises(LeaseWatchBroken, match="lease thread failed .*ResponseError.*WRONGTYPE"):
@@ -107,11 +71,11 @@ def test_an_error_that_is_no_outage_stops_the_stage_at_its_next_cancel_check(red
 
 
 def test_an_outage_shorter_than_the_lease_is_ridden_out(private_redis, tmp_path):
-    svc = services_on(private_redis.url, tmp_path, lease_s=4.0)  # renewed every 1.33 s
+    svc = services_on(f"{private_redis.url}/0", tmp_path, lease_s=4.0)  # renewed every 1.33 s
     job_id = leased_track(svc)
     with CancelWatch(svc, job_id, 0, grace_s=60, lease_owner=OWNER, stage="backbone") as watch:
         wait_until(lambda: time.monotonic() - watch.renewed_at < 0.5, 5, what="a first renewal")
-        private_redis.stop()
+        private_redis.kill()
         down_since = time.monotonic()
         wait_until(lambda: time.monotonic() - watch.renewed_at > 2.0, 10, what="a renewal due while Redis is down")
         private_redis.start()
@@ -122,10 +86,10 @@ def test_an_outage_shorter_than_the_lease_is_ridden_out(private_redis, tmp_path)
 
 
 def test_an_outage_as_long_as_the_lease_gives_the_track_up(private_redis, tmp_path):
-    svc = services_on(private_redis.url, tmp_path, lease_s=1.5)
+    svc = services_on(f"{private_redis.url}/0", tmp_path, lease_s=1.5)
     job_id = leased_track(svc)
     with CancelWatch(svc, job_id, 0, grace_s=60, lease_owner=OWNER, stage="backbone") as watch:
-        private_redis.stop()
+        private_redis.kill()
         wait_until(watch.lost.is_set, 15, what="the stage to give its unrenewed track up")
         assert watch.canceled.is_set() and watch.broken is None
         assert time.monotonic() - watch.renewed_at >= 1.5  # not before the lease could have run out
@@ -154,7 +118,7 @@ WORK_THAT_IGNORES_THE_STOP = textwrap.dedent("""
 
 def test_a_stage_that_ignores_the_stop_is_ended_and_its_track_failed(redis_base_url, tmp_path):
     url = f"{redis_base_url}/508"
-    proc = subprocess.run([PYTHON, "-c", WORK_THAT_IGNORES_THE_STOP, url, str(tmp_path)], cwd=REPO,
+    proc = subprocess.run([PYTHON, "-c", WORK_THAT_IGNORES_THE_STOP, url, str(tmp_path)], cwd=REPO, check=False,
                           capture_output=True, text=True, timeout=120)
     job_id = proc.stdout.split()[0]
     assert proc.returncode == 75, (proc.returncode, proc.stdout, proc.stderr[-3000:])
