@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from flask import Flask
+from flask.json.provider import DefaultJSONProvider
 
 from app.adapters.celery_app import make_celery
 from app.core.config import Settings, load_settings
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     shared = build_context(settings)
     app = Flask(__name__)  # the page and its assets are app/static
     install(app, shared)
+    assert isinstance(app.json, DefaultJSONProvider)
     app.json.sort_keys = False  # records keep their field order; sorting every reply costs a poll ~5 %
     app.config["SERVICES"] = shared.services  # for tests and tools holding the app
     # Bodies larger than both upload limits together are refused before they are read (413).

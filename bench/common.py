@@ -44,7 +44,7 @@ def run_section(script: str, name: str, argv: list[str], limit: float, cwd: Path
     """One section of a one-call GPU bench in its own child process (`script --section name argv`), so a
     crash or a hang costs that section only; its last JSON line, or what went wrong."""
     try:
-        child = subprocess.run([sys.executable, script, "--section", name, *argv], cwd=cwd, capture_output=True,
+        child = subprocess.run([sys.executable, script, "--section", name, *argv], cwd=cwd, check=False, capture_output=True,
                                text=True, timeout=limit)
     except subprocess.TimeoutExpired:
         return {"error": f"ran past its {limit:g} s limit"}

@@ -129,7 +129,7 @@ def main() -> None:
                 continue
             try:
                 report[name] = check()
-            except Exception as exc:  # report every part even when one breaks
+            except Exception as exc:  # noqa: BLE001 - report every part even when one breaks
                 report[name] = {"exception": repr(exc)}
             print(json.dumps({name: report[name]}, default=str), flush=True)
     finally:

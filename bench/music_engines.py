@@ -74,7 +74,7 @@ def main() -> None:
     engines = {"megatron": mb.MegatronCausalLM(model), "torch": TorchCausalLM(from_megatron(model, spec))}
     seconds: dict[str, list[float]] = {name: [] for name in (*engines, "torch_reference_loop", "torch_2_tracks_batched")}
     codes = {}
-    for name, lm in engines.items():
+    for lm in engines.values():
         timed_generation(lm, profile, 4, device)  # warm-up
     for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits all
         for name, lm in engines.items():

@@ -131,7 +131,7 @@ def serve(app_spec: str, env: dict[str, str], workers: int) -> tuple[subprocess.
             return proc, base
         except requests.RequestException:
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"{app_spec} did not start")
+                raise RuntimeError(f"{app_spec} did not start") from None
             time.sleep(0.2)
 
 

@@ -43,6 +43,7 @@ def s3_endpoint(tmp_path_factory) -> str:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{ports['s3']}"
     import boto3
+    import botocore.exceptions
     client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="encore",
                           aws_secret_access_key="encore-secret")
 
@@ -51,7 +52,7 @@ def s3_endpoint(tmp_path_factory) -> str:
         try:
             client.create_bucket(Bucket="encore")
             return True
-        except Exception:
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):  # not up yet
             return False
     wait_until(bucket_made, 90, 0.5, "SeaweedFS's S3 API")
     yield url

@@ -11,7 +11,7 @@ from tests.support.processes import LONGEST_WAIT_S, REPO
 
 
 def test_gpu_lipsync_bench_runs_every_section_at_tiny_size():
-    run = subprocess.run([sys.executable, "bench/gpu_lipsync.py", "--tiny"], cwd=REPO, capture_output=True,
+    run = subprocess.run([sys.executable, "bench/gpu_lipsync.py", "--tiny"], cwd=REPO, check=False, capture_output=True,
                          text=True, timeout=LONGEST_WAIT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

@@ -1,6 +1,7 @@
 """Khala codec decoder: checkpoint format, key layout, chunked decoding with crossfade, progress/cancel."""
 from __future__ import annotations
 
+from itertools import pairwise
 import dataclasses
 import os
 import pickle
@@ -243,7 +244,7 @@ def test_plan_chunks_covers_with_exact_overlaps():
         chunks = plan_chunks(frames, 64, 16)
         assert chunks[0][0] == 0 and chunks[-1][1] == frames
         assert all(end - start == 64 for start, end in chunks[:-1])
-        assert all(prev[1] - nxt[0] == 16 for prev, nxt in zip(chunks, chunks[1:]))
+        assert all(prev[1] - nxt[0] == 16 for prev, nxt in pairwise(chunks))
         assert chunks[-1][1] - chunks[-1][0] > 16  # the last chunk reaches past its crossfade
 
 

@@ -35,7 +35,7 @@ def generate(lm, profile, seeds, loop, **overrides):
 
 
 def same(first, second) -> bool:
-    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
+    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 @pytest.mark.parametrize("seeds", [[5], [5, 6, 7]])
@@ -148,5 +148,5 @@ def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
         states.append([t.clone() for t in (decoder.codes, decoder.tokens, decoder.position, decoder.logits,
                                            decoder.ended, decoder.lengths)])
         lm.release()
-    assert all(torch.equal(a, b) for a, b in zip(*states))
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
     assert int(states[0][2]) == len(PROMPT) + 2 * 4

@@ -89,12 +89,12 @@ def test_smoothing_bounds_the_box_jitter_of_a_shaking_still_photo():
 
     def jitter(boxes):  # spread of the box's size and of its position once the known shift is taken out
         sizes = np.array([(b[2] - b[0], b[3] - b[1]) for b in boxes], float)
-        origin = np.array([(b[0] - dx, b[1] - dy) for b, (dx, dy) in zip(boxes, shifts)], float)
+        origin = np.array([(b[0] - dx, b[1] - dy) for b, (dx, dy) in zip(boxes, shifts, strict=True)], float)
         return float(np.abs(np.diff(sizes, axis=0)).max()), float(np.abs(np.diff(origin, axis=0)).max())
     size_raw, _ = jitter(raw)
     size_smooth, _ = jitter(track.boxes)
     assert size_smooth <= max(2.0, 0.6 * size_raw), (size_smooth, size_raw)
-    assert max(abs(b[0] - r[0]) for b, r in zip(track.boxes, raw)) <= 6  # still the same face
+    assert max(abs(b[0] - r[0]) for b, r in zip(track.boxes, raw, strict=True)) <= 6  # still the same face
 
 
 def test_a_shot_cut_restarts_the_smoothing_and_a_faceless_frame_takes_its_neighbours_face():
@@ -161,7 +161,7 @@ def test_threads_share_the_face_work_with_the_same_result_as_one():
     one, three = find_faces(frames, threads=1), find_faces(frames, threads=3)
     assert one.cuts == three.cuts and 150 in one.cuts
     assert one.boxes == three.boxes and one.frames_with_face == three.frames_with_face == count - 7
-    assert all(np.array_equal(a, b) for a, b in zip(one.landmarks, three.landmarks))
+    assert all(np.array_equal(a, b) for a, b in zip(one.landmarks, three.landmarks, strict=True))
     haar_one = faces.detect_faces(frames[:40], stride=2, threads=1)
     assert faces.detect_faces(frames[:40], stride=2, threads=2) == haar_one
     with pytest.raises(ValueError):

@@ -97,15 +97,15 @@ def test_a_lipsync_jobs_track_download_says_where_its_result_is(stack):
     job_id = svc.jobs.create("lipsync", {}, [{}], cost=1.0)
     ids = ["p", "l", "m"]
     assert svc.jobs.route(job_id, 0, "gpu0", ids)
-    for task_id, stage in zip(ids, ("prepare", "lipsync", "mux")):  # the transitions a worker makes
+    for task_id, stage in zip(ids, ("prepare", "lipsync", "mux"), strict=True):  # the transitions a worker makes
         owner = f"gpu0@x|{task_id}|1"
         assert svc.jobs.transition("start", job_id, 0, stage=stage, owner=owner, task_id=task_id, worker="gpu0@x",
                                    lease_ms=60_000)
         assert svc.jobs.transition("finish", job_id, 0, {"artifacts": ["output.mp4"]}, stage=stage, owner=owner)
     reply = stack.client.get(f"/api/v1/jobs/{job_id}/tracks/0.mp3", headers=AUTH)
     assert reply.status_code == 404
-    assert reply.get_json()["error"] == f"track 0 has no file track0.mp3 (a lip-sync job: its result is " \
-                                        f"/api/v1/jobs/{job_id}/video.mp4)"
+    assert reply.get_json()["error"] == (f"track 0 has no file track0.mp3 (a lip-sync job: its result is "
+                                         f"/api/v1/jobs/{job_id}/video.mp4)")
 
 
 # ---- a job that is accepted can run (item 3)

@@ -134,8 +134,8 @@ def test_no_face_fails_clearly_and_missing_faces_are_filled(stack, tmp_path):
     face = face_video(tmp_path / "face.mp4", 3.0, FPS)
     mixed = tmp_path / "mixed.mp4"  # 1.5 s of face, then 1.5 s of grey
     subprocess.run(["ffmpeg", "-v", "error", "-y", "-i", str(face), "-i", str(blank), "-filter_complex",
-                    "[0:v]trim=0:1.5,setpts=PTS-STARTPTS[a];[1:v]trim=0:1.5,setpts=PTS-STARTPTS[b];"
-                    "[a][b]concat=n=2:v=1[v]", "-map", "[v]", "-c:v", "libx264", "-pix_fmt", "yuv420p",
+                    ("[0:v]trim=0:1.5,setpts=PTS-STARTPTS[a];[1:v]trim=0:1.5,setpts=PTS-STARTPTS[b];"
+                     "[a][b]concat=n=2:v=1[v]"), "-map", "[v]", "-c:v", "libx264", "-pix_fmt", "yuv420p",
                     str(mixed)], check=True, timeout=60)
     record = stack.wait_job(_submit(stack, mixed, tone(tmp_path / "b.wav", 2.8)), timeout=180)
     assert record["state"] == "done", record

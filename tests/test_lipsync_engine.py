@@ -77,7 +77,7 @@ def test_batch_size_does_not_change_the_frames(models, clip, features):
     run_lipsync(models, frames, boxes, features, num_frames=3, batch_size=2, extra_margin=MARGIN,
                 sink=single.append, control=StageControl())
     assert len(whole) == len(single) == 3
-    for a, b in zip(whole, single):
+    for a, b in zip(whole, single, strict=True):
         assert np.abs(a.astype(int) - b).max() <= 1
 
 

@@ -108,7 +108,7 @@ def test_run_lipsync_shows_the_resampled_source_frames(models, clip, tmp_path, s
                 sink=out.append, control=StageControl(), fps=out_fps, source_fps=source_fps)
     assert len(out) == num_frames
     shown = _mapping(num_frames, len(frames), source_fps, out_fps)
-    for i, (frame, s) in enumerate(zip(out, shown)):
+    for i, (frame, s) in enumerate(zip(out, shown, strict=True)):
         x1, y1, x2, y2 = crop_box(boxes[s], frames[s].shape, MARGIN)
         outside = np.ones(frames[s].shape[:2], bool)
         outside[y1:y2, x1:x2] = False

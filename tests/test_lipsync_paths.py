@@ -56,7 +56,7 @@ def test_device_crops_match_opencv_lanczos_within_bounds(clip):
     frames, track = clip
     regions = [crop_box(box, frames[0].shape, MARGIN) for box in track.boxes]
     on_device = device_crops(torch.from_numpy(np.stack(frames)), regions, 256)
-    reference = np.stack([face_crop(f, r, 256) for f, r in zip(frames, regions)]).astype(np.float32)
+    reference = np.stack([face_crop(f, r, 256) for f, r in zip(frames, regions, strict=True)]).astype(np.float32)
     ours = on_device.permute(0, 2, 3, 1).numpy() * 255.0
     difference = np.abs(ours - reference)
     assert on_device.shape == (8, 3, 256, 256) and 0.0 <= float(on_device.min()) <= float(on_device.max()) <= 1.0
@@ -99,7 +99,7 @@ def test_device_path_equals_the_reference_path_from_the_same_latents(models, cli
     reference path's frames to within 2 levels (rounding of the resize), and outside each face region
     both are bit for bit the source frame."""
     ours, reference = both_paths(models, clip, mask, same_latents=True)
-    for i, (a, b) in enumerate(zip(ours, reference)):
+    for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
         source, box, outside = regions_of(clip, i)
         assert np.array_equal(a[outside], source[outside]) and np.array_equal(b[outside], source[outside])
         assert np.abs(a.astype(int) - b).max() <= 2, i
@@ -114,7 +114,7 @@ def test_device_path_stays_near_the_reference_path_end_to_end(models, clip, mask
     off. These random-weight tiny models amplify input differences far more than trained ones would (on the
     tiny models: means 1.9 to 3.0 for jaw, 4.4 to 5.7 for the rectangle; 1 to 2 % and 3.4 to 4.8 % far)."""
     ours, reference = both_paths(models, clip, mask, same_latents=False)
-    for i, (a, b) in enumerate(zip(ours, reference)):
+    for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
         source, box, outside = regions_of(clip, i)
         assert np.array_equal(a[outside], source[outside])
         difference = np.abs(a[box].astype(int) - b[box])
@@ -127,7 +127,7 @@ def test_device_blend_of_the_same_faces_equals_the_reference_blend(models, clip)
     from app.pipeline.lipsync.inference import blend_mouth, blend_on_device, jaw_mask
     frames, track = clip
     regions = [crop_box(box, frames[0].shape, MARGIN) for box in track.boxes[:4]]
-    masks = [jaw_mask(points, region) for points, region in zip(track.landmarks[:4], regions)]
+    masks = [jaw_mask(points, region) for points, region in zip(track.landmarks[:4], regions, strict=True)]
     redrawn = torch.randint(0, 256, (4, 3, 256, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     ours = blend_on_device(torch.from_numpy(np.stack(frames[:4])), redrawn, regions, masks).numpy()
     for i in range(4):

@@ -109,7 +109,7 @@ def test_architecture_comes_from_the_checkpoint_args(profile, tmp_path):
     assert mb.model_spec(model) == other
     assert model.decoder.layers[0].self_attention.linear_qkv.weight.shape == ((6 + 2 * 3) * 24, 96)
     reference = reference_model(other, seed=4)
-    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
     ids = [3, 17, 512, 540, 513, 575]
     megatron_logits = mb.MegatronCausalLM(model).logits(ids)
     torch.testing.assert_close(TorchCausalLM(from_megatron(model, mb.model_spec(model))).logits(ids),

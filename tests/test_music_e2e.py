@@ -74,7 +74,7 @@ def test_full_music_job_over_http_on_two_workers(make_stack, tmp_path):
         states = [e["state"] for e in seen if "state" in e]
         assert [s for s in STAGE_STATES if s in states] == STAGE_STATES, states
         assert states[-1] == "done"
-        for stage, state in zip(("backbone", "superres", "decode", "export"), STAGE_STATES):
+        for stage in ("backbone", "superres", "decode", "export"):
             timing = track["stages"][stage]
             assert timing["finished_at"] >= timing["started_at"] and timing["duration_s"] >= 0
         partial = [e["progress"] for e in seen if e.get("progress", 0) not in (0, 1)]

@@ -3,6 +3,7 @@ later stages still run before any other job's first stage, whatever its priority
 Real Redis, the project's Celery app, real worker processes."""
 from __future__ import annotations
 
+from itertools import pairwise
 import json
 
 import pytest
@@ -92,7 +93,7 @@ def test_first_stages_run_by_priority_and_started_jobs_are_not_overtaken(make_st
     assert stages["busy"]["export"]["finished_at"] > last_submitted, "the busy job ended before all were queued"
     order = sorted(stages, key=lambda name: stages[name]["backbone"]["started_at"])
     assert order == ["busy", "high", "normal", "low"], order
-    for earlier, later in zip(order, order[1:]):  # each job's later stages before the next job's first
+    for earlier, later in pairwise(order):  # each job's later stages before the next job's first
         assert stages[earlier]["export"]["finished_at"] <= stages[later]["backbone"]["started_at"], (earlier, later)
 
 

@@ -42,7 +42,7 @@ def test_stage_that_keeps_killing_its_worker_is_given_up(make_stack):
     job_id = stack.submit_music(duration_s=LONG_S)
     killed: set[int] = set()
     for attempt in (1, 2):
-        def running_child():
+        def running_child(attempt: int = attempt):
             track = stack.job(job_id)["tracks"][0]
             pid = stack.child_pid(0)
             return pid if track["state"] == "backbone" and track["attempts"] == attempt and pid not in killed \

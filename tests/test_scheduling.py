@@ -1,6 +1,7 @@
 """Queue behaviour with real workers: FIFO across stages, cancel (queued and running), parked jobs."""
 from __future__ import annotations
 
+from itertools import pairwise
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ def test_fifo_across_stages_on_one_worker(make_stack):
     records = [stack.wait_job(job_id) for job_id in jobs]
     assert all(r["state"] == "done" for r in records), records
     stages = [r["tracks"][0]["stages"] for r in records]
-    for earlier, later in zip(stages, stages[1:]):
+    for earlier, later in pairwise(stages):
         assert earlier["export"]["finished_at"] <= later["backbone"]["started_at"], (earlier, later)
 
 

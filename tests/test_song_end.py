@@ -61,7 +61,7 @@ def test_batched_tracks_end_each_on_its_own(ending, tiny_profile, end_id):
                                       top_k=tiny_profile.backbone_top_k, seeds=seeds, control=StageControl(),
                                       end_id=end_id, max_frames=400, min_frames=1)
     assert [codes.shape for codes in together] == [codes.shape for codes in alone]
-    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
 
 
 def test_no_end_before_min_frames_and_a_cap_when_the_model_does_not_end(ending, tiny_profile, end_id):

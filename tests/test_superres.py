@@ -104,7 +104,7 @@ def test_input_layout_follows_khala(tiny_profile, coarse):
     for layer in range(2, 64):
         assert torch.equal(codes[layer], (frames + layer) % size)
     assert len(stub.calls) == 62
-    for layer, (embeddings, vocab) in zip(range(2, 64), stub.calls):
+    for layer, (embeddings, vocab) in zip(range(2, 64), stub.calls, strict=True):
         start = tiny_profile.audio_token_offset(layer)
         assert (vocab.start, vocab.stop) == (start, start + size)
         prompt = PROMPT[:-1] + [task_marker(tiny_profile, layer)]

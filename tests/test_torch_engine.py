@@ -66,7 +66,7 @@ def test_a_batch_of_sequences_decodes_like_each_sequence_alone(backbones):
     for row in (0, 1):
         fast.reset(len(PROMPT) + len(steps))
         alone = [fast.prefill(PROMPT)] + [fast.decode(pair[row]) for pair in steps]
-        for together, single in zip(batched, alone):
+        for together, single in zip(batched, alone, strict=True):
             assert torch.allclose(together[row], single, atol=TOLERANCE)
     assert not torch.allclose(batched[1][0], batched[1][1])  # different tokens, different rows
     fast.reset(len(PROMPT) + 1, batch=2)
@@ -85,7 +85,7 @@ def test_tracks_generated_together_get_the_codes_they_get_alone(backbones, tiny_
     together = generate_coarse_tracks(fast, PROMPT, seeds=[5, 6, 7], **args)
     alone = [generate_coarse(fast, PROMPT, seed=seed, **args) for seed in (5, 6, 7)]
     sequential = generate_coarse_tracks(reference, PROMPT, seeds=[5, 6, 7], **args)
-    for a, b, c in zip(together, alone, sequential):
+    for a, b, c in zip(together, alone, sequential, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
     assert not torch.equal(together[0], together[1])
 

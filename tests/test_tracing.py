@@ -4,6 +4,7 @@ opentelemetry-proto: one trace per job, the submit's server span its root, a spa
 it. Without the variable nothing is exported."""
 from __future__ import annotations
 
+from itertools import pairwise
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -26,7 +27,7 @@ class Collector:
         collector = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 request = ExportTraceServiceRequest()
                 request.ParseFromString(body)
@@ -84,13 +85,13 @@ def test_one_trace_per_job_with_a_span_per_stage(collector, make_stack):
         found = [s for s in collector.spans if s["attributes"].get("encore.job_id") == job_id]
         return found if len(found) == len(MUSIC_STAGES) else None
     for job_id in jobs:
-        stages = wait_until(lambda: stage_spans(job_id), 60, 0.2, f"the stage spans of {job_id}")
+        stages = wait_until(lambda job_id=job_id: stage_spans(job_id), 60, 0.2, f"the stage spans of {job_id}")
         assert [s["name"] for s in stages] == [f"stage {name}" for name in MUSIC_STAGES]
         assert {s["service"] for s in stages} == {"encore-worker"}
         assert len({s["trace"] for s in stages}) == 1  # one trace per job
-        for earlier, later in zip(stages, stages[1:]):
+        for earlier, later in pairwise(stages):
             assert later["parent"] == earlier["id"]  # each stage published by the one before it
-        root = wait_until(lambda: next((s for s in collector.spans if s["id"] == stages[0]["parent"]), None),
+        root = wait_until(lambda stages=stages: next((s for s in collector.spans if s["id"] == stages[0]["parent"]), None),
                           30, 0.2, "the submit's span")
         assert root["service"] == "encore-web" and root["name"] == "POST /api/v1/music"
         assert root["trace"] == stages[0]["trace"] and root["parent"] == ""

@@ -214,9 +214,9 @@ def test_cancel_button_cancels_a_running_job(make_stack, browser):
 
     # Steering: drain the queue from its row, then resume it.
     for action, flag in (("Drain", "1"), ("Resume", "0")):
-        wait_until(lambda: click_button(browser, '#queues tr[data-queue="gpu0"] button.drain', action), 30, 0.1,
+        wait_until(lambda action=action: click_button(browser, '#queues tr[data-queue="gpu0"] button.drain', action), 30, 0.1,
                    f"a click on {action}")
-        wait_until(lambda: css(browser, f'#queues tr[data-queue="gpu0"][data-draining="{flag}"]'), 30, 0.1,
+        wait_until(lambda flag=flag: css(browser, f'#queues tr[data-queue="gpu0"][data-draining="{flag}"]'), 30, 0.1,
                    f"the queue row to show draining={flag}")
         gpu0 = next(q for q in stack.client.get("/api/v1/status").get_json()["queues"] if q["name"] == "gpu0")
         assert gpu0["draining"] is (flag == "1")

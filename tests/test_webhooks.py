@@ -29,7 +29,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's name)
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 receiver.requests.append(({k.lower(): v for k, v in self.headers.items()}, body, time.time()))
                 if receiver.redirect_to:

@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, cast
 
 import redis
 
@@ -159,7 +159,7 @@ class RedisStore(CachedStore):
         start = 0
         with open(target, "wb") as handle:
             while True:
-                chunks = self.redis.lrange(key, start, start + batch - 1)
+                chunks = cast(list[bytes], self.redis.lrange(key, start, start + batch - 1))  # a bytes client
                 handle.writelines(chunks)
                 start += len(chunks)
                 if len(chunks) < batch:

@@ -38,7 +38,7 @@ class GpuProbe:
         for index, handle in self._start():
             try:
                 readings.append(self._reading(index, handle))
-            except Exception as exc:  # NVMLError mostly; a reading must never cost the worker its heartbeat
+            except Exception as exc:  # noqa: BLE001 - NVMLError mostly; a reading must never cost the worker its heartbeat
                 log.debug("event=gpu_read_failed gpu=%s error=%s", index, exc)
         return readings
 
@@ -64,7 +64,7 @@ class GpuProbe:
                 self._nvml = pynvml
                 self._handles = self._visible(pynvml)
                 log.info("event=gpu_probe cards=%d", len(self._handles))
-            except Exception as exc:  # no driver, no library, no package: a CPU host
+            except Exception as exc:  # noqa: BLE001 - no driver, no library, no package (pynvml has its own types): a CPU host
                 log.info("event=gpu_probe cards=0 reason=%r", str(exc))
         return self._handles
 

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, cast
 
 import requests
 from tqdm import tqdm
@@ -241,7 +241,9 @@ EVENT_STREAM_RETRIES = 3
 
 def sse_messages(lines: Iterable[str]) -> Iterator[tuple[str, str | None, str]]:
     """(event name, id, data) per server-sent message; comments (heartbeats) and `retry:` skipped."""
-    event, event_id, data = "message", None, []
+    event: str = "message"
+    event_id: str | None = None
+    data: list[str] = []
     for line in lines:
         if not line:
             if data:
@@ -276,7 +278,9 @@ def follow_events(client: Client, job_id: str, reporter: Reporter, interval_s: f
                                     timeout=(client.timeout_s, EVENT_STREAM_READ_S)) as reply:
                 if reply.status_code != 200 or not reply.headers.get("Content-Type", "").startswith("text/event-stream"):
                     raise StreamUnavailable(f"events answered HTTP {reply.status_code}")
-                for event, event_id, data in sse_messages(reply.iter_lines(chunk_size=None, decode_unicode=True)):
+                # chunk_size=None: each line as soon as it arrives (requests allows it; its stubs do not)
+                lines = cast(Iterator[str], reply.iter_lines(chunk_size=None, decode_unicode=True))  # type: ignore[call-overload]
+                for event, event_id, data in sse_messages(lines):
                     if event == "end":
                         record = fetch_record(client, job_id)
                         reporter.update(record)
@@ -415,7 +419,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain aligned text table (no terminal library needed, reads fine in logs)."""
     cells = [[str(h).upper() for h in headers]] + [["-" if v is None or v == "" else str(v) for v in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in cells)
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in cells)
 
 
 def current_work(worker: dict[str, Any], now: float) -> str:

@@ -101,7 +101,7 @@ def ensure_redis(services: Services, env: dict[str, str]) -> str:
 def visible_gpus() -> int:
     if not shutil.which("nvidia-smi"):
         return 0
-    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    listing = subprocess.run(["nvidia-smi", "-L"], check=False, capture_output=True, text=True)
     return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
 
 

@@ -24,6 +24,7 @@ import math
 import time
 from typing import Any, Iterable
 
+from app.adapters.redis_conn import decoded
 from app.control.lifecycle import TERMINAL
 from app.control.services import Services
 
@@ -78,13 +79,13 @@ def learn(svc: Services, queue: str, kind: str, stage: str, seconds: float, cost
 
 def learned(svc: Services) -> dict[tuple[str, str, str], float]:
     """Every learned rate: {(queue, kind, stage): seconds per cost unit} (the per-stage throughput)."""
-    return parse_rates(svc.redis.hgetall(svc.jobs.keys.throughput))
+    return parse_rates(decoded(svc.redis.hgetall(svc.jobs.keys.throughput)))
 
 
 def parse_rates(raw: dict[str, str] | list[str]) -> dict[tuple[str, str, str], float]:
     """The throughput hash's rates ({queue|kind|stage: value}; its "|n", "|cold" and fleet fields left out)."""
     if isinstance(raw, list):  # HGETALL inside Lua: a flat list
-        raw = dict(zip(raw[0::2], raw[1::2]))
+        raw = dict(zip(raw[0::2], raw[1::2], strict=True))
     rates = {}
     for name, value in raw.items():
         parts = name.split("|")

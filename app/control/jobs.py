@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 
+from app.adapters.redis_conn import decoded, decoded_members
 from app.control.backlog import Estimates
 from app.core.ids import is_job_id, new_job_id
 from app.core.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
@@ -77,7 +78,7 @@ class JobStore:
 
     def queues(self) -> set[str]:
         """Every queue a track was ever assigned to."""
-        return set(self.redis.smembers(self.keys.queues))
+        return decoded(self.redis.smembers(self.keys.queues))
 
     # -- create -------------------------------------------------------------------------------------
     def create(self, kind: str, params: dict[str, Any], track_params: list[dict[str, Any]],
@@ -111,11 +112,11 @@ class JobStore:
 
     # -- read ---------------------------------------------------------------------------------------
     def job(self, job_id: str) -> dict[str, Any] | None:
-        raw = self.redis.hgetall(self.job_key(job_id)) if is_job_id(job_id) else {}
+        raw = decoded(self.redis.hgetall(self.job_key(job_id))) if is_job_id(job_id) else {}
         return _decode_job(job_id, raw) if raw else None
 
     def track(self, job_id: str, index: int) -> dict[str, Any] | None:
-        raw = self.redis.hgetall(self.track_key(job_id, index))
+        raw = decoded(self.redis.hgetall(self.track_key(job_id, index)))
         return _decode_track(raw) if raw else None
 
     def tracks(self, job_id: str, num_tracks: int) -> list[dict[str, Any]]:
@@ -129,6 +130,14 @@ class JobStore:
         their worker's status while open), overall state, cancel flag."""
         raw = self.lifecycle.read_job(job_id) if is_job_id(job_id) else None
         return None if raw is None else self._record(job_id, raw)
+
+    def existing_record(self, job_id: str) -> dict[str, Any]:
+        """The record of a job this request has just written or found; KeyError when it is gone after all
+        (expired or forgotten in between), which the HTTP layer answers as an unknown job."""
+        record = self.record(job_id)
+        if record is None:
+            raise KeyError(job_id)
+        return record
 
     def record_with_eta(self, job_id: str, now: float, heads: int) -> tuple[dict[str, Any] | None, float | None]:
         """The record and, in the same round trip, its job's ETA at `now` in seconds (None while a track waits
@@ -155,12 +164,13 @@ class JobStore:
         """The job's events after stream id `after` ("0-0": from the first kept), oldest first: at most
         `count`, waiting up to `block_ms` for one when there are none (None: do not wait)."""
         reply = self.redis.xread({self.keys.event_stream(job_id): after}, count=count, block=block_ms)
-        entries = reply[0][1] if reply else []
+        # A text client's XREAD of one stream: [[stream, [(entry id, {field: value}), ...]]], or empty.
+        entries = cast(list[list[Any]], reply)[0][1] if reply else []
         return [(entry_id, json.loads(fields["data"])) for entry_id, fields in entries]
 
     def recent_job_ids(self, limit: int = 100) -> list[str]:
         """Newest first; ids whose record expired are dropped from the index on the way."""
-        ids = self.redis.zrevrange(self.jobs_key, 0, limit - 1)
+        ids = decoded_members(self.redis.zrevrange(self.jobs_key, 0, limit - 1))
         alive = []
         for chunk in _chunks(ids, PIPELINE_CHUNK):
             pipe = self.redis.pipeline(transaction=False)
@@ -208,7 +218,7 @@ class JobStore:
         return self._renew_lease(keys=[self.lease_key(job_id, track)], args=[owner, int(lease_s * 1000)]) == 1
 
     def lease(self, job_id: str, track: int) -> str | None:
-        return self.redis.get(self.lease_key(job_id, track))
+        return decoded(self.redis.get(self.lease_key(job_id, track)))
 
     # -- cancel -------------------------------------------------------------------------------------
     def request_cancel(self, job_id: str) -> list[str]:

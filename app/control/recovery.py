@@ -27,6 +27,7 @@ from typing import Any
 
 from celery import Celery
 
+from app.adapters.redis_conn import decoded_members
 from app.control.broker import broker_lists, drop_messages, drop_unacked, messages_present
 from app.core.joblog import job_event
 from app.core.kinds import KINDS
@@ -137,7 +138,8 @@ def _park_abandoned(svc: Services) -> int:
     """Tracks created longer than ENCORE_STALL_AFTER_S ago that their submitter never routed (it died in
     between): parked, to be routed like any other."""
     parked = 0
-    for value in svc.redis.zrangebyscore(svc.jobs.keys.created, "-inf", time.time() - svc.settings.stall_after_s):
+    stale = svc.redis.zrangebyscore(svc.jobs.keys.created, "-inf", time.time() - svc.settings.stall_after_s)
+    for value in decoded_members(stale):
         job_id, track = parse_member(value)
         if svc.jobs.transition("park", job_id, track, {"detail": "waiting for a worker (its submitter stopped)"},
                                cancel_detail="canceled before it started"):
@@ -156,7 +158,7 @@ def _queue_dead(svc: Services, queue: str, live: set[str], now: float) -> bool:
 
 
 def _reap_queue(svc: Services, celery: Celery, queue: str, live: set[str], check_stalls: bool) -> int:
-    members = svc.redis.zrange(svc.jobs.load_key(queue), 0, -1)
+    members = decoded_members(svc.redis.zrange(svc.jobs.load_key(queue), 0, -1))
     if not members:
         return 0
     now = time.time()

@@ -79,7 +79,7 @@ def _with_room(svc: Services, queues: list[str]) -> list[str]:
     pipe = svc.redis.pipeline(transaction=False)
     for queue in queues:
         pipe.zcard(svc.jobs.keys.load(queue))
-    return [queue for queue, held in zip(queues, pipe.execute()) if held < cap]
+    return [queue for queue, held in zip(queues, pipe.execute(), strict=True) if held < cap]
 
 
 def track_work(svc: Services, job_id: str, track: int) -> tuple[str, float] | None:

@@ -32,9 +32,9 @@ def take_snapshot(svc: Services, transport_options: dict[str, Any]) -> Snapshot:
                "estimated_load": q["cost"] / 1000, "broker_messages": q["broker_messages"], "draining": q["draining"]}
               for q in _list(raw["queues"])]
     return Snapshot(workers=workers, queues=queues, unrouted=raw["unrouted"],
-                    jobs=dict(zip(states, _list(raw["jobs"]))),
+                    jobs=dict(zip(states, _list(raw["jobs"]), strict=True)),
                     submitted={kind: int(n) for kind, n in _dict(raw["submitted"]).items()},
-                    stages={pair: _dict(h) for pair, h in zip(stages, _list(raw["stages"]))},
+                    stages={pair: _dict(h) for pair, h in zip(stages, _list(raw["stages"]), strict=True)},
                     rates=_dict(raw.get("rates")))
 
 

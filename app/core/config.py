@@ -223,9 +223,10 @@ class Settings:
             raise ValueError(f"ENCORE_WEBHOOK_QUEUE must not be a GPU queue, not {self.webhook_queue!r}")
         if self.webhook_secret:
             from standardwebhooks import Webhook
+            from standardwebhooks.webhooks import EmptyWebhookSecretError
             try:
                 Webhook(self.webhook_secret)
-            except Exception as exc:
+            except (ValueError, EmptyWebhookSecretError) as exc:  # binascii.Error is a ValueError
                 raise ValueError(f"ENCORE_WEBHOOK_SECRET must be whsec_ + base64: {exc}") from None
         if self.events_maxlen < 1:
             raise ValueError(f"ENCORE_EVENTS_MAXLEN must be >= 1, not {self.events_maxlen}")

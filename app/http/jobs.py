@@ -94,7 +94,10 @@ def cancel_job(job_id: str) -> ResponseReturnValue:
     if task_ids:
         shared.celery.control.revoke(task_ids)
     job_event(log, "cancel_requested", job_id)
-    return jsonify(_with_eta(svc, [svc.jobs.record(job_id)])[0])
+    record = svc.jobs.record(job_id)
+    if record is None:  # expired since the check above
+        return error(404, f"job {job_id} not found")
+    return jsonify(_with_eta(svc, [record])[0])
 
 
 @blueprint.post("/api/v1/jobs/<job_id>/retry")
@@ -110,7 +113,10 @@ def retry(job_id: str) -> ResponseReturnValue:
         return error(404, f"job {job_id} not found")
     except RetryRefused as exc:
         return error(409, f"job: {exc}", "job")
-    reply = _with_eta(shared.services, [shared.services.jobs.record(job_id)])[0]
+    record = shared.services.jobs.record(job_id)
+    if record is None:  # expired since the retry
+        return error(404, f"job {job_id} not found")
+    reply = _with_eta(shared.services, [record])[0]
     return jsonify({**reply, "retried": retried})
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from flask import Blueprint, Flask, jsonify, request, send_file
 from flask.typing import ResponseReturnValue
 
+from app.adapters.redis_conn import decoded_members
 from app.control import idempotency
 from app.http.context import context
 from app.http.replies import KHALA_BLUEPRINTS
@@ -177,7 +178,7 @@ def _starts_now(svc: Services, record: dict[str, Any]) -> bool:
     first = record["tracks"][0]
     if not first["queue"]:
         return False
-    ahead = svc.redis.zrange(svc.jobs.load_key(first["queue"]), 0, record["num_tracks"])  # at most this many
+    ahead = decoded_members(svc.redis.zrange(svc.jobs.load_key(first["queue"]), 0, record["num_tracks"]))  # at most this many
     return len(ahead) <= record["num_tracks"] and all(m.startswith(record["job_id"] + ":") for m in ahead)
 
 
@@ -271,7 +272,7 @@ def generate() -> ResponseReturnValue:
     job_id, _ = submit_once(shared, idempotency_key(), lambda: idempotency.json_digest(body),
                             lambda new_id: submit_music(shared.services, shared.celery, req, shared.profile,
                                                         job_id=new_id, api="khala"))
-    record = shared.services.jobs.record(job_id)
+    record = shared.services.jobs.existing_record(job_id)  # just written
     return jsonify({"status": "accepted" if _starts_now(shared.services, record) else "queued", "job_id": job_id,
                     "num_tracks": NUM_TRACKS, "queue_position": record["queue_position"]})
 

@@ -48,8 +48,9 @@ def documented(summary: str, *, responses: dict[int, Reply | str], json_body: ty
     `query` and `headers` name optional parameters and their schemas; `media` lists the content types of the
     success replies."""
     def attach(view: Callable) -> Callable:
-        view.openapi = {"summary": summary, "json_body": json_body, "form": form, "files": files,
-                        "query": query or {}, "headers": headers or {}, "responses": responses, "media": media}
+        doc = {"summary": summary, "json_body": json_body, "form": form, "files": files, "query": query or {},
+               "headers": headers or {}, "responses": responses, "media": media}
+        setattr(view, "openapi", doc)  # noqa: B010 - a function's attribute, which its type does not declare
         return view
     return attach
 
@@ -100,7 +101,9 @@ def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protect
     responses: dict[str, Any] = {}
     for status, reply in sorted(doc["responses"].items()):
         if status < 400:
-            responses[str(status)] = _success(*reply, doc["media"])
+            assert not isinstance(reply, str), f"{endpoint}: a {status} reply needs (description, model)"
+            description, model = reply
+            responses[str(status)] = _success(description, model, doc["media"])
         else:
             responses[str(status)] = _error(reply if isinstance(reply, str) else reply[0], status)
     body = _request_body(doc)
@@ -153,7 +156,8 @@ def build_spec(app: Flask, music_limits: dict[str, Any], is_protected: Callable[
                    info={"description": "GPU job service: music generation and lip-sync on Celery + Redis."},
                    components={"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}})
     spec.components.schema("MusicRequest", schemas.music_request_schema(music_limits))
-    for model in (LipsyncForm, *REPLY_MODELS):
+    models: tuple[type[BaseModel], ...] = (LipsyncForm, *REPLY_MODELS)
+    for model in models:
         spec.components.schema(model.__name__, model.model_json_schema(ref_template="#/components/schemas/{model}"))
     paths: dict[str, dict[str, Any]] = {}
     for rule in app.url_map.iter_rules():
@@ -162,7 +166,7 @@ def build_spec(app: Flask, music_limits: dict[str, Any], is_protected: Callable[
         view = app.view_functions[rule.endpoint]
         arguments = {name: type(rule._converters[name]).__name__ for name in rule.arguments}
         operations = paths.setdefault(openapi_path(rule.rule), {})
-        for method in sorted(rule.methods - IGNORED_METHODS):
+        for method in sorted((rule.methods or set()) - IGNORED_METHODS):
             operations[method.lower()] = _operation(rule.endpoint, view, arguments, is_protected(rule.endpoint),
                                                     operation_id(rule.endpoint))
     for path, operations in sorted(paths.items()):

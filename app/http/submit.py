@@ -104,7 +104,7 @@ def submit_lipsync() -> tuple[Response, int]:
 
 def accepted(shared: WebContext, job_id: str, replayed: bool = False) -> tuple[Response, int]:
     """202 for a new job; 200 (same body) for the job an earlier request with the same Idempotency-Key made."""
-    record = shared.services.jobs.record(job_id)
+    record = shared.services.jobs.existing_record(job_id)  # just written
     body = {"job_id": job_id, "status_url": f"/api/v1/jobs/{job_id}",
             "queue_position": record["queue_position"], "state": record["state"],
             "eta_s": job_etas(shared.services, [record])[0]}

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import redis
 from celery import Task
@@ -61,9 +61,9 @@ class StageRun:
     track_params: dict[str, Any]
     workdir: Path
     control: StageControl
+    kind: JobKind
     loaded: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)  # facts about the stage's work, kept in its record
-    kind: JobKind | None = None
     queue: str = ""
     worker: str = ""
     adopted: list[int] = field(default_factory=list)  # other tracks of the job this run also serves
@@ -376,6 +376,8 @@ class StageTask(Task):
         if not outcome:
             self._stale(job_id, track, worker, outcome.reason)
         job = svc.jobs.job(job_id)
+        if job is None:  # the job's record expired under its track: nothing to run it for
+            self._stale(job_id, track, worker, "the job's record expired")
         job_event(log, "stage_started", job_id, track=track, queue=record["queue"], worker=worker,
                   stage=self.stage.name, attempt=deliveries)
         started = time.monotonic()
@@ -427,7 +429,7 @@ class StageTask(Task):
             raise
         watch.raise_if_broken()
 
-    def _stale(self, job_id: str, track: int, worker: str, reason: str) -> None:
+    def _stale(self, job_id: str, track: int, worker: str, reason: str) -> NoReturn:
         job_event(log, "stale_delivery", job_id, track=track, worker=worker, level=logging.WARNING,
                   stage=self.stage.name, task_id=self.request.id, reason=repr(reason))
         raise Ignore()

@@ -20,6 +20,7 @@ blend falls back to the rectangle mask. A clip with no face at all is a clear `N
 """
 from __future__ import annotations
 
+from itertools import pairwise
 import importlib.util
 import os
 import threading
@@ -107,7 +108,7 @@ def detect_face(frame: np.ndarray) -> Box | None:
         return None
     # Haar false positives (collars, emblems) gather far fewer overlapping hits than a real face, and can
     # be bigger than it: pick the largest of the detections with at least half the best one's votes.
-    confident = [tuple(int(v) for v in f) for f, n in zip(found, votes) if n * 2 >= max(votes)]
+    confident = [tuple(int(v) for v in f) for f, n in zip(found, votes, strict=True) if n * 2 >= max(votes)]
     x, y, w, h = max(confident, key=lambda f: f[2] * f[3])
     x1, y1 = int(x / scale), int(y / scale)
     x2, y2 = min(width, round((x + w) / scale)), min(height, round((y + h) / scale))
@@ -131,7 +132,7 @@ def detect_faces(frames: FrameSequence, *, stride: int = 1, threads: int = 1,
     with ThreadPoolExecutor(threads, thread_name_prefix="haar") as pool:
         futures = [pool.submit(lambda piece: [detect_face(frames[i]) for i in piece], piece) for piece in pieces]
         found = _in_order(pool, futures, len(examined), control)
-    for index, box in zip(examined, found):
+    for index, box in zip(examined, found, strict=True):
         boxes[index] = box
     return boxes
 
@@ -292,7 +293,7 @@ def smooth(values: list[np.ndarray | None], cuts: Sequence[int], radius: int = S
     """Centred moving average of per-frame arrays over the frames that have one, within each shot."""
     bounds = list(cuts) + [len(values)]
     out: list[np.ndarray | None] = list(values)
-    for start, stop in zip(bounds, bounds[1:]):
+    for start, stop in pairwise(bounds):
         present = [(i, value) for i, value in enumerate(values[start:stop], start) if value is not None]
         for k, (i, _) in enumerate(present):
             window = present[max(0, k - radius):k + radius + 1]
@@ -336,7 +337,7 @@ def find_faces(frames: FrameSequence, *, threads: int = 1, control: StageControl
         if present:
             points = fill_missing(smooth([t[0] if t else None for t in tracked], cuts))
             rects = fill_missing([t[1] if t else None for t in tracked])
-            boxes = [_usable(landmark_box(p), rect, frames[0].shape) for p, rect in zip(points, rects)]
+            boxes = [_usable(landmark_box(p), rect, frames[0].shape) for p, rect in zip(points, rects, strict=True)]
             return FaceTrack(boxes, points, "landmarks", present, cuts)
     found = detect_faces(frames, threads=threads, control=control)
     boxes = fill_missing(found)

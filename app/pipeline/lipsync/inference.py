@@ -30,7 +30,7 @@ import queue
 import threading
 import wave
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable, Iterator
 
 import cv2
 import numpy as np
@@ -286,7 +286,7 @@ def mouth_mask(height: int, width: int) -> np.ndarray:
     """
     kernel = _blur_kernel(2 * _context_half_side(width, height))
     inset = kernel // 2
-    mask = np.zeros((height, width), np.float32)
+    mask: np.ndarray = np.zeros((height, width), np.float32)
     mask[height // 2:height - inset, inset:width - inset] = 1.0
     if kernel > 1:
         mask = cv2.GaussianBlur(mask, (kernel, kernel), 0, borderType=cv2.BORDER_CONSTANT)
@@ -426,7 +426,7 @@ class FrameWriter:
             self._raise_error()
 
 
-def read_ahead(items: Iterator, depth: int = 2) -> Iterator:
+def read_ahead(items: Iterator, depth: int = 2) -> Generator[Any, None, None]:
     """`items` produced in a background thread, up to `depth` ahead of the consumer (reading source frames
     and drawing masks while the model runs); its errors are raised in the consumer. Closing the generator
     stops the thread."""

@@ -6,10 +6,11 @@ through as they are (no fps conversion, so no duplicates or drops) and never loo
 """
 from __future__ import annotations
 
+import io
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 
@@ -125,11 +126,12 @@ def _pump_frames(proc: subprocess.Popen, cache: Path, frame_bytes: int, expected
     view = memoryview(buffer)
     count = 0
     assert proc.stdout is not None
+    stdout = cast(io.BufferedReader, proc.stdout)  # a binary pipe (no text=, default buffering)
     with open(cache, "wb") as sink:
         while True:
             filled = 0
             while filled < frame_bytes:
-                got = proc.stdout.readinto(view[filled:])
+                got = stdout.readinto(view[filled:])
                 if not got:
                     break
                 filled += got

@@ -109,7 +109,7 @@ class VideoWriter:
         assert watchdog is not None
         watchdog.arm(self.stall_timeout_s)
         try:
-            self._proc.stdin.write(memoryview(np.ascontiguousarray(frame)).cast("B"))
+            self._proc.stdin.write(np.ascontiguousarray(frame).data.cast("B"))
         except (BrokenPipeError, OSError, ValueError) as exc:
             self._fail(f"ffmpeg stopped taking frames after {self.frames_written}", exc)
         finally:

@@ -29,8 +29,10 @@ BASE_ARGS = ["-nostdin", "-hide_banner", "-v", "error", "-y"]  # every ffmpeg ca
 class NamesTheTools(Protocol):
     """Whatever names the two binaries (app/config.Settings does: ENCORE_FFMPEG, ENCORE_FFPROBE)."""
 
-    ffmpeg: str
-    ffprobe: str
+    @property
+    def ffmpeg(self) -> str: ...
+    @property
+    def ffprobe(self) -> str: ...
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def _cpu_device() -> Iterator[None]:
     torch.cuda.synchronize = lambda device=None: None
     # A device name where torch's returns an index: Megatron only passes it on as a device. Set with setattr
     # because it deliberately does not match torch's signature.
-    setattr(torch.cuda, "current_device", lambda: "cpu")
+    setattr(torch.cuda, "current_device", lambda: "cpu")  # noqa: B010 - see above
     parallel_state._GLOBAL_MEMORY_BUFFER = _cpu_scratch
     try:
         yield
