@@ -1,5 +1,5 @@
 """bench/faults.py runs (one short scenario, quick settings): its harness submits, injects, waits and counts
-with real workers, so the fault matrix recorded in the README can be re-run. The scenarios themselves are
+with real workers, so the fault matrix recorded in docs/lifecycle.md can be re-run. The scenarios themselves are
 tested one by one in tests/test_reliability.py."""
 from __future__ import annotations
 

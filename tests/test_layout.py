@@ -58,3 +58,23 @@ def test_the_web_imports_no_model_code():
     code = "import sys, app.web; print(sorted({'torch', 'megatron', 'diffusers', 'cv2'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+SECRET_ENV = {"API_TOKEN": "tok-visible-1,tok-visible-2", "ENCORE_WEBHOOK_SECRET": "whsec_c2VjcmV0LXZpc2libGU=",
+              "ENCORE_FLOWER_BASIC_AUTH": "admin:pw-visible", "AWS_ACCESS_KEY_ID": "ak-visible",
+              "AWS_SECRET_ACCESS_KEY": "sk-visible", "REDIS_URL": "redis://:redis-pw-visible@127.0.0.1:6379/0",
+              "REDIS_SENTINEL_PASSWORD": "sentinel-pw-visible"}
+
+
+def test_settings_never_show_a_secret_in_their_repr():
+    """Settings are logged and shown in tracebacks: their repr carries no token, password or key (a child process
+    builds them from an environment holding one of each)."""
+    shown = subprocess.run([sys.executable, "-c", "from app.core.config import load_settings; print(repr(load_settings()))"],
+                           cwd=REPO, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **SECRET_ENV},
+                           check=False, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "Settings(" in shown.stdout
+    secrets = ["tok-visible-1", "tok-visible-2", "c2VjcmV0LXZpc2libGU", "pw-visible", "ak-visible", "sk-visible",
+               "redis-pw-visible", "sentinel-pw-visible"]
+    leaked = [secret for secret in secrets if secret in shown.stdout]
+    assert not leaked, f"repr(Settings) shows {leaked}"

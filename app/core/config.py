@@ -56,7 +56,7 @@ def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
 
 @dataclass(frozen=True)
 class Settings:
-    redis_url: str = field(default_factory=lambda: _env("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    redis_url: str = field(default_factory=lambda: _env("REDIS_URL", "redis://127.0.0.1:6379/0"), repr=False)
     # Redis Sentinel (app/adapters/redis_conn.py): "host:port,host:port,..." of the sentinels and the monitored primary's
     # name; then REDIS_URL only gives the database and the primary's password. Sentinels' own password apart.
     redis_sentinels: tuple[tuple[str, int], ...] = field(default_factory=lambda: _sentinels(_env("REDIS_SENTINELS", "")))
@@ -137,7 +137,7 @@ class Settings:
     # A warm-up batch through MuseTalk when the worker preloads it (first-call kernel choices off the clock).
     lipsync_warmup: bool = field(default_factory=lambda: _env("ENCORE_LIPSYNC_WARMUP", "1") == "1")
     api_tokens: tuple[str, ...] = field(default_factory=lambda: tuple(
-        t.strip() for t in _env("API_TOKEN", "").split(",") if t.strip()))
+        t.strip() for t in _env("API_TOKEN", "").split(",") if t.strip()), repr=False)
     compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))
     tags_file: Path | None = field(default_factory=lambda: Path(os.environ["ENCORE_TAGS_FILE"])
                                    if os.environ.get("ENCORE_TAGS_FILE") else None)
@@ -145,7 +145,7 @@ class Settings:
     # pick a device: CUDA itself honours it.
     cuda_visible_devices: str = field(default_factory=lambda: _env("CUDA_VISIBLE_DEVICES", ""))
     # Flower (flowerconfig.py): basic-auth "user:password[,…]" (empty: one is generated), bind, state file.
-    flower_basic_auth: str = field(default_factory=lambda: _env("ENCORE_FLOWER_BASIC_AUTH", "").strip())
+    flower_basic_auth: str = field(default_factory=lambda: _env("ENCORE_FLOWER_BASIC_AUTH", "").strip(), repr=False)
     flower_port: int = field(default_factory=lambda: int(_env("ENCORE_FLOWER_PORT", "5555")))
     flower_address: str = field(default_factory=lambda: _env("ENCORE_FLOWER_ADDRESS", "0.0.0.0"))
     flower_db: str = field(default_factory=lambda: _env("ENCORE_FLOWER_DB", "var/flower.db"))
@@ -169,7 +169,7 @@ class Settings:
     # webhook are refused), the hosts a webhook may name (comma list; ".example.com" takes its subdomains; empty:
     # any), the queue of the webhook worker, attempts and their backoff, the request timeout, how many attempts
     # a job keeps, and the least seconds between a job's progress webhooks.
-    webhook_secret: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_SECRET", ""))
+    webhook_secret: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_SECRET", ""), repr=False)
     webhook_hosts: tuple[str, ...] = field(default_factory=lambda: tuple(
         h.strip().lower() for h in _env("ENCORE_WEBHOOK_HOSTS", "").split(",") if h.strip()))
     webhook_queue: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_QUEUE", "webhooks"))

@@ -36,7 +36,7 @@ class MusicRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.6, le=1.4)
     top_k: int = Field(default=80, ge=1, le=200)
     webhook: str | None = Field(default=None, max_length=2000, description="an http(s) URL that receives the job's "
-                                "events, signed the Standard Webhooks way (README: Webhooks)")
+                                "events, signed the Standard Webhooks way (docs/api.md: Webhooks)")
     webhook_events: list[Literal["start", "progress", "completed", "failed", "canceled"]] | None = Field(
         default=None, min_length=1, description="which events to send (default: start, completed, failed, canceled)")
     priority: Priority = Field(default=DEFAULT_PRIORITY, description="orders the first stages of jobs waiting for a "

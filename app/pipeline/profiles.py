@@ -138,7 +138,7 @@ def _vocab_sizes(text_vocab: int, codebook_size: int) -> tuple[int, int]:
 
 
 def _tiny(model_dir: Path) -> MusicProfile:
-    """Random weights: `song_end="duration"` keeps every song at its requested length (README)."""
+    """Random weights: `song_end="duration"` keeps every song at its requested length (docs/models.md)."""
     text_vocab, codebook_size = 512, 32
     backbone_vocab, superres_vocab = _vocab_sizes(text_vocab, codebook_size)
     def transformer(vocab: int, positions: int) -> TransformerSpec:
