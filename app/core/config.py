@@ -54,6 +54,22 @@ def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(pairs)
 
 
+def _api_tokens(text: str) -> tuple[str, ...]:
+    """API_TOKEN "tok,tok2": unset or empty means no authentication, but a value that is set and holds an empty
+    entry (",", " ", "a,,b") or a token with white space in it is refused: it must never turn authentication
+    off, or drop a token, without a word."""
+    if text == "":
+        return ()
+    tokens = tuple(part.strip() for part in text.split(","))
+    for number, token in enumerate(tokens, 1):
+        if not token:
+            raise ValueError(f"API_TOKEN: entry {number} of {len(tokens)} is empty (unset API_TOKEN for no "
+                             "authentication)")
+        if any(c.isspace() for c in token):
+            raise ValueError(f"API_TOKEN: entry {number} holds white space, which a bearer token cannot carry")
+    return tokens
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = field(default_factory=lambda: _env("REDIS_URL", "redis://127.0.0.1:6379/0"), repr=False)
@@ -136,8 +152,7 @@ class Settings:
     lipsync_cache_mb: float = field(default_factory=lambda: float(_env("ENCORE_LIPSYNC_CACHE_MB", "2048")))
     # A warm-up batch through MuseTalk when the worker preloads it (first-call kernel choices off the clock).
     lipsync_warmup: bool = field(default_factory=lambda: _env("ENCORE_LIPSYNC_WARMUP", "1") == "1")
-    api_tokens: tuple[str, ...] = field(default_factory=lambda: tuple(
-        t.strip() for t in _env("API_TOKEN", "").split(",") if t.strip()), repr=False)
+    api_tokens: tuple[str, ...] = field(default_factory=lambda: _api_tokens(_env("API_TOKEN", "")), repr=False)
     compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))
     tags_file: Path | None = field(default_factory=lambda: Path(os.environ["ENCORE_TAGS_FILE"])
                                    if os.environ.get("ENCORE_TAGS_FILE") else None)
@@ -345,7 +360,7 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
                         "`ENCORE_WORKER_CACHE_DIR/lipsync-sources`, in MiB, least recently used out; 0: off",
     "lipsync_warmup": "with `ENCORE_PRELOAD=1`, one warm-up batch through MuseTalk at preload",
     "api_tokens": "bearer token(s) required on `/api/*` and the Khala-compatible routes (a comma-separated "
-                  "list allowed); unset: no auth",
+                  "list allowed); unset or empty: no auth; an empty entry (`,`, `a,,b`) refuses to start",
     "compat_prefix": "URL prefix of the Khala-compatible routes (they are always under `/api` too)",
     "tags_file": "the tag catalogue served by `GET /tags` (unset: `app/http/khala_tags.json`)",
     "cuda_visible_devices": "set by `worker_entrypoint.sh`; shown as the worker's `pinned_to` in the registry "
