@@ -65,7 +65,7 @@ def _variables(factory: ast.Lambda, module: ModuleType) -> list[tuple[str, Any]]
     names = vars(module)
     for node in ast.walk(factory.body):
         where = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_env":
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("_env", "_int", "_float"):
             name, default = node.args
             value = eval(compile(ast.Expression(default), "<default>", "eval"), dict(names))  # the module's own code
             reads.append((*where, ast.literal_eval(name), value))

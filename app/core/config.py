@@ -5,6 +5,7 @@ Settings are read when `load_settings()` is called, so tests and the demo can se
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,27 @@ if TYPE_CHECKING:
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
+
+
+def _int(name: str, default: str) -> int:
+    """An integer setting; a value that is not one names its variable (int() alone would not say which)."""
+    text = _env(name, default)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, not {text!r}") from None
+
+
+def _float(name: str, default: str) -> float:
+    """A finite number: "nan" and "inf" parse as floats but pass every bound check, so they are refused here."""
+    text = _env(name, default)
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, not {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, not {text!r}")
+    return value
 
 
 def _time_limits(spec: str) -> dict[str, tuple[float | None, float]]:
@@ -70,6 +92,53 @@ def _api_tokens(text: str) -> tuple[str, ...]:
     return tokens
 
 
+# Every numeric setting's bounds: (least, whether the least itself is allowed, most or None). Zero is allowed only
+# where it means something (documented as "0: ..."); tests/test_settings.py checks that every numeric field of
+# Settings is here, so a new one cannot skip its check.
+NUMERIC_BOUNDS: dict[str, tuple[float, bool, float | None]] = {
+    "job_ttl_s": (1, True, None),
+    "s3_presign_s": (0, True, 7 * 24 * 3600),  # 0: downloads streamed; S3 presigns for at most a week
+    "song_margin_s": (0, True, None),
+    "batch_tracks": (1, True, None),
+    "torch_threads": (0, True, None),  # 0: torch's default
+    "max_tracks": (1, True, None),
+    "max_lyrics_chars": (1, True, None),
+    "max_text_chars": (1, True, None),
+    "max_deliveries": (1, True, None),
+    "cancel_grace_s": (0, True, None),  # 0: kill at once
+    "reroute_after_s": (0, True, None),  # 0: never
+    "lease_s": (1, True, None),
+    "stall_after_s": (0, False, None),
+    "heartbeat_s": (0, False, None),
+    "result_expires_s": (1, True, None),
+    "max_video_mb": (0, False, None),
+    "max_audio_mb": (0, False, None),
+    "min_video_s": (0, True, None),
+    "max_audio_s": (0, False, None),
+    "min_audio_s": (0, True, None),
+    "max_video_pixels": (1, True, None),
+    "ffmpeg_timeout_s": (0, False, None),
+    "face_threads": (0, True, None),  # 0: one per core
+    "lipsync_cache_mb": (0, True, None),  # 0: off
+    "flower_port": (1, True, 65535),
+    "web_workers": (1, True, None),
+    "web_threads": (1, True, None),
+    "body_idle_s": (0, False, None),
+    "sse_heartbeat_s": (0, False, None),
+    "sse_max_s": (0, False, None),
+    "events_maxlen": (1, True, None),
+    "webhook_max_attempts": (1, True, None),
+    "webhook_backoff_s": (0, False, None),
+    "webhook_backoff_cap_s": (0, False, None),
+    "webhook_timeout_s": (0, False, None),
+    "webhook_history": (1, True, None),
+    "webhook_progress_s": (0, True, None),  # 0: no least gap
+    "max_queued_tracks": (0, True, None),  # 0: no cap
+    "max_queued_tracks_per_queue": (0, True, None),  # 0: no cap
+    "eta_alpha": (0, False, 1),
+}
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = field(default_factory=lambda: _env("REDIS_URL", "redis://127.0.0.1:6379/0"), repr=False)
@@ -79,7 +148,7 @@ class Settings:
     redis_sentinel_master: str = field(default_factory=lambda: _env("REDIS_SENTINEL_MASTER", "mymaster"))
     redis_sentinel_password: str = field(default_factory=lambda: _env("REDIS_SENTINEL_PASSWORD", ""), repr=False)
     key_prefix: str = field(default_factory=lambda: _env("ENCORE_KEY_PREFIX", "encore"))
-    job_ttl_s: int = field(default_factory=lambda: int(_env("ENCORE_JOB_TTL_S", str(24 * 3600))))
+    job_ttl_s: int = field(default_factory=lambda: _int("ENCORE_JOB_TTL_S", str(24 * 3600)))
     artifact_backend: str = field(default_factory=lambda: _env("ENCORE_ARTIFACT_BACKEND", "dir"))
     artifact_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_ARTIFACT_DIR", "var/artifacts")).resolve())
     # The s3 backend (app/adapters/artifacts.py S3Store): endpoint (empty: AWS), bucket, key prefix, region; credentials as
@@ -93,7 +162,7 @@ class Settings:
     # unset: boto3's own chain (a profile, an instance role).
     s3_access_key: str = field(default_factory=lambda: _env("AWS_ACCESS_KEY_ID", ""), repr=False)
     s3_secret_key: str = field(default_factory=lambda: _env("AWS_SECRET_ACCESS_KEY", ""), repr=False)
-    s3_presign_s: int = field(default_factory=lambda: int(_env("ENCORE_S3_PRESIGN_S", "900"))
+    s3_presign_s: int = field(default_factory=lambda: _int("ENCORE_S3_PRESIGN_S", "900")
                               if _env("ENCORE_S3_PRESIGN", "0") == "1" else 0)
     worker_cache_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_WORKER_CACHE_DIR", "var/worker-cache")).resolve())
     music_profile: str = field(default_factory=lambda: _env("ENCORE_MUSIC_PROFILE", "tiny"))
@@ -102,40 +171,40 @@ class Settings:
     model_paths: dict[str, str] = field(default_factory=lambda: {
         name: os.environ[variable] for name, variable in MODEL_PATH_VARIABLES.items() if os.environ.get(variable)})
     song_end: str | None = field(default_factory=lambda: os.environ.get("ENCORE_SONG_END") or None)
-    song_margin_s: float = field(default_factory=lambda: float(_env("ENCORE_SONG_MARGIN_S", "90")))
+    song_margin_s: float = field(default_factory=lambda: _float("ENCORE_SONG_MARGIN_S", "90"))
     runtime_mode: str = field(default_factory=lambda: _env("ENCORE_RUNTIME_MODE", "keep_loaded"))
-    batch_tracks: int = field(default_factory=lambda: int(_env("ENCORE_BATCH_TRACKS", "2")))
+    batch_tracks: int = field(default_factory=lambda: _int("ENCORE_BATCH_TRACKS", "2"))
     music_engine: str = field(default_factory=lambda: _env("ENCORE_MUSIC_ENGINE", "torch"))
     preload_models: bool = field(default_factory=lambda: _env("ENCORE_PRELOAD", "0") == "1")
-    torch_threads: int = field(default_factory=lambda: int(_env("ENCORE_TORCH_THREADS", "0")))
-    max_tracks: int = field(default_factory=lambda: int(_env("ENCORE_MAX_TRACKS", "4")))
-    max_lyrics_chars: int = field(default_factory=lambda: int(_env("ENCORE_MAX_LYRICS_CHARS", "8000")))
-    max_text_chars: int = field(default_factory=lambda: int(_env("ENCORE_MAX_TEXT_CHARS", "1000")))
+    torch_threads: int = field(default_factory=lambda: _int("ENCORE_TORCH_THREADS", "0"))
+    max_tracks: int = field(default_factory=lambda: _int("ENCORE_MAX_TRACKS", "4"))
+    max_lyrics_chars: int = field(default_factory=lambda: _int("ENCORE_MAX_LYRICS_CHARS", "8000"))
+    max_text_chars: int = field(default_factory=lambda: _int("ENCORE_MAX_TEXT_CHARS", "1000"))
     time_limits: dict[str, tuple[float | None, float]] = field(
         default_factory=lambda: {**_time_limits(DEFAULT_TIME_LIMITS), **_time_limits(_env("ENCORE_TIME_LIMITS", ""))})
-    max_deliveries: int = field(default_factory=lambda: int(_env("ENCORE_MAX_DELIVERIES", "3")))
-    cancel_grace_s: float = field(default_factory=lambda: float(_env("ENCORE_CANCEL_GRACE_S", "3")))
-    reroute_after_s: float = field(default_factory=lambda: float(_env("ENCORE_REROUTE_AFTER_S", "30")))
-    lease_s: float = field(default_factory=lambda: float(_env("ENCORE_LEASE_S", "15")))
+    max_deliveries: int = field(default_factory=lambda: _int("ENCORE_MAX_DELIVERIES", "3"))
+    cancel_grace_s: float = field(default_factory=lambda: _float("ENCORE_CANCEL_GRACE_S", "3"))
+    reroute_after_s: float = field(default_factory=lambda: _float("ENCORE_REROUTE_AFTER_S", "30"))
+    lease_s: float = field(default_factory=lambda: _float("ENCORE_LEASE_S", "15"))
     # A track waiting this long for a message that is in no broker list and not delivered gets it again.
-    stall_after_s: float = field(default_factory=lambda: float(_env("ENCORE_STALL_AFTER_S", "30")))
-    heartbeat_s: float = field(default_factory=lambda: float(_env("ENCORE_HEARTBEAT_S", "2")))
-    result_expires_s: int = field(default_factory=lambda: int(_env("ENCORE_RESULT_EXPIRES_S", str(24 * 3600))))
+    stall_after_s: float = field(default_factory=lambda: _float("ENCORE_STALL_AFTER_S", "30"))
+    heartbeat_s: float = field(default_factory=lambda: _float("ENCORE_HEARTBEAT_S", "2"))
+    result_expires_s: int = field(default_factory=lambda: _int("ENCORE_RESULT_EXPIRES_S", str(24 * 3600)))
     lipsync_profile: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PROFILE", "tiny"))
     lipsync_model_dir: str | None = field(default_factory=lambda: os.environ.get("ENCORE_LIPSYNC_MODEL_DIR"))
     # MuseTalk's dtype: auto (fp16 on CUDA, fp32 on CPU), fp16 or fp32 (fp16 on a CPU only where it runs).
     lipsync_precision: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PRECISION", "auto").strip().lower())
-    max_video_mb: float = field(default_factory=lambda: float(_env("ENCORE_MAX_VIDEO_MB", "100")))
-    max_audio_mb: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_MB", "20")))
-    min_video_s: float = field(default_factory=lambda: float(_env("ENCORE_MIN_VIDEO_S", "3")))
-    max_audio_s: float = field(default_factory=lambda: float(_env("ENCORE_MAX_AUDIO_S", "600")))
+    max_video_mb: float = field(default_factory=lambda: _float("ENCORE_MAX_VIDEO_MB", "100"))
+    max_audio_mb: float = field(default_factory=lambda: _float("ENCORE_MAX_AUDIO_MB", "20"))
+    min_video_s: float = field(default_factory=lambda: _float("ENCORE_MIN_VIDEO_S", "3"))
+    max_audio_s: float = field(default_factory=lambda: _float("ENCORE_MAX_AUDIO_S", "600"))
     # The shortest driving audio a lip-sync job takes (never less than one output frame period).
-    min_audio_s: float = field(default_factory=lambda: float(_env("ENCORE_MIN_AUDIO_S", "0.5")))
+    min_audio_s: float = field(default_factory=lambda: _float("ENCORE_MIN_AUDIO_S", "0.5"))
     # Width × height of the largest face video (4096×2160): a bigger one is refused from its probe, before its
     # frames are ever decoded.
-    max_video_pixels: int = field(default_factory=lambda: int(_env("ENCORE_MAX_VIDEO_PIXELS", str(4096 * 2160))))
+    max_video_pixels: int = field(default_factory=lambda: _int("ENCORE_MAX_VIDEO_PIXELS", str(4096 * 2160)))
     upload_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_UPLOAD_DIR", "var/uploads")).resolve())
-    ffmpeg_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_FFMPEG_TIMEOUT_S", "600")))
+    ffmpeg_timeout_s: float = field(default_factory=lambda: _float("ENCORE_FFMPEG_TIMEOUT_S", "600"))
     # The ffmpeg / ffprobe every media call runs (app/pipeline/media/ffmpeg.py), the music export's pydub too.
     ffmpeg: str = field(default_factory=lambda: _env("ENCORE_FFMPEG", "ffmpeg"))
     ffprobe: str = field(default_factory=lambda: _env("ENCORE_FFPROBE", "ffprobe"))
@@ -146,10 +215,10 @@ class Settings:
     # model's device; only finished frames come back) or "reference" (OpenCV on the CPU, MuseTalk's own ops).
     lipsync_path: str = field(default_factory=lambda: _env("ENCORE_LIPSYNC_PATH", "device"))
     # Threads that find faces in the prepare stage (dlib and OpenCV release the GIL); 0: one per core, at most 8.
-    face_threads: int = field(default_factory=lambda: int(_env("ENCORE_FACE_THREADS", "0")))
+    face_threads: int = field(default_factory=lambda: _int("ENCORE_FACE_THREADS", "0"))
     # The per-source-video cache (face track and VAE latents of a face video, for the next job on the same
     # video) under ENCORE_WORKER_CACHE_DIR/lipsync-sources, at most this many MiB, least recently used out; 0: off.
-    lipsync_cache_mb: float = field(default_factory=lambda: float(_env("ENCORE_LIPSYNC_CACHE_MB", "2048")))
+    lipsync_cache_mb: float = field(default_factory=lambda: _float("ENCORE_LIPSYNC_CACHE_MB", "2048"))
     # A warm-up batch through MuseTalk when the worker preloads it (first-call kernel choices off the clock).
     lipsync_warmup: bool = field(default_factory=lambda: _env("ENCORE_LIPSYNC_WARMUP", "1") == "1")
     api_tokens: tuple[str, ...] = field(default_factory=lambda: _api_tokens(_env("API_TOKEN", "")), repr=False)
@@ -161,7 +230,7 @@ class Settings:
     cuda_visible_devices: str = field(default_factory=lambda: _env("CUDA_VISIBLE_DEVICES", ""))
     # Flower (flowerconfig.py): basic-auth "user:password[,…]" (empty: one is generated), bind, state file.
     flower_basic_auth: str = field(default_factory=lambda: _env("ENCORE_FLOWER_BASIC_AUTH", "").strip(), repr=False)
-    flower_port: int = field(default_factory=lambda: int(_env("ENCORE_FLOWER_PORT", "5555")))
+    flower_port: int = field(default_factory=lambda: _int("ENCORE_FLOWER_PORT", "5555"))
     flower_address: str = field(default_factory=lambda: _env("ENCORE_FLOWER_ADDRESS", "0.0.0.0"))
     flower_db: str = field(default_factory=lambda: _env("ENCORE_FLOWER_DB", "var/flower.db"))
     # The HTTP clients (app/clients/cli.py, app/clients/demo.py): the server they talk to and the bearer token they send.
@@ -171,15 +240,15 @@ class Settings:
     # The web server (gunicorn.conf.py): where it listens, processes × threads, and how long a request body may
     # send nothing before the client is answered 408 and dropped.
     web_bind: str = field(default_factory=lambda: _env("ENCORE_WEB_BIND", "0.0.0.0:8000"))
-    web_workers: int = field(default_factory=lambda: int(_env("ENCORE_WEB_WORKERS", "2")))
-    web_threads: int = field(default_factory=lambda: int(_env("ENCORE_WEB_THREADS", "32")))
-    body_idle_s: float = field(default_factory=lambda: float(_env("ENCORE_BODY_IDLE_S", "30")))
+    web_workers: int = field(default_factory=lambda: _int("ENCORE_WEB_WORKERS", "2"))
+    web_threads: int = field(default_factory=lambda: _int("ENCORE_WEB_THREADS", "32"))
+    body_idle_s: float = field(default_factory=lambda: _float("ENCORE_BODY_IDLE_S", "30"))
     # Server-sent events (GET /api/v1/jobs/<id>/events): a comment this often (it is also when a gone client is
     # noticed), and the longest one stream holds its gthread thread before it ends (the client resumes with
     # Last-Event-ID); the job's stream keeps its newest ENCORE_EVENTS_MAXLEN events for replay.
-    sse_heartbeat_s: float = field(default_factory=lambda: float(_env("ENCORE_SSE_HEARTBEAT_S", "15")))
-    sse_max_s: float = field(default_factory=lambda: float(_env("ENCORE_SSE_MAX_S", "3600")))
-    events_maxlen: int = field(default_factory=lambda: int(_env("ENCORE_EVENTS_MAXLEN", "1000")))
+    sse_heartbeat_s: float = field(default_factory=lambda: _float("ENCORE_SSE_HEARTBEAT_S", "15"))
+    sse_max_s: float = field(default_factory=lambda: _float("ENCORE_SSE_MAX_S", "3600"))
+    events_maxlen: int = field(default_factory=lambda: _int("ENCORE_EVENTS_MAXLEN", "1000"))
     # Webhooks (app/adapters/webhooks.py): the signing secret ("whsec_" + base64, Standard Webhooks; none: submits with a
     # webhook are refused), the hosts a webhook may name (comma list; ".example.com" takes its subdomains; empty:
     # any), the queue of the webhook worker, attempts and their backoff, the request timeout, how many attempts
@@ -188,52 +257,45 @@ class Settings:
     webhook_hosts: tuple[str, ...] = field(default_factory=lambda: tuple(
         h.strip().lower() for h in _env("ENCORE_WEBHOOK_HOSTS", "").split(",") if h.strip()))
     webhook_queue: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_QUEUE", "webhooks"))
-    webhook_max_attempts: int = field(default_factory=lambda: int(_env("ENCORE_WEBHOOK_MAX_ATTEMPTS", "8")))
-    webhook_backoff_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_BACKOFF_S", "1")))
-    webhook_backoff_cap_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_BACKOFF_CAP_S", "300")))
-    webhook_timeout_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_TIMEOUT_S", "10")))
-    webhook_history: int = field(default_factory=lambda: int(_env("ENCORE_WEBHOOK_HISTORY", "50")))
-    webhook_progress_s: float = field(default_factory=lambda: float(_env("ENCORE_WEBHOOK_PROGRESS_S", "5")))
+    webhook_max_attempts: int = field(default_factory=lambda: _int("ENCORE_WEBHOOK_MAX_ATTEMPTS", "8"))
+    webhook_backoff_s: float = field(default_factory=lambda: _float("ENCORE_WEBHOOK_BACKOFF_S", "1"))
+    webhook_backoff_cap_s: float = field(default_factory=lambda: _float("ENCORE_WEBHOOK_BACKOFF_CAP_S", "300"))
+    webhook_timeout_s: float = field(default_factory=lambda: _float("ENCORE_WEBHOOK_TIMEOUT_S", "10"))
+    webhook_history: int = field(default_factory=lambda: _int("ENCORE_WEBHOOK_HISTORY", "50"))
+    webhook_progress_s: float = field(default_factory=lambda: _float("ENCORE_WEBHOOK_PROGRESS_S", "5"))
     # Tracing (app/adapters/tracing.py): on when OpenTelemetry's standard OTEL_EXPORTER_OTLP_ENDPOINT is set (OTLP/HTTP);
     # spans carry the service name OTEL_SERVICE_NAME + "-web" / "-worker".
     otel_endpoint: str = field(default_factory=lambda: _env("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
     otel_service_name: str = field(default_factory=lambda: _env("OTEL_SERVICE_NAME", "encore"))
     # Back-pressure (app/control/quotas.py): the most open (not ended) tracks in all, and on each live queue; a submit
     # that would pass either is refused 429 with a Retry-After from the ETA. 0: no cap.
-    max_queued_tracks: int = field(default_factory=lambda: int(_env("ENCORE_MAX_QUEUED_TRACKS", "0")))
-    max_queued_tracks_per_queue: int = field(default_factory=lambda: int(
-        _env("ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE", "0")))
+    max_queued_tracks: int = field(default_factory=lambda: _int("ENCORE_MAX_QUEUED_TRACKS", "0"))
+    max_queued_tracks_per_queue: int = field(default_factory=lambda: _int("ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE", "0"))
     # Per-token rate limit of the submit routes (app/http/ratelimit.py), in Flask-Limiter's notation ("10/minute",
     # "5/second;100/hour"); empty: none. Its window strategy: fixed-window, moving-window or sliding-window-counter.
     submit_rate_limit: str = field(default_factory=lambda: _env("ENCORE_SUBMIT_RATE_LIMIT", "").strip())
     rate_limit_strategy: str = field(default_factory=lambda: _env("ENCORE_RATE_LIMIT_STRATEGY", "fixed-window"))
     # ETA (app/control/eta.py): the weight of a finished stage's seconds in its queue's learned rate (exponential mean), the
     # one average the ETAs, routing and /metrics' encore_stage_seconds_per_unit read.
-    eta_alpha: float = field(default_factory=lambda: float(_env("ENCORE_ETA_ALPHA", "0.3")))
+    eta_alpha: float = field(default_factory=lambda: _float("ENCORE_ETA_ALPHA", "0.3"))
 
     def __post_init__(self) -> None:
+        self._check_bounds()
+        if self.min_audio_s > self.max_audio_s:
+            raise ValueError(f"ENCORE_MIN_AUDIO_S ({self.min_audio_s}) must not exceed ENCORE_MAX_AUDIO_S "
+                             f"({self.max_audio_s})")
         if self.runtime_mode not in ("keep_loaded", "one_shot"):
             raise ValueError(f"ENCORE_RUNTIME_MODE must be keep_loaded or one_shot, not {self.runtime_mode!r}")
         if self.music_engine not in ("torch", "megatron"):
             raise ValueError(f"ENCORE_MUSIC_ENGINE must be torch or megatron, not {self.music_engine!r}")
         if self.song_end not in (None, "model", "duration"):
             raise ValueError(f"ENCORE_SONG_END must be model or duration, not {self.song_end!r}")
-        if self.lease_s < 1:
-            raise ValueError(f"ENCORE_LEASE_S must be >= 1, not {self.lease_s}")
-        if self.song_margin_s < 0:
-            raise ValueError(f"ENCORE_SONG_MARGIN_S must be >= 0, not {self.song_margin_s}")
         if self.lipsync_mask not in LIPSYNC_MASKS:
             raise ValueError(f"ENCORE_LIPSYNC_MASK must be jaw or rectangle, not {self.lipsync_mask!r}")
         if self.lipsync_path not in LIPSYNC_PATHS:
             raise ValueError(f"ENCORE_LIPSYNC_PATH must be device or reference, not {self.lipsync_path!r}")
-        if self.face_threads < 0 or self.lipsync_cache_mb < 0:
-            raise ValueError("ENCORE_FACE_THREADS and ENCORE_LIPSYNC_CACHE_MB must be >= 0")
         if self.artifact_backend not in ("dir", "redis", "s3"):
             raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir, redis or s3, not {self.artifact_backend!r}")
-        if self.sse_heartbeat_s <= 0 or self.sse_max_s <= 0:
-            raise ValueError("ENCORE_SSE_HEARTBEAT_S and ENCORE_SSE_MAX_S must be > 0")
-        if self.webhook_max_attempts < 1 or self.webhook_backoff_s <= 0 or self.webhook_timeout_s <= 0:
-            raise ValueError("ENCORE_WEBHOOK_MAX_ATTEMPTS must be >= 1, the backoff and timeout > 0")
         if self.webhook_queue.startswith("gpu"):
             raise ValueError(f"ENCORE_WEBHOOK_QUEUE must not be a GPU queue, not {self.webhook_queue!r}")
         if self.webhook_secret:
@@ -243,12 +305,6 @@ class Settings:
                 Webhook(self.webhook_secret)
             except (ValueError, EmptyWebhookSecretError) as exc:  # binascii.Error is a ValueError
                 raise ValueError(f"ENCORE_WEBHOOK_SECRET must be whsec_ + base64: {exc}") from None
-        if self.events_maxlen < 1:
-            raise ValueError(f"ENCORE_EVENTS_MAXLEN must be >= 1, not {self.events_maxlen}")
-        if self.max_queued_tracks < 0 or self.max_queued_tracks_per_queue < 0:
-            raise ValueError("ENCORE_MAX_QUEUED_TRACKS and ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE must be >= 0")
-        if not 0 < self.eta_alpha <= 1:
-            raise ValueError(f"ENCORE_ETA_ALPHA must be in (0, 1], not {self.eta_alpha}")
         if self.rate_limit_strategy not in RATE_LIMIT_STRATEGIES:
             raise ValueError(f"ENCORE_RATE_LIMIT_STRATEGY must be one of {', '.join(RATE_LIMIT_STRATEGIES)}, "
                              f"not {self.rate_limit_strategy!r}")
@@ -260,6 +316,16 @@ class Settings:
                 raise ValueError(f"ENCORE_SUBMIT_RATE_LIMIT: {exc}") from None
         if self.lipsync_precision not in LIPSYNC_PRECISIONS:
             raise ValueError(f"ENCORE_LIPSYNC_PRECISION must be auto, fp16 or fp32, not {self.lipsync_precision!r}")
+
+    def _check_bounds(self) -> None:
+        """Every numeric setting against NUMERIC_BOUNDS: a value that makes no sense refuses to start."""
+        for name, (least, least_allowed, most) in NUMERIC_BOUNDS.items():
+            value = getattr(self, name)
+            variable = f"ENCORE_{name.upper()}"
+            if value < least or (value == least and not least_allowed):
+                raise ValueError(f"{variable} must be {'>=' if least_allowed else '>'} {least:g}, not {value}")
+            if most is not None and value > most:
+                raise ValueError(f"{variable} must be <= {most:g}, not {value}")
 
     def music(self) -> "MusicProfile":
         """The music profile these settings select, with its files where the settings put them."""
