@@ -17,12 +17,13 @@ _settings = load_settings()
 wsgi_app = "app.web:create_app()"
 bind = [_settings.web_bind]
 workers = _settings.web_workers
-worker_class = "gthread"
+# gthread, whose own refusals (414, 431, 400) answer JSON like the app's: app/http/server_errors.py
+worker_class = "app.http.server_errors.JsonErrorThreadWorker"
 threads = _settings.web_threads
 timeout = 120          # a worker that answers no heartbeat for this long is restarted
 graceful_timeout = 30
 keepalive = 5
-# Request heads are bounded before the app sees them (gunicorn answers 400 past these).
+# Request heads are bounded before the app sees them (gunicorn answers 414 / 431 / 400 past these, in JSON).
 limit_request_line = 8190
 limit_request_fields = 100
 limit_request_field_size = 8190

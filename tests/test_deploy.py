@@ -78,7 +78,7 @@ def test_the_demo_the_image_and_compose_serve_with_one_gunicorn_conf():
     """gunicorn.conf.py names the app and the gthread worker; gunicorn itself loads it and the app."""
     config = {}
     exec(compile((REPO / "gunicorn.conf.py").read_text(), "gunicorn.conf.py", "exec"), config)
-    assert config["wsgi_app"] == "app.web:create_app()" and config["worker_class"] == "gthread"
+    assert config["wsgi_app"] == "app.web:create_app()" and config["worker_class"] == "app.http.server_errors.JsonErrorThreadWorker"
     assert config["threads"] >= 16 and config["workers"] >= 2
     assert 'CMD ["gunicorn", "-c", "gunicorn.conf.py"]' in (REPO / "Dockerfile").read_text()
     assert '"gunicorn", "-c", "gunicorn.conf.py"' in (REPO / "app" / "clients" / "demo.py").read_text()

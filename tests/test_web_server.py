@@ -2,6 +2,7 @@
 ones, a body that stops arriving is answered 408, and request heads are bounded (issue 11, item 2)."""
 from __future__ import annotations
 
+import json
 import socket
 import time
 from contextlib import ExitStack
@@ -80,12 +81,31 @@ def test_the_check_sees_the_stall_under_sync_workers(stack):
         assert time.monotonic() - started > 1.0
 
 
-def test_request_heads_are_bounded(stack):
+def _refused(reply: requests.Response, status: int, field: str) -> str:
+    """gunicorn's own refusal, answered as JSON naming the field like every other error (not its HTML page)."""
+    assert reply.status_code == status, reply.text[:300]
+    assert reply.headers["Content-Type"] == "application/json", reply.text[:300]
+    body = reply.json()
+    assert body["field"] == field and body["error"].startswith(f"{field}: "), body
+    return body["error"]
+
+
+def test_request_heads_are_bounded_and_refused_in_json(stack):
     url = stack.start_gunicorn()
-    assert requests.get(url + "/healthz", headers={"X-Big": "a" * 9000}, timeout=10).status_code in (400, 431)
+    assert "8190 bytes" in _refused(requests.get(url + "/healthz", headers={"X-Big": "a" * 9000}, timeout=10),
+                                    431, "headers")
     many = {f"X-H{i}": "1" for i in range(150)}
-    assert requests.get(url + "/healthz", headers=many, timeout=10).status_code in (400, 431)
-    assert requests.get(url + "/healthz?" + "a" * 9000, timeout=10).status_code in (400, 414)
+    assert "more than 100 header fields" in _refused(requests.get(url + "/healthz", headers=many, timeout=10),
+                                                     431, "headers")
+    assert "longer than 8190 bytes" in _refused(requests.get(url + "/healthz?" + "a" * 9000, timeout=10), 414, "url")
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as raw:
+        raw.sendall(b"NOT A REQUEST LINE AT ALL\r\n\r\n")
+        answer = b""
+        while chunk := raw.recv(4096):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"Content-Type: application/json" in head, answer[:300]
+    assert json.loads(body)["field"] == "request"
     assert requests.get(url + "/healthz", timeout=10).status_code == 200
 
 
