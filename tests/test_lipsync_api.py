@@ -76,6 +76,14 @@ def test_bad_form_fields_are_400(stack, clips, fields, field):
     assert reply.status_code == 400 and reply.get_json()["field"] == field, reply.get_json()
 
 
+@pytest.mark.parametrize("fps", ["1e-320", "0.5", "0.999"])
+def test_a_frame_rate_below_one_is_refused_naming_fps_not_the_audio(stack, clips, fps):
+    """A tiny fps made one frame outlast any audio, and the refusal then named `audio` (its shortest length is
+    one frame period)."""
+    reply = upload(stack.client, clips["video"], clips["audio"], fps=fps)
+    _assert_rejected(stack, reply, 400, "fps", "must be 0 (the video's own rate) or from 1 to 120")
+
+
 def test_missing_file_and_non_multipart_are_400(stack, clips):
     with open(clips["video"], "rb") as video:
         reply = stack.client.post("/api/v1/lipsync", data={"video": (video, "v.mp4")},

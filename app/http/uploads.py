@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from werkzeug.datastructures import FileStorage
 
 from app.core.config import Settings
@@ -21,11 +21,12 @@ from app.pipeline.media.ffmpeg import MediaError, MediaTools
 from app.pipeline.media.probe import MediaInfo, probe
 from app.pipeline.profiles import LipsyncProfile
 from app.core.priority import DEFAULT_PRIORITY, Priority
-from app.http.schemas import describe_validation_error
+from app.http.schemas import FieldError, describe_validation_error
 
 FILE_FIELDS = ("video", "audio")
 SAFE_EXTENSION = re.compile(r"^[a-z0-9]{1,5}$")
 FPS_LIMIT = 120  # highest output frame rate the form takes
+FPS_LEAST = 1  # lowest one (0 aside, which means the video's own): below it one frame would outlast any audio
 
 
 class UploadError(Exception):
@@ -39,8 +40,10 @@ class LipsyncForm(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    fps: float | None = Field(default=None, ge=0, le=FPS_LIMIT, description="output frame rate; missing or 0 → the "
-                              "video's own (25 when unknown or above 120)")
+    fps: float | None = Field(default=None, ge=0, le=FPS_LIMIT, description="output frame rate, 1 to 120; missing or 0 "
+                              "→ the video's own (25 when unknown or above 120)",
+                              json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0,
+                                                         "exclusiveMaximum": FPS_LEAST}})
     extra_margin: int | None = Field(default=None, ge=0, le=200, description="pixels added below the face box")
     batch_size: int | None = Field(default=None, ge=1, le=256, description="frames per UNet batch")
     webhook: str | None = Field(default=None, max_length=2000, description="an http(s) URL that receives the job's "
@@ -49,6 +52,13 @@ class LipsyncForm(BaseModel):
                                        "completed, failed, canceled (default: all but progress)")
     priority: Priority | None = Field(default=None, description="high, normal (the default) or low: orders the first "
                                       "stages of jobs waiting for a GPU; a started job's later stages still run first")
+
+    @field_validator("fps")
+    @classmethod
+    def _fps_is_a_frame_rate(cls, fps: float | None) -> float | None:
+        if fps and fps < FPS_LEAST:
+            raise FieldError("fps", f"must be 0 (the video's own rate) or from {FPS_LEAST} to {FPS_LIMIT}")
+        return fps
 
 
 @dataclass
