@@ -164,3 +164,22 @@ def test_a_401_sent_before_a_large_body_is_read_reaches_the_client(make_stack):
         reply = requests.post(url + "/api/v1/lipsync", timeout=60,
                               files={"video": ("v.mp4", b"\0" * (20 << 20)), "audio": ("a.wav", b"\0" * 100)})
         assert reply.status_code == 401 and reply.json()["field"] == "authorization"
+
+
+def test_a_chunked_body_past_the_size_limit_is_told_so(make_stack):
+    """A body without Content-Length (chunked) that runs past the limit was told "at most 16 form parts"."""
+    stack = make_stack(ENCORE_MAX_VIDEO_MB="1", ENCORE_MAX_AUDIO_MB="1")  # the whole body: at most 3 MiB
+    url = stack.start_gunicorn()
+    boundary = "encore-chunked"
+
+    def body():
+        yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"video\"; filename=\"v.mp4\"\r\n"
+               "Content-Type: video/mp4\r\n\r\n").encode()
+        for _ in range(5 * 16):  # 5 MiB in 64 KiB chunks
+            yield b"\0" * 65536
+        yield f"\r\n--{boundary}--\r\n".encode()
+    reply = requests.post(url + "/api/v1/lipsync", data=body(), timeout=60,
+                          headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert reply.status_code == 413, reply.text[:300]
+    assert reply.json()["field"] == "body" and "larger than 3 MiB" in reply.json()["error"], reply.json()
+    assert stack.client.get("/api/v1/jobs").get_json()["jobs"] == []

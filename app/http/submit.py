@@ -72,8 +72,12 @@ def submit_lipsync() -> tuple[Response, int]:
     try:
         form, files = request.form.to_dict(), request.files.to_dict()
     except RequestEntityTooLarge:
-        if (request.content_length or 0) > current_app.config["MAX_CONTENT_LENGTH"]:
+        most = current_app.config["MAX_CONTENT_LENGTH"]
+        if (request.content_length or 0) > most:
             raise
+        if getattr(request.stream, "is_exhausted", False):  # a chunked body (no length) read up to the limit
+            return error(413, f"body: larger than {most / 2**20:g} MiB, the most both files and the fields may take "
+                              "(ENCORE_MAX_VIDEO_MB + ENCORE_MAX_AUDIO_MB + 1)", "body")
         return error(413, f"body: at most {MAX_FORM_PARTS} form parts, and form fields (besides the files) "
                           f"of at most {MAX_FORM_MEMORY_BYTES} bytes", "body")
     try:
