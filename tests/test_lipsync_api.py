@@ -76,6 +76,13 @@ def test_bad_form_fields_are_400(stack, clips, fields, field):
     assert reply.status_code == 400 and reply.get_json()["field"] == field, reply.get_json()
 
 
+def test_an_empty_webhook_form_field_is_an_absent_one(stack, clips):
+    """As for every other field of the form (and as the OpenAPI document says): no webhook, not a refusal."""
+    reply = upload(stack.client, clips["video"], clips["audio"], webhook="", webhook_events="")
+    assert reply.status_code == 202, reply.get_json()
+    assert "webhook" not in stack.client.get(f"/api/v1/jobs/{reply.get_json()['job_id']}").get_json()
+
+
 @pytest.mark.parametrize("fps", ["1e-320", "0.5", "0.999"])
 def test_a_frame_rate_below_one_is_refused_naming_fps_not_the_audio(stack, clips, fps):
     """A tiny fps made one frame outlast any audio, and the refusal then named `audio` (its shortest length is

@@ -22,12 +22,14 @@ log = logging.getLogger("encore.web")
 blueprint = Blueprint("jobs", __name__)
 
 TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched whole: no "000.mp3", no "٠.mp3"
+LIMIT = re.compile(r"[0-9]{1,6}", re.ASCII)
+MAX_LISTED = 500
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
 SSE_EVENT = {"type": "object", "description": "one server-sent event", "properties": {  # what clients parse
     "event": {"type": "string", "enum": ["message", "end"]}, "id": {"type": "string"},
     "data": {"type": "string", "description": "a JSON object: the track event, or (end) the job's final state"},
     "retry": {"type": "integer"}}}
-LAST_EVENT_ID = {"Last-Event-ID": {"type": "string", "pattern": r"^[0-9]{1,20}-[0-9]{1,20}$",
+LAST_EVENT_ID = {"Last-Event-ID": {"type": "string", "pattern": r"^([0-9]{1,20}-[0-9]{1,20})?$",  # empty: from the start
                                    "description": "the `id:` of the last event received: only later ones are sent"}}
 
 
@@ -40,12 +42,16 @@ def download_video(job_id: str) -> ResponseReturnValue:
 
 
 @blueprint.get("/api/v1/jobs")
-@documented("Recent jobs, newest first", responses={200: ("the jobs", JobList)},
-            query={"limit": {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}})
+@documented("Recent jobs, newest first",
+            responses={200: ("the jobs", JobList), 400: "`limit` is not a whole number from 1 to 500"},
+            query={"limit": {"type": "integer", "minimum": 1, "maximum": MAX_LISTED, "default": 50}})
 def list_jobs() -> ResponseReturnValue:
-    """Recent jobs, newest first (?limit=50, at most 500)."""
+    """Recent jobs, newest first (?limit=50, at most 500): a limit out of range is refused, not clamped."""
     svc = context().services
-    limit = min(max(request.args.get("limit", 50, type=int) or 50, 1), 500)
+    raw = request.args.get("limit", "50")
+    if not LIMIT.fullmatch(raw) or not 1 <= int(raw) <= MAX_LISTED:
+        return error(400, f"limit: must be a whole number from 1 to {MAX_LISTED}, not {raw[:20]!r}", "limit")
+    limit = int(raw)
     records = [svc.jobs.record(job_id) for job_id in svc.jobs.recent_job_ids(limit)]
     return jsonify({"jobs": _with_eta(svc, [r for r in records if r])})
 

@@ -40,8 +40,9 @@ TAGS_SCHEMA = {"type": "object", "additionalProperties": {
     "properties": {"label": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}}
 
 
-def _error(status: int, message: str):
-    return jsonify({"status": "error", "error": message}), status
+def _error(status: int, message: str, field: str | None = None):
+    """The reference's error shape ({"status": "error", "error"}), with the field named as Encore's errors do."""
+    return jsonify({"status": "error", "error": message, **({"field": field} if field else {})}), status
 
 
 def _whole(body: dict[str, Any], field: str, default: int) -> int:
@@ -268,7 +269,7 @@ def generate() -> ResponseReturnValue:
         field = NATIVE_TO_CONTRACT_FIELD.get(exc.field, exc.field)
         if field == "tags" and body.get("prompt_mode") == "natural":
             field = "prompt"
-        return _error(400, f"{field}: {exc.message}")
+        return _error(400, f"{field}: {exc.message}", field)
     job_id, _ = submit_once(shared, idempotency_key(), lambda: idempotency.json_digest(body),
                             lambda new_id: submit_music(shared.services, shared.celery, req, shared.profile,
                                                         job_id=new_id, api="khala"))

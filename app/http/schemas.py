@@ -11,6 +11,17 @@ from app.pipeline.music.positions import longest_song_for
 from app.core.priority import DEFAULT_PRIORITY, Priority
 
 MAX_SEED = 2**31 - 1
+# Text the tokenizer takes, as the OpenAPI document says it (untokenizable() is the server's check; a lone
+# surrogate, which it also refuses, has no JSON Schema spelling): no control character but tab and line breaks.
+TEXT_PATTERN = r"^[^\u0000-\u0008\u000B\u000C\u000E-\u001F\u007F-\u009F]*$"
+_ASCII_SPACE = r"[ \t\n\r\f\v]*"
+# The Khala contract's lax numbers (app/http/khala.py _whole and _real), as its document says them.
+WHOLE_NUMBER_SCHEMA = {"anyOf": [{"type": "integer"}, {"type": "number", "multipleOf": 1},
+                                 {"type": "string", "pattern": f"^{_ASCII_SPACE}[+-]?[0-9]{{1,9}}{_ASCII_SPACE}$"}]}
+REAL_NUMBER_SCHEMA = {"anyOf": [{"type": "number", "exclusiveMinimum": -1e9, "exclusiveMaximum": 1e9},
+                                {"type": "string",
+                                 "pattern": f"^{_ASCII_SPACE}[+-]?[0-9]{{1,9}}(\\.[0-9]{{1,9}})?{_ASCII_SPACE}$"}]}
+TEXT_SCHEMA = {"anyOf": [{"type": "string", "pattern": TEXT_PATTERN}, {"type": "null"}]}
 
 
 class MusicRequest(BaseModel):
@@ -95,6 +106,7 @@ def music_request_schema(limits: dict[str, Any]) -> dict[str, Any]:
     fields["num_tracks"]["maximum"] = limits["max_tracks"]
     for name, limit in (("tags", "max_text_chars"), ("prompt", "max_text_chars"), ("lyrics", "max_lyrics_chars")):
         fields[name]["anyOf"][0]["maxLength"] = limits[limit]
+        fields[name]["anyOf"][0]["pattern"] = TEXT_PATTERN
     return schema
 
 
@@ -265,12 +277,13 @@ class KhalaGenerate(_Open):
 
     mode: Literal["vocal", "instrumental"] = "vocal"
     prompt_mode: Literal["natural", "tags"] = "tags"
-    prompt: str | None = None
-    tags: str | None = None
-    lyrics: str | None = None
-    duration: int | float | str = Field(default=3, description="minutes, clamped to 1..10")
-    top_k_bb: int | float | str = Field(default=80, description="clamped to 1..200")
-    temperature: float | str = Field(default=1.0, description="clamped to 0.6..1.4")
+    prompt: str | None = Field(default=None, json_schema_extra=TEXT_SCHEMA)
+    tags: str | None = Field(default=None, json_schema_extra=TEXT_SCHEMA)
+    lyrics: str | None = Field(default=None, json_schema_extra=TEXT_SCHEMA)
+    duration: int | float | str = Field(default=3, description="minutes, clamped to 1..10",
+                                        json_schema_extra=WHOLE_NUMBER_SCHEMA)
+    top_k_bb: int | float | str = Field(default=80, description="clamped to 1..200", json_schema_extra=WHOLE_NUMBER_SCHEMA)
+    temperature: float | str = Field(default=1.0, description="clamped to 0.6..1.4", json_schema_extra=REAL_NUMBER_SCHEMA)
 
 
 class KhalaAccepted(BaseModel):

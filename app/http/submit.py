@@ -81,7 +81,9 @@ def submit_lipsync() -> tuple[Response, int]:
         return error(413, f"body: at most {MAX_FORM_PARTS} form parts, and form fields (besides the files) "
                           f"of at most {MAX_FORM_MEMORY_BYTES} bytes", "body")
     try:
-        webhook = check_target(form.get("webhook"), split_events(form.get("webhook_events")), shared.settings)
+        # an empty form field is an absent one, as for every other field of the form (app/http/uploads.py)
+        webhook = check_target(form.get("webhook") or None, split_events(form.get("webhook_events") or None),
+                               shared.settings)
         upload = receive_lipsync(form, files, shared.settings, shared.lipsync_profile)
     except WebhookRefused as exc:
         return error(400, str(exc), exc.field)
