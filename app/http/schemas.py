@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.json_schema import JsonDict
 
 from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.music.positions import longest_song_for
@@ -16,12 +17,12 @@ MAX_SEED = 2**31 - 1
 TEXT_PATTERN = r"^[^\u0000-\u0008\u000B\u000C\u000E-\u001F\u007F-\u009F]*$"
 _ASCII_SPACE = r"[ \t\n\r\f\v]*"
 # The Khala contract's lax numbers (app/http/khala.py _whole and _real), as its document says them.
-WHOLE_NUMBER_SCHEMA = {"anyOf": [{"type": "integer"}, {"type": "number", "multipleOf": 1},
+WHOLE_NUMBER_SCHEMA: JsonDict = {"anyOf": [{"type": "integer"}, {"type": "number", "multipleOf": 1},
                                  {"type": "string", "pattern": f"^{_ASCII_SPACE}[+-]?[0-9]{{1,9}}{_ASCII_SPACE}$"}]}
-REAL_NUMBER_SCHEMA = {"anyOf": [{"type": "number", "exclusiveMinimum": -1e9, "exclusiveMaximum": 1e9},
+REAL_NUMBER_SCHEMA: JsonDict = {"anyOf": [{"type": "number", "exclusiveMinimum": -1e9, "exclusiveMaximum": 1e9},
                                 {"type": "string",
                                  "pattern": f"^{_ASCII_SPACE}[+-]?[0-9]{{1,9}}(\\.[0-9]{{1,9}})?{_ASCII_SPACE}$"}]}
-TEXT_SCHEMA = {"anyOf": [{"type": "string", "pattern": TEXT_PATTERN}, {"type": "null"}]}
+TEXT_SCHEMA: JsonDict = {"anyOf": [{"type": "string", "pattern": TEXT_PATTERN}, {"type": "null"}]}
 
 
 class MusicRequest(BaseModel):
