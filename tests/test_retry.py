@@ -52,3 +52,22 @@ def test_a_canceled_job_is_retried_and_its_cancel_flag_cleared(make_stack):
     stack.start_worker(0)
     done = stack.wait_job(job_id, timeout=180)
     assert done["state"] == "done" and [t["retries"] for t in done["tracks"]] == [1, 1]
+
+
+def test_retries_of_a_track_stop_at_the_servers_limit(make_stack):
+    """55 of 55 retries were accepted: each costs GPU time again. Past ENCORE_MAX_RETRIES the retry is refused
+    (403 naming `retries`) and nothing is queued; the earlier ones went through."""
+    stack = make_stack(ENCORE_MAX_RETRIES="2")
+    job_id = stack.submit_music(duration_s=2.0)  # no worker: the track waits, and is canceled each round
+    for attempt in (1, 2):
+        assert stack.client.delete(f"/api/v1/jobs/{job_id}", headers=stack.auth).status_code == 200
+        assert stack.wait_job(job_id, timeout=30)["state"] == "canceled"
+        reply = stack.client.post(f"/api/v1/jobs/{job_id}/retry", headers=stack.auth)
+        assert reply.status_code == 200 and reply.get_json()["tracks"][0]["retries"] == attempt, reply.get_json()
+    assert stack.client.delete(f"/api/v1/jobs/{job_id}", headers=stack.auth).status_code == 200
+    assert stack.wait_job(job_id, timeout=30)["state"] == "canceled"
+    refused = stack.client.post(f"/api/v1/jobs/{job_id}/retry", headers=stack.auth)
+    assert refused.status_code == 403 and refused.get_json()["field"] == "retries", refused.get_json()
+    assert "retried 2 times" in refused.get_json()["error"]
+    record = stack.job(job_id)
+    assert record["state"] == "canceled" and record["tracks"][0]["retries"] == 2

@@ -78,6 +78,10 @@ class RetryRefused(ValueError):
     """A retry that cannot be made: the job is still open, or none of its tracks failed or was canceled."""
 
 
+class RetryLimit(RetryRefused):
+    """A retry past ENCORE_MAX_RETRIES for one of the job's tracks: refused, not queued (each costs GPU time)."""
+
+
 def retry_job(svc: Services, celery: Celery, job_id: str) -> list[int]:
     """Re-run every failed or canceled track of an ended job (the `retry` transition), with its own seed and
     parameters, from its first unfinished stage (music keeps its finished stages' artifacts; lip-sync starts
@@ -91,6 +95,11 @@ def retry_job(svc: Services, celery: Celery, job_id: str) -> list[int]:
     ended = [t for t in record["tracks"] if t["status"] in ("failed", "canceled")]
     if not ended:
         raise RetryRefused("nothing to retry: every track is done")
+    most = svc.settings.max_retries
+    spent = [t["track"] for t in ended if int(t.get("retries") or 0) >= most]
+    if spent:
+        raise RetryLimit(f"track {spent[0]} was retried {most} times, the most this server allows "
+                         "(ENCORE_MAX_RETRIES)")
     retried = []
     for track in ended:
         kept = finished_stages(svc, job_id, track)

@@ -105,6 +105,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "max_lyrics_chars": (1, True, None),
     "max_text_chars": (1, True, None),
     "max_deliveries": (1, True, None),
+    "max_retries": (0, True, None),  # 0: no retries
     "cancel_grace_s": (0, True, None),  # 0: kill at once
     "reroute_after_s": (0, True, None),  # 0: never
     "lease_s": (1, True, None),
@@ -183,6 +184,8 @@ class Settings:
     time_limits: dict[str, tuple[float | None, float]] = field(
         default_factory=lambda: {**_time_limits(DEFAULT_TIME_LIMITS), **_time_limits(_env("ENCORE_TIME_LIMITS", ""))})
     max_deliveries: int = field(default_factory=lambda: _int("ENCORE_MAX_DELIVERIES", "3"))
+    # How often a client may retry one track (POST /api/v1/jobs/<id>/retry): each retry costs GPU time again.
+    max_retries: int = field(default_factory=lambda: _int("ENCORE_MAX_RETRIES", "5"))
     cancel_grace_s: float = field(default_factory=lambda: _float("ENCORE_CANCEL_GRACE_S", "3"))
     reroute_after_s: float = field(default_factory=lambda: _float("ENCORE_REROUTE_AFTER_S", "30"))
     lease_s: float = field(default_factory=lambda: _float("ENCORE_LEASE_S", "15"))
@@ -390,6 +393,8 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "max_text_chars": "tags / prompt size limit (characters)",
     "time_limits": "per-stage `soft/hard` seconds over the defaults "
                    f"`{DEFAULT_TIME_LIMITS}`, e.g. `backbone=1500/1560,decode=/600` (an empty soft: none)",
+    "max_retries": "most retries of one track through `POST /api/v1/jobs/<id>/retry` (403 naming `retries` past it; "
+                   "0: none)",
     "max_deliveries": "a stage delivered (or restarted) more often than this, its worker dying each time, "
                       "fails the track",
     "cancel_grace_s": "after a cancel, how long a running stage may take to stop before its child is killed",

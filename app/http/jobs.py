@@ -14,7 +14,7 @@ from app.http.context import context
 from app.http.replies import error
 from app.core.joblog import job_event
 from app.http.openapi import DOWNLOAD_REPLIES, documented
-from app.control.recovery import RetryRefused, retry_job
+from app.control.recovery import RetryLimit, RetryRefused, retry_job
 from app.http.schemas import JobList, JobReply, RetryReply
 from app.control.services import Services
 
@@ -109,6 +109,7 @@ def cancel_job(job_id: str) -> ResponseReturnValue:
 @blueprint.post("/api/v1/jobs/<job_id>/retry")
 @documented("Re-run a job's failed or canceled tracks from their first unfinished stage (same seed)",
             responses={200: ("the record, the tracks queued again (each counts it in `retries`)", RetryReply),
+                       403: "a track was retried ENCORE_MAX_RETRIES times already (`field`: retries)",
                        404: "unknown job", 409: "the job is still running, or no track failed or was canceled"})
 def retry(job_id: str) -> ResponseReturnValue:
     """Queue a failed or canceled job's unfinished tracks again (the recovery module decides which)."""
@@ -117,6 +118,8 @@ def retry(job_id: str) -> ResponseReturnValue:
         retried = retry_job(shared.services, shared.celery, job_id)
     except KeyError:
         return error(404, f"job {job_id} not found")
+    except RetryLimit as exc:
+        return error(403, f"retries: {exc}", "retries")
     except RetryRefused as exc:
         return error(409, f"job: {exc}", "job")
     record = shared.services.jobs.record(job_id)
