@@ -93,7 +93,9 @@ def test_rejections_and_queued_jobs(make_stack):
         reply = client.post("/generate", json={**SONG, **change})
         assert 400 <= reply.status_code < 500, (change, reply.get_json())
         body = reply.get_json()
-        assert set(body) == {"status", "error"} and body["status"] == "error" and field in body["error"], body
+        # the reference's shape (status, error), with the field named as Encore's own errors name it
+        assert set(body) == {"status", "error", "field"} and body["status"] == "error", body
+        assert body["field"] == field and body["error"].startswith(f"{field}: "), body
     reply = client.post("/generate", data="not json", content_type="application/json")
     assert reply.status_code == 400 and reply.get_json()["status"] == "error"
     assert client.get("/api/v1/jobs").get_json()["jobs"] == []
