@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.media import face_video, tone, upload
+from app.pipeline.media.probe import probe
+from tests.support.media import face_video, matroska_that_says, tone, upload
 
 
 @pytest.fixture
@@ -128,3 +129,40 @@ def test_output_fps_is_the_sources_unless_the_request_gives_one(stack, clips):
 def test_a_source_rate_above_the_forms_range_falls_back_to_the_default(stack, clips):
     params = _params(stack, clips["video150"], clips["audio"])
     assert (params["fps"], params["source_fps"], params["fps_from"]) == (25, 150, "default")
+
+
+def test_an_audio_file_whose_header_says_5_s_over_two_minutes_is_refused_from_what_it_holds(make_stack, tmp_path):
+    """Its length is counted in decoded samples, not read from the header (which said 5 s over 2 h once)."""
+    stack = make_stack(ENCORE_MAX_AUDIO_S="60")
+    lying = matroska_that_says(tone(tmp_path / "long.wav", 120.0), tmp_path / "says5.mka", 5.0)
+    assert probe(lying).duration_s < 6  # what a header-only check saw
+    reply = upload(stack.client, face_video(tmp_path / "face.mp4", 3.2), lying)
+    _assert_rejected(stack, reply, 400, "audio", "is longer than 61.0 s long (decoded); the limit is 60 s")
+
+
+def test_an_audio_file_whose_header_says_two_minutes_over_2_s_runs_as_2_s(make_stack, tmp_path):
+    stack = make_stack()
+    lying = matroska_that_says(tone(tmp_path / "short.wav", 2.0), tmp_path / "says120.mka", 120.0)
+    assert probe(lying).duration_s > 100
+    reply = upload(stack.client, face_video(tmp_path / "face.mp4", 3.2), lying)
+    assert reply.status_code == 202, reply.get_json()
+    params = stack.job(reply.get_json()["job_id"])["params"]
+    assert abs(params["audio_duration_s"] - 2.0) < 0.05 and params["output_frames"] == 50
+
+
+def test_a_face_video_longer_than_the_limit_is_refused_whatever_its_header_says(make_stack, tmp_path):
+    stack = make_stack(ENCORE_MAX_VIDEO_S="5", ENCORE_MIN_VIDEO_S="1")
+    audio = tone(tmp_path / "voice.wav", 2.0)
+    honest = face_video(tmp_path / "long.mp4", 6.0)
+    _assert_rejected(stack, upload(stack.client, honest, audio), 400, "video", "is 6.0 s long (150 frames); the "
+                     "limit is 5 s")
+    lying = matroska_that_says(honest, tmp_path / "says3.mkv", 3.0)
+    assert probe(lying).duration_s < 4
+    _assert_rejected(stack, upload(stack.client, lying, audio), 400, "video", "(150 frames); the limit is 5 s")
+    assert upload(stack.client, face_video(tmp_path / "ok.mp4", 3.2), audio).status_code == 202
+
+
+def test_a_face_video_with_too_many_pixels_to_decode_is_refused(make_stack, tmp_path):
+    stack = make_stack(ENCORE_MAX_VIDEO_FRAME_PIXELS=str(50 * 256 * 256))  # 50 frames of 256x256
+    reply = upload(stack.client, face_video(tmp_path / "face.mp4", 3.2), tone(tmp_path / "voice.wav", 2.0))
+    _assert_rejected(stack, reply, 400, "video", "holds 80 frames of 256x256")

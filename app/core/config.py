@@ -118,6 +118,8 @@ NUMERIC_BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "max_audio_s": (0, False, None),
     "min_audio_s": (0, True, None),
     "max_video_pixels": (1, True, None),
+    "max_video_s": (0, False, None),
+    "max_video_frame_pixels": (1, True, None),
     "ffmpeg_timeout_s": (0, False, None),
     "face_threads": (0, True, None),  # 0: one per core
     "lipsync_cache_mb": (0, True, None),  # 0: off
@@ -206,6 +208,10 @@ class Settings:
     # Width × height of the largest face video (4096×2160): a bigger one is refused from its probe, before its
     # frames are ever decoded.
     max_video_pixels: int = field(default_factory=lambda: _int("ENCORE_MAX_VIDEO_PIXELS", str(4096 * 2160)))
+    # The face video's length and its decoding work (frames x pixels), counted from its packets, not its header.
+    max_video_s: float = field(default_factory=lambda: _float("ENCORE_MAX_VIDEO_S", "300"))
+    max_video_frame_pixels: int = field(default_factory=lambda: _int("ENCORE_MAX_VIDEO_FRAME_PIXELS",
+                                                                     str(300 * 30 * 1920 * 1080)))
     upload_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_UPLOAD_DIR", "var/uploads")).resolve())
     ffmpeg_timeout_s: float = field(default_factory=lambda: _float("ENCORE_FFMPEG_TIMEOUT_S", "600"))
     # The ffmpeg / ffprobe every media call runs (app/pipeline/media/ffmpeg.py), the music export's pydub too.
@@ -416,6 +422,10 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "min_video_s": "shortest face video (seconds; 400 below)",
     "max_audio_s": "longest driving audio (seconds; 400 above)",
     "min_audio_s": "shortest driving audio (seconds, never less than one output frame period; 400 below)",
+    "max_video_s": "longest face video (seconds: its frames, counted from the packets, over its frame rate; 400 "
+                   "above)",
+    "max_video_frame_pixels": "most decoding work in one face video: frames x width x height (5 minutes of 30 fps "
+                              "1080p; 400 above)",
     "max_video_pixels": "largest face video, width x height from ffprobe (4096x2160; 400 above, before any "
                         "frame is decoded)",
     "upload_dir": "where uploads are staged while they are checked",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from werkzeug.datastructures import FileStorage
 from app.core.config import Settings
 from app.pipeline.lipsync.frames import output_frame_count
 from app.pipeline.media.ffmpeg import MediaError, MediaTools
-from app.pipeline.media.probe import MediaInfo, probe
+from app.pipeline.media.probe import MediaInfo, effective_fps, measured_audio_s, measured_video_frames, probe
 from app.pipeline.profiles import LipsyncProfile
 from app.core.priority import DEFAULT_PRIORITY, Priority
 from app.http.schemas import FieldError, describe_validation_error
@@ -94,6 +94,7 @@ def receive_lipsync(form: dict[str, str], files: dict[str, FileStorage], setting
             received.files[name] = _stage(files[name], staging, name, limits[name])
         tools = MediaTools.of(settings)  # the web's ENCORE_FFPROBE
         video, audio = (_probe(received.files[n], n, tools) for n in FILE_FIELDS)
+        video, audio = _measured(video, audio, received.files, settings, tools)
         fps, fps_from = output_fps(fields.fps, video.fps, profile.default_fps)
         _check_media(video, audio, settings, fps)
         received.params = _params(fields, fps, fps_from, video, audio, profile, received.files)
@@ -135,6 +136,27 @@ def _probe(path: Path, field: str, tools: MediaTools) -> MediaInfo:
         raise UploadError(400, field, "cannot be read as audio/video (ffprobe failed)") from None
 
 
+def _measured(video: MediaInfo, audio: MediaInfo, files: dict[str, Path], settings: Settings,
+              tools: MediaTools) -> tuple[MediaInfo, MediaInfo]:
+    """The two probes with their lengths replaced by what the streams really hold: the video's frames counted
+    from its packets (its length = frames / frame rate), the audio's seconds counted in decoded samples (up to
+    the limit and one second). A header's durations and frame count are never trusted for a limit."""
+    if video.has_video:
+        try:
+            frames = measured_video_frames(files["video"], tools=tools)
+        except MediaError:
+            raise UploadError(400, "video", "cannot be read as video (counting its frames failed)") from None
+        seconds = frames / effective_fps(video)
+        video = replace(video, frame_count=frames, video_duration_s=seconds, duration_s=seconds)
+    if audio.has_audio:
+        try:
+            seconds = measured_audio_s(files["audio"], limit_s=settings.max_audio_s, tools=tools)
+        except MediaError:
+            raise UploadError(400, "audio", "cannot be decoded as audio") from None
+        audio = replace(audio, audio_duration_s=seconds, duration_s=seconds)
+    return video, audio
+
+
 def _check_media(video: MediaInfo, audio: MediaInfo, settings: Settings, fps: float) -> None:
     if not video.has_video:
         raise UploadError(400, "video", "has no video stream")
@@ -147,12 +169,21 @@ def _check_media(video: MediaInfo, audio: MediaInfo, settings: Settings, fps: fl
     video_seconds = video.video_duration_s or video.duration_s or 0.0
     if video_seconds < settings.min_video_s:
         raise UploadError(400, "video", f"is {video_seconds:.2f} s long; at least {settings.min_video_s:g} s needed")
+    if video_seconds > settings.max_video_s:
+        raise UploadError(400, "video", f"is {video_seconds:.1f} s long ({video.frame_count} frames); the limit is "
+                                        f"{settings.max_video_s:g} s")
+    work = video.frame_count * pixels
+    if work > settings.max_video_frame_pixels:
+        raise UploadError(400, "video", f"holds {video.frame_count} frames of {video.width}x{video.height}: "
+                                        f"{work:.3g} pixels to decode; the limit is {settings.max_video_frame_pixels:.3g}")
     audio_seconds = audio.audio_duration_s or audio.duration_s or 0.0
     shortest = max(settings.min_audio_s, 1.0 / fps)
     if audio_seconds < shortest:
         raise UploadError(400, "audio", f"is {audio_seconds:.2f} s long; at least {shortest:g} s needed")
     if audio_seconds > settings.max_audio_s:
-        raise UploadError(400, "audio", f"is {audio_seconds:.1f} s long; the limit is {settings.max_audio_s:g} s")
+        longer = "longer than " if audio_seconds >= settings.max_audio_s + 1 else ""  # decoding stopped there
+        raise UploadError(400, "audio", f"is {longer}{audio_seconds:.1f} s long (decoded); the limit is "
+                                        f"{settings.max_audio_s:g} s")
 
 
 def _params(fields: LipsyncForm, fps: float, fps_from: str, video: MediaInfo, audio: MediaInfo,

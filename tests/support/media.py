@@ -2,6 +2,9 @@
 drifting across a frame, and a voice-like sweep as a WAV file."""
 from __future__ import annotations
 
+import re
+import struct
+import subprocess
 import wave
 from pathlib import Path
 
@@ -62,4 +65,21 @@ def write_wav(path: Path, seconds: float, rate: int = 16000) -> Path:
         wav.setsampwidth(2)
         wav.setframerate(rate)
         wav.writeframes((signal * 32767).astype(np.int16).tobytes())
+    return path
+
+
+def matroska_that_says(source: Path, path: Path, seconds: float) -> Path:
+    """`source` remuxed to Matroska with a header that lies: the segment's duration and every track's DURATION
+    tag say `seconds`, whatever the streams hold (what a hostile upload sends to pass a length limit)."""
+    subprocess.run(["ffmpeg", "-v", "error", "-y", "-i", str(source), "-c", "copy", str(path)], check=True,
+                   timeout=120)
+    data = bytearray(path.read_bytes())
+    at = data.find(b"\x44\x89\x88")  # Segment Info / Duration, an 8-byte float in TimestampScale units (1 ms)
+    assert at >= 0, "no segment duration written"
+    data[at + 3:at + 11] = struct.pack(">d", seconds * 1000.0)
+    hours, rest = divmod(seconds, 3600)
+    claimed = f"{int(hours):02d}:{int(rest // 60):02d}:{rest % 60:012.9f}".encode()
+    for tag in re.finditer(rb"\d\d:\d\d:\d\d\.\d{9}", bytes(data)):
+        data[tag.start():tag.end()] = claimed
+    path.write_bytes(bytes(data))
     return path

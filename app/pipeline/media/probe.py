@@ -12,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional
 
-from app.pipeline.media.ffmpeg import ON_PATH, MediaError, MediaTools, PathLike, run
+from app.pipeline.media.ffmpeg import BASE_ARGS, ON_PATH, MediaError, MediaTools, PathLike, run
 
 PROBE_TIMEOUT_S = 30.0
 
@@ -148,3 +148,24 @@ def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaToo
     return MediaInfo(duration_s=duration, has_video=video is not None, has_audio=audio is not None,
                      audio_duration_s=audio_duration if audio is not None else None,
                      video_duration_s=video_duration if video is not None else None, **info)
+
+
+
+MEASURE_RATE = 8000  # Hz: audio is decoded at this rate, mono 16-bit, only to count its samples
+
+
+def measured_video_frames(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaTools = ON_PATH) -> int:
+    """The video stream's frames as its packets (demuxed, not decoded): a header's frame count can say anything."""
+    return _count_frames(Path(path), timeout_s, tools) or 0
+
+
+def measured_audio_s(path: PathLike, *, limit_s: float, timeout_s: float = PROBE_TIMEOUT_S,
+                     tools: MediaTools = ON_PATH) -> float:
+    """Seconds the first audio stream really decodes to, counted in samples rather than read from a header (which
+    can say 5 s over two hours of audio, or timestamps that stand still); decoding stops one second past
+    `limit_s`, so a longer stream costs no more than that to refuse."""
+    path = Path(path)
+    samples = run([tools.ffmpeg, *BASE_ARGS, "-i", str(path), "-map", "0:a:0", "-vn", "-sn", "-dn",
+                   "-af", "asetpts=N/SR/TB", "-t", f"{limit_s + 1:.3f}", "-ac", "1", "-ar", str(MEASURE_RATE),
+                   "-f", "s16le", "pipe:1"], timeout_s=timeout_s, what=f"measuring the audio of {path.name}")
+    return len(samples) / (2 * MEASURE_RATE)
