@@ -1,53 +1,70 @@
 """Webhooks (issue 14, item 2): checked at submit, written to the outbox by the transitions, delivered by the
 webhook worker (a real `celery -Q webhooks -P threads` process) to a real HTTP receiver that fails the first
-attempts; signatures verified with the standardwebhooks package, as a receiver would."""
+attempts; signatures verified with the standardwebhooks package, as a receiver would.
+
+Issue 22, item 4: webhooks that cannot reach inside. One test per bypass a tester found (the backslash host
+trick, each numeric and loopback spelling, the port rule, a redirect to another port, a name that resolves
+inside), against real loopback receivers this file starts: a receiver is reachable only where a test opts in
+through ENCORE_WEBHOOK_ALLOW_PRIVATE, and every refusal is shown to have sent it nothing."""
 from __future__ import annotations
 
 import base64
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import redis
 from standardwebhooks import Webhook
 
 from app.adapters import webhooks
 from app.core.config import Settings
+from app.core.keys import Layout
 from tests.support.processes import wait_until
 
 SECRET = "whsec_" + base64.b64encode(b"encore-test-webhook-secret-0123").decode()
 
 
 class Receiver:
-    """A loopback HTTP server recording every POST; the first `fail_first` answer 500. `redirect_to`: every
-    request answers 307 to that URL instead."""
+    """A loopback HTTP server recording every POST; the first `fail_first` answer 500 (with `body`).
+    `redirect_to`: a request to /hooks/encore answers `redirect_status` to that URL instead."""
 
-    def __init__(self, fail_first: int = 0, redirect_to: str | None = None):
+    def __init__(self, fail_first: int = 0, redirect_to: str | None = None, redirect_status: int = 307,
+                 body: bytes = b""):
         self.requests: list[tuple[dict[str, str], bytes, float]] = []
-        self.fail_first, self.redirect_to = fail_first, redirect_to
+        self.paths: list[str] = []
+        self.fail_first, self.redirect_to, self.redirect_status = fail_first, redirect_to, redirect_status
+        self.body = body
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 receiver.requests.append(({k.lower(): v for k, v in self.headers.items()}, body, time.time()))
-                if receiver.redirect_to:
-                    self.send_response(307)
+                receiver.paths.append(self.path)
+                answer = b""
+                if receiver.redirect_to and self.path == "/hooks/encore":
+                    self.send_response(receiver.redirect_status)
                     self.send_header("Location", receiver.redirect_to)
                 elif len(receiver.requests) <= receiver.fail_first:
                     self.send_response(500)
+                    answer = receiver.body
                 else:
                     self.send_response(204)
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
+                self.wfile.write(answer)
 
             def log_message(self, *args):
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks/encore"
+        self.port = self.server.server_port
+        self.url = f"http://127.0.0.1:{self.port}/hooks/encore"
+        self.allow = f"127.0.0.1:{self.port}"  # its ENCORE_WEBHOOK_ALLOW_PRIVATE entry
 
     def close(self) -> None:
         self.server.shutdown()
@@ -84,9 +101,18 @@ def test_the_target_is_checked_at_submit():
         with pytest.raises(webhooks.WebhookRefused) as refused:
             check(url, events, settings(**extra))
         assert refused.value.field == field, (url, events, extra)
-    hosts = ("example.com", ".corp.example")
+    hosts = ("example.com", ".corp.example:8443")
     assert webhooks.host_allowed("example.com", hosts) and webhooks.host_allowed("a.b.corp.example", hosts)
     assert not webhooks.host_allowed("xexample.com", hosts) and not webhooks.host_allowed("corp.example.evil", hosts)
+    assert webhooks.named_ports("a.corp.example", hosts) == {8443} and webhooks.named_ports("example.com", hosts) == set()
+    assert check("HTTP://Hooks.Example.COM.:443/a?b=1#frag", None, settings())["url"] == "http://hooks.example.com:443/a?b=1"
+    assert check("https://hooks.example.com:443", None, settings())["url"] == "https://hooks.example.com/"
+    for entry in ("hooks:0", "hooks:http", "[::1]8080"):  # a typo stops the service at start
+        with pytest.raises(ValueError, match="ENCORE_WEBHOOK_HOSTS"):
+            Settings(webhook_hosts=(entry,))
+    for entry in ("10.0.0.1/8", "hooks.example.com", "[::1", "127.0.0.1:70000"):
+        with pytest.raises(ValueError, match="ENCORE_WEBHOOK_ALLOW_PRIVATE"):
+            Settings(webhook_allow_private=(entry,))
     assert [webhooks.backoff_s(n, settings(webhook_backoff_s=1.0, webhook_backoff_cap_s=5.0)) for n in (1, 2, 3, 4)] \
         == [1.0, 2.0, 4.0, 5.0]
 
@@ -99,16 +125,141 @@ def test_a_signature_verifies_with_the_standard_library_and_fails_when_tampered(
         Webhook(SECRET).verify(body.replace("x", "y"), headers)
 
 
-def test_redirects_are_followed_on_the_same_host_only(receiver):
+def refused_everywhere(url: str, config: Settings, *receivers: Receiver) -> str:
+    """Assert `url` is refused at submit (400 naming `webhook`) and at delivery (nothing sent to any of
+    `receivers`); the delivery's error."""
+    with pytest.raises(webhooks.WebhookRefused) as refused:
+        webhooks.check_target(url, None, config)
+    assert refused.value.field == "webhook", url
+    status, error = webhooks.post(url, "{}", {}, 2, config)
+    assert status is None and error.startswith("refused: "), (url, status, error)
+    assert all(not receiver.requests for receiver in receivers), url
+    return error
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254\\.allowed.test/latest/meta-data/",
+                                 "http://127.0.0.2\\.allowed.test/"])
+def test_the_backslash_host_trick_is_refused_at_submit_and_at_delivery(url):
+    """urlsplit read the host as "<address>\\.allowed.test" (allowed) and urllib3 as the address: now the one
+    parser refuses the backslash, and the sender only ever sends what that parser rebuilt."""
+    config = settings(webhook_hosts=(".allowed.test",))
+    assert "'\\\\'" in refused_everywhere(url, config)
+    assert webhooks.check_target("http://hooks.allowed.test/latest/", None, config)["url"] == "http://hooks.allowed.test/latest/"
+
+
+INSIDE = ["http://127.0.0.1:16379/", "http://localhost/", "http://LocalHost./x", "http://app.localhost/",
+          "http://[::1]/", "http://169.254.169.254/latest/meta-data/", "http://0.0.0.0/", "http://2130706433/",
+          "http://0x7f000001/", "http://127.1/", "http://0177.0.0.1/", "http://127.0.0.1./", "http://10.0.0.7/",
+          "http://192.168.1.1/", "http://172.16.0.1/", "http://100.64.0.1/", "http://224.0.0.1/",
+          "http://255.255.255.255/", "http://[::]/", "http://[fe80::1]/", "http://[fc00::1]/", "http://[ff02::1]/",
+          "http://[::ffff:127.0.0.1]/", "http://[::ffff:a9fe:a9fe]/", "http://[::127.0.0.1]/",
+          "http://[2002:7f00:1::]/", "http://[64:ff9b::a9fe:a9fe]/", "http://[fe80::1%25eth0]/",
+          "http://127.0.0.1%2e/", "http://127.0.0.1 /", "http://127.0.0.1\t/"]
+
+
+@pytest.mark.parametrize("url", INSIDE)
+def test_inside_addresses_in_every_spelling_are_refused(url):
+    """With no allow-list, each spelling a tester got accepted (and more: mapped, 6to4, NAT64, zone ids, a
+    trailing dot, percent-encoding) is refused at submit and, given to the sender directly, at delivery."""
+    refused_everywhere(url, settings())
+
+
+def test_ports_other_than_80_and_443_must_be_named(receiver):
+    """A host allowed on 80/443 is not allowed on any other port: the entry must name it."""
+    named, other = receiver(), receiver()
+    config = settings(webhook_allow_private=(named.allow,))
+    assert webhooks.check_target(named.url, None, config)["url"] == named.url
+    assert webhooks.post(named.url, "{}", {}, 5, config) == (204, "") and len(named.requests) == 1
+    refused_everywhere(other.url, config, other)
+    refused_everywhere("http://127.0.0.1/", config)  # the address allowed on one port only
+    refused_everywhere(f"http://2130706433:{named.port}/", config)  # its other spellings stay refused
+    whole = settings(webhook_allow_private=("127.0.0.0/8",))  # a network without a port: 80 and 443 only
+    refused_everywhere(other.url, whole, other)
+    assert webhooks.check_target("http://127.0.0.1/", None, whole)
+    public = settings(webhook_hosts=(".example.com",))
+    for url in ("http://hooks.example.com:8080/", "https://hooks.example.com:16379/", "http://hooks.example.com:0/"):
+        with pytest.raises(webhooks.WebhookRefused):
+            webhooks.check_target(url, None, public)
+    assert webhooks.check_target("https://hooks.example.com/", None, public)
+    assert webhooks.check_target("http://hooks.example.com:8443/", None, settings(webhook_hosts=(".example.com:8443",)))
+    with pytest.raises(webhooks.WebhookRefused):
+        webhooks.check_target("http://hooks.example.com:8444/", None, settings(webhook_hosts=(".example.com:8443",)))
+
+
+def test_a_redirect_is_checked_at_every_hop(receiver):
+    """A redirect to another port of the allowed host is not followed (nothing reaches that port); one to an
+    allowed port is, as is one to another path; a 302 (which would turn POST into GET) is not followed."""
     final = receiver()
-    same_host = receiver(redirect_to=final.url)  # 127.0.0.1 -> 127.0.0.1: followed
-    status, error = webhooks.post(same_host.url, "{}", {"content-type": "application/json"}, 5)
-    assert (status, error) == (204, "") and len(final.requests) == 1
-    elsewhere = receiver(redirect_to=final.url.replace("127.0.0.1", "localhost"))
-    status, error = webhooks.post(elsewhere.url, "{}", {}, 5)
-    assert status == 307 and "another host" in error and len(final.requests) == 1
-    status, error = webhooks.post("http://127.0.0.1:9/", "{}", {}, 2)  # nothing listens on the discard port
-    assert status is None and error
+    hop = receiver(redirect_to=final.url)
+    only_hop = settings(webhook_allow_private=(hop.allow,))
+    status, error = webhooks.post(hop.url, "{}", {}, 5, only_hop)
+    assert status == 307 and error.startswith("redirect not followed") and not final.requests
+    both = settings(webhook_allow_private=(hop.allow, final.allow))
+    assert webhooks.post(hop.url, "{}", {}, 5, both) == (204, "") and len(final.requests) == 1
+    same_port = receiver(redirect_to="/hooks/elsewhere")
+    assert webhooks.post(same_port.url, "{}", {}, 5, settings(webhook_allow_private=(same_port.allow,))) == (204, "")
+    assert same_port.paths == ["/hooks/encore", "/hooks/elsewhere"]
+    for location in (f"http://127.0.0.1:{final.port}\\@allowed.test/", f"http://2130706433:{final.port}/",
+                     f"http://localhost:{final.port}/x"):
+        tricky = receiver(redirect_to=location)
+        status, error = webhooks.post(tricky.url, "{}", {}, 5, settings(webhook_allow_private=(tricky.allow,)))
+        assert status == 307 and error.startswith("redirect not followed"), (location, error)
+    assert len(final.requests) == 1
+    found = receiver(redirect_to=final.url, redirect_status=302)
+    status, error = webhooks.post(found.url, "{}", {}, 5, settings(webhook_allow_private=(found.allow, final.allow)))
+    assert status == 302 and "307 and 308" in error and len(final.requests) == 1
+
+
+def test_a_name_is_resolved_and_checked_at_delivery(receiver):
+    """`localhost` resolves to loopback when the webhook is delivered: refused there, even when the host
+    allow-list names it, and delivered (to the checked address, the name in the Host header) only when the
+    operator allows that address and port."""
+    hooks = receiver()
+    url = f"http://localhost:{hooks.port}/hooks/encore"
+    assert all(not webhooks.public(address)
+               for address in webhooks.resolve(webhooks.parse_url(url), settings(webhook_allow_private=(hooks.allow,))))
+    for config in (settings(), settings(webhook_hosts=(f"localhost:{hooks.port}",))):
+        status, error = webhooks.post(url, "{}", {}, 5, config)
+        assert status is None and "127.0.0.1 is not a public address (loopback)" in error and not hooks.requests
+    allowed = settings(webhook_allow_private=(hooks.allow, f"[::1]:{hooks.port}"))
+    assert webhooks.post(url, "{}", {}, 5, allowed) == (204, "")
+    assert hooks.requests[0][0]["host"] == f"localhost:{hooks.port}"
+    status, error = webhooks.post("http://encore-no-such-host.invalid/", "{}", {}, 5, settings())
+    assert status is None and "does not resolve" in error
+
+
+def test_a_delivery_record_keeps_the_status_and_time_never_what_the_target_sent(redis_base_url, receiver):
+    """A receiver that answers 500 with a body, and a service that answers with a non-HTTP banner: the job's
+    delivery records hold the status, the time and an error class, none of what either sent."""
+    hooks = receiver(fail_first=1, body=b"inside-secret-body")
+    banner = socket.create_server(("127.0.0.1", 0))
+
+    def answer_with_a_banner() -> None:
+        connection, _ = banner.accept()
+        with connection:
+            connection.sendall(b"SSH-2.0-inside-secret-banner\r\n")
+            connection.recv(65536)
+    threading.Thread(target=answer_with_a_banner, daemon=True).start()
+    client = redis.Redis.from_url(f"{redis_base_url}/505", decode_responses=True)
+    layout = Layout("encore-webhook-records")
+    port = banner.getsockname()[1]
+    config = settings(webhook_allow_private=(hooks.allow, f"127.0.0.1:{port}"))
+    records = {}
+    try:
+        for job_id, url in (("j-http", hooks.url), ("j-banner", f"http://127.0.0.1:{port}/")):
+            client.hset(layout.job(job_id), mapping={"webhook": url})
+            message = {"id": f"msg_{job_id}_1", "type": "completed", "at": time.time(), "job_id": job_id, "data": {}}
+            started = time.time()
+            assert webhooks.deliver(client, layout, config, message, 1) == (False, 1.0)
+            [records[job_id]] = [json.loads(raw) for raw in client.lrange(layout.webhook_deliveries(job_id), 0, -1)]
+            assert started - 1 <= records[job_id]["at"] <= time.time() + 1 and not records[job_id]["delivered"]
+            assert "inside-secret" not in json.dumps(records[job_id]), records[job_id]
+        assert len(hooks.requests) == 1 and records["j-http"]["status"] == 500, records["j-http"]
+        assert records["j-banner"]["status"] is None and records["j-banner"]["error"] == "BadStatusLine"
+    finally:
+        banner.close()
+        for job_id in ("j-http", "j-banner"):
+            client.delete(layout.job(job_id), layout.webhook_deliveries(job_id))
 
 
 def test_the_submit_routes_refuse_a_bad_webhook(make_stack):
@@ -120,6 +271,11 @@ def test_the_submit_routes_refuse_a_bad_webhook(make_stack):
     assert reply.status_code == 400 and reply.get_json()["field"] == "webhook_events.0"  # the element named
     reply = stack.client.post("/api/v1/lipsync", data={"webhook": "gopher://127.0.0.1/"}, content_type="multipart/form-data")
     assert reply.status_code == 400 and reply.get_json()["field"] == "webhook"
+    for url in ("http://127.0.0.1\\.example.com/", "http://127.0.0.1:16379/", "http://2130706433/"):
+        reply = stack.client.post("/api/v1/music", json={"mode": "instrumental", "tags": "x", "webhook": url})
+        assert reply.status_code == 400 and reply.get_json()["field"] == "webhook", url
+        reply = stack.client.post("/api/v1/lipsync", data={"webhook": url}, content_type="multipart/form-data")
+        assert reply.status_code == 400 and reply.get_json()["field"] == "webhook", url
     assert stack.client.get("/api/v1/jobs").get_json()["jobs"] == []
 
 
@@ -128,7 +284,8 @@ def test_events_are_signed_filtered_and_retried_with_backoff(make_stack, receive
     signed; the failed attempts were retried at growing intervals, and the record lists every attempt.
     Progress was not asked for and never sent."""
     hooks = receiver(fail_first=2)
-    stack = make_stack(ENCORE_WEBHOOK_SECRET=SECRET, ENCORE_WEBHOOK_BACKOFF_S="0.4", ENCORE_WEBHOOK_PROGRESS_S="0")
+    stack = make_stack(ENCORE_WEBHOOK_SECRET=SECRET, ENCORE_WEBHOOK_BACKOFF_S="0.4", ENCORE_WEBHOOK_PROGRESS_S="0",
+                       ENCORE_WEBHOOK_ALLOW_PRIVATE=hooks.allow)  # the loopback receiver, opted in
     stack.start_webhook_worker()
     stack.start_worker(0)
     job_id = stack.submit_music(webhook=hooks.url, webhook_events=["start", "completed"])

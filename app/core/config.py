@@ -5,6 +5,7 @@ Settings are read when `load_settings()` is called, so tests and the demo can se
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from dataclasses import dataclass, field
@@ -142,6 +143,33 @@ NUMERIC_BOUNDS: dict[str, tuple[float, bool, float | None]] = {
 }
 
 
+def webhook_entry(entry: str, setting: str) -> tuple[str, int | None]:
+    """One ENCORE_WEBHOOK_HOSTS or ENCORE_WEBHOOK_ALLOW_PRIVATE entry as (host or network, port or None): "name",
+    "name:8443", "10.0.0.0/8", "127.0.0.1:8080", "::1", "[::1]:8080" (an IPv6 entry with a port is bracketed).
+    Read here, at start, so that a typo stops the service instead of refusing every webhook later."""
+    if entry.startswith("["):
+        host, closed, rest = entry[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ValueError(f"{setting}: {entry!r} is not [address] or [address]:port")
+        port_text = rest[1:] if rest else None
+    elif entry.count(":") == 1:
+        host, port_text = entry.split(":")
+    else:
+        host, port_text = entry, None
+    if not host or (port_text is not None and not (port_text.isdigit() and 0 < int(port_text) < 65536)):
+        raise ValueError(f"{setting}: {entry!r} is not host or host:port (a port from 1 to 65535)")
+    return host, None if port_text is None else int(port_text)
+
+
+def webhook_network(entry: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int | None]:
+    """An ENCORE_WEBHOOK_ALLOW_PRIVATE entry as (network, port or None); host bits set are refused (a typo)."""
+    host, port = webhook_entry(entry, "ENCORE_WEBHOOK_ALLOW_PRIVATE")
+    try:
+        return ipaddress.ip_network(host), port
+    except ValueError as exc:
+        raise ValueError(f"ENCORE_WEBHOOK_ALLOW_PRIVATE: {entry!r} is not an address or network: {exc}") from None
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = field(default_factory=lambda: _env("REDIS_URL", "redis://127.0.0.1:6379/0"), repr=False)
@@ -260,11 +288,15 @@ class Settings:
     events_maxlen: int = field(default_factory=lambda: _int("ENCORE_EVENTS_MAXLEN", "1000"))
     # Webhooks (app/adapters/webhooks.py): the signing secret ("whsec_" + base64, Standard Webhooks; none: submits with a
     # webhook are refused), the hosts a webhook may name (comma list; ".example.com" takes its subdomains; empty:
-    # any), the queue of the webhook worker, attempts and their backoff, the request timeout, how many attempts
-    # a job keeps, and the least seconds between a job's progress webhooks.
+    # any; "host:8443" also allows that port), the non-public addresses it may reach (comma list of addresses or
+    # networks, "127.0.0.1:8080" for one port of one; empty: none), the queue of the webhook worker, attempts and
+    # their backoff, the request timeout, how many attempts a job keeps, and the least seconds between a job's
+    # progress webhooks.
     webhook_secret: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_SECRET", ""), repr=False)
     webhook_hosts: tuple[str, ...] = field(default_factory=lambda: tuple(
         h.strip().lower() for h in _env("ENCORE_WEBHOOK_HOSTS", "").split(",") if h.strip()))
+    webhook_allow_private: tuple[str, ...] = field(default_factory=lambda: tuple(
+        h.strip().lower() for h in _env("ENCORE_WEBHOOK_ALLOW_PRIVATE", "").split(",") if h.strip()))
     webhook_queue: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_QUEUE", "webhooks"))
     webhook_max_attempts: int = field(default_factory=lambda: _int("ENCORE_WEBHOOK_MAX_ATTEMPTS", "8"))
     webhook_backoff_s: float = field(default_factory=lambda: _float("ENCORE_WEBHOOK_BACKOFF_S", "1"))
@@ -307,6 +339,10 @@ class Settings:
             raise ValueError(f"ENCORE_ARTIFACT_BACKEND must be dir, redis or s3, not {self.artifact_backend!r}")
         if self.webhook_queue.startswith("gpu"):
             raise ValueError(f"ENCORE_WEBHOOK_QUEUE must not be a GPU queue, not {self.webhook_queue!r}")
+        for entry in self.webhook_hosts:
+            webhook_entry(entry, "ENCORE_WEBHOOK_HOSTS")
+        for entry in self.webhook_allow_private:
+            webhook_network(entry)
         if self.webhook_secret:
             from standardwebhooks import Webhook
             from standardwebhooks.webhooks import EmptyWebhookSecretError
@@ -463,7 +499,10 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "events_maxlen": "events kept per job for replay (the stream `encore:job:<id>:events`, expiring with the job)",
     "webhook_secret": "Standard Webhooks signing secret (`whsec_` + base64); unset: a submit with a webhook is "
                       "refused (400)",
-    "webhook_hosts": "comma list of hosts a webhook may name (`.example.com`: it and its subdomains); unset: any",
+    "webhook_hosts": "comma list of hosts a webhook may name (`.example.com`: it and its subdomains; "
+                     "`host:8443`: that port too, beside 80 and 443); unset: any public host",
+    "webhook_allow_private": "comma list of non-public addresses or networks a webhook may reach (`10.0.0.0/8`; "
+                             "`127.0.0.1:8080`, `[::1]:8080`: that port only); unset: public addresses only",
     "webhook_queue": "the webhook worker's queue (never a GPU queue)",
     "webhook_max_attempts": "delivery attempts of one webhook",
     "webhook_backoff_s": "delay before the first retry of a webhook (doubling each attempt)",
