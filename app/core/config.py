@@ -121,6 +121,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "max_video_pixels": (1, True, None),
     "max_video_s": (0, False, None),
     "max_video_frame_pixels": (1, True, None),
+    "max_scratch_mb": (1, True, None),
     "ffmpeg_timeout_s": (0, False, None),
     "face_threads": (0, True, None),  # 0: one per core
     "lipsync_cache_mb": (0, True, None),  # 0: off
@@ -238,6 +239,8 @@ class Settings:
     max_video_pixels: int = field(default_factory=lambda: _int("ENCORE_MAX_VIDEO_PIXELS", str(4096 * 2160)))
     # The face video's length and its decoding work (frames x pixels), counted from its packets, not its header.
     max_video_s: float = field(default_factory=lambda: _float("ENCORE_MAX_VIDEO_S", "300"))
+    # A lip-sync job's decoded source frames in the worker's scratch (RGB, the frames its output shows).
+    max_scratch_mb: float = field(default_factory=lambda: _float("ENCORE_MAX_SCRATCH_MB", "16384"))
     max_video_frame_pixels: int = field(default_factory=lambda: _int("ENCORE_MAX_VIDEO_FRAME_PIXELS",
                                                                      str(300 * 30 * 1920 * 1080)))
     upload_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_UPLOAD_DIR", "var/uploads")).resolve())
@@ -458,6 +461,9 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "min_video_s": "shortest face video (seconds; 400 below)",
     "max_audio_s": "longest driving audio (seconds; 400 above)",
     "min_audio_s": "shortest driving audio (seconds, never less than one output frame period; 400 below)",
+    "max_scratch_mb": "most worker scratch for one lip-sync job's decoded source frames (MiB; the frames its output "
+                      "shows x width x height x 3): 400 at submit when the upload would pass it, and the stage "
+                      "fails saying so if decoding does",
     "max_video_s": "longest face video (seconds: its frames, counted from the packets, over its frame rate; 400 "
                    "above)",
     "max_video_frame_pixels": "most decoding work in one face video: frames x width x height (5 minutes of 30 fps "

@@ -58,7 +58,7 @@ def prepare_work(run: StageRun) -> None:
     run.info.update(_stages().run_prepare(_input(run, "video"), _input(run, "audio"), run.params["fps"],
                                           run.scratch, run.control, settings.ffmpeg_timeout_s, cache=source_cache(),
                                           face_threads=settings.face_threads or _faces().default_threads(),
-                                          tools=run.svc.media))
+                                          tools=run.svc.media, max_scratch_bytes=int(settings.max_scratch_mb * 2**20)))
 
 
 def lipsync_work(run: StageRun) -> None:

@@ -45,6 +45,20 @@ def source_frame(i: int, n: int, source_fps: float | None = None, out_fps: float
     return pingpong_index(math.floor(i * source_fps / out_fps + 1e-6), n)
 
 
+def source_frames_shown(num_frames: int, source_fps: float | None = None, out_fps: float | None = None) -> int:
+    """How many leading source frames `num_frames` output frames can show: the highest source position they
+    reach plus one. Decoding (and searching faces in) only these gives every output frame the source frame it
+    would get from the whole video, since no position reaches past them (a source holding fewer ping-pongs over
+    what it holds, as it would anyway): a 4 s output of a 10-minute clip reads 4 s of it."""
+    if num_frames <= 0:
+        return 0
+    if source_fps is None:
+        return num_frames
+    if not (out_fps and out_fps > 0 and source_fps > 0):
+        raise ValueError(f"frame rates must be positive (source {source_fps}, output {out_fps})")
+    return math.floor((num_frames - 1) * source_fps / out_fps + 1e-6) + 1
+
+
 def shows_a_frame_twice(num_frames: int, n: int, source_fps: float | None = None,
                         out_fps: float | None = None) -> bool:
     """Whether some source frame appears in more than one of the first num_frames output frames: then the

@@ -78,10 +78,13 @@ class FrameCache:
 
 
 def decode_frames(video: PathLike, cache_path: PathLike, *, control: Optional[StageControl] = None,
-                  timeout_s: float = DECODE_TIMEOUT_S, tools: MediaTools = ON_PATH) -> FrameCache:
+                  timeout_s: float = DECODE_TIMEOUT_S, tools: MediaTools = ON_PATH, max_frames: int | None = None,
+                  max_bytes: int | None = None) -> FrameCache:
     """Decode every frame once (ffmpeg → rgb24 pipe, rotation applied by ffmpeg's autorotate) into
     `cache_path`. Frames are passed through as decoded (no fps conversion: no duplicates, no drops).
-    Canceled/timeouts kill ffmpeg and remove the cache file."""
+    Canceled/timeouts kill ffmpeg and remove the cache file. `max_frames`: only the first ones (what the output
+    shows); `max_bytes`: the most the cache may take, checked on the frames really decoded (a MediaError saying
+    so when the video would pass it), not on the header's frame count."""
     video, cache = Path(video), Path(cache_path)
     info = probe(video, tools=tools)
     if not info.has_video or info.width <= 0 or info.height <= 0:
@@ -89,14 +92,20 @@ def decode_frames(video: PathLike, cache_path: PathLike, *, control: Optional[St
     frame_bytes = info.width * info.height * 3
     cache.parent.mkdir(parents=True, exist_ok=True)
     argv = [tools.ffmpeg, *BASE_ARGS, "-i", str(video), "-map", "0:v:0", "-an", "-sn", "-dn",
-            "-fps_mode", "passthrough", "-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"]
+            "-fps_mode", "passthrough", *(["-frames:v", str(max_frames)] if max_frames is not None else []),
+            "-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"]
+    expected = min(max_frames, info.frame_count) if max_frames is not None and info.frame_count else \
+        (max_frames or info.frame_count)  # the header's count: for progress and an early refusal only
+    if max_bytes is not None and expected * frame_bytes > max_bytes:
+        raise MediaError(_too_big(video.name, expected, info.width, info.height, max_bytes))
     with tempfile.TemporaryFile() as errors:
         proc = popen(argv, f"decoding {video.name}", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                      stderr=errors)
         watchdog = Watchdog(proc)
         watchdog.arm(timeout_s)
         try:
-            count = _pump_frames(proc, cache, frame_bytes, info.frame_count, control)
+            count = _pump_frames(proc, cache, frame_bytes, expected, control,
+                                 None if max_bytes is None else max_bytes // frame_bytes)
             rc = proc.wait()
         except BaseException:
             kill(proc)
@@ -119,9 +128,15 @@ def decode_frames(video: PathLike, cache_path: PathLike, *, control: Optional[St
     return FrameCache(cache, count, info.height, info.width, info.fps)
 
 
+def _too_big(name: str, frames: int, width: int, height: int, max_bytes: int) -> str:
+    return (f"decoding {name}: {frames} frames of {width}x{height} would take {frames * width * height * 3 / 2**20:.0f} "
+            f"MiB of scratch, more than the {max_bytes / 2**20:.0f} MiB a job may use (ENCORE_MAX_SCRATCH_MB)")
+
+
 def _pump_frames(proc: subprocess.Popen, cache: Path, frame_bytes: int, expected: int,
-                 control: Optional[StageControl]) -> int:
-    """Copy whole frames from ffmpeg's stdout to the cache file through one reusable buffer."""
+                 control: Optional[StageControl], most_frames: int | None = None) -> int:
+    """Copy whole frames from ffmpeg's stdout to the cache file through one reusable buffer; MediaError past
+    `most_frames` (the scratch bound), whatever the header promised."""
     buffer = bytearray(frame_bytes)
     view = memoryview(buffer)
     count = 0
@@ -137,6 +152,9 @@ def _pump_frames(proc: subprocess.Popen, cache: Path, frame_bytes: int, expected
                 filled += got
             if filled < frame_bytes:
                 break  # EOF; a partial trailing frame only happens when ffmpeg was killed or failed
+            if most_frames is not None and count >= most_frames:
+                raise MediaError(f"decoding past {most_frames} frames would pass the scratch a job may use "
+                                 "(ENCORE_MAX_SCRATCH_MB)")
             sink.write(view)
             count += 1
             if control is not None:
