@@ -169,6 +169,6 @@ def test_a_face_video_with_too_many_pixels_to_decode_is_refused(make_stack, tmp_
 
 
 def test_an_upload_whose_output_would_pass_the_scratch_bound_is_refused_before_it_is_queued(make_stack, tmp_path):
-    stack = make_stack(ENCORE_MAX_SCRATCH_MB="5")  # the 50 frames of 256x256 a 2 s output shows take 9.4 MiB
+    stack = make_stack(ENCORE_MAX_SCRATCH_MB="5")  # the clip's 80 frames of 256x256 (all read) take 15 MiB
     reply = upload(stack.client, face_video(tmp_path / "face.mp4", 3.2), tone(tmp_path / "voice.wav", 2.0))
-    _assert_rejected(stack, reply, 400, "video", "the 50 frames of 256x256 this output shows would take 9 MiB")
+    _assert_rejected(stack, reply, 400, "video", "the 80 frames of 256x256 this output reads would take 15 MiB")

@@ -7,7 +7,7 @@ import pytest
 
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync import stages
-from app.pipeline.lipsync.frames import source_frame, source_frames_shown
+from app.pipeline.lipsync.frames import source_frame, source_frames_shown, source_frames_to_decode
 from app.pipeline.media.ffmpeg import MediaError
 from tests.support.media import face_video, tone
 
@@ -27,24 +27,29 @@ def test_the_frames_shown_give_every_output_frame_what_the_whole_video_would(num
         assert max(source_frame(i, held, source_fps, out_fps) for i in range(num_frames)) == shown - 1
 
 
-def test_a_short_output_of_a_long_video_decodes_the_frames_it_shows(tmp_path):
-    video = face_video(tmp_path / "long.mp4", 12.0)  # 300 frames at 25 fps
-    audio = tone(tmp_path / "voice.wav", 2.0)  # 50 output frames
+@pytest.mark.parametrize("shown, decoded", [(0, 256), (1, 256), (50, 256), (256, 256), (257, 512), (3000, 4096)])
+def test_the_frames_decoded_round_what_is_shown_up_to_a_power_of_two(shown, decoded):
+    assert source_frames_to_decode(shown) == decoded
+
+
+def test_a_short_output_of_a_long_video_decodes_the_frames_it_shows_rounded_up(tmp_path):
+    video = face_video(tmp_path / "long.mp4", 24.0, size=64)  # 600 frames at 25 fps
+    audio = tone(tmp_path / "voice.wav", 2.0)  # 50 output frames: 256 decoded (source_frames_to_decode)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     info = stages.run_prepare(video, audio, 25.0, scratch, StageControl(), 120)
     assert info["output_frames"] == 50
-    assert info["source_frames"] == 50  # not 300
-    assert (scratch / stages.FRAMES).stat().st_size == 50 * 256 * 256 * 3
+    assert info["source_frames"] == 256  # not 600
+    assert (scratch / stages.FRAMES).stat().st_size == 256 * 64 * 64 * 3
 
 
 def test_a_stage_whose_frames_would_pass_the_scratch_bound_fails_saying_so(tmp_path):
     video = face_video(tmp_path / "face.mp4", 3.2)
-    audio = tone(tmp_path / "voice.wav", 2.0)  # 50 frames of 256x256 RGB: 9.4 MiB
+    audio = tone(tmp_path / "voice.wav", 2.0)  # the clip's 80 frames of 256x256 RGB (all read): 15 MiB
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     with pytest.raises(MediaError, match="ENCORE_MAX_SCRATCH_MB"):
-        stages.run_prepare(video, audio, 25.0, scratch, StageControl(), 120, max_scratch_bytes=5 * 2**20)
+        stages.run_prepare(video, audio, 25.0, scratch, StageControl(), 120, max_scratch_bytes=10 * 2**20)
     assert not (scratch / stages.FRAMES).exists()
-    info = stages.run_prepare(video, audio, 25.0, scratch, StageControl(), 120, max_scratch_bytes=10 * 2**20)
-    assert info["source_frames"] == 50
+    info = stages.run_prepare(video, audio, 25.0, scratch, StageControl(), 120, max_scratch_bytes=16 * 2**20)
+    assert info["source_frames"] == 80

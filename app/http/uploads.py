@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from werkzeug.datastructures import FileStorage
 
 from app.core.config import Settings
-from app.pipeline.lipsync.frames import output_frame_count, source_frames_shown
+from app.pipeline.lipsync.frames import output_frame_count, source_frames_shown, source_frames_to_decode
 from app.pipeline.media.ffmpeg import MediaError, MediaTools
 from app.pipeline.media.probe import MediaInfo, effective_fps, measured_audio_s, measured_video_frames, probe
 from app.pipeline.profiles import LipsyncProfile
@@ -184,11 +184,11 @@ def _check_media(video: MediaInfo, audio: MediaInfo, settings: Settings, fps: fl
         longer = "longer than " if audio_seconds >= settings.max_audio_s + 1 else ""  # decoding stopped there
         raise UploadError(400, "audio", f"is {longer}{audio_seconds:.1f} s long (decoded); the limit is "
                                         f"{settings.max_audio_s:g} s")
-    shown = min(video.frame_count, source_frames_shown(output_frame_count(audio_seconds, fps),
-                                                       video.fps, fps))
+    shown = min(video.frame_count, source_frames_to_decode(
+        source_frames_shown(output_frame_count(audio_seconds, fps), video.fps, fps)))  # what the worker decodes
     scratch_mb = shown * pixels * 3 / 2**20
     if scratch_mb > settings.max_scratch_mb:
-        raise UploadError(400, "video", f"the {shown} frames of {video.width}x{video.height} this output shows would "
+        raise UploadError(400, "video", f"the {shown} frames of {video.width}x{video.height} this output reads would "
                                         f"take {scratch_mb:.0f} MiB of worker scratch; the limit is "
                                         f"{settings.max_scratch_mb:g} MiB")
 

@@ -59,6 +59,17 @@ def source_frames_shown(num_frames: int, source_fps: float | None = None, out_fp
     return math.floor((num_frames - 1) * source_fps / out_fps + 1e-6) + 1
 
 
+DECODE_AT_LEAST = 256  # source frames the prepare stage decodes at the least (about 10 s at 25 fps)
+
+
+def source_frames_to_decode(shown: int) -> int:
+    """The leading source frames to decode for an output that shows `shown` of them: that many rounded up to a
+    power of two (at least DECODE_AT_LEAST), so jobs of nearby lengths on one face video decode the same frames
+    and share its cached faces (app/pipeline/lipsync/source_cache.py), while a short output of a long clip still
+    reads at most twice what it shows. The caller takes the smaller of this and what the video holds."""
+    return max(DECODE_AT_LEAST, 1 << max(shown - 1, 0).bit_length())
+
+
 def shows_a_frame_twice(num_frames: int, n: int, source_fps: float | None = None,
                         out_fps: float | None = None) -> bool:
     """Whether some source frame appears in more than one of the first num_frames output frames: then the

@@ -14,7 +14,7 @@ from typing import Any
 
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync import faces, inference, musetalk
-from app.pipeline.lipsync.frames import output_frame_count, shows_a_frame_twice, source_frames_shown
+from app.pipeline.lipsync.frames import output_frame_count, shows_a_frame_twice, source_frames_shown, source_frames_to_decode
 from app.pipeline.lipsync.options import LIPSYNC_MASKS
 from app.pipeline.lipsync.source_cache import SourceCache, entry_key, file_digest
 from app.pipeline.media.decode import FrameCache, decode_frames, extract_audio
@@ -75,7 +75,8 @@ def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: St
     MuseTalk's box, faces.find_faces, on `face_threads` threads; from the source cache when this video was
     seen before), and the plan: the exact audio duration (from the decoded samples: container durations of
     MP3 run long) and hence the output frame count floor(audio s x fps). Only the source frames the output
-    shows are decoded and searched (frames.source_frames_shown), within `max_scratch_bytes` of frames."""
+    shows are decoded and searched (frames.source_frames_shown, rounded up by frames.source_frames_to_decode),
+    within `max_scratch_bytes` of frames."""
     control.check()
     extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s, tools=tools)
     with wave.open(str(scratch / AUDIO_16K)) as decoded:
@@ -85,7 +86,7 @@ def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: St
     (scratch / PLAN).write_text(json.dumps(plan))
     shown = source_frames_shown(plan["output_frames"], probe(video, tools=tools).fps, fps)
     frames = decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"), tools=tools,
-                           max_frames=max(shown, 1), max_bytes=max_scratch_bytes)
+                           max_frames=source_frames_to_decode(shown), max_bytes=max_scratch_bytes)
     key = entry_key("faces", video=plan["video_sha256"], frames=len(frames), version=faces.FACE_PIPELINE_VERSION,
                     landmarks=faces.landmarks_available())
     cached = cache.read_json(key) if cache is not None else None
