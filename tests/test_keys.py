@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -66,8 +67,7 @@ def test_no_lua_script_spells_a_key_by_hand(client):
     """Keys in the .lua files, and in every script as it is composed (its generated preludes too), come from K."""
     for path in LUA_DIR.glob("*.lua"):
         assert not hand_spelled(path.read_text()), path.name
-    store = JobStore(client, Layout("pfx"))
-    assert store.lifecycle and store.estimates
+    JobStore(client, "pfx")  # registers the lifecycle's and the estimates' scripts
     composed = scripts._registered[client]
     assert len(composed) >= 5  # the transition, the job read, forget, the snapshot, the estimates
     for source in composed:
@@ -84,7 +84,7 @@ def test_no_lua_lives_in_python_strings():
 def test_lua_and_python_agree_on_terminal_states_and_the_first_unfinished_stage(client):
     statuses = ["new", "created", "parked", "queued", "running:backbone", "waiting:decode", "done", "failed",
                 "canceled", "partial", ""]
-    runs = [{}, {"backbone": {"finished_at": 1.0}}, {"backbone": {"finished_at": None}},
+    runs: list[dict[str, Any]] = [{}, {"backbone": {"finished_at": 1.0}}, {"backbone": {"finished_at": None}},
             {"backbone": {"finished_at": 1.0}, "superres": {"finished_at": 2.0}, "decode": {"finished_at": 3.0},
              "export": {"finished_at": 4.0}}, {"backbone": "junk", "superres": {"finished_at": 2.0}}]
     code = lua_source("tracks", lua_stages()) + """

@@ -1,7 +1,9 @@
-"""The track state machine and the whole Redis layout: the one place that changes a track's state.
+"""The track state machine: the one place that changes a track's state (and the Redis layout it keeps).
 
-Every key Encore keeps in Redis is named in app/core/keys.py and built by its `Layout`. Every change of a track's state goes through
-`Lifecycle.apply`, one Lua script that, atomically: checks the track's current status against the
+Every key Encore keeps in Redis is named in app/core/keys.py and built by its `Layout` (the Lua's `keys_under`).
+Every change of a track's state goes through `Lifecycle.apply`, one Lua script (app/control/lua/transition.lua,
+after the tables below generated as Lua locals by `lua_tables`, and the chunks lua/tracks.lua and
+lua/backlog_write.lua) that, atomically: checks the track's current status against the
 transition table below, checks who may make it (the holder of the running stage's lease, or anyone when no
 lease is live), honours a pending cancel, moves the track between the bookkeeping sets its status implies
 (its queue's backlog index among them, app/control/backlog.py), keeps the job-level gauges, bumps the track's
