@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
+import app
+from app.control import scripts
+from app.control.jobs import JobStore
+from app.control.lifecycle import lua_stages
 from app.control.scripts import LUA_DIR, lua_source
 from app.core.keys import KEYS, Layout, fields_of, lua_keys
+from app.core.kinds import KINDS, TERMINAL_STATES, first_unfinished
 
 SAMPLE_PARTS = {"job_id": "0123456789abcdef0123456789abcdef", "track": 1, "task_id": "t-1", "name": "gpu0@h",
                 "kind": "music", "state": "running", "queue": "gpu1", "scope": "tenant", "key_hash": "ab12",
@@ -40,14 +48,53 @@ def test_layout_methods_fill_the_table_patterns():
         layout.key("track", job_id="j")  # a missing part is refused, never formatted as a half key
 
 
-def test_no_lua_script_spells_a_key_by_hand():
-    """Keys in the .lua files come from K: a literal piece of a pattern (":job:", ":queue:") would be a second
-    copy of the layout."""
+def hand_spelled(text: str) -> list[str]:
+    """The literal pieces of `KEYS` patterns (":job:", "queue:", ":waiting") quoted in Lua `text`: each would be a
+    second copy of the layout. A bare ":" is left out: it also joins a set member ("job:track"); so are comments."""
+    code = re.sub(r"--[^\n]*", "", text)
     literals = {piece for pattern in KEYS.values() for piece in pattern.replace("{", "}").split("}")[::2]
-                if ":" in piece}
+                if ":" in piece and piece != ":"}
+    return sorted(piece for piece in literals for quote in "'\"" if f"{quote}{piece}" in code or f"{piece}{quote}" in code)
+
+
+def test_the_hand_spelled_check_sees_a_key_spelled_by_hand():
+    assert hand_spelled("redis.call('ZCARD', P .. ':queue:' .. q .. ':waiting')") == [":waiting", "queue:"]
+    assert hand_spelled('redis.call("DEL", P .. ":lock:" .. name)') == ["lock:"]
+    assert hand_spelled("redis.call('ZCARD', K.waiting(q)); local m = job_id .. ':' .. track  -- a 'job:track'") == []
+
+
+def test_no_lua_script_spells_a_key_by_hand(client):
+    """Keys in the .lua files, and in every script as it is composed (its generated preludes too), come from K."""
     for path in LUA_DIR.glob("*.lua"):
-        text = path.read_text()
-        assert not [piece for piece in literals if f"'{piece}" in text or f"{piece}'" in text], path.name
+        assert not hand_spelled(path.read_text()), path.name
+    JobStore(client, "pfx")  # registers the lifecycle's and the estimates' scripts
+    composed = scripts._registered[client]
+    assert len(composed) >= 5  # the transition, the job read, forget, the snapshot, the estimates
+    for source in composed:
+        assert source.startswith(lua_keys()) and not hand_spelled(source[len(lua_keys()):]), source[-300:]
+        client.script_load(source)  # and compiles
+
+
+def test_no_lua_lives_in_python_strings():
+    """The scripts' bodies are .lua files; Python only generates tables (keys_under, the transition table)."""
+    for path in Path(app.__file__).parent.rglob("*.py"):
+        assert "redis.call(" not in path.read_text(), path
+
+
+def test_lua_and_python_agree_on_terminal_states_and_the_first_unfinished_stage(client):
+    statuses = ["new", "created", "parked", "queued", "running:backbone", "waiting:decode", "done", "failed",
+                "canceled", "partial", ""]
+    runs: list[dict[str, Any]] = [{}, {"backbone": {"finished_at": 1.0}}, {"backbone": {"finished_at": None}},
+            {"backbone": {"finished_at": 1.0}, "superres": {"finished_at": 2.0}, "decode": {"finished_at": 3.0},
+             "export": {"finished_at": 4.0}}, {"backbone": "junk", "superres": {"finished_at": 2.0}}]
+    code = lua_source("tracks", lua_stages()) + """
+local statuses, runs, out = cjson.decode(ARGV[1]), cjson.decode(ARGV[2]), {terminal = {}, first = {}}
+for _, s in ipairs(statuses) do if is_terminal(s) then out.terminal[#out.terminal + 1] = s end end
+for n, run in ipairs(runs) do out.first[n] = first_unfinished(STAGES.music, cjson.encode(run)) end
+return cjson.encode(out)"""
+    reply = json.loads(client.eval(code, 0, json.dumps(statuses), json.dumps(runs)))
+    assert set(reply["terminal"]) == TERMINAL_STATES
+    assert reply["first"] == [first_unfinished(KINDS["music"], run) for run in runs] == [0, 1, 0, 3, 0]
 
 
 def test_scripts_run_with_their_prelude(client):

@@ -23,11 +23,10 @@ import requests
 from tqdm import tqdm
 
 from app.core.config import DEFAULT_WEB_URL
-from app.core.kinds import KINDS, QUEUED, TERMINAL_STATES
+from app.core.kinds import JOB_END_STATES, KINDS, QUEUED, TERMINAL_STATES
 from app.core.priority import PRIORITIES
 
 EXIT_OK, EXIT_JOB_NOT_DONE, EXIT_ERROR = 0, 1, 2
-JOB_END_STATES = frozenset({"done", "failed", "canceled", "partial"})
 RETRY_WINDOW_S = 30.0  # while following a job, ride out a web restart or a network blip this long
 
 

@@ -25,40 +25,9 @@ import time
 from typing import Any, Iterable
 
 from app.adapters.redis_conn import decoded
-from app.control.lifecycle import TERMINAL
+from app.control.scripts import script
 from app.control.services import Services
-
-_LEARN = r"""
--- KEYS[1]: the throughput hash. ARGV: field (queue|kind|stage), seconds per cost unit, weight of the new sample,
--- cold (1: the stage also loaded models, a one-off that only stands in until a sample without loads comes).
--- Also keeps the fleet's sum and count of the (kind, stage) rates ("*|kind|stage|sum" and "|queues"), so an
--- estimate reads the mean a queue borrows without reading every queue's rates.
-local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]))
-local was_cold = redis.call('HGET', KEYS[1], ARGV[1] .. '|cold') == '1'
-local sample, alpha, cold = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1'
-local new = sample
-if old and cold then return tostring(old) end
-if old and not was_cold then new = alpha * sample + (1 - alpha) * old end
-local fleet = '*|' .. string.match(ARGV[1], '^[^|]*|(.*)$')
-if not redis.call('HGET', KEYS[1], fleet .. '|queues') then  -- first count (or rates learned before the count)
-  local sum, n, suffix = 0, 0, '|' .. string.match(ARGV[1], '^[^|]*|(.*)$')
-  local flat = redis.call('HGETALL', KEYS[1])
-  for i = 1, #flat, 2 do
-    local name = flat[i]
-    if string.sub(name, 1, 1) ~= '*' and string.sub(name, -#suffix) == suffix and
-       not string.find(string.sub(name, 1, #name - #suffix), '|', 1, true) then
-      sum, n = sum + tonumber(flat[i + 1]), n + 1
-    end
-  end
-  redis.call('HSET', KEYS[1], fleet .. '|sum', string.format('%.17g', sum), fleet .. '|queues', n)
-end
-redis.call('HINCRBYFLOAT', KEYS[1], fleet .. '|sum', string.format('%.17g', new - (old or 0)))
-if not old then redis.call('HINCRBY', KEYS[1], fleet .. '|queues', 1) end
-redis.call('HSET', KEYS[1], ARGV[1], string.format('%.17g', new), ARGV[1] .. '|cold', cold and '1' or '0')
-redis.call('HINCRBY', KEYS[1], ARGV[1] .. '|n', 1)
-return tostring(new)
-"""
-
+from app.core.kinds import TERMINAL_STATES
 
 def field_name(queue: str, kind: str, stage: str) -> str:
     return f"{queue}|{kind}|{stage}"
@@ -71,9 +40,8 @@ def learn(svc: Services, queue: str, kind: str, stage: str, seconds: float, cost
     if not queue or cost <= 0 or seconds < 0 or not math.isfinite(seconds):
         return None
     weight = svc.settings.eta_alpha if alpha is None else alpha
-    script = svc.redis.register_script(_LEARN)
-    reply = script(keys=[svc.jobs.keys.throughput], args=[field_name(queue, kind, stage), repr(seconds / cost),
-                                                          repr(weight), "1" if cold else "0"])
+    args = [field_name(queue, kind, stage), repr(seconds / cost), repr(weight), "1" if cold else "0"]
+    reply = script(svc.redis, "learn")(keys=[svc.jobs.keys.throughput], args=args)
     return float(reply)
 
 
@@ -103,11 +71,11 @@ def running_heads(svc: Services) -> int:
 def job_etas(svc: Services, records: list[dict[str, Any]]) -> list[float | None]:
     """Each job's `eta_s` (app/control/backlog.py's rule), from one read (none when no track is open on a queue)."""
     def on_queue(record: dict[str, Any]) -> bool:
-        return any(t["queue"] and t["status"] not in TERMINAL for t in record["tracks"])
+        return any(t["queue"] and t["status"] not in TERMINAL_STATES for t in record["tracks"])
     ids = [record["job_id"] for record in records if on_queue(record)]
     etas = svc.jobs.estimates.read(time.time(), running_heads(svc), jobs=ids)["jobs"] if ids else {}
     return [_rounded(etas.get(record["job_id"])) if on_queue(record)
-            else 0.0 if all(t["status"] in TERMINAL for t in record["tracks"]) else None for record in records]
+            else 0.0 if all(t["status"] in TERMINAL_STATES for t in record["tracks"]) else None for record in records]
 
 
 def record_with_eta(svc: Services, job_id: str) -> tuple[dict[str, Any] | None, float | None]:

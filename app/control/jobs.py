@@ -17,6 +17,7 @@ from app.control.backlog import Estimates
 from app.core.ids import is_job_id, new_job_id
 from app.core.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
 from app.control.lifecycle import JSON_FIELDS, Lifecycle, Outcome, is_open, lua_stages
+from app.control.scripts import script
 from app.core.keys import Layout
 from app.core.priority import DEFAULT_PRIORITY
 
@@ -50,7 +51,7 @@ class JobStore:
         self.keys = Layout(prefix)
         self.lifecycle = Lifecycle(client, self.keys, events_maxlen, webhook_progress_s)
         self.estimates = Estimates(client, prefix, lua_stages())
-        self._renew_lease = client.register_script(_RENEW_LEASE)
+        self._renew_lease = script(client, "renew_lease")
 
     # -- keys (the layout is app/core/keys.py) ------------------------------------------------
     def job_key(self, job_id: str) -> str:
@@ -255,13 +256,6 @@ def _cancel_detail(track: dict[str, Any]) -> str:
     if status.startswith("waiting:"):
         return f"canceled before {track['stage']}"
     return f"canceled during {track['stage']} (its stage had stopped)"
-
-
-_RENEW_LEASE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
 
 
 PIPELINE_CHUNK = 500

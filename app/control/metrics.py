@@ -20,31 +20,18 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from app.control.eta import parse_rates
 from app.adapters.gpu import parse_readings
 from app.core.kinds import KINDS
+from app.control.scripts import script
 from app.control.services import Services
 from app.control.snapshot import Snapshot, take_snapshot
 
 STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, math.inf)
-
-# KEYS: the stage's hash. ARGV: seconds, units, then the labels of the buckets the duration falls in. One step, so
-# that a scrape never sees a run counted in its buckets but not in its sum.
-_OBSERVE = """
-local key, seconds, units = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
-for i = 3, #ARGV do redis.call('HINCRBY', key, ARGV[i], 1) end
-redis.call('HINCRBYFLOAT', key, 'sum', ARGV[1])
-redis.call('HINCRBY', key, 'count', 1)
-if units > 0 then
-  redis.call('HINCRBYFLOAT', key, 'units', ARGV[2])
-  redis.call('HSET', key, 'last_s_per_unit', string.format('%.9g', seconds / units))
-end
-"""
-
 
 def observe_stage(svc: Services, kind: str, stage: str, seconds: float, units: float = 0.0) -> None:
     """Count one finished stage in its duration buckets (cumulative, as Prometheus expects) and, when it got
     `units` of work through (cost units: song or audio seconds), in its throughput."""
     key = svc.jobs.keys.metric("stage_seconds", kind, stage)
     buckets = [_bucket_label(bound) for bound in STAGE_BUCKETS if seconds <= bound]
-    svc.redis.eval(_OBSERVE, 1, key, repr(float(seconds)), repr(float(units)), *buckets)
+    script(svc.redis, "observe_stage")(keys=[key], args=[repr(float(seconds)), repr(float(units)), *buckets])
 
 
 def count_submission(svc: Services, kind: str) -> None:

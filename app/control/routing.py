@@ -29,7 +29,7 @@ from app.adapters.redis_conn import decoded, decoded_members
 from app.control.broker import broker_lists, find_message
 from app.control.eta import done_in, queue_seconds
 from app.core.joblog import job_event
-from app.core.kinds import KINDS, JobKind
+from app.core.kinds import KINDS, JobKind, first_unfinished
 from app.control.lifecycle import CREATED, PARKED, QUEUED, member, parse_member
 from app.core.priority import DEFAULT_PRIORITY, LATER_STAGE_PRIORITY, first_stage_priority
 from app.control.services import Services
@@ -94,14 +94,6 @@ def track_work(svc: Services, job_id: str, track: int) -> tuple[str, float] | No
 def _queue_number(queue: str) -> tuple[int, str]:
     digits = "".join(ch for ch in queue if ch.isdigit())
     return (int(digits) if digits else 0, queue)
-
-
-def first_unfinished(kind: JobKind, stages: dict[str, Any]) -> int:
-    """Index of the first stage of `kind` the track has not finished."""
-    for index, stage in enumerate(kind.stages):
-        if not stages.get(stage.name, {}).get("finished_at"):
-            return index
-    return len(kind.stages) - 1
 
 
 def _chain_offset(kind: JobKind, record: dict[str, Any]) -> int:

@@ -18,13 +18,10 @@ from typing import Any
 import redis
 
 from app.adapters.redis_conn import decoded
+from app.control.scripts import script
 from app.core.keys import Layout
 
 LIVE_AT_TTL_S = 7 * 24 * 3600
-_RECORD_MODELS = """
-redis.call('HSET', KEYS[1], 'models_loaded', ARGV[1], 'models_pid', ARGV[2])
-if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
-"""
 
 
 class WorkerRegistry:
@@ -32,7 +29,7 @@ class WorkerRegistry:
         self.redis = client
         self.keys = Layout(prefix)
         self.heartbeat_s = heartbeat_s
-        self._record_models = client.register_script(_RECORD_MODELS)
+        self._record_models = script(client, "record_models")
 
     def _key(self, name: str) -> str:
         return self.keys.worker(name)

@@ -36,6 +36,8 @@ KEYS: dict[str, str] = {
     "cost": "queue:{queue}:cost",                            # counter: that set's scores summed, in thousandths
     "queue_live_at": "queue:{queue}:live_at",                # string: when a consumer was last seen
     "backlog": "queue:{queue}:backlog",                      # hash: the backlog index (app/control/backlog.py)
+    "backlog_sums": "queue:{queue}:backlog:sums",            # hash: its totals per group and class
+    "backlog_tree": "queue:{queue}:backlog:tree",            # hash: its Fenwick trees over submission order
     "running": "queue:{queue}:running",                      # zset: running tracks by submission order
     # workers
     "workers": "workers",                                    # set: registered worker names
@@ -47,6 +49,7 @@ KEYS: dict[str, str] = {
     "throughput": "throughput",                              # hash: learned seconds per cost unit per stage
     "rate_limits": "ratelimit",                              # prefix of the submit routes' rate-limit counters
     "webhook_outbox": "webhooks:outbox",                     # list: webhook messages not yet handed out
+    "webhook_seq": "webhooks:seq",                           # counter: webhook message ids
     "webhook_in_flight": "webhooks:in-flight:{worker}",      # list: messages a webhook worker is handing out
     "metrics": "metrics",                                    # prefix of the metric counters (`metric(...)`)
 }
@@ -141,6 +144,12 @@ class Layout:
         """The queue's backlog index; its sums and trees hang off this key (app/control/backlog.py)."""
         return self.key("backlog", queue=queue)
 
+    def backlog_sums(self, queue: str) -> str:
+        return self.key("backlog_sums", queue=queue)
+
+    def backlog_tree(self, queue: str) -> str:
+        return self.key("backlog_tree", queue=queue)
+
     def running(self, queue: str) -> str:
         return self.key("running", queue=queue)
 
@@ -174,6 +183,10 @@ class Layout:
     @property
     def webhook_outbox(self) -> str:
         return self.key("webhook_outbox")
+
+    @property
+    def webhook_seq(self) -> str:
+        return self.key("webhook_seq")
 
     def webhook_in_flight(self, worker: str) -> str:
         return self.key("webhook_in_flight", worker=worker)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -49,4 +50,19 @@ LIPSYNC = JobKind("lipsync", (
 KINDS: dict[str, JobKind] = {MUSIC.name: MUSIC, LIPSYNC.name: LIPSYNC}
 
 QUEUED, DONE, FAILED, CANCELED = "queued", "done", "failed", "canceled"
+# A track in one of these states has ended: only a retry (failed, canceled) changes it again. The one definition:
+# the lifecycle, the clients and the Lua scripts (its generated `TERMINAL` set, app/control/lifecycle.lua_stages)
+# all read it.
 TERMINAL_STATES = frozenset({DONE, FAILED, CANCELED})
+# A job in one of these overall states has ended (`partial`: some tracks done, the rest failed or canceled).
+JOB_END_STATES = TERMINAL_STATES | {"partial"}
+
+
+def first_unfinished(kind: JobKind, stages: dict[str, Any]) -> int:
+    """Index of the first stage of `kind` the track has not finished (the last when every one has: what a
+    restart would run). The Lua scripts' `first_unfinished` (app/control/lua/tracks.lua) is the same rule."""
+    for index, stage in enumerate(kind.stages):
+        run = stages.get(stage.name)
+        if not isinstance(run, dict) or not run.get("finished_at"):
+            return index
+    return len(kind.stages) - 1

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator
 import redis
 
 from app.control.jobs import JobStore
+from app.core.kinds import JOB_END_STATES
 
 EVENT_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}", re.ASCII)  # a Redis Stream entry id, matched whole
-JOB_END_STATES = frozenset({"done", "failed", "canceled", "partial"})
 RETRY_MS = 2000  # how long an EventSource waits before it reconnects (with Last-Event-ID)
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may buffer the stream
 FIRST = "0-0"

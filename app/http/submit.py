@@ -8,7 +8,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from app.control import idempotency
 from app.control.eta import job_etas
-from app.http.events import JOB_END_STATES
+from app.core.kinds import JOB_END_STATES
 from app.http.context import WebContext, context
 from app.http.replies import error
 from app.http.http_input import BodyError, json_object
