@@ -74,6 +74,7 @@ def test_submit_music_wait_shows_bars_and_downloads_both_files(stack, tmp_path):
     assert row[1:4] == ["music", "done", "1"], listing.stdout
 
 
+@pytest.mark.slow  # a lip-sync job on a worker (~7 s here)
 def test_submit_lipsync_wait_downloads_the_video_into_the_default_folder(stack, tmp_path):
     video = media.face_video(tmp_path / "face.mp4", seconds=3.2)
     audio = media.tone(tmp_path / "tone.wav", seconds=1.0)
