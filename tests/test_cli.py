@@ -14,6 +14,8 @@ from tests.support.cli import cli
 from tests.support.processes import free_port, wait_until
 from tests.support.stack import REFERENCE_ENGINE, Stack
 
+pytestmark = pytest.mark.slow  # every test talks to a stack with a worker, two run jobs (~20 s here)
+
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 TINY_MUSIC = ["submit", "music", "--mode", "instrumental", "--tags", "x", "--duration-s", "2", "--tracks", "1",
               "--seed", "5"]
@@ -74,7 +76,6 @@ def test_submit_music_wait_shows_bars_and_downloads_both_files(stack, tmp_path):
     assert row[1:4] == ["music", "done", "1"], listing.stdout
 
 
-@pytest.mark.slow  # a lip-sync job on a worker (~7 s here)
 def test_submit_lipsync_wait_downloads_the_video_into_the_default_folder(stack, tmp_path):
     video = media.face_video(tmp_path / "face.mp4", seconds=3.2)
     audio = media.tone(tmp_path / "tone.wav", seconds=1.0)
