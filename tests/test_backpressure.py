@@ -27,6 +27,7 @@ def retry_after(reply) -> int:
     return int(value)
 
 
+@pytest.mark.slow  # jobs on a worker (~6 s here)
 def test_a_submit_past_the_total_cap_is_429_with_a_retry_after_from_the_eta(make_stack, tmp_path):
     stack = make_stack(ENCORE_MAX_QUEUED_TRACKS="2", ENCORE_MIN_VIDEO_S="0.5", **REFERENCE_ENGINE)
     stack.start_worker(0)

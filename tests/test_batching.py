@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.slow  # batched backbone passes on a worker (~14 s here)
 
 
 def test_two_tracks_on_one_worker_share_a_backbone_pass_and_sound_as_they_would_alone(make_stack):

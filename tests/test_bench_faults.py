@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.processes import LONGEST_WAIT_S, REPO
+
+pytestmark = pytest.mark.slow  # bench/faults.py runs a fault scenario (~25 s here)
 
 
 def test_fault_matrix_script_runs_a_scenario_and_reports_it():

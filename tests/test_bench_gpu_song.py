@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.processes import LONGEST_WAIT_S, REPO
+
+pytestmark = pytest.mark.slow  # the whole song bench at tiny size (~45 s here)
 
 
 def test_gpu_song_bench_runs_every_section_at_tiny_size():

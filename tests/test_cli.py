@@ -14,6 +14,8 @@ from tests.support.cli import cli
 from tests.support.processes import free_port, wait_until
 from tests.support.stack import REFERENCE_ENGINE, Stack
 
+pytestmark = pytest.mark.slow  # every test talks to a stack with a worker, two run jobs (~20 s here)
+
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 TINY_MUSIC = ["submit", "music", "--mode", "instrumental", "--tags", "x", "--duration-s", "2", "--tracks", "1",
               "--seed", "5"]

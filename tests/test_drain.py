@@ -1,9 +1,13 @@
 """Draining a queue for maintenance, with real workers: new tracks avoid it, its waiting tracks move."""
 from __future__ import annotations
 
+import pytest
+
 from tests.support.processes import wait_until
 from tests.support.stack import REFERENCE_ENGINE
 from tests.support.cli import cli
+
+pytestmark = pytest.mark.slow  # drain and resume with workers (~11 s here)
 
 
 def queue_row(stack, name: str) -> dict:

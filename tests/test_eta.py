@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from app.control import eta
 from app.core.kinds import MUSIC
 from app.control.routing import pick_queue
 from tests.support.processes import wait_until
 from tests.support.stack import REFERENCE_ENGINE
+
+pytestmark = pytest.mark.slow  # learns rates from real jobs on two queues (~35 s here)
 
 FACTOR = 2.5  # the stated bound: the estimate is within real/FACTOR .. real*FACTOR
 SONG = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 20.0, "num_tracks": 1}  # seconds of work each

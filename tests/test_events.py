@@ -10,9 +10,12 @@ import time
 from urllib.parse import urlsplit
 
 import requests
+import pytest
 
 from app.clients.cli import sse_messages
 from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.slow  # event streams of whole jobs (~15 s here)
 
 TRACK_STATES = ["queued", "backbone", "superres", "decoding", "exporting", "done"]
 

@@ -144,6 +144,7 @@ def test_the_mask_mode_is_a_setting_and_only_jaw_or_rectangle(monkeypatch):
         Settings()
 
 
+@pytest.mark.slow  # dlib on several threads (~6-12 s here)
 def test_threads_share_the_face_work_with_the_same_result_as_one():
     """Pieces of faces.SEGMENT frames start on a detection frame, so tracking them on several threads gives
     exactly one thread's landmarks, boxes and cuts (here 3 pieces, a shot cut inside the second, and frames

@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 import requests
+import pytest
 
 from tests.support.processes import REPO, free_port, wait_until
+
+pytestmark = pytest.mark.slow  # Flower against a live worker (~9 s here)
 
 
 def test_flower_requires_auth_and_sees_the_worker(make_stack, tmp_path):

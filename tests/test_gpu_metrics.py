@@ -30,6 +30,7 @@ def _metrics(stack) -> str:
     return reply.get_data(as_text=True)
 
 
+@pytest.mark.slow  # a job on a worker (~7 s here)
 def test_no_gpu_series_on_a_cpu_host_and_throughput_gauges_once_a_job_finished(make_stack):
     assert not GpuProbe("0").available and GpuProbe("").heartbeat_fields() == {}  # no NVIDIA driver here
     stack = make_stack()

@@ -9,6 +9,8 @@ import requests
 from tests.support.processes import LONGEST_WAIT_S, wait_until
 from tests.support.stack import REFERENCE_ENGINE
 
+pytestmark = pytest.mark.slow  # whole Khala-style jobs, one to the song's end (~155 s here)
+
 SONG = {"mode": "vocal", "prompt_mode": "tags", "tags": "synthpop, female vocal", "prompt": "",
         "lyrics": "[verse]\nＨｅｌｌｏ｜world\n", "duration": 1, "top_k_bb": 50, "temperature": 1}
 TRACK_STATUSES = {"queued", "generating", "superres", "decoding", "done", "error"}

@@ -85,6 +85,7 @@ def test_lipsync_job_output_has_driving_audio_and_exact_frames(stack, tmp_path):
     assert not (stack.settings.worker_cache_dir / "tracks" / f"{job_id}-0").exists(), "scratch left behind"
 
 
+@pytest.mark.slow  # another lip-sync job (~28 s here)
 def test_audio_longer_than_video_cycles_frames_without_pre_looping(stack, tmp_path):
     video = face_video(tmp_path / "face.mp4", 3.0, FPS)
     longer = tone(tmp_path / "long.wav", 4.0)
@@ -100,6 +101,7 @@ def test_audio_longer_than_video_cycles_frames_without_pre_looping(stack, tmp_pa
     assert short.frame_count == 37 and abs(short.duration_s - 1.5) <= 1 / FPS + 0.03
 
 
+@pytest.mark.slow  # two more stacks and jobs (~19 s here)
 def test_output_fps_is_the_sources_unless_requested(make_stack, tmp_path):
     """A 30 fps face clip: with no fps the output is 30 fps, with fps=25 it is 25 fps (the source resampled,
     not slowed down); either way the MP4 lasts as long as the driving audio. Clips are 1 s of video (30
@@ -123,6 +125,7 @@ def test_output_fps_is_the_sources_unless_requested(make_stack, tmp_path):
         assert abs(info.video_duration_s - 1.2) <= 1 / fps + 0.03
 
 
+@pytest.mark.slow  # two more lip-sync jobs (~27 s here)
 def test_no_face_fails_clearly_and_missing_faces_are_filled(stack, tmp_path):
     audio = tone(tmp_path / "a.wav", 1.0)
     blank = blank_video(tmp_path / "blank.mp4", 3.0)
@@ -145,6 +148,7 @@ def test_no_face_fails_clearly_and_missing_faces_are_filled(stack, tmp_path):
     assert len(means) == 70 and means.min() > 40, "black frames in the output"
 
 
+@pytest.mark.slow  # a long lip-sync job canceled (~16 s here)
 def test_cancel_during_lipsync(stack, tmp_path):
     video = face_video(tmp_path / "face.mp4", 3.0, FPS)
     job_id = _submit(stack, video, tone(tmp_path / "long.wav", 25.0), fps=FPS)

@@ -248,6 +248,7 @@ def test_bidirectional_path_matches_gpt_forward_where_masks_agree(profile, tmp_p
                                full[:, window], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # two child processes (~7 s here)
 def test_two_processes_initialize_at_once_without_colliding():
     """Two workers on one machine: the in-process store needs no port, so both must come up."""
     import subprocess

@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 import requests
+import pytest
 
 from tests.support.processes import LONGEST_WAIT_S, wait_until
+
+pytestmark = pytest.mark.slow  # schemathesis against a live stack (~30 s here; ENCORE_SCHEMATHESIS_EXAMPLES)
 
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
           "response_schema_conformance")

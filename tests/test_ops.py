@@ -4,8 +4,11 @@ from __future__ import annotations
 import logging
 
 from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
 from tests.support.processes import wait_until
+
+pytestmark = pytest.mark.slow  # metrics and logs after a job on a worker (~13 s here)
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:

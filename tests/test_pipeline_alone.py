@@ -10,7 +10,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.support.processes import PYTHON, REPO
+
+pytestmark = pytest.mark.slow  # both pipelines in a bare child process (~25 s here)
 
 PIPELINE_ALONE = r'''
 import importlib, importlib.abc, json, pkgutil, sys

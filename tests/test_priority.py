@@ -17,6 +17,8 @@ from tests.support.processes import wait_until
 from tests.support.stack import REFERENCE_ENGINE, project_celery_config, unit_services
 from tests.support.media import face_video, tone, upload
 
+pytestmark = pytest.mark.slow  # priority ordering over a busy worker (~15 s here)
+
 BUSY_S = 30.0  # song seconds that keep the reference engine's backbone busy while the test submits three jobs
 
 

@@ -8,8 +8,11 @@ import subprocess
 import sys
 
 import requests
+import pytest
 
 from tests.support.processes import REPO, wait_until
+
+pytestmark = pytest.mark.slow  # waits for a worker to load its models (~15 s here)
 
 
 def readyz(url: str) -> tuple[int, dict]:

@@ -7,10 +7,14 @@ import os
 import signal
 import time
 
+import pytest
+
 from app.core.priority import FIRST_STAGE_PRIORITY
 from tests.support import faults
 from tests.support.processes import RedisServer, wait_until
 from tests.support.stack import REFERENCE_ENGINE, Stack
+
+pytestmark = pytest.mark.slow  # the fault matrix: workers and Redis killed mid-stage, 15 scenarios (~320 s here)
 
 LONG_S = 120.0
 

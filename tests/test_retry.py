@@ -2,7 +2,11 @@
 first unfinished stage, with the same seed, counted in the record; real Redis, real workers."""
 from __future__ import annotations
 
+import pytest
+
 from tests.support.cli import cli
+
+pytestmark = pytest.mark.slow  # failed and canceled jobs run again on workers (~30 s here)
 
 
 def test_a_failed_track_runs_again_from_its_first_unfinished_stage(make_stack):

@@ -89,6 +89,7 @@ def test_a_presigned_url_serves_the_object_and_its_ranges(bucket, tmp_path):
     assert requests.get(url.replace("track0.mp3", "track1.mp3"), timeout=10).status_code in (403, 404)
 
 
+@pytest.mark.slow  # a job on a worker over S3 (~10 s here)
 def test_a_job_on_the_s3_backend_is_served_streamed_and_presigned(make_stack, s3_endpoint, bucket):
     prefix = f"stack-{uuid.uuid4().hex[:8]}/"
     env = {**S3_ENV, "ENCORE_S3_ENDPOINT": s3_endpoint, "ENCORE_S3_PREFIX": prefix}

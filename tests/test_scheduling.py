@@ -8,8 +8,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.support.processes import REPO, wait_until
 from tests.support.stack import REFERENCE_ENGINE
+
+pytestmark = pytest.mark.slow  # six stacks with workers: FIFO, cancel, kills (~50 s here)
 
 LONG_S = 120.0  # the tiny backbone needs several seconds for this many tokens on a CPU
 

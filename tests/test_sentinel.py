@@ -17,6 +17,8 @@ import requests
 from tests.support.processes import free_port, redis_server_binary, wait_until
 from tests.support.stack import REFERENCE_ENGINE, Stack
 
+pytestmark = pytest.mark.slow  # three sentinels, a failover and jobs through it (~50 s here)
+
 MASTER = "encore-primary"
 
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from tests.support.processes import wait_until
 from tests.support.stack import REFERENCE_ENGINE, S3_ENV
+
+pytestmark = pytest.mark.slow  # two hosts' workers, one killed (~27 s here)
 
 
 def host(stack, gpu: int) -> dict[str, str]:

@@ -104,6 +104,7 @@ def test_song_length_caps(tiny_profile):
     assert tiny_profile.song_end == "duration" and tiny_profile.max_duration_s == 546.0
 
 
+@pytest.mark.slow  # a job on a worker (~8 s here)
 def test_a_whole_job_ends_where_the_model_ends_it(make_stack, tiny_models, tiny_profile, end_id, tmp_path):
     """Through a real worker with ENCORE_SONG_END=model: the record, the WAV and the metadata all report the
     song's actual length, shorter than requested."""

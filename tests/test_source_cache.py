@@ -66,6 +66,7 @@ def _lipsync(models, scratch, cache, **params):
     return info, (scratch / stages.PICTURE).read_bytes()
 
 
+@pytest.mark.slow  # two jobs on a worker (~18 s here)
 def test_the_second_job_on_a_video_hits_and_gives_the_same_picture(models, tmp_path):
     cache = SourceCache(tmp_path / "cache", max_bytes=64 << 20)
     video = face_video(tmp_path / "face.mp4", 1.0)
@@ -97,6 +98,7 @@ def stack(make_stack):
     return stack
 
 
+@pytest.mark.slow  # jobs on a worker (~21 s here)
 def test_jobs_through_a_worker_say_miss_then_hit(stack, tmp_path):
     """Three jobs on one 3 s face video: 1.0 s of audio (25 of its frames used), 1.2 s (30: 5 more to
     encode) and 0.8 s (all kept)."""

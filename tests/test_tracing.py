@@ -16,6 +16,8 @@ from app.adapters import tracing
 from app.core.config import Settings
 from tests.support.processes import wait_until
 
+pytestmark = pytest.mark.slow  # a traced job on a worker (~9 s here)
+
 MUSIC_STAGES = ["backbone", "superres", "decode", "export"]
 
 

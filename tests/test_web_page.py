@@ -15,6 +15,8 @@ from tests.support.processes import REPO, wait_until
 from tests.support.stack import REFERENCE_ENGINE
 from tests.support.media import face_video, tone
 
+pytestmark = pytest.mark.slow  # chromium drives the page through whole jobs (~50 s here)
+
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

@@ -10,6 +10,8 @@ from contextlib import ExitStack
 import pytest
 import requests
 
+pytestmark = pytest.mark.slow  # gunicorn under hostile and stalled clients, then a job (~30 s here)
+
 
 STALLED_CLIENTS = 10
 IDLE_S = 4.0

@@ -279,6 +279,7 @@ def test_the_submit_routes_refuse_a_bad_webhook(make_stack):
     assert stack.client.get("/api/v1/jobs").get_json()["jobs"] == []
 
 
+@pytest.mark.slow  # real retries with backoff (~31 s here)
 def test_events_are_signed_filtered_and_retried_with_backoff(make_stack, receiver):
     """A two-event job (start, completed) whose receiver fails its first two requests: each event arrives,
     signed; the failed attempts were retried at growing intervals, and the record lists every attempt.
