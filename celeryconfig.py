@@ -8,6 +8,7 @@ Why these values (see shared/DESIGN.md §1):
 - priority steps: later stages of a started job outrank the first stage of every other job (FIFO across
   stages); first stages go by their job's priority level (app/core/priority.py: high 3, normal 6, low 9).
 """
+
 from app.core.config import load_settings
 from app.adapters.redis_conn import celery_connection
 
@@ -46,6 +47,8 @@ broker_transport_options = {
     "queue_order_strategy": "priority",
     **_connection.get("broker_transport_options", {}),  # master_name (and the sentinels' password) with Sentinel
 }
-result_backend_transport_options = {"visibility_timeout": _settings.visibility_timeout_s,
-                                    **_connection.get("result_backend_transport_options", {})}
+result_backend_transport_options = {
+    "visibility_timeout": _settings.visibility_timeout_s,
+    **_connection.get("result_backend_transport_options", {}),
+}
 visibility_timeout = _settings.visibility_timeout_s

@@ -4,6 +4,7 @@ Basic auth always: ENCORE_FLOWER_BASIC_AUTH="user:password[,user2:password2]"; w
 password is generated and printed once, so neither the UI nor the API is ever open. State (tasks seen,
 workers) persists in ENCORE_FLOWER_DB across restarts. The values come from app.core.config, like celeryconfig's.
 """
+
 import secrets
 import sys
 

@@ -10,6 +10,7 @@ sending is answered 408 and dropped instead of holding its thread forever. gthre
 (gevent would, under redis-py, kombu and prometheus_client); the web's work per request is short Redis round
 trips, which threads serve well. Numbers come from app/core/config.py, like every setting.
 """
+
 from app.core.config import load_settings
 
 _settings = load_settings()
@@ -20,7 +21,7 @@ workers = _settings.web_workers
 # gthread, whose own refusals (414, 431, 400) answer JSON like the app's: app/http/server_errors.py
 worker_class = "app.http.server_errors.JsonErrorThreadWorker"
 threads = _settings.web_threads
-timeout = 120          # a worker that answers no heartbeat for this long is restarted
+timeout = 120  # a worker that answers no heartbeat for this long is restarted
 graceful_timeout = 30
 keepalive = 5
 # Request heads are bounded before the app sees them (gunicorn answers 414 / 431 / 400 past these, in JSON).

@@ -4,6 +4,7 @@
 the package is imported: importing a part of Encore (the pipeline above all, which must import and run with
 nothing else of `app`) builds no Celery app and reads no settings.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,5 +15,6 @@ __all__ = ["celery"]
 def __getattr__(name: str) -> Any:
     if name == "celery":
         from app.adapters.celery_app import celery
+
         return celery
     raise AttributeError(f"module 'app' has no attribute {name!r}")

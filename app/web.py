@@ -5,6 +5,7 @@ the views live in app/http/ (pages, ops, submit, jobs, and the Khala contract), 
 that `create_app` builds through `app.http.context.context()`, so two applications in one process (tests,
 tools) keep their own settings, Redis and caches.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,10 +42,16 @@ def build_context(settings: Settings) -> WebContext:
     services = build_services(settings)
     celery = make_celery(settings)
     transport_options = dict(celery.conf.broker_transport_options or {})
-    return WebContext(settings=settings, services=services, celery=celery, profile=settings.music(),
-                      lipsync_profile=load_lipsync_profile(settings.lipsync_profile, settings.lipsync_model_dir),
-                      transport_options=transport_options, metrics=make_registry(services, transport_options),
-                      tags=khala.load_catalogue(settings.tags_file))
+    return WebContext(
+        settings=settings,
+        services=services,
+        celery=celery,
+        profile=settings.music(),
+        lipsync_profile=load_lipsync_profile(settings.lipsync_profile, settings.lipsync_model_dir),
+        transport_options=transport_options,
+        metrics=make_registry(services, transport_options),
+        tags=khala.load_catalogue(settings.tags_file),
+    )
 
 
 def create_app(settings: Settings | None = None) -> Flask:

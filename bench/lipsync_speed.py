@@ -11,6 +11,7 @@ output ping-pongs over the source); case `straight`: as many output frames as so
 On a CPU the tiny models' convolutions dominate either way; the GPU numbers are what matter (on an H200
 the model part ran at 208 fps, so per-frame CPU work and repeated encodes are a large share there).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,12 @@ WIDTH, HEIGHT, BOX, MARGIN = 1280, 720, (490, 160, 790, 460), 10
 
 def clip(count: int) -> list[np.ndarray]:
     from skimage import data
+
     face = cv2.resize(data.astronaut(), (600, 600))
     frames = []
     for i in range(count):
         frame = np.full((HEIGHT, WIDTH, 3), 80 + i, np.uint8)
-        frame[60:660, 340 + i:940 + i] = face
+        frame[60:660, 340 + i : 940 + i] = face
         frames.append(frame)
     return frames
 
@@ -87,23 +89,45 @@ def main() -> None:
     for case, sources in (("cycle", args.source_frames), ("straight", args.frames)):
         frames = clip(sources)
         boxes = [BOX] * sources
-        run_lipsync(models, frames, boxes, features, num_frames=args.batch_size, batch_size=args.batch_size,
-                    extra_margin=MARGIN, sink=lambda f: None, control=StageControl())  # warm-up
+        run_lipsync(
+            models,
+            frames,
+            boxes,
+            features,
+            num_frames=args.batch_size,
+            batch_size=args.batch_size,
+            extra_margin=MARGIN,
+            sink=lambda f: None,
+            control=StageControl(),
+        )  # warm-up
         baselines, currents = [], []
+
         def baseline_run(sink, frames=frames):
             return sequential(models, frames, features, args.frames, args.batch_size, sink)
 
         def current_run(sink, frames=frames, boxes=boxes):
-            return run_lipsync(models, frames, boxes, features, num_frames=args.frames, batch_size=args.batch_size,
-                               extra_margin=MARGIN, sink=sink, control=StageControl())
+            return run_lipsync(
+                models,
+                frames,
+                boxes,
+                features,
+                num_frames=args.frames,
+                batch_size=args.batch_size,
+                extra_margin=MARGIN,
+                sink=sink,
+                control=StageControl(),
+            )
 
         for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits both
             baselines.append(measure(baseline_run, scratch / f"{case}_baseline.mp4"))
             currents.append(measure(current_run, scratch / f"{case}_current.mp4"))
         baseline, current = statistics.median(baselines), statistics.median(currents)
-        results[case] = {"source_frames": sources, "baseline_fps": round(args.frames / baseline, 1),
-                         "run_lipsync_fps": round(args.frames / current, 1),
-                         "speedup": round(baseline / current, 2)}
+        results[case] = {
+            "source_frames": sources,
+            "baseline_fps": round(args.frames / baseline, 1),
+            "run_lipsync_fps": round(args.frames / current, 1),
+            "speedup": round(baseline / current, 2),
+        }
     print(json.dumps(results))
 
 

@@ -11,6 +11,7 @@ engine against twice one track (memory-bound GPUs should get close to 2x; a CPU 
 
 On CUDA the model runs in bf16 (identical codes are then not expected; `codes_equal` says what happened).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,18 +43,34 @@ def spec_for(size: str, profile: MusicProfile) -> TransformerSpec:
     if SIZES[size] is None:
         return profile.backbone
     layers, hidden, heads, groups, ffn = SIZES[size]
-    return TransformerSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                           num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=profile.backbone.vocab_size,
-                           max_sequence_length=4096)
+    return TransformerSpec(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=ffn,
+        vocab_size=profile.backbone.vocab_size,
+        max_sequence_length=4096,
+    )
 
 
-def timed_generation(lm, profile: MusicProfile, frames: int, device: torch.device,
-                     seeds: tuple[int, ...] = (1,), loop: str = "auto") -> tuple[list[torch.Tensor], float]:
+def timed_generation(
+    lm, profile: MusicProfile, frames: int, device: torch.device, seeds: tuple[int, ...] = (1,), loop: str = "auto"
+) -> tuple[list[torch.Tensor], float]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
-    codes = generate_coarse_tracks(lm, PROMPT, profile=profile, num_frames=frames, temperature=1.0, top_k=50,
-                                   seeds=list(seeds), control=StageControl(), loop=loop)
+    codes = generate_coarse_tracks(
+        lm,
+        PROMPT,
+        profile=profile,
+        num_frames=frames,
+        temperature=1.0,
+        top_k=50,
+        seeds=list(seeds),
+        control=StageControl(),
+        loop=loop,
+    )
     if device.type == "cuda":
         torch.cuda.synchronize()
     return codes, time.perf_counter() - started
@@ -72,7 +89,9 @@ def main() -> None:
     model = mb.build_gpt(spec, causal=True, device=device)
     mb.init_random_weights(model, seed=0)
     engines = {"megatron": mb.MegatronCausalLM(model), "torch": TorchCausalLM(from_megatron(model, spec))}
-    seconds: dict[str, list[float]] = {name: [] for name in (*engines, "torch_reference_loop", "torch_2_tracks_batched")}
+    seconds: dict[str, list[float]] = {
+        name: [] for name in (*engines, "torch_reference_loop", "torch_2_tracks_batched")
+    }
     codes = {}
     for lm in engines.values():
         timed_generation(lm, profile, 4, device)  # warm-up
@@ -80,25 +99,38 @@ def main() -> None:
         for name, lm in engines.items():
             codes[name], elapsed = timed_generation(lm, profile, args.frames, device)
             seconds[name].append(elapsed)
-        codes["torch_reference_loop"], elapsed = timed_generation(engines["torch"], profile, args.frames, device,
-                                                                  loop="reference")
+        codes["torch_reference_loop"], elapsed = timed_generation(
+            engines["torch"], profile, args.frames, device, loop="reference"
+        )
         seconds["torch_reference_loop"].append(elapsed)
         _, elapsed = timed_generation(engines["torch"], profile, args.frames, device, seeds=(1, 2))
         seconds["torch_2_tracks_batched"].append(elapsed)
     tokens = 2 * args.frames
     median = {name: statistics.median(values) for name, values in seconds.items()}
-    print(json.dumps({
-        "device": str(device), "dtype": str(next(model.parameters()).dtype), "size": args.size,
-        "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "tokens": tokens,
-        "tokens_per_s": {name: round(tokens * (2 if "2_tracks" in name else 1) / value, 1)
-                         for name, value in median.items()},
-        "speedup_torch_over_megatron": round(median["megatron"] / median["torch"], 2),
-        "speedup_device_loop_over_reference_loop": round(median["torch_reference_loop"] / median["torch"], 2),
-        "two_tracks_batched_vs_one_after_the_other": round(2 * median["torch"] / median["torch_2_tracks_batched"], 2),
-        "codes_equal": bool(torch.equal(codes["megatron"][0], codes["torch"][0])
-                            and torch.equal(codes["torch"][0], codes["torch_reference_loop"][0])),
-        "seconds": seconds,
-    }))
+    print(
+        json.dumps(
+            {
+                "device": str(device),
+                "dtype": str(next(model.parameters()).dtype),
+                "size": args.size,
+                "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+                "tokens": tokens,
+                "tokens_per_s": {
+                    name: round(tokens * (2 if "2_tracks" in name else 1) / value, 1) for name, value in median.items()
+                },
+                "speedup_torch_over_megatron": round(median["megatron"] / median["torch"], 2),
+                "speedup_device_loop_over_reference_loop": round(median["torch_reference_loop"] / median["torch"], 2),
+                "two_tracks_batched_vs_one_after_the_other": round(
+                    2 * median["torch"] / median["torch_2_tracks_batched"], 2
+                ),
+                "codes_equal": bool(
+                    torch.equal(codes["megatron"][0], codes["torch"][0])
+                    and torch.equal(codes["torch"][0], codes["torch_reference_loop"][0])
+                ),
+                "seconds": seconds,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

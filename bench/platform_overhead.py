@@ -8,6 +8,7 @@ each side is run `--repeats` times and the medians are compared.
 
     python bench/platform_overhead.py [--duration-s 5] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,7 @@ def baseline(models_dir: Path, duration_s: float, repeats: int) -> list[float]:
     from app.pipeline.music import stages as music
     from app.pipeline.control import StageControl
     from app.pipeline.profiles import load_profile
+
     torch.set_num_threads(1)
     models = music.MusicModels(load_profile("tiny", models_dir), "keep_loaded")
     params = {**PARAMS, "duration_s": duration_s}
@@ -51,15 +53,29 @@ def baseline(models_dir: Path, duration_s: float, repeats: int) -> list[float]:
 
 
 def platform(models_dir: Path, redis_url: str, root: Path, duration_s: float, repeats: int) -> list[float]:
-    env = {**os.environ, "REDIS_URL": redis_url, "ENCORE_MODEL_DIR": str(models_dir),
-           "ENCORE_ARTIFACT_DIR": str(root / "artifacts"), "ENCORE_LOG_DIR": str(root / "logs"),
-           "ENCORE_TORCH_THREADS": "1", "ENCORE_PRELOAD": "1", "ENCORE_HEARTBEAT_S": "0.5"}
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "ENCORE_MODEL_DIR": str(models_dir),
+        "ENCORE_ARTIFACT_DIR": str(root / "artifacts"),
+        "ENCORE_LOG_DIR": str(root / "logs"),
+        "ENCORE_TORCH_THREADS": "1",
+        "ENCORE_PRELOAD": "1",
+        "ENCORE_HEARTBEAT_S": "0.5",
+    }
     os.environ.update(env)
     from app.core.config import load_settings
     from app.web import create_app
+
     client = create_app(load_settings()).test_client()
-    worker = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), "0"], cwd=REPO, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    worker = subprocess.Popen(
+        ["bash", str(REPO / "worker_entrypoint.sh"), "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         while not any(w["status"] == "idle" for w in client.get("/api/v1/status").get_json()["workers"]):
             if worker.poll() is not None:
@@ -68,8 +84,10 @@ def platform(models_dir: Path, redis_url: str, root: Path, duration_s: float, re
 
         def one_job() -> float:
             started = time.perf_counter()
-            reply = client.post("/api/v1/music", json={"mode": "instrumental", "tags": "ambient",
-                                                      "duration_s": duration_s, "num_tracks": 1, "seed": 1})
+            reply = client.post(
+                "/api/v1/music",
+                json={"mode": "instrumental", "tags": "ambient", "duration_s": duration_s, "num_tracks": 1, "seed": 1},
+            )
             job_id = reply.get_json()["job_id"]
             while (state := client.get(f"/api/v1/jobs/{job_id}").get_json()["state"]) in ("queued", "running"):
                 time.sleep(0.005)
@@ -92,19 +110,31 @@ def main() -> None:
     redis_proc, redis_url = start_redis(root)
     try:
         models_dir = root / "models"
-        subprocess.run([sys.executable, "-m", "app.pipeline.tiny", "--out", str(models_dir)], cwd=REPO,
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "app.pipeline.tiny", "--out", str(models_dir)],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
         direct = baseline(models_dir, args.duration_s, args.repeats)
         served = platform(models_dir, redis_url, root, args.duration_s, args.repeats)
     finally:
         redis_proc.terminate()
     direct_s, served_s = statistics.median(direct), statistics.median(served)
-    print(json.dumps({
-        "benchmark": "platform_overhead", "profile": "tiny", "song_seconds": args.duration_s,
-        "baseline_in_process_s": [round(x, 3) for x in direct], "through_platform_s": [round(x, 3) for x in served],
-        "median_ratio_platform_to_baseline": round(served_s / direct_s, 3),
-        "median_overhead_s_per_job": round(served_s - direct_s, 3),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "platform_overhead",
+                "profile": "tiny",
+                "song_seconds": args.duration_s,
+                "baseline_in_process_s": [round(x, 3) for x in direct],
+                "through_platform_s": [round(x, 3) for x in served],
+                "median_ratio_platform_to_baseline": round(served_s / direct_s, 3),
+                "median_overhead_s_per_job": round(served_s - direct_s, 3),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

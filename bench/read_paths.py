@@ -13,6 +13,7 @@ otherwise be charged to the next one. Prints JSON (and writes it to --out).
     python bench/read_paths.py [--jobs 10000] [--seconds 10] [--rounds 3] [--connections 200] [--workers 2]
                                [--out bench/results/read_paths_10000.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ def baseline_app() -> Flask:
     import redis
 
     from app.core.config import load_settings
+
     client = redis.Redis.from_url(load_settings().redis_url, decode_responses=True)
     app = Flask("baseline")
 
@@ -52,6 +54,7 @@ def baseline_app() -> Flask:
     @app.get("/one-get")
     def one_get():
         return {"value": client.get("bench:one")}
+
     return app
 
 
@@ -59,6 +62,7 @@ def fill(url: str, jobs: int) -> str:
     """`jobs` two-track music jobs in every overall state; returns a running job's id (the one polled)."""
     from app.core.config import Settings
     from app.control.services import build_services
+
     svc = build_services(Settings(redis_url=url, heartbeat_s=3600))  # the two workers stay live all run
     svc.redis.set("bench:one", "1")
     for name, queue in (("gpu0@bench", "gpu0"), ("gpu1@bench", "gpu1")):
@@ -73,8 +77,16 @@ def fill(url: str, jobs: int) -> str:
         if phase == 0:
             continue  # queued
         owner = f"gpu{index % 2}@bench|{job_id}-0-0|1"
-        svc.jobs.transition("start", job_id, 0, stage="backbone", owner=owner, task_id=f"{job_id}-0-0",
-                            worker=f"gpu{index % 2}@bench", lease_ms=3_600_000)
+        svc.jobs.transition(
+            "start",
+            job_id,
+            0,
+            stage="backbone",
+            owner=owner,
+            task_id=f"{job_id}-0-0",
+            worker=f"gpu{index % 2}@bench",
+            lease_ms=3_600_000,
+        )
         if phase == 1:
             polled = polled or job_id  # running
         elif phase == 2:
@@ -90,8 +102,12 @@ def fill(url: str, jobs: int) -> str:
 def wrk(url: str, seconds: int, connections: int) -> tuple[float, int]:
     """(answered requests/s, requests that failed) of one wrk run: a 5xx or a socket error is not counted as
     served (a path so slow that Redis calls time out under load answers 503s fast)."""
-    out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--timeout", "30s", url],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--timeout", "30s", url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     total, took = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out).group(1, 2)
     unit = re.search(r"\d+ requests in [\d.]+(m?s)", out).group(1)
     elapsed = float(took) / (1000 if unit == "ms" else 1)
@@ -121,8 +137,24 @@ def settle(url: str, unloaded_s: float, limit_s: float = 120.0) -> float:
 def serve(app_spec: str, env: dict[str, str], workers: int) -> tuple[subprocess.Popen, str]:
     """`app_spec` under the deployment's gunicorn.conf.py (gthread), with `workers` processes."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "-w", str(workers),
-                             "-b", f"127.0.0.1:{port}", "--log-level", "warning", app_spec], cwd=REPO, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-c",
+            "gunicorn.conf.py",
+            "-w",
+            str(workers),
+            "-b",
+            f"127.0.0.1:{port}",
+            "--log-level",
+            "warning",
+            app_spec,
+        ],
+        cwd=REPO,
+        env=env,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -153,14 +185,24 @@ def main() -> None:
             started = time.perf_counter()
             polled = fill(url, args.jobs)
             fill_s = time.perf_counter() - started
-            env = {**os.environ, "REDIS_URL": url, "ENCORE_ARTIFACT_DIR": str(Path(scratch) / "artifacts"),
-                   "ENCORE_UPLOAD_DIR": str(Path(scratch) / "uploads"), "PYTHONPATH": str(REPO)}
+            env = {
+                **os.environ,
+                "REDIS_URL": url,
+                "ENCORE_ARTIFACT_DIR": str(Path(scratch) / "artifacts"),
+                "ENCORE_UPLOAD_DIR": str(Path(scratch) / "uploads"),
+                "PYTHONPATH": str(REPO),
+            }
             baseline, base_url = serve("bench.read_paths:baseline_app()", env, args.workers)
             encore, encore_url = serve("app.web:create_app()", env, args.workers)
             procs += [baseline, encore]
-            paths = {"hello": f"{base_url}/hello", "one_get": f"{base_url}/one-get",
-                     "job_poll": f"{encore_url}/api/v1/jobs/{polled}", "status": f"{encore_url}/api/v1/status",
-                     "metrics": f"{encore_url}/metrics", "khala_status": f"{encore_url}/status"}
+            paths = {
+                "hello": f"{base_url}/hello",
+                "one_get": f"{base_url}/one-get",
+                "job_poll": f"{encore_url}/api/v1/jobs/{polled}",
+                "status": f"{encore_url}/api/v1/status",
+                "metrics": f"{encore_url}/metrics",
+                "khala_status": f"{encore_url}/status",
+            }
             for target in paths.values():
                 requests.get(target, timeout=60).raise_for_status()
             unloaded = {name: min(latency(target) for _ in range(3)) for name, target in paths.items()}
@@ -175,16 +217,26 @@ def main() -> None:
                     settled[name].append(settle(target, unloaded[name]))
             rates = {name: statistics.median(values) for name, values in runs.items()}
             ratios = {name: round(rates[name] / rates["hello"], 3) for name in TARGETS}
-            report = json.dumps({
-                "jobs": args.jobs, "connections": args.connections, "gunicorn_workers": args.workers,
-                "seconds_each": args.seconds, "rounds": args.rounds, "fill_s": round(fill_s, 1),
-                "requests_per_s": {k: round(v, 1) for k, v in rates.items()},
-                "ratio_to_hello_world": ratios,
-                "ratio_to_one_get": {name: round(rates[name] / rates["one_get"], 3) for name in TARGETS},
-                "targets": TARGETS, "meets_targets": {n: ratios[n] >= TARGETS[n] for n in TARGETS},
-                "unloaded_latency_ms": {k: round(v * 1000, 2) for k, v in unloaded.items()},
-                "settle_s": settled, "runs": runs, "failed_requests": failed,
-            }, indent=2)
+            report = json.dumps(
+                {
+                    "jobs": args.jobs,
+                    "connections": args.connections,
+                    "gunicorn_workers": args.workers,
+                    "seconds_each": args.seconds,
+                    "rounds": args.rounds,
+                    "fill_s": round(fill_s, 1),
+                    "requests_per_s": {k: round(v, 1) for k, v in rates.items()},
+                    "ratio_to_hello_world": ratios,
+                    "ratio_to_one_get": {name: round(rates[name] / rates["one_get"], 3) for name in TARGETS},
+                    "targets": TARGETS,
+                    "meets_targets": {n: ratios[n] >= TARGETS[n] for n in TARGETS},
+                    "unloaded_latency_ms": {k: round(v * 1000, 2) for k, v in unloaded.items()},
+                    "settle_s": settled,
+                    "runs": runs,
+                    "failed_requests": failed,
+                },
+                indent=2,
+            )
             print(report)
             if args.out:
                 args.out.write_text(report + "\n")

@@ -9,6 +9,7 @@ over `_env(NAME, default)` / `os.environ`), so the table cannot say what the cod
 
 tests/test_docs.py fails when the docs' table differs from what this prints.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ SETTINGS_MODULE = "app.core.config"
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "configuration.md"
-BEGIN = ("<!-- config-table: printed by scripts/config_table.py from the settings module; "
-         "tests/test_docs.py checks it -->")
+BEGIN = (
+    "<!-- config-table: printed by scripts/config_table.py from the settings module; tests/test_docs.py checks it -->"
+)
 END = "<!-- /config-table -->"
 ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
 UNSET = object()  # a variable read without a default (os.environ.get(NAME), os.environ[NAME])
@@ -65,12 +67,21 @@ def _variables(factory: ast.Lambda, module: ModuleType) -> list[tuple[str, Any]]
     names = vars(module)
     for node in ast.walk(factory.body):
         where = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("_env", "_int", "_float"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("_env", "_int", "_float")
+        ):
             name, default = node.args
             value = eval(compile(ast.Expression(default), "<default>", "eval"), dict(names))  # the module's own code
             reads.append((*where, ast.literal_eval(name), value))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-              and _is_environ(node.func.value) and isinstance(node.args[0], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and _is_environ(node.func.value)
+            and isinstance(node.args[0], ast.Constant)
+        ):
             reads.append((*where, node.args[0].value, UNSET))
         elif isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(node.slice, ast.Constant):
             reads.append((*where, node.slice.value, UNSET))
@@ -109,8 +120,14 @@ def rows() -> list[tuple[str, str, str, str]]:
         variables = _variables(factories[name], module) if name in factories else []
         if not variables:
             raise SystemExit(f"Settings.{name}: its default factory reads no environment variable")
-        table.append((" / ".join(f"`{v}`" for v, _ in variables), " / ".join(_default(d) for _, d in variables),
-                      f"`{name}`", _cell(descriptions[name])))
+        table.append(
+            (
+                " / ".join(f"`{v}`" for v, _ in variables),
+                " / ".join(_default(d) for _, d in variables),
+                f"`{name}`",
+                _cell(descriptions[name]),
+            )
+        )
     return table
 
 
@@ -144,8 +161,15 @@ def check(doc: Path = DOC) -> int:
         print(f"{_shown(doc)}: the configuration table matches {SETTINGS_MODULE}")
         return 0
     import difflib
-    sys.stderr.writelines(difflib.unified_diff(documented.splitlines(keepends=True), printed.splitlines(keepends=True),
-                                               f"{_shown(doc)} (documented)", f"{SETTINGS_MODULE} (printed)"))
+
+    sys.stderr.writelines(
+        difflib.unified_diff(
+            documented.splitlines(keepends=True),
+            printed.splitlines(keepends=True),
+            f"{_shown(doc)} (documented)",
+            f"{SETTINGS_MODULE} (printed)",
+        )
+    )
     print("run: python scripts/config_table.py --write", file=sys.stderr)
     return 1
 

@@ -5,6 +5,7 @@ whose C++ extension cannot load next to torch's CPU wheel (OSError: libc10_cuda.
 extension when `torchaudio/lib/*.so` is absent, and Encore uses no torchaudio op, so the files are moved
 into `torchaudio/lib/disabled/`. Idempotent; does nothing when the extension loads fine (a CUDA torch).
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,6 +1,7 @@
 """The OpenAPI document and the server agree on the inputs a tester found them disagreeing on: what the document
 forbids the server refuses (400 naming the field), and what the server accepts the document allows. Each case is
 checked both ways: the served document's own schema (jsonschema_rs, 2020-12) and a real request."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,12 +34,14 @@ def _component(name: str) -> dict[str, Any]:
 
 
 def _parameter(document: dict[str, Any], path: str, where: str, name: str) -> dict[str, Any]:
-    return next(p["schema"] for p in document["paths"][path]["get"]["parameters"] if p["in"] == where
-                and p["name"] == name)
+    return next(
+        p["schema"] for p in document["paths"][path]["get"]["parameters"] if p["in"] == where and p["name"] == name
+    )
 
 
-@pytest.mark.parametrize("limit, ok", [("501", False), ("0", False), ("abc", False), ("1.5", False), ("500", True),
-                                       ("1", True)])
+@pytest.mark.parametrize(
+    "limit, ok", [("501", False), ("0", False), ("abc", False), ("1.5", False), ("500", True), ("1", True)]
+)
 def test_the_job_list_limit(stack, document, limit, ok):
     schema = _parameter(document, "/api/v1/jobs", "query", "limit")
     value: Any = int(limit) if limit.isdigit() else limit
@@ -83,8 +86,9 @@ def test_a_control_character_in_a_native_text_is_refused_by_both(stack, document
     assert reply.status_code == 400 and reply.get_json()["field"] == "tags", reply.get_json()
 
 
-@pytest.mark.parametrize("value, ok", [(2.5, False), ("x", False), ("2.5", False), (True, False), (40, True),
-                                       (40.0, True), (" 40 ", True)])
+@pytest.mark.parametrize(
+    "value, ok", [(2.5, False), ("x", False), ("2.5", False), (True, False), (40, True), (40.0, True), (" 40 ", True)]
+)
 def test_khala_whole_numbers(stack, document, value, ok):
     body = {**SONG, "top_k_bb": value}
     assert _allows(document, _component("KhalaGenerate"), body) is ok

@@ -1,10 +1,19 @@
 """Every bad request is a 400 that names the field, never a 5xx, and queues nothing."""
+
 from __future__ import annotations
 
 import pytest
 
-GOOD = {"mode": "vocal", "tags": "pop, female vocal", "lyrics": "[verse]\nhello world", "duration_s": 3,
-        "num_tracks": 2, "seed": 1, "temperature": 1.0, "top_k": 80}
+GOOD = {
+    "mode": "vocal",
+    "tags": "pop, female vocal",
+    "lyrics": "[verse]\nhello world",
+    "duration_s": 3,
+    "num_tracks": 2,
+    "seed": 1,
+    "temperature": 1.0,
+    "top_k": 80,
+}
 
 CASES = [
     ("mode", {"mode": "opera"}),
@@ -55,10 +64,16 @@ def test_bad_field_is_400_naming_it(stack, field, change):
     assert _nothing_queued(stack)
 
 
-@pytest.mark.parametrize("data,content_type", [
-    ("not json", "application/json"), ("[1, 2]", "application/json"), ("mode=vocal", "text/plain"),
-    ("", "application/json"), ('{"mode": ', "application/json"),
-])
+@pytest.mark.parametrize(
+    "data,content_type",
+    [
+        ("not json", "application/json"),
+        ("[1, 2]", "application/json"),
+        ("mode=vocal", "text/plain"),
+        ("", "application/json"),
+        ('{"mode": ', "application/json"),
+    ],
+)
 def test_non_json_body_is_400(stack, data, content_type):
     reply = stack.client.post("/api/v1/music", data=data, content_type=content_type)
     assert reply.status_code == 400

@@ -1,4 +1,5 @@
 """Backbone stage on the tiny Megatron model (and one scripted LM for exact token bookkeeping)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,14 @@ def lm(tiny_profile):
 
 
 def generate(lm, tiny_profile, seed=0, control=None, **overrides):
-    args = dict(profile=tiny_profile, num_frames=FRAMES, temperature=1.0, top_k=tiny_profile.backbone_top_k,
-                seed=seed, control=control or StageControl())
+    args = dict(
+        profile=tiny_profile,
+        num_frames=FRAMES,
+        temperature=1.0,
+        top_k=tiny_profile.backbone_top_k,
+        seed=seed,
+        control=control or StageControl(),
+    )
     args.update(overrides)
     return generate_coarse(lm, PROMPT, **args)
 
@@ -32,7 +39,11 @@ def test_shape_and_range(lm, tiny_profile):
 
 
 def test_same_seed_same_tokens_different_seed_different(lm, tiny_profile):
-    first, again, other = generate(lm, tiny_profile, seed=5), generate(lm, tiny_profile, seed=5), generate(lm, tiny_profile, seed=6)
+    first, again, other = (
+        generate(lm, tiny_profile, seed=5),
+        generate(lm, tiny_profile, seed=5),
+        generate(lm, tiny_profile, seed=6),
+    )
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
 
@@ -69,7 +80,7 @@ class ScriptedLM:
     def _logits(self) -> torch.Tensor:
         logits = torch.zeros(self.vocab_size)
         logits[:100] = 50.0  # text ids: would win if sampling were not restricted
-        logits[self.favourite::32] = 20.0  # entry `favourite` of every codebook
+        logits[self.favourite :: 32] = 20.0  # entry `favourite` of every codebook
         return logits
 
     def reset(self, max_len):
@@ -102,5 +113,6 @@ def test_sampling_stays_in_each_codebook_window_and_feeds_interleaved_ids(tiny_p
 
 def test_rejects_empty_prompt(lm, tiny_profile):
     with pytest.raises(ValueError):
-        generate_coarse(lm, [], profile=tiny_profile, num_frames=2, temperature=1.0, top_k=5, seed=0,
-                        control=StageControl())
+        generate_coarse(
+            lm, [], profile=tiny_profile, num_frames=2, temperature=1.0, top_k=5, seed=0, control=StageControl()
+        )

@@ -1,6 +1,7 @@
 """The backlog index (app/control/backlog.py) against a real redis-server: the sums the transitions keep give the same
 ETAs, queue seconds and schedules as counting every open track from its hash (the rule app/control/eta.py states,
 restated here over a scan), and they come back to nothing when every track has ended, however it ended."""
+
 from __future__ import annotations
 
 import random
@@ -32,8 +33,17 @@ def _owner(job_id: str, track: int) -> str:
 def _start(svc, job_id: str, track: int, stage: str, queue: str, started_ago: float = 0.0) -> None:
     record = svc.jobs.track(job_id, track)
     stages = {**record["stages"], stage: {"started_at": time.time() - started_ago}}
-    assert svc.jobs.transition("start", job_id, track, {"stages": stages}, stage=stage, owner=_owner(job_id, track),
-                               task_id=record["task_ids"][0], worker=WORKER[queue], lease_ms=600_000), (job_id, stage)
+    assert svc.jobs.transition(
+        "start",
+        job_id,
+        track,
+        {"stages": stages},
+        stage=stage,
+        owner=_owner(job_id, track),
+        task_id=record["task_ids"][0],
+        worker=WORKER[queue],
+        lease_ms=600_000,
+    ), (job_id, stage)
 
 
 def _finish(svc, job_id: str, track: int, stage: str) -> None:
@@ -58,8 +68,13 @@ def _fill(svc, seed: int) -> list[str]:
     for index in range(40):
         kind = "music" if index % 3 else "lipsync"
         tracks = 2 if kind == "music" else 1
-        job_id = svc.jobs.create(kind, {}, [{"seed": n} for n in range(tracks)], cost=round(rng.uniform(1, 30), 3),
-                                 priority=rng.choice(("high", "normal", "low")))
+        job_id = svc.jobs.create(
+            kind,
+            {},
+            [{"seed": n} for n in range(tracks)],
+            cost=round(rng.uniform(1, 30), 3),
+            priority=rng.choice(("high", "normal", "low")),
+        )
         jobs.append(job_id)
         names = [stage.name for stage in KINDS[kind].stages]
         for track in range(tracks):
@@ -111,9 +126,12 @@ def _reference(svc, queue: str, now: float) -> dict[str, float]:
     ran (or its progress leaves)."""
     rates = eta.learned(svc)
     members = svc.redis.zrange(svc.jobs.keys.load(queue), 0, -1)
-    running = sorted((svc.jobs.track(*parse_member(value))["seq"], value) for value in members
-                     if svc.jobs.track(*parse_member(value))["status"].startswith("running:"))
-    heads = {value for _, value in running[:eta.running_heads(svc)]}
+    running = sorted(
+        (svc.jobs.track(*parse_member(value))["seq"], value)
+        for value in members
+        if svc.jobs.track(*parse_member(value))["status"].startswith("running:")
+    )
+    heads = {value for _, value in running[: eta.running_heads(svc)]}
     rows = []
     for value in members:
         job_id, index = parse_member(value)
@@ -122,8 +140,11 @@ def _reference(svc, queue: str, now: float) -> dict[str, float]:
         state, _, stage = track["status"].partition(":")
         group = {"running": 0, "waiting": 1}.get(state, 2)
         order = svc.redis.zscore(svc.jobs.keys.waiting(queue), value) if group == 2 else track["seq"]
-        start = names.index(stage) if stage in names else \
-            next((n for n, name in enumerate(names) if not track["stages"].get(name, {}).get("finished_at")), 0)
+        start = (
+            names.index(stage)
+            if stage in names
+            else next((n for n, name in enumerate(names) if not track["stages"].get(name, {}).get("finished_at")), 0)
+        )
         left = sum(_per_unit(rates, queue, kind, name) * track["cost"] for name in names[start:])
         if state == "running" and value in heads:
             whole = _per_unit(rates, queue, kind, stage) * track["cost"]
@@ -157,8 +178,11 @@ def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_s
         else:
             wanted = max((expected[t["queue"]][f"{job_id}:{t['track']}"] for t in open_ones), default=0.0)
         got = read["jobs"][job_id]
-        assert got == wanted if wanted is None else got == pytest.approx(wanted, rel=1e-9, abs=1e-9), \
-            (job_id, got, wanted)
+        assert got == wanted if wanted is None else got == pytest.approx(wanted, rel=1e-9, abs=1e-9), (
+            job_id,
+            got,
+            wanted,
+        )
     assert any(v is None for v in read["jobs"].values()) and any(read["jobs"].values())
 
 
@@ -184,7 +208,7 @@ def _run_to_the_end(svc, job_id: str, index: int) -> None:
     names = [stage.name for stage in KINDS[svc.jobs.job(job_id)["kind"]].stages]
     current = svc.jobs.track(job_id, index)
     finished = [n for n in names if current["stages"].get(n, {}).get("finished_at")]
-    for stage in names[len(finished):]:
+    for stage in names[len(finished) :]:
         if not svc.jobs.track(job_id, index)["status"].startswith("running:"):
             _start(svc, job_id, index, stage, current["queue"])
         _finish(svc, job_id, index, stage)
@@ -209,8 +233,12 @@ def test_the_sums_return_to_nothing_when_every_track_has_ended(svc):
         _route(svc, batched, track, "gpu0")
     _start(svc, batched, 0, "backbone", "gpu0")
     owner = _owner(batched, 0)
-    assert svc.jobs.transition("adopt", batched, 1, stage="backbone", queue_is="gpu0", owner=owner,
-                               worker=WORKER["gpu0"], lease_ms=600_000).status == "running:backbone"
+    assert (
+        svc.jobs.transition(
+            "adopt", batched, 1, stage="backbone", queue_is="gpu0", owner=owner, worker=WORKER["gpu0"], lease_ms=600_000
+        ).status
+        == "running:backbone"
+    )
     assert svc.jobs.report(batched, 1, owner, progress=0.5)
     assert svc.jobs.transition("release", batched, 1, stage="backbone", owner=owner).status == "queued"
     moved = svc.jobs.create("lipsync", {}, [{}], cost=4.0)  # taken off its queue with its message, routed again
@@ -278,6 +306,7 @@ def test_a_running_stage_counts_from_its_latest_start_and_its_progress(svc):
 
     def eta_now() -> float:
         return svc.jobs.estimates.read(time.time(), eta.running_heads(svc), jobs=[job_id])["jobs"][job_id]
+
     _start(svc, job_id, 0, "backbone", "gpu0", started_ago=60)
     assert eta_now() == pytest.approx(100 + later, abs=0.01)  # no progress yet: the whole estimate
     assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.5)

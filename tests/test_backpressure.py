@@ -2,6 +2,7 @@
 cap on open tracks is 429 with a Retry-After from the ETA and creates nothing, on the native routes and the
 Khala-compatible one; the per-token submit rate limit is 429 with the standard headers, per token, shared by
 the submit routes."""
+
 from __future__ import annotations
 
 import math
@@ -81,8 +82,9 @@ def test_the_per_queue_cap_refuses_when_every_live_queue_is_full(make_stack):
 @pytest.fixture
 def limited(make_stack):
     """Two tokens, two submits a minute each (a moving window: no window edge can reset it mid-test)."""
-    return make_stack(API_TOKEN="alpha,beta", ENCORE_SUBMIT_RATE_LIMIT="2/minute",
-                      ENCORE_RATE_LIMIT_STRATEGY="moving-window")
+    return make_stack(
+        API_TOKEN="alpha,beta", ENCORE_SUBMIT_RATE_LIMIT="2/minute", ENCORE_RATE_LIMIT_STRATEGY="moving-window"
+    )
 
 
 def test_the_rate_limit_is_429_with_its_headers_per_token_across_the_submit_routes(limited):

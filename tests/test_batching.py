@@ -1,4 +1,5 @@
 """Tracks of one song on one worker share one batched backbone pass, with real workers and the default engine."""
+
 from __future__ import annotations
 
 import time
@@ -19,8 +20,13 @@ def test_two_tracks_on_one_worker_share_a_backbone_pass_and_sound_as_they_would_
     assert first["info"]["with_tracks"] == [1] and first["info"]["tracks_together"] == 2
     assert second["with_track"] == 0 and abs(second["finished_at"] - first["finished_at"]) < 1.0
     log = stack.worker_log(0).splitlines()
-    assert any(f"job={together['job_id']} track=1 " in line and "event=stage_skipped" in line
-               and "stage=backbone" in line and "with track 0" in line for line in log)
+    assert any(
+        f"job={together['job_id']} track=1 " in line
+        and "event=stage_skipped" in line
+        and "stage=backbone" in line
+        and "with track 0" in line
+        for line in log
+    )
 
     alone = stack.wait_job(stack.submit_music(duration_s=3.0, num_tracks=1, seed=12))  # track 1 above: seed 12
     assert "with_tracks" not in alone["tracks"][0]["stages"]["backbone"]["info"]
@@ -33,8 +39,12 @@ def test_cancel_during_a_batched_backbone_ends_both_tracks(make_stack):
     stack = make_stack()
     stack.start_worker(0)
     job_id = stack.submit_music(duration_s=150.0, num_tracks=2)
-    wait_until(lambda: all(t["state"] == "backbone" and t["progress"] > 0.02 for t in stack.job(job_id)["tracks"]),
-               60, 0.05, "both tracks' shared backbone progress")
+    wait_until(
+        lambda: all(t["state"] == "backbone" and t["progress"] > 0.02 for t in stack.job(job_id)["tracks"]),
+        60,
+        0.05,
+        "both tracks' shared backbone progress",
+    )
     asked = time.monotonic()
     assert stack.client.delete(f"/api/v1/jobs/{job_id}").status_code == 200
     record = stack.wait_job(job_id, timeout=10, interval=0.05)
@@ -45,19 +55,34 @@ def test_cancel_during_a_batched_backbone_ends_both_tracks(make_stack):
 
 def test_adopted_tracks_go_back_to_waiting_or_end_with_a_cancel(redis_base_url, tmp_path):
     """What a failed or killed batched run leaves behind (the child's list of adopted tracks may be gone)."""
-    from app.tasks.stage import adopted_by_killed_run, release_adopted  # not app.tasks.music: see tests/support/stack.py
+    from app.tasks.stage import (
+        adopted_by_killed_run,
+        release_adopted,
+    )  # not app.tasks.music: see tests/support/stack.py
     from tests.support.stack import unit_services
+
     svc = unit_services(redis_base_url, 507, tmp_path)
     owner = "gpu0@a|t0|1"
     job_id = svc.jobs.create("music", {}, [{"seed": 1}, {"seed": 2}, {"seed": 3}], cost=1.0)
     for track in range(3):
         svc.jobs.route(job_id, track, "gpu0", [f"t{track}"])
-    assert svc.jobs.transition("start", job_id, 0, stage="backbone", owner=owner, task_id="t0", worker="gpu0@a",
-                               lease_ms=60_000)
+    assert svc.jobs.transition(
+        "start", job_id, 0, stage="backbone", owner=owner, task_id="t0", worker="gpu0@a", lease_ms=60_000
+    )
 
     def adopt(track: int, queue: str = "gpu0"):
-        return svc.jobs.transition("adopt", job_id, track, {"detail": "backbone together with track 0"},
-                                   stage="backbone", queue_is=queue, owner=owner, worker="gpu0@a", lease_ms=60_000)
+        return svc.jobs.transition(
+            "adopt",
+            job_id,
+            track,
+            {"detail": "backbone together with track 0"},
+            stage="backbone",
+            queue_is=queue,
+            owner=owner,
+            worker="gpu0@a",
+            lease_ms=60_000,
+        )
+
     assert adopt(1)
     assert not adopt(1)  # already taken
     assert not adopt(2, "gpu1")  # on another queue

@@ -1,6 +1,7 @@
 """bench/gpu_lipsync.py --tiny: every section comes back without error on a CPU at tiny size (a smoke run
 of the GPU bench, so that the one device call it is made for does not fail on a typo). Its speed figures
 are noise here and are not checked; its parity flags, cache states and job states are."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ pytestmark = pytest.mark.slow  # the whole lip-sync bench at tiny size (~170 s h
 
 
 def test_gpu_lipsync_bench_runs_every_section_at_tiny_size():
-    run = subprocess.run([sys.executable, "bench/gpu_lipsync.py", "--tiny"], cwd=REPO, check=False, capture_output=True,
-                         text=True, timeout=LONGEST_WAIT_S)
+    run = subprocess.run(
+        [sys.executable, "bench/gpu_lipsync.py", "--tiny"],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=LONGEST_WAIT_S,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     sections = {name: value for line in lines[:-1] for name, value in line.items()}

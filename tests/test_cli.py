@@ -1,5 +1,6 @@
 """`python -m app` as a real subprocess against a real stack (redis-server, one CPU worker, live HTTP server):
 submit music/lip-sync with --wait (progress, downloads, exit codes), status, jobs, cancel, HTTP errors, tokens."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,20 @@ from tests.support.stack import REFERENCE_ENGINE, Stack
 pytestmark = pytest.mark.slow  # every test talks to a stack with a worker, two run jobs (~20 s here)
 
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
-TINY_MUSIC = ["submit", "music", "--mode", "instrumental", "--tags", "x", "--duration-s", "2", "--tracks", "1",
-              "--seed", "5"]
+TINY_MUSIC = [
+    "submit",
+    "music",
+    "--mode",
+    "instrumental",
+    "--tags",
+    "x",
+    "--duration-s",
+    "2",
+    "--tracks",
+    "1",
+    "--seed",
+    "5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +44,13 @@ def stack(redis_base_url, tiny_models, tmp_path_factory):
 
 
 def ffprobe(path: Path) -> dict:
-    probe = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration:stream=codec_type",
-                            "-of", "json", str(path)], capture_output=True, text=True, check=True, timeout=30)
+    probe = subprocess.run(
+        ["ffprobe", "-v", "error", "-show_entries", "format=duration:stream=codec_type", "-of", "json", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     return json.loads(probe.stdout)
 
 
@@ -79,8 +97,9 @@ def test_submit_music_wait_shows_bars_and_downloads_both_files(stack, tmp_path):
 def test_submit_lipsync_wait_downloads_the_video_into_the_default_folder(stack, tmp_path):
     video = media.face_video(tmp_path / "face.mp4", seconds=3.2)
     audio = media.tone(tmp_path / "tone.wav", seconds=1.0)
-    result = cli(stack, "submit", "lipsync", str(video), str(audio), "--fps", "10", "--batch-size", "4", "--wait",
-                 cwd=tmp_path)
+    result = cli(
+        stack, "submit", "lipsync", str(video), str(audio), "--fps", "10", "--batch-size", "4", "--wait", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     job_id = result.stdout.splitlines()[0]
     assert "track 0 done" in result.stderr, result.stderr  # plain progress lines when stderr is not a terminal
@@ -95,8 +114,9 @@ def test_submit_lipsync_wait_downloads_the_video_into_the_default_folder(stack, 
 
 def test_cancel_a_running_long_job(stack):
     stack.wait_worker(0, "idle")
-    submitted = cli(stack, "submit", "music", "--mode", "instrumental", "--tags", "x", "--duration-s", "60",
-                    "--tracks", "1")
+    submitted = cli(
+        stack, "submit", "music", "--mode", "instrumental", "--tags", "x", "--duration-s", "60", "--tracks", "1"
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id, status_url = submitted.stdout.splitlines()[:2]
     assert JOB_ID.match(job_id) and status_url.endswith(f"/api/v1/jobs/{job_id}")
@@ -146,8 +166,13 @@ def test_token_from_flag_or_env_and_401_without_it(make_stack):
 
 
 # Server variables a client machine may well carry (a shared .env, a worker host), each one malformed.
-BROKEN_SERVER_ENV = {"ENCORE_ETA_ALPHA": "7", "ENCORE_LEASE_S": "soon", "ENCORE_RUNTIME_MODE": "sometimes",
-                     "REDIS_SENTINELS": "not a host list:x", "ENCORE_SUBMIT_RATE_LIMIT": "lots"}
+BROKEN_SERVER_ENV = {
+    "ENCORE_ETA_ALPHA": "7",
+    "ENCORE_LEASE_S": "soon",
+    "ENCORE_RUNTIME_MODE": "sometimes",
+    "REDIS_SENTINELS": "not a host list:x",
+    "ENCORE_SUBMIT_RATE_LIMIT": "lots",
+}
 
 
 def test_the_cli_reads_only_its_own_settings(make_stack):

@@ -1,4 +1,5 @@
 """Khala codec decoder: checkpoint format, key layout, chunked decoding with crossfade, progress/cancel."""
+
 from __future__ import annotations
 
 from itertools import pairwise
@@ -14,8 +15,15 @@ import pytest
 import torch
 
 from app.pipeline import safe_pickle
-from app.pipeline.music.codec import (CodecLoadError, KhalaCodecDecoder, decode_codes, fade_in, load_codec,
-                                plan_chunks, write_tiny_codec)
+from app.pipeline.music.codec import (
+    CodecLoadError,
+    KhalaCodecDecoder,
+    decode_codes,
+    fade_in,
+    load_codec,
+    plan_chunks,
+    write_tiny_codec,
+)
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.profiles import load_profile
 
@@ -40,6 +48,7 @@ def full_decode(decoder: KhalaCodecDecoder, codes: torch.Tensor) -> torch.Tensor
 
 
 # ------------------------------------------------------------------------------------ checkpoint format
+
 
 def test_round_trip_gives_identical_weights_and_output(tiny):
     profile, written, loaded = tiny
@@ -75,10 +84,18 @@ def test_keys_mirror_khala_dacrvq_layout(tiny):
     """Names from Khala models/Decoder/{dac.py,rvq.py}: DacRVQ.decoder.model = [conv, 4 x DecoderBlock,
     Snake1d, conv] with old-style weight norm; ResidualVectorQuantization registers embed_{i}."""
     keys = set(tiny[2].state_dict())
-    assert {"decoder.model.0.weight_g", "decoder.model.0.weight_v", "decoder.model.0.bias",
-            "decoder.model.1.block.0.alpha", "decoder.model.1.block.1.weight_v",
-            "decoder.model.4.block.4.block.3.bias", "decoder.model.5.alpha", "decoder.model.6.weight_g",
-            "quantizer.embed_0", "quantizer.embed_63"} <= keys
+    assert {
+        "decoder.model.0.weight_g",
+        "decoder.model.0.weight_v",
+        "decoder.model.0.bias",
+        "decoder.model.1.block.0.alpha",
+        "decoder.model.1.block.1.weight_v",
+        "decoder.model.4.block.4.block.3.bias",
+        "decoder.model.5.alpha",
+        "decoder.model.6.weight_g",
+        "quantizer.embed_0",
+        "quantizer.embed_63",
+    } <= keys
     assert not any(k.startswith("decoder.model.7") for k in keys)  # Khala commented out the tanh
 
 
@@ -157,14 +174,19 @@ def test_lightning_checkpoint_with_pickled_objects_loads_without_running_them(ti
     numpy values and paths, and an object whose unpickling would run a command. The decoder loads exactly;
     nothing in the file runs."""
     from omegaconf import OmegaConf
+
     profile, written, _ = tiny
     ckpt = torch.load(profile.codec_path, weights_only=True)
     marker = tmp_path / "code-ran"
-    ckpt["hyper_parameters"] = OmegaConf.create({"generator": {"n_codebooks": 64, "rates": [8, 8, 8, 4]},
-                                                 "optim": {"lr": 1e-4}})
+    ckpt["hyper_parameters"] = OmegaConf.create(
+        {"generator": {"n_codebooks": 64, "rates": [8, 8, 8, 4]}, "optim": {"lr": 1e-4}}
+    )
     ckpt["hparams"] = AttributeDict(lr=1e-4, batch_size=16)
-    ckpt["callbacks"]["ModelCheckpoint{}"] = {"best_k_models": {Path("/ckpt/a.ckpt"): np.float32(0.25)},
-                                              "kth_value": np.array([0.5]), "dirpath": Path("/ckpt")}
+    ckpt["callbacks"]["ModelCheckpoint{}"] = {
+        "best_k_models": {Path("/ckpt/a.ckpt"): np.float32(0.25)},
+        "kth_value": np.array([0.5]),
+        "dirpath": Path("/ckpt"),
+    }
     ckpt["loops"]["fit_loop"]["state_dict"] = {"hook": RunsCode(marker)}
     lightning = tmp_path / "dac_rvq_2490000.ckpt"
     torch.save(ckpt, lightning)
@@ -206,13 +228,15 @@ def test_khala_codec_file_is_found_by_its_training_step(tmp_path):
 
 def test_layer_alias_must_equal_codebook(tiny, tmp_path):
     profile = tiny[0]
-    path = _resave(profile, tmp_path, lambda sd: sd.update(
-        {"generator.quantizer.vq_layer_2._codebook.embed": torch.zeros(32, 16)}))
+    path = _resave(
+        profile, tmp_path, lambda sd: sd.update({"generator.quantizer.vq_layer_2._codebook.embed": torch.zeros(32, 16)})
+    )
     with pytest.raises(CodecLoadError, match=r"vq_layer_2\._codebook\.embed differs"):
         load_codec(profile.codec, path)
 
 
 # ------------------------------------------------------------------------------------ model
+
 
 def test_codebooks_are_summed_in_order(tiny):
     profile, _, decoder = tiny
@@ -235,6 +259,7 @@ def test_no_tanh_output_can_exceed_one(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ chunked decoding
+
 
 def test_plan_chunks_covers_with_exact_overlaps():
     assert plan_chunks(10, 64, 16) == [(0, 10)]
@@ -272,7 +297,7 @@ def test_chunked_equals_full_decode_away_from_seams(tiny):
     edges = sorted({e for start, end in chunks for e in (start, end)} - {0, 170})
     keep = torch.ones(170, dtype=torch.bool)
     for edge in edges:
-        keep[max(0, edge - RECEPTIVE_MARGIN):edge + RECEPTIVE_MARGIN] = False
+        keep[max(0, edge - RECEPTIVE_MARGIN) : edge + RECEPTIVE_MARGIN] = False
     keep = keep.repeat_interleave(2048)
     assert keep.sum() == (36 + 8 + 8) * 2048  # [0,36) [76,84) [124,132): inside chunks 0, 1, 2
     torch.testing.assert_close(chunked[:, keep], full[:, keep], atol=1e-5, rtol=0)
@@ -288,16 +313,16 @@ def test_seams_are_linear_crossfade_of_neighbouring_chunks(tiny):
     out = decode_codes(decoder, codes)
     n = spec.overlap_frames * hop
     weight = torch.linspace(0.5 / n, 1 - 0.5 / n, n)  # incoming chunk's share, rising linearly
-    expected = first[:, s1 * hop:] * (1 - weight) + second[:, :n] * weight
-    torch.testing.assert_close(out[:, s1 * hop:e0 * hop], expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(out[:, :s1 * hop], first[:, :s1 * hop], atol=0, rtol=0)
-    torch.testing.assert_close(out[:, e0 * hop:], second[:, n:], atol=0, rtol=0)
+    expected = first[:, s1 * hop :] * (1 - weight) + second[:, :n] * weight
+    torch.testing.assert_close(out[:, s1 * hop : e0 * hop], expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[:, : s1 * hop], first[:, : s1 * hop], atol=0, rtol=0)
+    torch.testing.assert_close(out[:, e0 * hop :], second[:, n:], atol=0, rtol=0)
     # the fade gives each chunk's zero-padded cut edge little weight: much closer to the full decode
     # than switching chunks at either end of the overlap (a reversed fade would do as badly as those)
-    full = full_decode(decoder, codes)[:, s1 * hop:e0 * hop]
-    faded = (out[:, s1 * hop:e0 * hop] - full).abs().max()
+    full = full_decode(decoder, codes)[:, s1 * hop : e0 * hop]
+    faded = (out[:, s1 * hop : e0 * hop] - full).abs().max()
     switch_early = (second[:, :n] - full).abs().max()
-    switch_late = (first[:, s1 * hop:] - full).abs().max()
+    switch_late = (first[:, s1 * hop :] - full).abs().max()
     assert faded < 0.25 * min(switch_early, switch_late)
 
 
@@ -318,6 +343,7 @@ def test_bad_codes_rejected(tiny):
 
 
 # ------------------------------------------------------------------------------------ progress / cancel
+
 
 def test_progress_reports_every_chunk(tiny):
     profile, _, decoder = tiny

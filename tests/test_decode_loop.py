@@ -4,6 +4,7 @@ Same codes, bitwise, alone and batched, fixed-length and ended by the model, on 
 against Megatron's; the frame step traces with torch.compile(fullgraph=True), which refuses host syncs and
 generator arguments, i.e. it is what a CUDA graph can capture.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,13 +24,22 @@ PROMPT = [1, 42, 7, 300, 5, 99]
 @pytest.fixture(scope="module")
 def engines(tiny_profile):
     cpu = torch.device("cpu")
-    return {name: load_engine(name, tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=cpu)
-            for name in ("torch", "megatron")}
+    return {
+        name: load_engine(name, tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=cpu)
+        for name in ("torch", "megatron")
+    }
 
 
 def generate(lm, profile, seeds, loop, **overrides):
-    args = dict(profile=profile, num_frames=24, temperature=1.0, top_k=profile.backbone_top_k, seeds=seeds,
-                control=StageControl(), loop=loop)
+    args = dict(
+        profile=profile,
+        num_frames=24,
+        temperature=1.0,
+        top_k=profile.backbone_top_k,
+        seeds=seeds,
+        control=StageControl(),
+        loop=loop,
+    )
     args.update(overrides)
     return generate_coarse_tracks(lm, PROMPT, **args)
 
@@ -62,9 +72,16 @@ def test_blocks_straddling_min_frames_and_the_cap(ending, tiny_profile, end_id):
     """Block boundaries (check_every) fall anywhere against the phase change and the cap: codes unchanged."""
     args = dict(end_id=end_id, min_frames=7, max_frames=11)
     reference = generate(ending["torch"], tiny_profile, [3, 4], "reference", **args)
-    plan = SongPlan(window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
-                    codebook_size=tiny_profile.codebook_size, end_id=end_id, limit=11, min_frames=7,
-                    expected_frames=24, top_k=tiny_profile.backbone_top_k, temperature=1.0)
+    plan = SongPlan(
+        window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
+        codebook_size=tiny_profile.codebook_size,
+        end_id=end_id,
+        limit=11,
+        min_frames=7,
+        expected_frames=24,
+        top_k=tiny_profile.backbone_top_k,
+        temperature=1.0,
+    )
     for check_every in (1, 3, 5, 64):
         decoder = DeviceDecoder(ending["torch"], PROMPT, plan, [3, 4], check_every=check_every)
         assert same(decoder.run(StageControl()), reference), check_every
@@ -85,9 +102,16 @@ def test_engine_offers_the_loop_and_the_head_is_window_only(engines, tiny_profil
 
 
 def test_progress_once_per_block_and_cancel_within_one(engines, tiny_profile):
-    plan = SongPlan(window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
-                    codebook_size=tiny_profile.codebook_size, end_id=None, limit=20, min_frames=20,
-                    expected_frames=20, top_k=50, temperature=1.0)
+    plan = SongPlan(
+        window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
+        codebook_size=tiny_profile.codebook_size,
+        end_id=None,
+        limit=20,
+        min_frames=20,
+        expected_frames=20,
+        top_k=50,
+        temperature=1.0,
+    )
     reports: list[tuple[int, int]] = []
     decoder = DeviceDecoder(engines["torch"], PROMPT, plan, [1], check_every=8)
     decoder.run(StageControl(), report=lambda control, done, total: reports.append((done, total)))
@@ -123,9 +147,16 @@ def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
     torch.compile(fullgraph=True) traces it (it breaks on a Python branch on a tensor value or a Generator
     argument); the traced frame changes the state exactly as the eager one."""
     lm = engines["torch"]
-    plan = SongPlan(window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
-                    codebook_size=tiny_profile.codebook_size, end_id=end_id, limit=6, min_frames=0,
-                    expected_frames=6, top_k=50, temperature=1.0)
+    plan = SongPlan(
+        window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
+        codebook_size=tiny_profile.codebook_size,
+        end_id=end_id,
+        limit=6,
+        min_frames=0,
+        expected_frames=6,
+        top_k=50,
+        temperature=1.0,
+    )
     states = []
     for compiled in (False, True):
         decoder = DeviceDecoder(lm, PROMPT, plan, [1, 2], check_every=4, use_graphs=False)
@@ -133,7 +164,9 @@ def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
         with torch.inference_mode():
             decoder._allocate(lm.prefill_batch(PROMPT).index_select(1, decoder._candidate_rows(0)))
             decoder._draw_noise(4, may_end=True)
-            step = torch.compile(decoder.frame_step, backend="eager", fullgraph=True) if compiled else decoder.frame_step
+            step = (
+                torch.compile(decoder.frame_step, backend="eager", fullgraph=True) if compiled else decoder.frame_step
+            )
             for _ in range(3):
                 step(True)
             if compiled:
@@ -145,8 +178,19 @@ def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
                 assert not [op for op in log.ops if op.startswith(HOST_ROUND_TRIPS)], log.ops
                 per_token = len(log.ops) / 2  # ~57 ATen ops per layer and ~15 for the head and sampling, on the CPU
                 assert per_token < 60 * tiny_profile.backbone.num_layers + 30, log.ops
-        states.append([t.clone() for t in (decoder.codes, decoder.tokens, decoder.position, decoder.logits,
-                                           decoder.ended, decoder.lengths)])
+        states.append(
+            [
+                t.clone()
+                for t in (
+                    decoder.codes,
+                    decoder.tokens,
+                    decoder.position,
+                    decoder.logits,
+                    decoder.ended,
+                    decoder.lengths,
+                )
+            ]
+        )
         lm.release()
     assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
     assert int(states[0][2]) == len(PROMPT) + 2 * 4

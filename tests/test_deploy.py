@@ -1,5 +1,6 @@
 """docker-compose.yml is valid (Debian's docker-compose parses it; no engine needed) and deploys what the
 project actually has: every command it runs exists here."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,15 @@ def compose_config(env: dict[str, str]) -> subprocess.CompletedProcess:
     binary = shutil.which("docker-compose")
     assert binary, "docker-compose is not installed (scripts/setup.sh --test installs Debian's package)"
     clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
-    return subprocess.run([binary, "-f", str(REPO / "docker-compose.yml"), "config"], cwd=REPO,
-                          env={**clean, **env}, check=False, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [binary, "-f", str(REPO / "docker-compose.yml"), "config"],
+        cwd=REPO,
+        env={**clean, **env},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_compose_file_is_valid_and_secure_by_default():
@@ -40,8 +48,10 @@ def test_compose_file_is_valid_and_secure_by_default():
     for name in ("web", "flower", "webhooks", "worker-gpu0", "worker-gpu1"):
         env = services[name]["environment"]
         assert env["REDIS_URL"] == "redis://:s3cret-redis@redis:6379/0"
-        assert any(v["target"] == "/data" if isinstance(v, dict) else v.endswith(":/data:rw")
-                   for v in services[name]["volumes"]), name
+        assert any(
+            v["target"] == "/data" if isinstance(v, dict) else v.endswith(":/data:rw")
+            for v in services[name]["volumes"]
+        ), name
     assert services["flower"]["environment"]["ENCORE_FLOWER_BASIC_AUTH"] == "ops:pw"
     for gpu in (0, 1):
         worker = services[f"worker-gpu{gpu}"]
@@ -67,6 +77,7 @@ def test_every_command_in_the_compose_file_exists_in_the_project():
     assert services["web"]["command"] == ["gunicorn", "-c", "gunicorn.conf.py"]
     assert services["web"]["environment"]["ENCORE_WEB_WORKERS"] == "4"
     from app.web import create_app  # what gunicorn will call
+
     assert callable(create_app)
     assert (REPO / "flowerconfig.py").is_file()
     dockerfile = (REPO / "Dockerfile").read_text()
@@ -78,10 +89,19 @@ def test_the_demo_the_image_and_compose_serve_with_one_gunicorn_conf():
     """gunicorn.conf.py names the app and the gthread worker; gunicorn itself loads it and the app."""
     config = {}
     exec(compile((REPO / "gunicorn.conf.py").read_text(), "gunicorn.conf.py", "exec"), config)
-    assert config["wsgi_app"] == "app.web:create_app()" and config["worker_class"] == "app.http.server_errors.JsonErrorThreadWorker"
+    assert (
+        config["wsgi_app"] == "app.web:create_app()"
+        and config["worker_class"] == "app.http.server_errors.JsonErrorThreadWorker"
+    )
     assert config["threads"] >= 16 and config["workers"] >= 2
     assert 'CMD ["gunicorn", "-c", "gunicorn.conf.py"]' in (REPO / "Dockerfile").read_text()
     assert '"gunicorn", "-c", "gunicorn.conf.py"' in (REPO / "app" / "clients" / "demo.py").read_text()
-    checked = subprocess.run([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--check-config"],
-                             cwd=REPO, check=False, capture_output=True, text=True, timeout=120)
+    checked = subprocess.run(
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--check-config"],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert checked.returncode == 0, checked.stderr[-2000:]

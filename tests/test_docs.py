@@ -4,6 +4,7 @@ every shell example (a ```bash or ```sh block in README.md or docs/*.md) runs ag
 redis-server, the worker the docs themselves start, gunicorn, the servers the examples start) and prints what
 it should. Blocks that are not commands are ```text; the few commands CI cannot run are listed in NOT_RUN with
 the reason."""
+
 from __future__ import annotations
 
 import base64
@@ -68,8 +69,10 @@ def test_the_check_option_fails_on_a_stale_table(tmp_path):
 # -- links and paths ----------------------------------------------------------------------------------------------
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
-REPO_PATH = re.compile(r"`((?:app|tests|scripts|bench|docs)/[\w./-]*\w\.(?:py|sh|json|md|toml|yml|lua)"
-                       r"|[\w-]+\.(?:py|sh|yml|toml))`")
+REPO_PATH = re.compile(
+    r"`((?:app|tests|scripts|bench|docs)/[\w./-]*\w\.(?:py|sh|json|md|toml|yml|lua)"
+    r"|[\w-]+\.(?:py|sh|yml|toml))`"
+)
 
 
 def slug(heading: str) -> str:
@@ -113,8 +116,14 @@ def _exists(name: str) -> bool:
 
 
 def test_every_repository_path_in_backticks_exists():
-    missing = sorted({f"{doc.relative_to(REPO)}: {name}" for doc in DOCS
-                      for name in REPO_PATH.findall(doc.read_text(encoding="utf-8")) if not _exists(name)})
+    missing = sorted(
+        {
+            f"{doc.relative_to(REPO)}: {name}"
+            for doc in DOCS
+            for name in REPO_PATH.findall(doc.read_text(encoding="utf-8"))
+            if not _exists(name)
+        }
+    )
     assert not missing, "\n".join(missing)
 
 
@@ -130,8 +139,8 @@ RUNNABLE = ("bash", "sh")
 
 @dataclass(frozen=True)
 class Block:
-    doc: str      # path relative to the repository
-    line: int     # of the opening fence
+    doc: str  # path relative to the repository
+    line: int  # of the opening fence
     info: str
     text: str
 
@@ -162,14 +171,15 @@ def blocks() -> list[Block]:
 @dataclass(frozen=True)
 class Example:
     """What one runnable block must do. `key` is a piece of its text that no other runnable block has."""
+
     doc: str
     key: str
-    expect: tuple[str, ...] = ()                        # regexes its output (stdout + stderr) must match
+    expect: tuple[str, ...] = ()  # regexes its output (stdout + stderr) must match
     files: dict[str, bytes] = field(default_factory=dict)  # files it leaves in its folder: name -> leading bytes
-    job: str = "music"                                  # what JOB_ID names: a finished job of this fixture
-    url: str = "web"                                    # the server ENCORE_URL names
-    server: str | None = None                           # a long-running command: started under this name, kept
-    then: str = ""                                      # Python run after it in its environment (exports)
+    job: str = "music"  # what JOB_ID names: a finished job of this fixture
+    url: str = "web"  # the server ENCORE_URL names
+    server: str | None = None  # a long-running command: started under this name, kept
+    then: str = ""  # Python run after it in its environment (exports)
     timeout_s: float = 240
 
     @property
@@ -184,58 +194,134 @@ MP4_AT_4 = b"ftyp"  # checked from byte 4 (see _leading)
 
 EXAMPLES = [
     # docs/deployment.md: the worker every other example talks to is started by the docs' own command
-    Example("docs/deployment.md", "./worker_entrypoint.sh 0", server="worker",
-            expect=(r"\[queues\][\s\S]*gpu0", r"gpu0@\S+ ready\.")),
-    Example("docs/deployment.md", "ENCORE_ARTIFACT_BACKEND=s3 ENCORE_S3_ENDPOINT",
-            then=f"import {SETTINGS} as c; s = c.load_settings(); "
-                 "print('s3:', s.artifact_backend, s.s3_endpoint, s.s3_bucket, s.s3_prefix, s.s3_presign_s)",
-            expect=(r"s3: s3 http://minio\.internal:9000 encore artifacts/ 900",)),
-    Example("docs/deployment.md", "REDIS_SENTINELS=10.0.0.11",
-            then=f"import {SETTINGS} as c; s = c.load_settings(); "
-                 "print('sentinel:', s.redis_sentinels, s.redis_sentinel_master, s.redis_url)",
-            expect=((r"sentinel: \(\('10\.0\.0\.11', 26379\), \('10\.0\.0\.12', 26379\), \('10\.0\.0\.13', 26379\)\) "
-                     r"encore-primary redis://:primary-password@unused/0"),)),
+    Example(
+        "docs/deployment.md",
+        "./worker_entrypoint.sh 0",
+        server="worker",
+        expect=(r"\[queues\][\s\S]*gpu0", r"gpu0@\S+ ready\."),
+    ),
+    Example(
+        "docs/deployment.md",
+        "ENCORE_ARTIFACT_BACKEND=s3 ENCORE_S3_ENDPOINT",
+        then=f"import {SETTINGS} as c; s = c.load_settings(); "
+        "print('s3:', s.artifact_backend, s.s3_endpoint, s.s3_bucket, s.s3_prefix, s.s3_presign_s)",
+        expect=(r"s3: s3 http://minio\.internal:9000 encore artifacts/ 900",),
+    ),
+    Example(
+        "docs/deployment.md",
+        "REDIS_SENTINELS=10.0.0.11",
+        then=f"import {SETTINGS} as c; s = c.load_settings(); "
+        "print('sentinel:', s.redis_sentinels, s.redis_sentinel_master, s.redis_url)",
+        expect=(
+            (
+                r"sentinel: \(\('10\.0\.0\.11', 26379\), \('10\.0\.0\.12', 26379\), \('10\.0\.0\.13', 26379\)\) "
+                r"encore-primary redis://:primary-password@unused/0"
+            ),
+        ),
+    ),
     # docs/api.md
-    Example("docs/api.md", '"mode": "vocal", "tags": "synthpop, female vocal"',
-            expect=(JSON_ID, r'"eta_s":', r'"state":\s*"done"', r'"workers":', r'"draining":\s*true',
-                    r'"draining":\s*false', r'"redis":\s*"ok"', r'"ready":\s*true'),
-            files={"t0.mp3": MP3, "t0.wav": b"RIFF"}),
-    Example("docs/api.md", "curl -sN $ENCORE_URL/api/v1/jobs/$JOB_ID/events\n",
-            expect=(r'"event":\s*"submit"', r'"event":\s*"finish"', r"event: end\ndata: \{[^}]*\"state\":\s*\"done\"")),
-    Example("docs/api.md", "Idempotency-Key: order-4711",
-            expect=(JSON_ID, r"(?i)Idempotent-Replayed: true", r'"field":\s*"Idempotency-Key"',
-                    r'"error":\s*"Idempotency-Key: already used with a different request body"')),
+    Example(
+        "docs/api.md",
+        '"mode": "vocal", "tags": "synthpop, female vocal"',
+        expect=(
+            JSON_ID,
+            r'"eta_s":',
+            r'"state":\s*"done"',
+            r'"workers":',
+            r'"draining":\s*true',
+            r'"draining":\s*false',
+            r'"redis":\s*"ok"',
+            r'"ready":\s*true',
+        ),
+        files={"t0.mp3": MP3, "t0.wav": b"RIFF"},
+    ),
+    Example(
+        "docs/api.md",
+        "curl -sN $ENCORE_URL/api/v1/jobs/$JOB_ID/events\n",
+        expect=(r'"event":\s*"submit"', r'"event":\s*"finish"', r"event: end\ndata: \{[^}]*\"state\":\s*\"done\""),
+    ),
+    Example(
+        "docs/api.md",
+        "Idempotency-Key: order-4711",
+        expect=(
+            JSON_ID,
+            r"(?i)Idempotent-Replayed: true",
+            r'"field":\s*"Idempotency-Key"',
+            r'"error":\s*"Idempotency-Key: already used with a different request body"',
+        ),
+    ),
     Example("docs/api.md", '"webhook": "https://hooks.example.com/encore"', expect=(JSON_ID + r"[\s\S]*" + JSON_ID,)),
-    Example("docs/api.md", "celery -A app worker -Q webhooks", server="webhooks",
-            expect=(r"\[queues\][\s\S]*webhooks",)),
-    Example("docs/api.md", '"duration_s": 30, "priority": "high"',
-            expect=(JSON_ID + r"[\s\S]*" + JSON_ID, r'"priority":\s*"normal"', r"submitted job [0-9a-f]{8}")),
+    Example(
+        "docs/api.md", "celery -A app worker -Q webhooks", server="webhooks", expect=(r"\[queues\][\s\S]*webhooks",)
+    ),
+    Example(
+        "docs/api.md",
+        '"duration_s": 30, "priority": "high"',
+        expect=(JSON_ID + r"[\s\S]*" + JSON_ID, r'"priority":\s*"normal"', r"submitted job [0-9a-f]{8}"),
+    ),
     Example("docs/api.md", "/api/v1/jobs/$JOB_ID/retry", job="canceled", expect=(r'"retried":\s*\[0\]',)),
     Example("docs/api.md", '"tags": "lo-fi", "duration_s": 60}', expect=(r'"eta_s":\s*\d', r'"state":\s*"done"')),
     Example("docs/api.md", "ENCORE_MAX_QUEUED_TRACKS=2 gunicorn", server="caps"),
-    Example("docs/api.md", "curl -si -X POST $ENCORE_URL/api/v1/music -H 'Content-Type: application/json' -d "
-            "'{\"mode\": \"instrumental\", \"tags\": \"lo-fi\"}'", url="caps",
-            expect=(JSON_ID, r"HTTP/1\.1 429", r"(?i)Retry-After: \d+",
-                    r'"error":\s*"queue full: 2 tracks are open and the service takes at most 2; this job has 2"')),
-    Example("docs/api.md", "ENCORE_SUBMIT_RATE_LIMIT='10/minute;200/day' API_TOKEN=secret gunicorn",
-            server="ratelimit"),
-    Example("docs/api.md", "-H 'Authorization: Bearer secret'", url="ratelimit",
-            expect=(r"HTTP/1\.1 202", r"(?i)X-RateLimit-Limit: 10", r"(?i)X-RateLimit-Remaining: 9",
-                    r"(?i)X-RateLimit-Reset: \d+", JSON_ID)),
+    Example(
+        "docs/api.md",
+        "curl -si -X POST $ENCORE_URL/api/v1/music -H 'Content-Type: application/json' -d "
+        '\'{"mode": "instrumental", "tags": "lo-fi"}\'',
+        url="caps",
+        expect=(
+            JSON_ID,
+            r"HTTP/1\.1 429",
+            r"(?i)Retry-After: \d+",
+            r'"error":\s*"queue full: 2 tracks are open and the service takes at most 2; this job has 2"',
+        ),
+    ),
+    Example(
+        "docs/api.md", "ENCORE_SUBMIT_RATE_LIMIT='10/minute;200/day' API_TOKEN=secret gunicorn", server="ratelimit"
+    ),
+    Example(
+        "docs/api.md",
+        "-H 'Authorization: Bearer secret'",
+        url="ratelimit",
+        expect=(
+            r"HTTP/1\.1 202",
+            r"(?i)X-RateLimit-Limit: 10",
+            r"(?i)X-RateLimit-Remaining: 9",
+            r"(?i)X-RateLimit-Reset: \d+",
+            JSON_ID,
+        ),
+    ),
     Example("docs/api.md", "python -m app.control.readiness gpu0@$(hostname)", expect=(r'"ready":\s*true',)),
-    Example("docs/api.md", "-F video=@face.mp4 -F audio=@speech.wav -F fps=25\n", job="lipsync",
-            expect=(JSON_ID, r'"kind":\s*"lipsync"', r'"state":\s*"done"'), files={"synced.mp4": MP4_AT_4}),
-    Example("docs/api.md", "curl -s $ENCORE_URL/tags",
-            expect=(r'"genre_style"', r'"total_gpus"', r'"status":\s*"completed"')),
+    Example(
+        "docs/api.md",
+        "-F video=@face.mp4 -F audio=@speech.wav -F fps=25\n",
+        job="lipsync",
+        expect=(JSON_ID, r'"kind":\s*"lipsync"', r'"state":\s*"done"'),
+        files={"synced.mp4": MP4_AT_4},
+    ),
+    Example(
+        "docs/api.md",
+        "curl -s $ENCORE_URL/tags",
+        expect=(r'"genre_style"', r'"total_gpus"', r'"status":\s*"completed"'),
+    ),
     # docs/operations.md
-    Example("docs/operations.md", "python -m app submit music --tags \"lo-fi, piano\" --lyrics-file song.txt",
-            timeout_s=360,
-            expect=(r"job [0-9a-f]{32} done after[\s\S]*track1\.mp3", r"lipsync\.mp4", r"gpu0@\S+", r"drain",
-                    r"job [0-9a-f]{32} canceled"),
-            files={"results/lipsync.mp4": MP4_AT_4}),
-    Example("docs/operations.md", "OTEL_EXPORTER_OTLP_ENDPOINT=http://otel-collector:4318",
-            then=f"import {SETTINGS} as c; s = c.load_settings(); print('otel:', s.otel_endpoint, s.otel_service_name)",
-            expect=(r"otel: http://otel-collector:4318 encore",)),
+    Example(
+        "docs/operations.md",
+        'python -m app submit music --tags "lo-fi, piano" --lyrics-file song.txt',
+        timeout_s=360,
+        expect=(
+            r"job [0-9a-f]{32} done after[\s\S]*track1\.mp3",
+            r"lipsync\.mp4",
+            r"gpu0@\S+",
+            r"drain",
+            r"job [0-9a-f]{32} canceled",
+        ),
+        files={"results/lipsync.mp4": MP4_AT_4},
+    ),
+    Example(
+        "docs/operations.md",
+        "OTEL_EXPORTER_OTLP_ENDPOINT=http://otel-collector:4318",
+        then=f"import {SETTINGS} as c; s = c.load_settings(); print('otel:', s.otel_endpoint, s.otel_service_name)",
+        expect=(r"otel: http://otel-collector:4318 encore",),
+    ),
     # docs/development.md
     Example("docs/development.md", "python scripts/config_table.py --check", expect=(r"table matches",)),
 ]
@@ -243,21 +329,32 @@ EXAMPLES = [
 # Commands CI cannot run, each with the reason; `ci` names a file CI runs that holds the same command.
 NOT_RUN = {
     ("README.md", "bash scripts/demo.sh"): (
-        ("demo.sh runs scripts/setup.sh (system packages, the venv, models/ in the checkout) and then the whole "
-         "demo on :8000 for minutes; test.sh is what CI runs"), (".ci/run", "bash scripts/test.sh")),
+        (
+            "demo.sh runs scripts/setup.sh (system packages, the venv, models/ in the checkout) and then the whole "
+            "demo on :8000 for minutes; test.sh is what CI runs"
+        ),
+        (".ci/run", "bash scripts/test.sh"),
+    ),
     ("docs/deployment.md", "docker compose up -d"): (
-        "needs a Docker engine and GPUs; tests/test_deploy.py validates docker-compose.yml", None),
+        "needs a Docker engine and GPUs; tests/test_deploy.py validates docker-compose.yml",
+        None,
+    ),
     ("docs/deployment.md", "docker-compose --profile s3 up"): (
         "needs a Docker engine; tests/test_deploy.py validates the compose file, tests/test_s3_store.py the backend",
-        None),
+        None,
+    ),
     ("docs/models.md", "ENCORE_MUSIC_PROFILE=khala"): (
-        "needs the real Khala checkpoints (not downloadable here)", None),
+        "needs the real Khala checkpoints (not downloadable here)",
+        None,
+    ),
     ("docs/models.md", "python -m app.pipeline.tiny --out models/tiny"): (
         "scripts/setup.sh runs this very command on every CI run (scripts/test.sh)",
-        ("scripts/setup.sh", "-m app.pipeline.tiny --out models/tiny --lipsync-out models/lipsync-tiny")),
+        ("scripts/setup.sh", "-m app.pipeline.tiny --out models/tiny --lipsync-out models/lipsync-tiny"),
+    ),
     ("docs/testing.md", 'bash scripts/test.sh -m "not slow"'): (
         "runs the test suite from inside itself; tests/test_tiers.py collects the fast tier, CI runs the whole one",
-        (".ci/run", "bash scripts/test.sh")),
+        (".ci/run", "bash scripts/test.sh"),
+    ),
 }
 
 
@@ -315,8 +412,14 @@ class Harness:
             (folder / name).symlink_to(REPO / name)
         self._make_inputs()
         self.web = stack.start_gunicorn()
-        self.env = {**os.environ, **stack.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-                    "PYTHONPATH": str(REPO), "ENCORE_PYTHON": sys.executable, "PYTHONWARNINGS": "ignore"}
+        self.env = {
+            **os.environ,
+            **stack.env,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": str(REPO),
+            "ENCORE_PYTHON": sys.executable,
+            "PYTHONWARNINGS": "ignore",
+        }
         for name in ("API_TOKEN", "ENCORE_API_TOKEN"):
             self.env.pop(name, None)
 
@@ -324,6 +427,7 @@ class Harness:
         import skimage.data
 
         from app.pipeline.media import samples
+
         (self.folder / "song.txt").write_text("[verse]\nhello world\n[chorus]\nencore\n", encoding="utf-8")
         samples.make_face_video(self.folder / "face.mp4", skimage.data.astronaut()[::2, ::2].copy(), 3.2, 25)
         samples.make_test_tone(self.folder / "speech.wav", 1.2, 330.0)
@@ -342,8 +446,14 @@ class Harness:
             env = {**self.env, "ENCORE_WEB_BIND": f"127.0.0.1:{port}", "ENCORE_WEB_WORKERS": "1"}
             log = self.folder / f"{name}.out"
             with open(log, "wb") as out:
-                proc = subprocess.Popen(["bash", "-c", block_for(example.doc, example.key).text], cwd=self.folder,
-                                        env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                proc = subprocess.Popen(
+                    ["bash", "-c", block_for(example.doc, example.key).text],
+                    cwd=self.folder,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             self.servers[name] = (proc, log, f"http://127.0.0.1:{port}")
             wait_until(lambda: self._ready(name), 240, 0.5, f"the example server {name}")
         return self.servers[name]
@@ -355,9 +465,27 @@ class Harness:
         if name == "worker":
             return self.stack.client.get("/readyz").status_code == 200
         if name == "webhooks":
-            ping = subprocess.run([sys.executable, "-m", "celery", "-A", "app", "inspect", "ping", "-d",
-                                   f"webhooks@{socket.gethostname()}", "--timeout", "2"], check=False, cwd=self.folder,
-                                  env=self.env, capture_output=True, text=True, timeout=120)
+            ping = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "app",
+                    "inspect",
+                    "ping",
+                    "-d",
+                    f"webhooks@{socket.gethostname()}",
+                    "--timeout",
+                    "2",
+                ],
+                check=False,
+                cwd=self.folder,
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             return ping.returncode == 0 and "pong" in ping.stdout
         try:
             return requests.get(f"{url}/healthz", timeout=2).ok
@@ -384,9 +512,11 @@ class Harness:
                 job_id = self.stack.submit_music(num_tracks=1, duration_s=2.0)
             elif kind == "lipsync":
                 with open(self.folder / "face.mp4", "rb") as video, open(self.folder / "speech.wav", "rb") as audio:
-                    reply = self.stack.client.post("/api/v1/lipsync", data={"video": (video, "face.mp4"),
-                                                                            "audio": (audio, "speech.wav")},
-                                                   content_type="multipart/form-data")
+                    reply = self.stack.client.post(
+                        "/api/v1/lipsync",
+                        data={"video": (video, "face.mp4"), "audio": (audio, "speech.wav")},
+                        content_type="multipart/form-data",
+                    )
                 assert reply.status_code == 202, reply.get_json()
                 job_id = reply.get_json()["job_id"]
             else:
@@ -400,9 +530,11 @@ class Harness:
 
     def end_open_jobs(self) -> None:
         """Cancel what an example left running, so the next one finds the worker free."""
+
         def open_jobs() -> list[str]:
             jobs = self.stack.client.get("/api/v1/jobs?limit=500").get_json()["jobs"]
             return [job["job_id"] for job in jobs if job["state"] not in ENDED]
+
         for job_id in open_jobs():
             self.stack.client.delete(f"/api/v1/jobs/{job_id}")
         wait_until(lambda: not open_jobs(), 150, 0.2, "the examples' jobs to end")
@@ -422,8 +554,15 @@ class Harness:
         if example.then:
             script += f"python -c {_shell_quote(example.then)}\n"
         env = {**self.env, "ENCORE_URL": self.url(example.url), "JOB_ID": self.job(example.job)}
-        done = subprocess.run(["bash", "-c", script], check=False, cwd=folder, env=env, capture_output=True,
-                              text=True, timeout=example.timeout_s)
+        done = subprocess.run(
+            ["bash", "-c", script],
+            check=False,
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=example.timeout_s,
+        )
         output = done.stdout + done.stderr
         (folder / "output.txt").write_text(output, encoding="utf-8")  # to read when an expectation fails
         self.end_open_jobs()
@@ -439,8 +578,15 @@ def _shell_quote(text: str) -> str:
 def harness(redis_base_url, tiny_models, tmp_path_factory):
     """One stack for every example: workers are the slow part to start. The web signs webhooks and preloads."""
     secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
-    stack = Stack(redis_base_url, tiny_models, tmp_path_factory.mktemp("docs-stack"), ENCORE_PRELOAD="1",
-                  ENCORE_WEBHOOK_SECRET=secret, ENCORE_WEB_WORKERS="1", ENCORE_WEB_THREADS="16")
+    stack = Stack(
+        redis_base_url,
+        tiny_models,
+        tmp_path_factory.mktemp("docs-stack"),
+        ENCORE_PRELOAD="1",
+        ENCORE_WEBHOOK_SECRET=secret,
+        ENCORE_WEB_WORKERS="1",
+        ENCORE_WEB_THREADS="16",
+    )
     harness = Harness(stack, tmp_path_factory.mktemp("docs-examples"))
     try:
         harness.server("worker")

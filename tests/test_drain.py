@@ -1,4 +1,5 @@
 """Draining a queue for maintenance, with real workers: new tracks avoid it, its waiting tracks move."""
+
 from __future__ import annotations
 
 import pytest

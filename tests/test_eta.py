@@ -2,6 +2,7 @@
 teaches its queue its rate; a job's `eta_s` (in the submit answer and the record) counts the work queued ahead
 of it and lands within a stated factor of the real time; routing sends a track to the queue whose learned rate
 is faster, even when the slower one would win the tie."""
+
 from __future__ import annotations
 
 import time
@@ -21,8 +22,11 @@ SONG = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 20.0, "num_tracks
 
 
 def learned_stages(stack, queue: str) -> dict[str, float]:
-    return {stage: rate for (q, kind, stage), rate in eta.learned(stack.app.config["SERVICES"]).items()
-            if q == queue and kind == "music"}
+    return {
+        stage: rate
+        for (q, kind, stage), rate in eta.learned(stack.app.config["SERVICES"]).items()
+        if q == queue and kind == "music"
+    }
 
 
 def test_eta_of_the_second_job_on_a_queue_is_within_a_factor_of_the_real_time(make_stack):
@@ -66,8 +70,10 @@ def test_routing_prefers_the_queue_whose_learned_rate_is_faster(make_stack):
     _run_on(stack, "gpu0", "gpu1", seed=1)
     _run_on(stack, "gpu1", "gpu0", seed=2)
     slow, fast = learned_stages(stack, "gpu0"), learned_stages(stack, "gpu1")
-    print(f"learned s per song s: gpu0 {sum(slow.values()):.4f} (backbone {slow['backbone']:.4f}), "
-          f"gpu1 {sum(fast.values()):.4f} (backbone {fast['backbone']:.4f})")
+    print(
+        f"learned s per song s: gpu0 {sum(slow.values()):.4f} (backbone {slow['backbone']:.4f}), "
+        f"gpu1 {sum(fast.values()):.4f} (backbone {fast['backbone']:.4f})"
+    )
     assert slow["backbone"] > fast["backbone"], (slow, fast)
     wait_until(lambda: all(stack.worker_status(g)["status"] == "idle" for g in (0, 1)), 30, what="idle workers")
 

@@ -2,6 +2,7 @@
 a real HTTP client reads a job's stream from its submission to its end, resumes with Last-Event-ID and gets
 only what came later; the stream is bounded (heartbeats while nothing changes, a maximum duration) and a
 client that goes away frees its thread."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,9 @@ class EventReader:
 
     def __init__(self, url: str, job_id: str, last_id: str | None = None, timeout: float = 30):
         headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last_id} if last_id else {})}
-        self.reply = requests.get(f"{url}/api/v1/jobs/{job_id}/events", headers=headers, stream=True,
-                                  timeout=(5, timeout))
+        self.reply = requests.get(
+            f"{url}/api/v1/jobs/{job_id}/events", headers=headers, stream=True, timeout=(5, timeout)
+        )
         self.lines: list[str] = []
         self._lines = self.reply.iter_lines(chunk_size=None, decode_unicode=True)
 
@@ -58,8 +60,11 @@ def stream_id_key(event_id: str) -> tuple[int, int]:
 def test_a_job_streams_every_change_to_its_end_and_resumes_after_the_last_id(make_stack):
     stack = make_stack(ENCORE_SSE_HEARTBEAT_S="0.3")
     url = stack.start_gunicorn()
-    job_id = requests.post(f"{url}/api/v1/music", timeout=10, json={
-        "mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3}).json()["job_id"]
+    job_id = requests.post(
+        f"{url}/api/v1/music",
+        timeout=10,
+        json={"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3},
+    ).json()["job_id"]
 
     reader = EventReader(url, job_id)
     assert reader.reply.status_code == 200
@@ -89,7 +94,7 @@ def test_a_job_streams_every_change_to_its_end_and_resumes_after_the_last_id(mak
     # Resume from an event in the middle: exactly the later ones are replayed, then the end.
     middle = len(events) // 2
     resumed = EventReader(url, job_id, last_id=ids[middle]).read_to_end(30)
-    assert [(m[1], m[2]) for m in resumed[:-1]] == [(m[1], m[2]) for m in events[middle + 1:]]
+    assert [(m[1], m[2]) for m in resumed[:-1]] == [(m[1], m[2]) for m in events[middle + 1 :]]
     assert resumed[-1][0] == "end"
     # From the last id: nothing to replay, and the job has ended.
     assert [m[0] for m in EventReader(url, job_id, last_id=ids[-1]).read_to_end(10)] == ["end"]
@@ -108,8 +113,11 @@ def test_a_stream_is_bounded_and_a_gone_client_frees_its_thread(make_stack):
     heartbeats, so the threads serve other requests again."""
     stack = make_stack(ENCORE_SSE_HEARTBEAT_S="0.3", ENCORE_SSE_MAX_S="4")
     url = stack.start_gunicorn(ENCORE_WEB_WORKERS="1", ENCORE_WEB_THREADS="2")
-    job_id = requests.post(f"{url}/api/v1/music", timeout=10, json={
-        "mode": "instrumental", "tags": "x", "duration_s": 2.0, "num_tracks": 1}).json()["job_id"]  # parked
+    job_id = requests.post(
+        f"{url}/api/v1/music",
+        timeout=10,
+        json={"mode": "instrumental", "tags": "x", "duration_s": 2.0, "num_tracks": 1},
+    ).json()["job_id"]  # parked
 
     started = time.monotonic()
     bounded = EventReader(url, job_id)
@@ -132,4 +140,5 @@ def test_a_stream_is_bounded_and_a_gone_client_frees_its_thread(make_stack):
             return requests.get(f"{url}/healthz", timeout=1).ok
         except requests.RequestException:
             return False
+
     wait_until(healthz_answers, 1.5, 0.1, "a thread freed by the gone clients (before their streams' 4 s bound)")

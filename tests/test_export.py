@@ -1,4 +1,5 @@
 """WAV/MP3/JSON export: headers, sample values, durations, and loud failures instead of empty files."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,15 @@ import torch
 
 from app.pipeline.media.decode import extract_audio
 from app.pipeline.media.ffmpeg import MediaError, MediaTools
-from app.pipeline.music.export import (MP3_ENCODER_DELAY_SAMPLES, MP3_FRAME_SAMPLES, ExportError, probe_duration,
-                                       write_metadata, write_mp3, write_wav)
+from app.pipeline.music.export import (
+    MP3_ENCODER_DELAY_SAMPLES,
+    MP3_FRAME_SAMPLES,
+    ExportError,
+    probe_duration,
+    write_metadata,
+    write_mp3,
+    write_wav,
+)
 from app.pipeline.profiles import load_profile
 
 
@@ -73,13 +81,19 @@ def test_mp3_duration_matches_wav(profile, tmp_path):
     assert head == b"ID3" or head[0] == 0xFF
     slack = (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / sr
     assert frames / sr <= probe_duration(mp3) <= frames / sr + slack
-    stream = json.loads(subprocess.run(
-        ["ffprobe", "-v", "error", "-show_streams", "-of", "json", str(mp3)],
-        capture_output=True, text=True, check=True).stdout)["streams"][0]
+    stream = json.loads(
+        subprocess.run(
+            ["ffprobe", "-v", "error", "-show_streams", "-of", "json", str(mp3)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )["streams"][0]
     assert (stream["codec_name"], stream["channels"], int(stream["sample_rate"])) == ("mp3", 2, 44100)
     assert abs(int(stream["bit_rate"]) - 320_000) <= 1000
-    decoded = subprocess.run(["ffmpeg", "-v", "error", "-i", str(mp3), "-f", "s16le", "-"],
-                             capture_output=True, check=True).stdout
+    decoded = subprocess.run(
+        ["ffmpeg", "-v", "error", "-i", str(mp3), "-f", "s16le", "-"], capture_output=True, check=True
+    ).stdout
     assert abs(len(decoded) // 4 - frames) <= MP3_FRAME_SAMPLES  # ffmpeg trims the encoder delay
 
 
@@ -132,7 +146,9 @@ def test_the_export_runs_the_ffmpeg_and_ffprobe_it_is_given(tmp_path):
     tools = MediaTools(**wrappers)
     wav_path = write_wav(stereo(44100), tmp_path / "song.wav", 44100)
     mp3 = write_mp3(wav_path, tmp_path / "song.mp3", tools=tools)
-    assert 1.0 <= probe_duration(mp3, tools=tools) <= 1.0 + (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / 44100 + 1e-3
+    assert (
+        1.0 <= probe_duration(mp3, tools=tools) <= 1.0 + (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / 44100 + 1e-3
+    )
     calls = log.read_text().splitlines()
     encodes = [c for c in calls if c.startswith("ffmpeg ") and "-f mp3" in c and "-b:a 320k" in c]
     probes = [c for c in calls if c.startswith("ffprobe ")]

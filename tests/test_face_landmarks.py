@@ -2,6 +2,7 @@
 face-recognition-models) on dlib's HOG detector, MuseTalk's landmark box, the jaw blend mask, smoothing over
 time, shot cuts, and the Haar fallback. Real photographs: scikit-image's astronaut and matplotlib's Grace
 Hopper portrait (both ship inside their wheels)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,7 +34,7 @@ def shifted(image: np.ndarray, dx: int, dy: int, pad: int = 16) -> np.ndarray:
     """The photo moved by (dx, dy) inside a grey border of `pad` px (so every shift stays in the frame)."""
     height, width = image.shape[:2]
     frame = np.full((height + 2 * pad, width + 2 * pad, 3), 128, np.uint8)
-    frame[pad + dy:pad + dy + height, pad + dx:pad + dx + width] = image
+    frame[pad + dy : pad + dy + height, pad + dx : pad + dx + width] = image
     return frame
 
 
@@ -84,13 +85,13 @@ def test_smoothing_bounds_the_box_jitter_of_a_shaking_still_photo():
     frames = [shifted(photo, dx, dy) for dx, dy in shifts]
     track = find_faces(frames)
     assert track.cuts == [0] and track.frames_with_face == len(frames)
-    raw = [landmark_box(faces._fit_landmarks(f, r)) for f, r in
-           ((f, faces._detect_rect(f)) for f in frames)]
+    raw = [landmark_box(faces._fit_landmarks(f, r)) for f, r in ((f, faces._detect_rect(f)) for f in frames)]
 
     def jitter(boxes):  # spread of the box's size and of its position once the known shift is taken out
         sizes = np.array([(b[2] - b[0], b[3] - b[1]) for b in boxes], float)
         origin = np.array([(b[0] - dx, b[1] - dy) for b, (dx, dy) in zip(boxes, shifts, strict=True)], float)
         return float(np.abs(np.diff(sizes, axis=0)).max()), float(np.abs(np.diff(origin, axis=0)).max())
+
     size_raw, _ = jitter(raw)
     size_smooth, _ = jitter(track.boxes)
     assert size_smooth <= max(2.0, 0.6 * size_raw), (size_smooth, size_raw)
@@ -136,6 +137,7 @@ def test_a_track_survives_its_json_round_trip():
 
 def test_the_mask_mode_is_a_setting_and_only_jaw_or_rectangle(monkeypatch):
     from app.core.config import Settings
+
     assert Settings().lipsync_mask == "jaw"
     monkeypatch.setenv("ENCORE_LIPSYNC_MASK", "rectangle")
     assert Settings().lipsync_mask == "rectangle"

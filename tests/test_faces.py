@@ -1,4 +1,5 @@
 """Face boxes from the Haar cascade that ships in opencv-python-headless (the fallback detector), on a real face photo."""
+
 from __future__ import annotations
 
 import cv2
@@ -95,7 +96,7 @@ def test_stride_examines_every_nth_frame_and_reports_progress():
 
 def test_crop_box_adds_the_margin_below_and_clips_to_the_frame():
     assert crop_box((100, 30, 150, 80), (240, 320, 3), 10) == (100, 30, 150, 90)
-    assert crop_box((100, 180, 150, 235), (240, 320, 3), 10) == (100, 180, 150, 240)   # clipped at the bottom
-    assert crop_box((-5, -3, 330, 200), (240, 320, 3), 0) == (0, 0, 320, 200)         # and at the sides
+    assert crop_box((100, 180, 150, 235), (240, 320, 3), 10) == (100, 180, 150, 240)  # clipped at the bottom
+    assert crop_box((-5, -3, 330, 200), (240, 320, 3), 0) == (0, 0, 320, 200)  # and at the sides
     with pytest.raises(ValueError):
         crop_box((300, 10, 290, 50), (240, 320, 3), 10)

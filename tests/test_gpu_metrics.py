@@ -1,5 +1,6 @@
 """/metrics: per-GPU series from the NVML readings live workers' heartbeats carry (none on this CPU host),
 and per-stage throughput from the stages that finished. Real Redis, real workers, the real NVML probe."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,11 @@ STAGES = ("backbone", "superres", "decode", "export")
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _metrics(stack) -> str:
@@ -66,8 +70,15 @@ def test_gpu_readings_of_live_workers_are_exposed_per_card(make_stack):
     worker's cards go with it."""
     stack = make_stack()
     svc = stack.app.config["SERVICES"]
-    card = {"index": 1, "uuid": "GPU-1234", "name": "NVIDIA H200", "memory_used_bytes": 2 * 2**30,
-            "memory_free_bytes": 139 * 2**30, "memory_total_bytes": 141 * 2**30, "utilization": 0.42}
+    card = {
+        "index": 1,
+        "uuid": "GPU-1234",
+        "name": "NVIDIA H200",
+        "memory_used_bytes": 2 * 2**30,
+        "memory_free_bytes": 139 * 2**30,
+        "memory_total_bytes": 141 * 2**30,
+        "utilization": 0.42,
+    }
     svc.workers.heartbeat("gpu1@host", {"queue": "gpu1", "gpus": json.dumps([card])})
     samples = _samples(_metrics(stack))
     labels = (("gpu", "1"), ("name", "NVIDIA H200"), ("uuid", "GPU-1234"), ("worker", "gpu1@host"))
@@ -82,8 +93,8 @@ def test_gpu_readings_of_live_workers_are_exposed_per_card(make_stack):
 def test_a_stage_run_is_counted_in_its_histogram_units_and_last_rate(redis_base_url, tmp_path):
     svc = unit_services(redis_base_url, 501, tmp_path)
     observe_stage(svc, "music", "decode", 10.0, units=5.0)  # 2 s per song second
-    observe_stage(svc, "music", "decode", 4.0, units=4.0)   # then 1
-    observe_stage(svc, "music", "decode", 3.0)               # no units (unknown cost): duration only
+    observe_stage(svc, "music", "decode", 4.0, units=4.0)  # then 1
+    observe_stage(svc, "music", "decode", 3.0)  # no units (unknown cost): duration only
     raw = svc.redis.hgetall(svc.jobs.keys.metric("stage_seconds", "music", "decode"))
     assert float(raw["units"]) == 9.0 and float(raw["last_s_per_unit"]) == 1.0
     assert (raw["count"], float(raw["sum"]), raw["5"], raw["10"]) == ("3", 17.0, "2", "3")
@@ -94,7 +105,7 @@ def test_the_metric_average_is_the_etas_one_with_its_alpha(redis_base_url, tmp_p
     svc = unit_services(redis_base_url, 501, tmp_path)
     svc = build_services(Settings(redis_url=svc.settings.redis_url, artifact_dir=tmp_path, eta_alpha=0.5))
     eta.learn(svc, "gpu1", "music", "decode", seconds=10.0, cost=5.0)  # 2 s per song second
-    eta.learn(svc, "gpu1", "music", "decode", seconds=4.0, cost=4.0)   # then 1
+    eta.learn(svc, "gpu1", "music", "decode", seconds=4.0, cost=4.0)  # then 1
     samples = _samples(generate_latest(make_registry(svc, {})).decode())
     average = samples[("encore_stage_seconds_per_unit", (("kind", "music"), ("queue", "gpu1"), ("stage", "decode")))]
     assert average == pytest.approx(2.0 + 0.5 * (1.0 - 2.0))

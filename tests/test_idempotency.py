@@ -1,6 +1,7 @@
 """Idempotency-Key on the submit routes (issue 14, item 3), over real HTTP against a real Redis: a retry with the
 same key and body gets the same job (200, the same body), never a second one, even when the retries race; the
 same key with another body is 409 naming the header; keys are per token; the Khala-compatible submit too."""
+
 from __future__ import annotations
 
 import threading
@@ -21,8 +22,9 @@ def test_same_key_same_job_other_body_409(make_stack):
     url = f"{stack.base_url}/api/v1/music"
     first = requests.post(url, json=MUSIC, headers={"Idempotency-Key": "order-1"}, timeout=10)
     assert first.status_code == 202, first.text
-    again = requests.post(url, json=dict(reversed(list(MUSIC.items()))), headers={"Idempotency-Key": "order-1"},
-                          timeout=10)  # the same body, its keys in another order
+    again = requests.post(
+        url, json=dict(reversed(list(MUSIC.items()))), headers={"Idempotency-Key": "order-1"}, timeout=10
+    )  # the same body, its keys in another order
     assert again.status_code == 200 and again.json() == first.json()
     assert again.headers["Idempotent-Replayed"] == "true"
     assert job_count(stack) == 1
@@ -56,6 +58,7 @@ def test_racing_retries_make_one_job(make_stack):
     def send() -> None:
         barrier.wait()
         replies.append(requests.post(url, json=MUSIC, headers={"Idempotency-Key": "race"}, timeout=30))
+
     threads = [threading.Thread(target=send) for _ in range(8)]
     for thread in threads:
         thread.start()
@@ -93,8 +96,14 @@ def test_lipsync_submit_is_idempotent_over_the_uploaded_files(make_stack, tmp_pa
 
     def upload(audio_path, **fields):
         with open(video, "rb") as v, open(audio_path, "rb") as a:
-            return requests.post(f"{stack.base_url}/api/v1/lipsync", files={"video": v, "audio": a},
-                                 data={"fps": "10", **fields}, headers={"Idempotency-Key": "clip-1"}, timeout=60)
+            return requests.post(
+                f"{stack.base_url}/api/v1/lipsync",
+                files={"video": v, "audio": a},
+                data={"fps": "10", **fields},
+                headers={"Idempotency-Key": "clip-1"},
+                timeout=60,
+            )
+
     first = upload(audio)
     assert first.status_code == 202, first.text
     again = upload(audio)

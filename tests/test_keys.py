@@ -1,5 +1,6 @@
 """The Redis key layout is written once (app/core/keys.py): Python's `Layout` and the Lua scripts' generated
 `keys_under` give the same key for every entry, checked on a real redis-server."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,18 @@ from app.control.scripts import LUA_DIR, lua_source
 from app.core.keys import KEYS, Layout, fields_of, lua_keys
 from app.core.kinds import KINDS, TERMINAL_STATES, first_unfinished
 
-SAMPLE_PARTS = {"job_id": "0123456789abcdef0123456789abcdef", "track": 1, "task_id": "t-1", "name": "gpu0@h",
-                "kind": "music", "state": "running", "queue": "gpu1", "scope": "tenant", "key_hash": "ab12",
-                "worker": "webhooks@h"}
+SAMPLE_PARTS = {
+    "job_id": "0123456789abcdef0123456789abcdef",
+    "track": 1,
+    "task_id": "t-1",
+    "name": "gpu0@h",
+    "kind": "music",
+    "state": "running",
+    "queue": "gpu1",
+    "scope": "tenant",
+    "key_hash": "ab12",
+    "worker": "webhooks@h",
+}
 
 
 @pytest.fixture
@@ -33,8 +43,9 @@ def client(redis_base_url):
 def test_every_key_is_the_same_in_python_and_in_lua(client):
     layout = Layout("pfx")
     expected = {name: layout.key(name, **{p: SAMPLE_PARTS[p] for p in fields_of(name)}) for name in KEYS}
-    calls = ", ".join(f"{name} = K.{name}({', '.join(json.dumps(SAMPLE_PARTS[p]) for p in fields_of(name))})"
-                      for name in KEYS)
+    calls = ", ".join(
+        f"{name} = K.{name}({', '.join(json.dumps(SAMPLE_PARTS[p]) for p in fields_of(name))})" for name in KEYS
+    )
     code = lua_keys() + f"local K = keys_under(ARGV[1])\nreturn cjson.encode({{{calls}}})"
     assert json.loads(client.eval(code, 0, "pfx")) == expected
     assert expected["track"] == "pfx:job:0123456789abcdef0123456789abcdef:track:1"  # the shape clients' data has
@@ -52,9 +63,15 @@ def hand_spelled(text: str) -> list[str]:
     """The literal pieces of `KEYS` patterns (":job:", "queue:", ":waiting") quoted in Lua `text`: each would be a
     second copy of the layout. A bare ":" is left out: it also joins a set member ("job:track"); so are comments."""
     code = re.sub(r"--[^\n]*", "", text)
-    literals = {piece for pattern in KEYS.values() for piece in pattern.replace("{", "}").split("}")[::2]
-                if ":" in piece and piece != ":"}
-    return sorted(piece for piece in literals for quote in "'\"" if f"{quote}{piece}" in code or f"{piece}{quote}" in code)
+    literals = {
+        piece
+        for pattern in KEYS.values()
+        for piece in pattern.replace("{", "}").split("}")[::2]
+        if ":" in piece and piece != ":"
+    }
+    return sorted(
+        piece for piece in literals for quote in "'\"" if f"{quote}{piece}" in code or f"{piece}{quote}" in code
+    )
 
 
 def test_the_hand_spelled_check_sees_a_key_spelled_by_hand():
@@ -71,7 +88,7 @@ def test_no_lua_script_spells_a_key_by_hand(client):
     composed = scripts._registered[client]
     assert len(composed) >= 5  # the transition, the job read, forget, the snapshot, the estimates
     for source in composed:
-        assert source.startswith(lua_keys()) and not hand_spelled(source[len(lua_keys()):]), source[-300:]
+        assert source.startswith(lua_keys()) and not hand_spelled(source[len(lua_keys()) :]), source[-300:]
         client.script_load(source)  # and compiles
 
 
@@ -82,16 +99,39 @@ def test_no_lua_lives_in_python_strings():
 
 
 def test_lua_and_python_agree_on_terminal_states_and_the_first_unfinished_stage(client):
-    statuses = ["new", "created", "parked", "queued", "running:backbone", "waiting:decode", "done", "failed",
-                "canceled", "partial", ""]
-    runs: list[dict[str, Any]] = [{}, {"backbone": {"finished_at": 1.0}}, {"backbone": {"finished_at": None}},
-            {"backbone": {"finished_at": 1.0}, "superres": {"finished_at": 2.0}, "decode": {"finished_at": 3.0},
-             "export": {"finished_at": 4.0}}, {"backbone": "junk", "superres": {"finished_at": 2.0}}]
-    code = lua_source("tracks", lua_stages()) + """
+    statuses = [
+        "new",
+        "created",
+        "parked",
+        "queued",
+        "running:backbone",
+        "waiting:decode",
+        "done",
+        "failed",
+        "canceled",
+        "partial",
+        "",
+    ]
+    runs: list[dict[str, Any]] = [
+        {},
+        {"backbone": {"finished_at": 1.0}},
+        {"backbone": {"finished_at": None}},
+        {
+            "backbone": {"finished_at": 1.0},
+            "superres": {"finished_at": 2.0},
+            "decode": {"finished_at": 3.0},
+            "export": {"finished_at": 4.0},
+        },
+        {"backbone": "junk", "superres": {"finished_at": 2.0}},
+    ]
+    code = (
+        lua_source("tracks", lua_stages())
+        + """
 local statuses, runs, out = cjson.decode(ARGV[1]), cjson.decode(ARGV[2]), {terminal = {}, first = {}}
 for _, s in ipairs(statuses) do if is_terminal(s) then out.terminal[#out.terminal + 1] = s end end
 for n, run in ipairs(runs) do out.first[n] = first_unfinished(STAGES.music, cjson.encode(run)) end
 return cjson.encode(out)"""
+    )
     reply = json.loads(client.eval(code, 0, json.dumps(statuses), json.dumps(runs)))
     assert set(reply["terminal"]) == TERMINAL_STATES
     assert reply["first"] == [first_unfinished(KINDS["music"], run) for run in runs] == [0, 1, 0, 3, 0]
@@ -101,6 +141,7 @@ def test_scripts_run_with_their_prelude(client):
     assert lua_source("release_lock").startswith(lua_keys())
     client.set("pfx:lock:x", "mine")
     from app.control.scripts import script
+
     release = script(client, "release_lock")
     assert release(keys=["pfx:lock:x"], args=["theirs"]) == 0 and client.get("pfx:lock:x") == "mine"
     assert release(keys=["pfx:lock:x"], args=["mine"]) == 1 and client.get("pfx:lock:x") is None

@@ -1,4 +1,5 @@
 """Contract tests of the Khala reference backend's HTTP API, served by Encore over its own job machinery."""
+
 from __future__ import annotations
 
 import re
@@ -11,14 +12,23 @@ from tests.support.stack import REFERENCE_ENGINE
 
 pytestmark = pytest.mark.slow  # whole Khala-style jobs, one to the song's end (~155 s here)
 
-SONG = {"mode": "vocal", "prompt_mode": "tags", "tags": "synthpop, female vocal", "prompt": "",
-        "lyrics": "[verse]\nＨｅｌｌｏ｜world\n", "duration": 1, "top_k_bb": 50, "temperature": 1}
+SONG = {
+    "mode": "vocal",
+    "prompt_mode": "tags",
+    "tags": "synthpop, female vocal",
+    "prompt": "",
+    "lyrics": "[verse]\nＨｅｌｌｏ｜world\n",
+    "duration": 1,
+    "top_k_bb": 50,
+    "temperature": 1,
+}
 TRACK_STATUSES = {"queued", "generating", "superres", "decoding", "done", "error"}
-WORKER_PHASES = {"idle", "loading_backbone", "backbone", "loading_superres", "superres", "loading_decoder",
-                 "decoding"}
-PHASE_DISPLAY = re.compile(r"^(Queued|Loading backbone model\.\.\.|Loading super-resolution model\.\.\."
-                           r"|Loading decoder model\.\.\.|Backbone generating · \d+%( · \d+ tok/s · \d+ tokens)?"
-                           r"|Super-Resolution Generating · \d+%|Decoding audio\.\.\.|Done|Error)$")
+WORKER_PHASES = {"idle", "loading_backbone", "backbone", "loading_superres", "superres", "loading_decoder", "decoding"}
+PHASE_DISPLAY = re.compile(
+    r"^(Queued|Loading backbone model\.\.\.|Loading super-resolution model\.\.\."
+    r"|Loading decoder model\.\.\.|Backbone generating · \d+%( · \d+ tok/s · \d+ tokens)?"
+    r"|Super-Resolution Generating · \d+%|Decoding audio\.\.\.|Done|Error)$"
+)
 
 
 def _check_job_shape(body: dict) -> None:
@@ -26,8 +36,16 @@ def _check_job_shape(body: dict) -> None:
     assert body["status"] in {"queued", "pending", "generating", "completed", "partial"}
     assert isinstance(body["queue_position"], int) and len(body["tracks"]) == 2
     for index, track in enumerate(body["tracks"]):
-        assert set(track) == {"index", "status", "progress", "phase_display", "worker_id", "worker_phase",
-                              "duration_sec", "error"}
+        assert set(track) == {
+            "index",
+            "status",
+            "progress",
+            "phase_display",
+            "worker_id",
+            "worker_phase",
+            "duration_sec",
+            "error",
+        }
         assert track["index"] == index and track["status"] in TRACK_STATUSES
         assert isinstance(track["progress"], int) and 0 <= track["progress"] <= 100
         assert track["worker_phase"] in WORKER_PHASES and PHASE_DISPLAY.match(track["phase_display"]), track
@@ -41,12 +59,17 @@ def test_tags_status_and_a_whole_job(make_stack, prefix):
     base = stack.base_url + prefix
     tags = requests.get(f"{base}/tags", timeout=5).json()
     assert set(tags) == {"genre_style", "vocal_instrument", "emotion_mood", "production_other"}
-    assert all(isinstance(g["label"], str) and g["tags"] and all(isinstance(t, str) for t in g["tags"])
-               for g in tags.values())
+    assert all(
+        isinstance(g["label"], str) and g["tags"] and all(isinstance(t, str) for t in g["tags"]) for g in tags.values()
+    )
     status = requests.get(f"{base}/status", timeout=5).json()
-    assert status == {"total_gpus": 1, "idle_gpus": 1, "active_jobs": 0, "queued_jobs": 0,
-                      "workers": [{"worker_id": status["workers"][0]["worker_id"], "status": "idle",
-                                   "phase": "idle", "gpu_id": 0}]}
+    assert status == {
+        "total_gpus": 1,
+        "idle_gpus": 1,
+        "active_jobs": 0,
+        "queued_jobs": 0,
+        "workers": [{"worker_id": status["workers"][0]["worker_id"], "status": "idle", "phase": "idle", "gpu_id": 0}],
+    }
 
     reply = requests.post(f"{base}/generate", json={**SONG, "unknown_field": True}, timeout=10)
     assert reply.status_code == 200, reply.text
@@ -62,6 +85,7 @@ def test_tags_status_and_a_whole_job(make_stack, prefix):
         _check_job_shape(body)
         seen.append(body)
         return body if body["status"] in ("completed", "partial") else None
+
     final = wait_until(finished, 240, 0.05, "job to complete")
     assert final["status"] == "completed" and final["cleaned_lyrics"] == "[verse]\nHello｜world"  # the reference's
     assert [t["duration_sec"] for t in final["tracks"]] == [60, 60]
@@ -87,10 +111,18 @@ def test_tags_status_and_a_whole_job(make_stack, prefix):
 def test_rejections_and_queued_jobs(make_stack):
     stack = make_stack()  # no worker: submitted jobs wait
     client = stack.client
-    cases = [({"mode": "opera"}, "mode"), ({"prompt_mode": "poem"}, "prompt_mode"), ({"duration": 2.5}, "duration"),
-             ({"duration": "two"}, "duration"), ({"duration": True}, "duration"), ({"top_k_bb": [1]}, "top_k_bb"),
-             ({"temperature": "hot"}, "temperature"), ({"lyrics": ""}, "lyrics"), ({"tags": ""}, "tags"),
-             ({"prompt_mode": "natural", "prompt": ""}, "prompt")]
+    cases = [
+        ({"mode": "opera"}, "mode"),
+        ({"prompt_mode": "poem"}, "prompt_mode"),
+        ({"duration": 2.5}, "duration"),
+        ({"duration": "two"}, "duration"),
+        ({"duration": True}, "duration"),
+        ({"top_k_bb": [1]}, "top_k_bb"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"lyrics": ""}, "lyrics"),
+        ({"tags": ""}, "tags"),
+        ({"prompt_mode": "natural", "prompt": ""}, "prompt"),
+    ]
     for change, field in cases:
         reply = client.post("/generate", json={**SONG, **change})
         assert 400 <= reply.status_code < 500, (change, reply.get_json())
@@ -110,8 +142,10 @@ def test_rejections_and_queued_jobs(make_stack):
     assert [t["phase_display"] for t in body["tracks"]] == ["Queued", "Queued"]  # as the reference says it
     assert client.get(f"/job/{accepted['job_id']}/track/0/mp3").status_code == 404
     missing = client.get("/job/" + "0" * 32)
-    assert missing.status_code == 404 and missing.get_json() == {"status": "error",
-                                                               "error": f"Job {'0' * 32} not found."}
+    assert missing.status_code == 404 and missing.get_json() == {
+        "status": "error",
+        "error": f"Job {'0' * 32} not found.",
+    }
 
     longest = client.post("/generate", json={**SONG, "duration": 10}).get_json()
     assert longest["status"] == "queued"  # 10 minutes: the reference accepts it and stops at its token cap
@@ -125,9 +159,13 @@ def test_rejections_and_queued_jobs(make_stack):
 
 def test_numbers_are_clamped_to_the_reference_ranges_not_refused(make_stack):
     stack = make_stack()
-    cases = [({"duration": 0}, 60.0, 80, 1.0), ({"duration": 11, "top_k_bb": 0}, 546.0, 1, 1.0),
-             ({"duration": "2", "top_k_bb": 999, "temperature": 0.1}, 120.0, 200, 0.6),
-             ({"duration": 3.0, "temperature": 7}, 180.0, 80, 1.4), ({}, 180.0, 80, 1.0)]  # the default: 3 min
+    cases = [
+        ({"duration": 0}, 60.0, 80, 1.0),
+        ({"duration": 11, "top_k_bb": 0}, 546.0, 1, 1.0),
+        ({"duration": "2", "top_k_bb": 999, "temperature": 0.1}, 120.0, 200, 0.6),
+        ({"duration": 3.0, "temperature": 7}, 180.0, 80, 1.4),
+        ({}, 180.0, 80, 1.0),
+    ]  # the default: 3 min
     for change, duration_s, top_k, temperature in cases:
         base = {k: v for k, v in SONG.items() if k not in ("duration", "top_k_bb", "temperature")}
         reply = stack.client.post("/generate", json={**base, **change})
@@ -146,10 +184,26 @@ def test_khala_errors_say_status_error_even_401(make_stack):
 
 def test_a_track_whose_worker_is_offline_says_so():
     from app.http.khala import job_reply
-    track = {"track": 0, "state": "backbone", "stage": "backbone", "detail": "12/100 tokens", "progress": 0.12,
-             "worker": "gpu0@a", "worker_status": "offline", "stages": {}, "queue_position": 0, "error": ""}
-    record = {"job_id": "a" * 32, "params": {"lyrics": ""}, "created_at": 0.0, "queue_position": 0,
-              "tracks": [track, {**track, "track": 1, "worker_status": "busy"}]}
+
+    track = {
+        "track": 0,
+        "state": "backbone",
+        "stage": "backbone",
+        "detail": "12/100 tokens",
+        "progress": 0.12,
+        "worker": "gpu0@a",
+        "worker_status": "offline",
+        "stages": {},
+        "queue_position": 0,
+        "error": "",
+    }
+    record = {
+        "job_id": "a" * 32,
+        "params": {"lyrics": ""},
+        "created_at": 0.0,
+        "queue_position": 0,
+        "tracks": [track, {**track, "track": 1, "worker_status": "busy"}],
+    }
     offline, live = job_reply(record)["tracks"]
     assert offline["phase_display"].startswith("Worker gpu0@a offline") and offline["progress"] == 12
     assert live["phase_display"].startswith("Backbone generating · 12% · ")
@@ -159,17 +213,32 @@ def test_failed_tracks_end_as_error(make_stack):
     stack = make_stack(ENCORE_TIME_LIMITS="backbone=/2", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
     stack.start_worker(0)
     job_id = stack.client.post("/generate", json=SONG).get_json()["job_id"]
-    body = wait_until(lambda: (lambda b: b if b["status"] in ("completed", "partial") else None)(
-        stack.client.get(f"/job/{job_id}").get_json()), 120, 0.1, "job end")
+    body = wait_until(
+        lambda: (lambda b: b if b["status"] in ("completed", "partial") else None)(
+            stack.client.get(f"/job/{job_id}").get_json()
+        ),
+        120,
+        0.1,
+        "job end",
+    )
     assert [t["status"] for t in body["tracks"]] == ["error", "error"]
     assert all("time limit" in t["error"] for t in body["tracks"])
 
 
 FRONTEND_DEFAULT_LYRICS = "\n\n".join(
-    f"[{section}]\n" + "\n".join(f"{word} in the rhythm, line {n} of the {section.lower()}, we keep the beat alive"
-                                 for n in range(1, 5))
-    for section, word in [("Verse", "Drums"), ("Pre-Chorus", "Fire"), ("Chorus", "Peace"), ("Verse", "Sirens"),
-                          ("Pre-Chorus", "Ground"), ("Chorus", "Peace"), ("Bridge", "Torches"), ("Chorus", "Peace")])
+    f"[{section}]\n"
+    + "\n".join(f"{word} in the rhythm, line {n} of the {section.lower()}, we keep the beat alive" for n in range(1, 5))
+    for section, word in [
+        ("Verse", "Drums"),
+        ("Pre-Chorus", "Fire"),
+        ("Chorus", "Peace"),
+        ("Verse", "Sirens"),
+        ("Pre-Chorus", "Ground"),
+        ("Chorus", "Peace"),
+        ("Bridge", "Torches"),
+        ("Chorus", "Peace"),
+    ]
+)
 
 
 def test_the_frontends_default_song_runs_to_the_end_on_the_tiny_profile(make_stack):
@@ -177,10 +246,17 @@ def test_the_frontends_default_song_runs_to_the_end_on_the_tiny_profile(make_sta
     eight sections, 3 minutes, top_k 40 (the lyrics are ours; the shape, lengths and numbers are the frontend's)."""
     stack = make_stack()
     stack.start_worker(0)
-    body = {"mode": "vocal", "prompt_mode": "natural", "tags": "", "lyrics": FRONTEND_DEFAULT_LYRICS,
-            "prompt": "A warm, mid-tempo groove with a deep bassline, offbeat guitar and a steady drum pattern; "
-                      "a smooth male vocal carries a message of resilience over the gentle sway.",
-            "duration": 3, "top_k_bb": 40, "temperature": 1.0}
+    body = {
+        "mode": "vocal",
+        "prompt_mode": "natural",
+        "tags": "",
+        "lyrics": FRONTEND_DEFAULT_LYRICS,
+        "prompt": "A warm, mid-tempo groove with a deep bassline, offbeat guitar and a steady drum pattern; "
+        "a smooth male vocal carries a message of resilience over the gentle sway.",
+        "duration": 3,
+        "top_k_bb": 40,
+        "temperature": 1.0,
+    }
     assert len(FRONTEND_DEFAULT_LYRICS) > 1500
     reply = requests.post(f"{stack.base_url}/api/generate", json=body, timeout=10)
     assert reply.status_code == 200 and reply.json()["status"] == "accepted", reply.text
@@ -189,6 +265,7 @@ def test_the_frontends_default_song_runs_to_the_end_on_the_tiny_profile(make_sta
     def finished():
         job = requests.get(f"{stack.base_url}/api/job/{job_id}", timeout=5).json()
         return job if job["status"] in ("completed", "partial", "error", "failed") else None
+
     final = wait_until(finished, LONGEST_WAIT_S, 0.5, "the 3-minute song")
     assert final["status"] == "completed", final
     assert [t["status"] for t in final["tracks"]] == ["done", "done"]

@@ -1,6 +1,7 @@
 """Import directions between Encore's layers, checked on the source: a module may import its own layer and the
 layers below it, never one above it, and the two top-level peers (the HTTP layer and the workers) never import
 each other. A module outside every layer fails the test too, so a new file has to say where it belongs."""
+
 from __future__ import annotations
 
 import ast
@@ -44,11 +45,14 @@ def imported_modules(path: Path, module: str, root: Path) -> list[tuple[int, str
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for alias in node.names:
                 candidate = f"{base}.{alias.name}"
-                exists = (root / Path(*candidate.split("."))).with_suffix(".py").is_file() \
-                    or (root / Path(*candidate.split("."))).is_dir()
+                exists = (root / Path(*candidate.split("."))).with_suffix(".py").is_file() or (
+                    root / Path(*candidate.split("."))
+                ).is_dir()
                 found.append((node.lineno, candidate if exists else base))
     return [(line, name) for line, name in found if name == PACKAGE_ROOT or name.startswith(PACKAGE_ROOT + ".")]
 

@@ -2,6 +2,7 @@
 a Redis outage while its lease lasts, gives the track up once the lease has gone unrenewed for its whole length,
 and on any other error stops the stage loudly instead of letting it run on with a lease nobody renews (the
 reaper would then start the same stage a second time elsewhere)."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,17 @@ def leased_track(svc: Services) -> str:
     transitions themselves."""
     job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
     assert svc.jobs.transition("route", job_id, 0, queue="gpu0", task_ids=json.dumps(["task-1"]), cost=1.0)
-    assert svc.jobs.transition("start", job_id, 0, stage="backbone", owner=OWNER, worker="gpu0@host",
-                               task_id="task-1", pid="4242", lease_ms=int(svc.settings.lease_s * 1000))
+    assert svc.jobs.transition(
+        "start",
+        job_id,
+        0,
+        stage="backbone",
+        owner=OWNER,
+        worker="gpu0@host",
+        task_id="task-1",
+        pid="4242",
+        lease_ms=int(svc.settings.lease_s * 1000),
+    )
     assert svc.jobs.lease(job_id, 0) == OWNER
     return job_id
 
@@ -50,8 +60,9 @@ def private_redis(tmp_path):
 
 
 def services_on(url: str, root: Path, lease_s: float) -> Services:
-    svc = build_services(Settings(redis_url=url, artifact_dir=root / "artifacts", worker_cache_dir=root / "cache",
-                                  lease_s=lease_s))
+    svc = build_services(
+        Settings(redis_url=url, artifact_dir=root / "artifacts", worker_cache_dir=root / "cache", lease_s=lease_s)
+    )
     svc.redis.flushdb()
     return svc
 
@@ -118,8 +129,14 @@ WORK_THAT_IGNORES_THE_STOP = textwrap.dedent("""
 
 def test_a_stage_that_ignores_the_stop_is_ended_and_its_track_failed(redis_base_url, tmp_path):
     url = f"{redis_base_url}/508"
-    proc = subprocess.run([PYTHON, "-c", WORK_THAT_IGNORES_THE_STOP, url, str(tmp_path)], cwd=REPO, check=False,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [PYTHON, "-c", WORK_THAT_IGNORES_THE_STOP, url, str(tmp_path)],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     job_id = proc.stdout.split()[0]
     assert proc.returncode == 75, (proc.returncode, proc.stdout, proc.stderr[-3000:])
     assert "lease_watch_broken" in proc.stderr

@@ -1,6 +1,7 @@
 """The track state machine (app/control/lifecycle.py) against a real redis-server: every event from every status,
 allowed or refused as the table below says (written out here, independently of the module's table), the
 lease rules, a pending cancel, and the bookkeeping it keeps, checked after every step of a random walk."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,19 @@ from app.control.jobs import JobStore, overall_state
 from app.control.lifecycle import TRANSITIONS
 from app.core.keys import Layout
 
-STATUSES = ("new", "created", "parked", "queued", "running:backbone", "running:superres", "waiting:superres",
-            "waiting:decode", "done", "failed", "canceled")
+STATUSES = (
+    "new",
+    "created",
+    "parked",
+    "queued",
+    "running:backbone",
+    "running:superres",
+    "waiting:superres",
+    "waiting:decode",
+    "done",
+    "failed",
+    "canceled",
+)
 OPEN = ("created", "parked", "queued", "running:backbone", "running:superres", "waiting:superres", "waiting:decode")
 # (event, stage it names) -> the statuses it is allowed from. A fresh track's chain starts with backbone.
 ALLOWED = {
@@ -37,8 +49,18 @@ ALLOWED = {
     ("retry", ""): {"failed", "canceled"},
 }
 # where an allowed event leaves a track
-TARGET = {"submit": "created", "park": "parked", "route": "queued", "unroute": "parked", "adopt": "running:backbone",
-          "release": "queued", "restart": "parked", "fail": "failed", "cancel": "canceled", "retry": "parked"}
+TARGET = {
+    "submit": "created",
+    "park": "parked",
+    "route": "queued",
+    "unroute": "parked",
+    "adopt": "running:backbone",
+    "release": "queued",
+    "restart": "parked",
+    "fail": "failed",
+    "cancel": "canceled",
+    "retry": "parked",
+}
 OWNER = "gpu0@a|t-run|1"
 
 
@@ -51,21 +73,37 @@ def jobs(redis_base_url):
 
 
 def _args(event: str, stage: str) -> dict:
-    args = {"stage": stage, "owner": OWNER, "worker": "gpu0@a", "lease_ms": 60_000, "queue": "gpu0",
-            "task_ids": json.dumps(["t-run", "t2"]), "cost": 1.0, "pid": "1"}
+    args = {
+        "stage": stage,
+        "owner": OWNER,
+        "worker": "gpu0@a",
+        "lease_ms": 60_000,
+        "queue": "gpu0",
+        "task_ids": json.dumps(["t-run", "t2"]),
+        "cost": 1.0,
+        "pid": "1",
+    }
     return {**args, "task_id": "t-run"} if event == "start" else args
 
 
 PATHS = {  # the steps that bring a fresh (created) track to each status
-    "created": [], "parked": [("park", "")], "queued": [("route", "")],
+    "created": [],
+    "parked": [("park", "")],
+    "queued": [("route", "")],
     "running:backbone": [("route", ""), ("start", "backbone")],
     "waiting:superres": [("route", ""), ("start", "backbone"), ("finish", "backbone")],
     "running:superres": [("route", ""), ("start", "backbone"), ("finish", "backbone"), ("start", "superres")],
-    "waiting:decode": [("route", ""), ("start", "backbone"), ("finish", "backbone"), ("start", "superres"),
-                       ("finish", "superres")],
-    "done": [("route", "")] + [(e, s) for s in ("backbone", "superres", "decode", "export")
-                               for e in ("start", "finish")],
-    "failed": [("route", ""), ("fail", "")], "canceled": [("route", ""), ("cancel", "")],
+    "waiting:decode": [
+        ("route", ""),
+        ("start", "backbone"),
+        ("finish", "backbone"),
+        ("start", "superres"),
+        ("finish", "superres"),
+    ],
+    "done": [("route", "")]
+    + [(e, s) for s in ("backbone", "superres", "decode", "export") for e in ("start", "finish")],
+    "failed": [("route", ""), ("fail", "")],
+    "canceled": [("route", ""), ("cancel", "")],
 }
 
 
@@ -100,9 +138,15 @@ def test_every_event_from_every_status(jobs, event, stage):
             assert after == before, (event, status)  # a refused event changes nothing
             continue
         assert int(after["version"]) == int(before.get("version", 0)) + 1
-        want = TARGET.get(event) or {"start": f"running:{stage}", "report": status, "resend": status,
-                                     "finish": {"backbone": "waiting:superres", "superres": "waiting:decode"}.get(stage)
-                                     }[event]
+        want = (
+            TARGET.get(event)
+            or {
+                "start": f"running:{stage}",
+                "report": status,
+                "resend": status,
+                "finish": {"backbone": "waiting:superres", "superres": "waiting:decode"}.get(stage),
+            }[event]
+        )
         assert after["status"] == want, (event, status, after["status"])
         _check_bookkeeping(jobs)
 
@@ -119,8 +163,9 @@ def test_a_live_lease_of_another_refuses_everyone_but_its_holder(jobs):
         assert not outcome and "lease" in outcome.reason, (event, outcome)
     assert jobs.transition("report", job_id, 0, {"progress": 0.5}, owner=OWNER)
     dead = jobs.lease(job_id, 0)
-    taken = jobs.transition("start", job_id, 0, **{**_args("start", "backbone"), "owner": "gpu0@a|t-run|9",
-                                                   "steal": dead})
+    taken = jobs.transition(
+        "start", job_id, 0, **{**_args("start", "backbone"), "owner": "gpu0@a|t-run|9", "steal": dead}
+    )
     assert taken.status == "running:backbone" and jobs.lease(job_id, 0) == "gpu0@a|t-run|9"
     assert not jobs.transition("report", job_id, 0, {"progress": 0.6}, owner=OWNER)  # no longer its lease
 
@@ -132,10 +177,15 @@ def test_delivery_of_another_chain_is_refused(jobs):
 
 
 def test_a_pending_cancel_wins_over_a_transition_that_would_keep_the_track_open(jobs):
-    cases = [("created", "park", ""), ("parked", "route", "backbone"), ("queued", "start", "backbone"),
-             ("queued", "unroute", ""),
-             ("running:backbone", "finish", "backbone"), ("running:backbone", "release", "backbone"),
-             ("waiting:superres", "restart", "")]
+    cases = [
+        ("created", "park", ""),
+        ("parked", "route", "backbone"),
+        ("queued", "start", "backbone"),
+        ("queued", "unroute", ""),
+        ("running:backbone", "finish", "backbone"),
+        ("running:backbone", "release", "backbone"),
+        ("waiting:superres", "restart", ""),
+    ]
     for status, event, stage in cases:
         job_id = _put(jobs, status, lease=status.startswith("running:"))
         jobs.redis.set(jobs.keys.cancel(job_id), "1")
@@ -205,7 +255,10 @@ def test_every_transition_is_published_with_its_version(jobs):
         assert message is not None, seen
         seen.append(json.loads(message["data"]))
     assert [(e["event"], e["status"], e["version"]) for e in seen] == [
-        ("route", "queued", 2), ("start", "running:backbone", 3), ("report", "running:backbone", 4)]
+        ("route", "queued", 2),
+        ("start", "running:backbone", 3),
+        ("report", "running:backbone", 4),
+    ]
     assert (seen[2]["state"], seen[2]["progress"], seen[2]["detail"]) == ("backbone", 0.5, "10/20 tokens")
     pubsub.close()
 
@@ -223,7 +276,10 @@ def test_every_transition_is_appended_to_the_jobs_stream_which_expires_with_it(j
     pubsub.close()
     events = jobs.events_after(job_id, "0-0")
     assert [(e["event"], e["version"], e["job_state"]) for _, e in events] == [
-        ("submit", 1, "queued"), ("route", 2, "queued"), ("start", 3, "running")]
+        ("submit", 1, "queued"),
+        ("route", 2, "queued"),
+        ("start", 3, "running"),
+    ]
     assert published == {**events[1][1], "id": events[1][0]}  # the channel carries the entry's id
     assert jobs.events_after(job_id, events[0][0]) == events[1:]  # only what came after an id
     assert jobs.events_after(job_id, events[-1][0]) == []
@@ -235,15 +291,19 @@ def test_every_transition_is_appended_to_the_jobs_stream_which_expires_with_it(j
     short.route(other, 0, "gpu0", ["t-run"])
     short.cancel(other, 0, "canceled")
     assert [(e["event"], e["job_state"]) for _, e in short.events_after(other, "0-0")] == [
-        ("route", "queued"), ("cancel", "canceled")]
+        ("route", "queued"),
+        ("cancel", "canceled"),
+    ]
 
 
 def test_random_walks_keep_the_bookkeeping_exact(jobs):
     """Bounded random walk over three jobs of both kinds and several queues: after every step, each track's
     sets, the queue cost counters and the per-state job sets agree with the tracks themselves."""
     rng = random.Random(7)
-    ids = [jobs.create(kind, {}, [{"seed": i} for i in range(n)], cost=c)
-           for kind, n, c in (("music", 2, 1.5), ("lipsync", 1, 2.25), ("music", 3, 0.5))]
+    ids = [
+        jobs.create(kind, {}, [{"seed": i} for i in range(n)], cost=c)
+        for kind, n, c in (("music", 2, 1.5), ("lipsync", 1, 2.25), ("music", 3, 0.5))
+    ]
     stages = {"music": ["backbone", "superres", "decode", "export"], "lipsync": ["prepare", "lipsync", "mux"]}
     for _ in range(400):
         job_id = rng.choice(ids)
@@ -297,12 +357,15 @@ def _check_bookkeeping(jobs: JobStore) -> None:
         assert int(r.get(keys.cost(q)) or 0) == sum(round(c * 1000) for c in expected_load[q].values()), q
     for kind in ("music", "lipsync"):
         for state in ("queued", "running", "done", "failed", "canceled", "partial"):
-            assert set(r.zrange(keys.jobs_in_state(kind, state), 0, -1)) == counts.get((kind, state), set()), \
-                (kind, state)
+            assert set(r.zrange(keys.jobs_in_state(kind, state), 0, -1)) == counts.get((kind, state), set()), (
+                kind,
+                state,
+            )
 
 
 def test_the_readme_documents_the_table_as_it_is():
     from pathlib import Path
+
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     rows = {}
     for line in readme.splitlines():

@@ -1,4 +1,5 @@
 """Every lip-sync upload rejection is answered before anything is queued."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,9 @@ from tests.support.media import face_video, matroska_that_says, tone, upload
 
 @pytest.fixture
 def stack(make_stack):
-    return make_stack(ENCORE_MAX_VIDEO_MB="1", ENCORE_MAX_AUDIO_MB="0.5", ENCORE_MIN_VIDEO_S="3",
-                      ENCORE_MAX_AUDIO_S="30")
+    return make_stack(
+        ENCORE_MAX_VIDEO_MB="1", ENCORE_MAX_AUDIO_MB="0.5", ENCORE_MIN_VIDEO_S="3", ENCORE_MAX_AUDIO_S="30"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,7 @@ def test_oversized_video_is_413(stack, clips):
 
 
 def test_unreadable_mp4_is_400(stack, clips):
-    _assert_rejected(stack, upload(stack.client, clips["garbage"], clips["audio"]), 400, "video",
-                     "cannot be read")
+    _assert_rejected(stack, upload(stack.client, clips["garbage"], clips["audio"]), 400, "video", "cannot be read")
 
 
 def test_video_without_video_stream_is_400(stack, clips):
@@ -60,18 +61,25 @@ def test_audio_without_audio_stream_is_400(stack, clips):
 
 
 def test_too_short_video_is_400(stack, clips):
-    _assert_rejected(stack, upload(stack.client, clips["short_video"], clips["audio"]), 400, "video",
-                     "at least 3 s")
+    _assert_rejected(stack, upload(stack.client, clips["short_video"], clips["audio"]), 400, "video", "at least 3 s")
 
 
 def test_too_long_audio_is_400(stack, clips):
-    _assert_rejected(stack, upload(stack.client, clips["video"], clips["long_audio"]), 400, "audio",
-                     "the limit is 30 s")
+    _assert_rejected(
+        stack, upload(stack.client, clips["video"], clips["long_audio"]), 400, "audio", "the limit is 30 s"
+    )
 
 
-@pytest.mark.parametrize("fields,field", [({"fps": "fast"}, "fps"), ({"fps": "-1"}, "fps"),
-                                          ({"batch_size": "0"}, "batch_size"), ({"color": "red"}, "color"),
-                                          ({"extra_margin": "1.5"}, "extra_margin")])
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        ({"fps": "fast"}, "fps"),
+        ({"fps": "-1"}, "fps"),
+        ({"batch_size": "0"}, "batch_size"),
+        ({"color": "red"}, "color"),
+        ({"extra_margin": "1.5"}, "extra_margin"),
+    ],
+)
 def test_bad_form_fields_are_400(stack, clips, fields, field):
     reply = upload(stack.client, clips["video"], clips["audio"], **fields)
     assert reply.status_code == 400 and reply.get_json()["field"] == field, reply.get_json()
@@ -94,8 +102,9 @@ def test_a_frame_rate_below_one_is_refused_naming_fps_not_the_audio(stack, clips
 
 def test_missing_file_and_non_multipart_are_400(stack, clips):
     with open(clips["video"], "rb") as video:
-        reply = stack.client.post("/api/v1/lipsync", data={"video": (video, "v.mp4")},
-                                  content_type="multipart/form-data")
+        reply = stack.client.post(
+            "/api/v1/lipsync", data={"video": (video, "v.mp4")}, content_type="multipart/form-data"
+        )
     _assert_rejected(stack, reply, 400, "audio", "file missing")
     reply = stack.client.post("/api/v1/lipsync", json={"video": "x"})
     assert reply.status_code == 400 and reply.get_json()["field"] == "body"
@@ -119,11 +128,16 @@ def _params(stack, video, audio, **fields) -> dict:
 
 
 def test_output_fps_is_the_sources_unless_the_request_gives_one(stack, clips):
-    recorded = {name: _params(stack, clips["video30"], clips["audio"], **fields)
-                for name, fields in (("missing", {}), ("given", {"fps": "25"}), ("zero", {"fps": "0"}))}
+    recorded = {
+        name: _params(stack, clips["video30"], clips["audio"], **fields)
+        for name, fields in (("missing", {}), ("given", {"fps": "25"}), ("zero", {"fps": "0"}))
+    }
     picked = {name: (p["fps"], p["source_fps"], p["fps_from"], p["output_frames"]) for name, p in recorded.items()}
-    assert picked == {"missing": (30, 30, "source", 60), "given": (25, 30, "request", 50),
-                      "zero": (30, 30, "source", 60)}  # 2.0 s of audio
+    assert picked == {
+        "missing": (30, 30, "source", 60),
+        "given": (25, 30, "request", 50),
+        "zero": (30, 30, "source", 60),
+    }  # 2.0 s of audio
 
 
 def test_a_source_rate_above_the_forms_range_falls_back_to_the_default(stack, clips):
@@ -154,8 +168,9 @@ def test_a_face_video_longer_than_the_limit_is_refused_whatever_its_header_says(
     stack = make_stack(ENCORE_MAX_VIDEO_S="5", ENCORE_MIN_VIDEO_S="1")
     audio = tone(tmp_path / "voice.wav", 2.0)
     honest = face_video(tmp_path / "long.mp4", 6.0)
-    _assert_rejected(stack, upload(stack.client, honest, audio), 400, "video", "is 6.0 s long (150 frames); the "
-                     "limit is 5 s")
+    _assert_rejected(
+        stack, upload(stack.client, honest, audio), 400, "video", "is 6.0 s long (150 frames); the limit is 5 s"
+    )
     lying = matroska_that_says(honest, tmp_path / "says3.mkv", 3.0)
     assert probe(lying).duration_s < 4
     _assert_rejected(stack, upload(stack.client, lying, audio), 400, "video", "(150 frames); the limit is 5 s")

@@ -1,4 +1,5 @@
 """Lip-sync jobs through HTTP on a real worker: MuseTalk at tiny size, real ffmpeg, real face photo."""
+
 from __future__ import annotations
 
 import subprocess
@@ -36,8 +37,13 @@ def _download(stack, job_id, tmp_path):
 
 
 def _streams(path) -> list[str]:
-    out = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "stream=codec_type", "-of", "csv=p=0",
-                          str(path)], capture_output=True, text=True, check=True, timeout=30).stdout
+    out = subprocess.run(
+        ["ffprobe", "-v", "error", "-show_entries", "stream=codec_type", "-of", "csv=p=0", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     return out.split()
 
 
@@ -71,8 +77,10 @@ def test_lipsync_job_output_has_driving_audio_and_exact_frames(stack, tmp_path):
     assert [s for s in ("prepare", "lipsync", "mux") if s in track["stages"]] == ["prepare", "lipsync", "mux"]
     assert track["stages"]["lipsync"]["info"]["frames_generated"] == 50
     assert track["stages"]["prepare"]["info"]["faces"] == "landmarks"  # dlib's 68 points on the astronaut
-    assert (track["stages"]["lipsync"]["info"]["mask"], track["stages"]["lipsync"]["info"]["faces"]) == \
-        ("jaw", "landmarks")
+    assert (track["stages"]["lipsync"]["info"]["mask"], track["stages"]["lipsync"]["info"]["faces"]) == (
+        "jaw",
+        "landmarks",
+    )
 
     out = _download(stack, job_id, tmp_path)
     assert sorted(_streams(out)) == ["audio", "video"]
@@ -136,10 +144,29 @@ def test_no_face_fails_clearly_and_missing_faces_are_filled(stack, tmp_path):
 
     face = face_video(tmp_path / "face.mp4", 3.0, FPS)
     mixed = tmp_path / "mixed.mp4"  # 1.5 s of face, then 1.5 s of grey
-    subprocess.run(["ffmpeg", "-v", "error", "-y", "-i", str(face), "-i", str(blank), "-filter_complex",
-                    ("[0:v]trim=0:1.5,setpts=PTS-STARTPTS[a];[1:v]trim=0:1.5,setpts=PTS-STARTPTS[b];"
-                     "[a][b]concat=n=2:v=1[v]"), "-map", "[v]", "-c:v", "libx264", "-pix_fmt", "yuv420p",
-                    str(mixed)], check=True, timeout=60)
+    subprocess.run(
+        [
+            "ffmpeg",
+            "-v",
+            "error",
+            "-y",
+            "-i",
+            str(face),
+            "-i",
+            str(blank),
+            "-filter_complex",
+            ("[0:v]trim=0:1.5,setpts=PTS-STARTPTS[a];[1:v]trim=0:1.5,setpts=PTS-STARTPTS[b];[a][b]concat=n=2:v=1[v]"),
+            "-map",
+            "[v]",
+            "-c:v",
+            "libx264",
+            "-pix_fmt",
+            "yuv420p",
+            str(mixed),
+        ],
+        check=True,
+        timeout=60,
+    )
     record = stack.wait_job(_submit(stack, mixed, tone(tmp_path / "b.wav", 2.8)), timeout=180)
     assert record["state"] == "done", record
     prepared = record["tracks"][0]["stages"]["prepare"]["info"]
@@ -152,14 +179,18 @@ def test_no_face_fails_clearly_and_missing_faces_are_filled(stack, tmp_path):
 def test_cancel_during_lipsync(stack, tmp_path):
     video = face_video(tmp_path / "face.mp4", 3.0, FPS)
     job_id = _submit(stack, video, tone(tmp_path / "long.wav", 25.0), fps=FPS)
-    wait_until(lambda: (lambda t: t["state"] == "lipsync" and t["progress"] > 0)(stack.job(job_id)["tracks"][0]),
-               120, what="lipsync progress")
+    wait_until(
+        lambda: (lambda t: t["state"] == "lipsync" and t["progress"] > 0)(stack.job(job_id)["tracks"][0]),
+        120,
+        what="lipsync progress",
+    )
     asked = time.monotonic()
     stack.client.delete(f"/api/v1/jobs/{job_id}")
     record = stack.wait_job(job_id, timeout=5, interval=0.05)
     assert time.monotonic() - asked < 5 and record["state"] == "canceled"
-    wait_until(lambda: not (stack.settings.worker_cache_dir / "tracks" / f"{job_id}-0").exists(), 5,
-               what="scratch removal")
+    wait_until(
+        lambda: not (stack.settings.worker_cache_dir / "tracks" / f"{job_id}-0").exists(), 5, what="scratch removal"
+    )
     assert stack.client.get(f"/api/v1/jobs/{job_id}/video.mp4").status_code == 404
     after = stack.wait_job(_submit(stack, video, tone(tmp_path / "a.wav", 1.0)), timeout=120)
     assert after["state"] == "done"

@@ -1,4 +1,5 @@
 """The MuseTalk procedure end to end on tiny random-weight models and a real face photo."""
+
 from __future__ import annotations
 
 
@@ -9,8 +10,14 @@ import torch
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.lipsync.faces import crop_box, detect_faces, fill_missing
 from app.pipeline.lipsync.frames import output_frame_count, pingpong_index
-from app.pipeline.lipsync.inference import (SourceLatents, audio_features, read_wav_16k, run_lipsync,
-                                  whisper_hidden_states, window_features)
+from app.pipeline.lipsync.inference import (
+    SourceLatents,
+    audio_features,
+    read_wav_16k,
+    run_lipsync,
+    whisper_hidden_states,
+    window_features,
+)
 from app.pipeline.lipsync.musetalk import load_musetalk
 from tests.support.media import astronaut_frames, write_wav
 from tests.support.models import tiny_musetalk_profile
@@ -40,17 +47,27 @@ class Recorder:
     def __init__(self, cancel_after: int | None = None):
         self.reports: list[tuple[float, str]] = []
         self.cancel_after = cancel_after
-        self.control = StageControl(report=lambda f, d: self.reports.append((f, d)),
-                                    cancel_requested=lambda: self.cancel_after is not None
-                                    and len(self.reports) >= self.cancel_after)
+        self.control = StageControl(
+            report=lambda f, d: self.reports.append((f, d)),
+            cancel_requested=lambda: self.cancel_after is not None and len(self.reports) >= self.cancel_after,
+        )
 
 
 def test_run_lipsync_writes_every_frame_in_pingpong_order(models, clip, features):
     frames, boxes = clip
     out: list[np.ndarray] = []
     recorder = Recorder()
-    written = run_lipsync(models, frames, boxes, features, num_frames=11, batch_size=4, extra_margin=MARGIN,
-                          sink=out.append, control=recorder.control)
+    written = run_lipsync(
+        models,
+        frames,
+        boxes,
+        features,
+        num_frames=11,
+        batch_size=4,
+        extra_margin=MARGIN,
+        sink=out.append,
+        control=recorder.control,
+    )
     assert written == 11 and len(out) == 11
     for i, frame in enumerate(out):
         source_index = pingpong_index(i, len(frames))
@@ -72,10 +89,28 @@ def test_run_lipsync_writes_every_frame_in_pingpong_order(models, clip, features
 def test_batch_size_does_not_change_the_frames(models, clip, features):
     frames, boxes = clip
     whole, single = [], []
-    run_lipsync(models, frames, boxes, features, num_frames=3, batch_size=3, extra_margin=MARGIN,
-                sink=whole.append, control=StageControl())
-    run_lipsync(models, frames, boxes, features, num_frames=3, batch_size=2, extra_margin=MARGIN,
-                sink=single.append, control=StageControl())
+    run_lipsync(
+        models,
+        frames,
+        boxes,
+        features,
+        num_frames=3,
+        batch_size=3,
+        extra_margin=MARGIN,
+        sink=whole.append,
+        control=StageControl(),
+    )
+    run_lipsync(
+        models,
+        frames,
+        boxes,
+        features,
+        num_frames=3,
+        batch_size=2,
+        extra_margin=MARGIN,
+        sink=single.append,
+        control=StageControl(),
+    )
     assert len(whole) == len(single) == 3
     for a, b in zip(whole, single, strict=True):
         assert np.abs(a.astype(int) - b).max() <= 1
@@ -88,8 +123,8 @@ def test_cycling_output_encodes_each_source_frame_once(models, clip, features):
     originals = [frames[s] for s in sources]
     regions = [crop_box(boxes[s], frames[s].shape, MARGIN) for s in sources]
     kept, fresh = SourceLatents(models, keep=True), SourceLatents(models, keep=False)
-    cached = torch.cat([kept(sources[i:i + 4], originals[i:i + 4], regions[i:i + 4]) for i in range(0, 11, 4)])
-    direct = torch.cat([fresh(sources[i:i + 4], originals[i:i + 4], regions[i:i + 4]) for i in range(0, 11, 4)])
+    cached = torch.cat([kept(sources[i : i + 4], originals[i : i + 4], regions[i : i + 4]) for i in range(0, 11, 4)])
+    direct = torch.cat([fresh(sources[i : i + 4], originals[i : i + 4], regions[i : i + 4]) for i in range(0, 11, 4)])
     assert (kept.encoded, fresh.encoded) == (len(frames), 11)
     assert torch.allclose(cached, direct, atol=1e-4)
 
@@ -97,12 +132,30 @@ def test_cycling_output_encodes_each_source_frame_once(models, clip, features):
     encode = models.vae.encode
     models.vae.encode = lambda images, **kw: (crops_encoded.append(images.shape[0] // 2), encode(images, **kw))[1]
     try:
-        run_lipsync(models, frames, boxes, features, num_frames=11, batch_size=4, extra_margin=MARGIN,
-                    sink=lambda frame: None, control=StageControl())
+        run_lipsync(
+            models,
+            frames,
+            boxes,
+            features,
+            num_frames=11,
+            batch_size=4,
+            extra_margin=MARGIN,
+            sink=lambda frame: None,
+            control=StageControl(),
+        )
         assert sum(crops_encoded) == len(frames)  # cycling: kept
         crops_encoded.clear()
-        run_lipsync(models, frames, boxes, features, num_frames=4, batch_size=4, extra_margin=MARGIN,
-                    sink=lambda frame: None, control=StageControl())
+        run_lipsync(
+            models,
+            frames,
+            boxes,
+            features,
+            num_frames=4,
+            batch_size=4,
+            extra_margin=MARGIN,
+            sink=lambda frame: None,
+            control=StageControl(),
+        )
         assert sum(crops_encoded) == 4  # no cycle: nothing worth keeping
     finally:
         del models.vae.encode
@@ -116,9 +169,19 @@ def test_a_failing_sink_stops_the_run_with_its_error(models, clip, features):
         if len(written) == 5:
             raise BrokenPipeError("ffmpeg went away")
         written.append(frame)
+
     with pytest.raises(BrokenPipeError, match="ffmpeg went away"):
-        run_lipsync(models, frames, boxes, features, num_frames=11, batch_size=2, extra_margin=MARGIN,
-                    sink=sink, control=StageControl())
+        run_lipsync(
+            models,
+            frames,
+            boxes,
+            features,
+            num_frames=11,
+            batch_size=2,
+            extra_margin=MARGIN,
+            sink=sink,
+            control=StageControl(),
+        )
     assert len(written) == 5
 
 
@@ -127,8 +190,17 @@ def test_audio_drives_the_mouth(models, clip, features):
     outputs = []
     for prompt in (features[:1], torch.zeros_like(features[:1])):
         out: list[np.ndarray] = []
-        run_lipsync(models, frames, boxes, prompt, num_frames=1, batch_size=1, extra_margin=MARGIN,
-                    sink=out.append, control=StageControl())
+        run_lipsync(
+            models,
+            frames,
+            boxes,
+            prompt,
+            num_frames=1,
+            batch_size=1,
+            extra_margin=MARGIN,
+            sink=out.append,
+            control=StageControl(),
+        )
         outputs.append(out[0])
     assert not np.array_equal(outputs[0], outputs[1])
 
@@ -138,8 +210,17 @@ def test_cancel_stops_between_batches(models, clip, features):
     out: list[np.ndarray] = []
     recorder = Recorder(cancel_after=1)
     with pytest.raises(Canceled):
-        run_lipsync(models, frames, boxes, features, num_frames=11, batch_size=3, extra_margin=MARGIN,
-                    sink=out.append, control=recorder.control)
+        run_lipsync(
+            models,
+            frames,
+            boxes,
+            features,
+            num_frames=11,
+            batch_size=3,
+            extra_margin=MARGIN,
+            sink=out.append,
+            control=recorder.control,
+        )
     assert len(out) == 3 and len(recorder.reports) == 1
 
 
@@ -171,7 +252,7 @@ def test_audio_longer_than_whisper_window_is_encoded_in_chunks(models, tmp_path)
     hidden = whisper_hidden_states(models, samples)
     assert hidden.shape == (int(seconds * 50), LAYERS, DIM)
     # frames after 30 s come from a second whisper window that starts at sample 480000
-    second = whisper_hidden_states(models, samples[30 * 16000:])
+    second = whisper_hidden_states(models, samples[30 * 16000 :])
     assert torch.allclose(hidden[1500:], second, atol=1e-5)
     assert not torch.allclose(hidden[:75], second, atol=1e-3)
     num_frames = output_frame_count(seconds, fps)

@@ -1,4 +1,5 @@
 """Output frame rate vs the source's: which source frame each output frame shows, and which rate a job gets."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -61,30 +62,38 @@ def test_resampled_positions_ping_pong_past_the_last_source_frame():
 
 def test_29_97_at_29_97_never_floors_a_frame_short():
     fps = 30000 / 1001
-    assert all(source_frame(i, 10 ** 6, fps, fps) == i for i in range(0, 72_000, 7))
+    assert all(source_frame(i, 10**6, fps, fps) == i for i in range(0, 72_000, 7))
 
 
 def test_shows_a_frame_twice_decides_when_source_latents_are_kept():
-    assert not shows_a_frame_twice(50, 75)                # one for one, no cycle
-    assert shows_a_frame_twice(76, 75)                    # one for one, cycling
+    assert not shows_a_frame_twice(50, 75)  # one for one, no cycle
+    assert shows_a_frame_twice(76, 75)  # one for one, cycling
     assert not shows_a_frame_twice(50, 75, 25.0, 25.0)
-    assert not shows_a_frame_twice(50, 75, 30.0, 25.0)    # faster source: frames skipped, none twice
-    assert shows_a_frame_twice(70, 75, 30.0, 25.0)        # positions reach 82: cycling back
-    assert shows_a_frame_twice(10, 75, 24.0, 30.0)        # slower source: repeats without cycling
+    assert not shows_a_frame_twice(50, 75, 30.0, 25.0)  # faster source: frames skipped, none twice
+    assert shows_a_frame_twice(70, 75, 30.0, 25.0)  # positions reach 82: cycling back
+    assert shows_a_frame_twice(10, 75, 24.0, 30.0)  # slower source: repeats without cycling
     with pytest.raises(ValueError, match="frame rates"):
         source_frame(3, 10, 30.0, None)
 
 
-@pytest.mark.parametrize("requested, source, expected", [
-    (None, 30.0, (30.0, "source")), (0.0, 30.0, (30.0, "source")), (25.0, 30.0, (25.0, "request")),
-    (None, None, (25.0, "default")), (None, 240.0, (25.0, "default")), (0.0, 120.0, (120.0, "source")),
-    (12.5, None, (12.5, "request")),
-])
+@pytest.mark.parametrize(
+    "requested, source, expected",
+    [
+        (None, 30.0, (30.0, "source")),
+        (0.0, 30.0, (30.0, "source")),
+        (25.0, 30.0, (25.0, "request")),
+        (None, None, (25.0, "default")),
+        (None, 240.0, (25.0, "default")),
+        (0.0, 120.0, (120.0, "source")),
+        (12.5, None, (12.5, "request")),
+    ],
+)
 def test_output_fps_rule(requested, source, expected):
     assert output_fps(requested, source, 25.0) == expected
 
 
 # -- run_lipsync resamples the real frames ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -101,11 +110,23 @@ def clip():
 def test_run_lipsync_shows_the_resampled_source_frames(models, clip, tmp_path, source_fps, out_fps, num_frames):
     """Outside its face box every output frame is exactly the source frame `source_frame` names."""
     frames, boxes = clip
-    features = audio_features(models, write_wav(tmp_path / "a.wav", 0.4), fps=out_fps, num_frames=num_frames,
-                              padding_left=2, padding_right=2)
+    features = audio_features(
+        models, write_wav(tmp_path / "a.wav", 0.4), fps=out_fps, num_frames=num_frames, padding_left=2, padding_right=2
+    )
     out: list[np.ndarray] = []
-    run_lipsync(models, frames, boxes, features, num_frames=num_frames, batch_size=4, extra_margin=MARGIN,
-                sink=out.append, control=StageControl(), fps=out_fps, source_fps=source_fps)
+    run_lipsync(
+        models,
+        frames,
+        boxes,
+        features,
+        num_frames=num_frames,
+        batch_size=4,
+        extra_margin=MARGIN,
+        sink=out.append,
+        control=StageControl(),
+        fps=out_fps,
+        source_fps=source_fps,
+    )
     assert len(out) == num_frames
     shown = _mapping(num_frames, len(frames), source_fps, out_fps)
     for i, (frame, s) in enumerate(zip(out, shown, strict=True)):
@@ -122,14 +143,26 @@ def test_a_source_frame_shown_twice_is_encoded_once(models, clip, tmp_path):
     VAE encoder for 7 output frames), as it does when the output cycles."""
     frames, boxes = clip
     assert _mapping(7, len(frames), 24.0, 30.0) == [0, 0, 1, 2, 3, 4, 4]
-    features = audio_features(models, write_wav(tmp_path / "a.wav", 0.3), fps=30.0, num_frames=7,
-                              padding_left=2, padding_right=2)
+    features = audio_features(
+        models, write_wav(tmp_path / "a.wav", 0.3), fps=30.0, num_frames=7, padding_left=2, padding_right=2
+    )
     crops_encoded = []
     encode = models.vae.encode
     models.vae.encode = lambda images, **kw: (crops_encoded.append(images.shape[0] // 2), encode(images, **kw))[1]
     try:
-        run_lipsync(models, frames, boxes, features, num_frames=7, batch_size=3, extra_margin=MARGIN,
-                    sink=lambda frame: None, control=StageControl(), fps=30.0, source_fps=24.0)
+        run_lipsync(
+            models,
+            frames,
+            boxes,
+            features,
+            num_frames=7,
+            batch_size=3,
+            extra_margin=MARGIN,
+            sink=lambda frame: None,
+            control=StageControl(),
+            fps=30.0,
+            source_fps=24.0,
+        )
     finally:
         del models.vae.encode
     assert sum(crops_encoded) == 5

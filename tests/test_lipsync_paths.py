@@ -7,6 +7,7 @@ noise; what is compared is that both paths compute the same thing):
 - the padded last batch against the unpadded one; read_ahead's order, errors and early close.
 On a CPU the device path runs its tensor ops on the CPU; bench/gpu_lipsync.py checks the same bounds on CUDA.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,9 +21,19 @@ from skimage import data
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync import faces
 from app.pipeline.lipsync.faces import crop_box
-from app.pipeline.lipsync.inference import (WHISPER_WINDOWS_PER_PASS, AudioWindows, SourceLatents, device_crops,
-                                            encode_pixels, face_crop, read_ahead, redraw_faces, run_lipsync,
-                                            whisper_hidden_states, window_features)
+from app.pipeline.lipsync.inference import (
+    WHISPER_WINDOWS_PER_PASS,
+    AudioWindows,
+    SourceLatents,
+    device_crops,
+    encode_pixels,
+    face_crop,
+    read_ahead,
+    redraw_faces,
+    run_lipsync,
+    whisper_hidden_states,
+    window_features,
+)
 from app.pipeline.lipsync.musetalk import WHISPER_SAMPLE_RATE, load_musetalk
 from tests.support.models import tiny_musetalk_profile
 
@@ -42,7 +53,7 @@ def clip():
     frames = []
     for i in range(8):
         frame = np.full((400, 640, 3), 70 + 3 * i, np.uint8)
-        frame[40:340, 150 + 4 * i:450 + 4 * i] = face
+        frame[40:340, 150 + 4 * i : 450 + 4 * i] = face
         frames.append(frame)
     return frames, faces.find_faces(frames)
 
@@ -60,8 +71,10 @@ def test_device_crops_match_opencv_lanczos_within_bounds(clip):
     ours = on_device.permute(0, 2, 3, 1).numpy() * 255.0
     difference = np.abs(ours - reference)
     assert on_device.shape == (8, 3, 256, 256) and 0.0 <= float(on_device.min()) <= float(on_device.max()) <= 1.0
-    assert float(difference.mean()) < CROP_MEAN and float(difference.max()) < CROP_MAX, \
-        (float(difference.mean()), float(difference.max()))
+    assert float(difference.mean()) < CROP_MEAN and float(difference.max()) < CROP_MAX, (
+        float(difference.mean()),
+        float(difference.max()),
+    )
 
 
 SHOWN = [0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5]  # the source frame of each of 11 output frames over 8 (ping-pong)
@@ -75,11 +88,35 @@ def both_paths(models, clip, mask: str, *, same_latents: bool) -> tuple[list, li
     features = prompts(models, 11)
     reference, ours = [], []
     kept = SourceLatents(models, keep=True)
-    run_lipsync(models, frames, track.boxes, features, num_frames=11, batch_size=4, extra_margin=MARGIN,
-                sink=reference.append, control=StageControl(), landmarks=landmarks, path="reference", latents=kept)
+    run_lipsync(
+        models,
+        frames,
+        track.boxes,
+        features,
+        num_frames=11,
+        batch_size=4,
+        extra_margin=MARGIN,
+        sink=reference.append,
+        control=StageControl(),
+        landmarks=landmarks,
+        path="reference",
+        latents=kept,
+    )
     seeded = SourceLatents(models, keep=True, kept=dict(kept.kept)) if same_latents else None
-    run_lipsync(models, frames, track.boxes, features, num_frames=11, batch_size=4, extra_margin=MARGIN,
-                sink=ours.append, control=StageControl(), landmarks=landmarks, path="device", latents=seeded)
+    run_lipsync(
+        models,
+        frames,
+        track.boxes,
+        features,
+        num_frames=11,
+        batch_size=4,
+        extra_margin=MARGIN,
+        sink=ours.append,
+        control=StageControl(),
+        landmarks=landmarks,
+        path="device",
+        latents=seeded,
+    )
     assert len(ours) == len(reference) == 11 and (seeded is None or seeded.encoded == 0)
     return ours, reference
 
@@ -118,13 +155,17 @@ def test_device_path_stays_near_the_reference_path_end_to_end(models, clip, mask
         source, box, outside = regions_of(clip, i)
         assert np.array_equal(a[outside], source[outside])
         difference = np.abs(a[box].astype(int) - b[box])
-        assert float(difference.mean()) < mean_bound and float((difference > 32).mean()) < far_bound, \
-            (i, float(difference.mean()), float((difference > 32).mean()))
+        assert float(difference.mean()) < mean_bound and float((difference > 32).mean()) < far_bound, (
+            i,
+            float(difference.mean()),
+            float((difference > 32).mean()),
+        )
 
 
 def test_device_blend_of_the_same_faces_equals_the_reference_blend(models, clip):
     """With the re-drawn crops held equal, the device blend and the OpenCV blend differ by rounding only."""
     from app.pipeline.lipsync.inference import blend_mouth, blend_on_device, jaw_mask
+
     frames, track = clip
     regions = [crop_box(box, frames[0].shape, MARGIN) for box in track.boxes[:4]]
     masks = [jaw_mask(points, region) for points, region in zip(track.landmarks[:4], regions, strict=True)]
@@ -141,7 +182,7 @@ def test_audio_windows_per_batch_equal_window_features():
         count = int(130 / 50 * fps) + 5  # past the audio's end too
         whole = window_features(hidden, fps=fps, num_frames=count, padding_left=2, padding_right=2)
         windows = AudioWindows(hidden, fps=fps, num_frames=count, padding_left=2, padding_right=2)
-        parts = torch.cat([windows[start:start + 7] for start in range(0, count, 7)])
+        parts = torch.cat([windows[start : start + 7] for start in range(0, count, 7)])
         assert len(windows) == count and torch.equal(parts, whole)
 
 
@@ -153,9 +194,14 @@ def test_whisper_windows_in_one_batch_equal_one_at_a_time(models):
     samples = (0.1 * rng.standard_normal(seconds * WHISPER_SAMPLE_RATE)).astype(np.float32)
     batched = whisper_hidden_states(models, samples)
     window = 30 * WHISPER_SAMPLE_RATE
-    alone = torch.cat([whisper_hidden_states(models, samples[start:start + window])
-                       if start + window <= samples.size else whisper_hidden_states(models, samples[start:])
-                       for start in range(0, samples.size, window)])
+    alone = torch.cat(
+        [
+            whisper_hidden_states(models, samples[start : start + window])
+            if start + window <= samples.size
+            else whisper_hidden_states(models, samples[start:])
+            for start in range(0, samples.size, window)
+        ]
+    )
     assert batched.shape == (seconds * 50, models.audio_layers, models.audio_dim)
     assert torch.allclose(batched, alone, atol=1e-4)
 
@@ -185,6 +231,7 @@ def test_read_ahead_keeps_order_raises_errors_and_stops_when_closed():
     def failing():
         yield 1
         raise RuntimeError("disk gone")
+
     with pytest.raises(RuntimeError, match="disk gone"):
         list(read_ahead(failing()))
     produced = []
@@ -193,6 +240,7 @@ def test_read_ahead_keeps_order_raises_errors_and_stops_when_closed():
         for i in range(10_000):
             produced.append(i)
             yield i
+
     before = threading.active_count()
     items = read_ahead(endless(), depth=2)
     assert [next(items) for _ in range(3)] == [0, 1, 2]
@@ -202,6 +250,7 @@ def test_read_ahead_keeps_order_raises_errors_and_stops_when_closed():
 
 def test_warm_up_runs_a_batch_at_the_devices_default_size(tmp_path_factory):
     from app.pipeline.lipsync.stages import LipsyncModels
+
     holder = LipsyncModels(tiny_musetalk_profile(tmp_path_factory), "keep_loaded", device="cpu")
     calls = []
     unet = holder.musetalk().unet

@@ -1,4 +1,5 @@
 """ENCORE_LIPSYNC_PRECISION: validated with the settings, honoured where MuseTalk is loaded."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,7 @@
 """The prepare stage reads only what the output shows, within a scratch bound (issue 22, item 5): a short output
 of a long face video decodes and searches the leading frames it shows, not the whole clip, and a stage whose
 frames would pass ENCORE_MAX_SCRATCH_MB fails saying so. Real ffmpeg, real face finding, no Celery."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,10 @@ from tests.support.media import face_video, tone
 
 
 @pytest.mark.parametrize("num_frames", [1, 2, 49, 50, 51, 100, 251])
-@pytest.mark.parametrize("source_fps, out_fps", [(None, 25.0), (25.0, 25.0), (30.0, 25.0), (24.0, 25.0),
-                                                 (29.97, 29.97), (60.0, 24.0), (12.5, 25.0)])
+@pytest.mark.parametrize(
+    "source_fps, out_fps",
+    [(None, 25.0), (25.0, 25.0), (30.0, 25.0), (24.0, 25.0), (29.97, 29.97), (60.0, 24.0), (12.5, 25.0)],
+)
 @pytest.mark.parametrize("held", [1, 7, 40, 60, 300])
 def test_the_frames_shown_give_every_output_frame_what_the_whole_video_would(num_frames, source_fps, out_fps, held):
     """Decoding min(held, shown) frames changes no output frame's source frame, and nothing past them is shown."""

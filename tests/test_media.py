@@ -4,6 +4,7 @@ Clips are built from scikit-image's astronaut photo (320x240, so a width/height 
 module's own helpers. The mux tests give the picture a loud 1000 Hz track of its own and check, by decoding
 and correlating, that only the driving audio reaches the output.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,20 +70,28 @@ def best_correlation(a: np.ndarray, b: np.ndarray, max_lag: int) -> float:
     b = (b[:n] - b[:n].mean()) / (b[:n].std() + 1e-12)
     size = 1 << (2 * n - 1).bit_length()
     full = np.fft.irfft(np.fft.rfft(a, size) * np.conj(np.fft.rfft(b, size)), size)
-    lags = np.concatenate([full[:max_lag + 1], full[-max_lag:]])  # b shifted by 0..max_lag either way
+    lags = np.concatenate([full[: max_lag + 1], full[-max_lag:]])  # b shifted by 0..max_lag either way
     return float(lags.max() / n)
 
 
 def video_stream(path: Path) -> dict:
-    out = subprocess.run(["ffprobe", "-v", "error", "-select_streams", "v:0", "-show_streams", "-of", "json",
-                          str(path)], capture_output=True, check=True, timeout=30).stdout
+    out = subprocess.run(
+        ["ffprobe", "-v", "error", "-select_streams", "v:0", "-show_streams", "-of", "json", str(path)],
+        capture_output=True,
+        check=True,
+        timeout=30,
+    ).stdout
     return json.loads(out)["streams"][0]
 
 
 def packet_hashes(path: Path) -> list[str]:
     """MD5 of every video packet, without decoding: equal lists mean a bit-identical stream copy."""
-    out = subprocess.run(["ffmpeg", "-v", "error", "-i", str(path), "-map", "0:v:0", "-c", "copy", "-f", "framemd5",
-                          "-"], capture_output=True, check=True, timeout=30).stdout.decode()
+    out = subprocess.run(
+        ["ffmpeg", "-v", "error", "-i", str(path), "-map", "0:v:0", "-c", "copy", "-f", "framemd5", "-"],
+        capture_output=True,
+        check=True,
+        timeout=30,
+    ).stdout.decode()
     return [line.rsplit(",", 1)[1].strip() for line in out.splitlines() if line and not line.startswith("#")]
 
 
@@ -94,6 +103,7 @@ def write_picture(path: Path, frames, count: int, fps=FPS) -> Path:
 
 
 # -- probe ---------------------------------------------------------------------------------------------
+
 
 def test_probe_video_with_audio(clips):
     info = probe(clips["talk"])
@@ -121,8 +131,9 @@ def test_probe_audio_file(clips):
 
 def test_probe_counts_frames_when_container_has_no_count(clips):
     mkv = clips["root"] / "still.mkv"
-    subprocess.run(["ffmpeg", "-v", "error", "-y", "-i", str(clips["still"]), "-c", "copy", str(mkv)], check=True,
-                   timeout=30)
+    subprocess.run(
+        ["ffmpeg", "-v", "error", "-y", "-i", str(clips["still"]), "-c", "copy", str(mkv)], check=True, timeout=30
+    )
     assert "nb_frames" not in video_stream(mkv)
     info = probe(mkv)
     assert info.frame_count == 50 and info.video_duration_s == pytest.approx(2.0, abs=0.05)
@@ -139,8 +150,23 @@ def test_garbage_and_missing_files_are_refused(tmp_path):
 
 def test_rotated_video_is_probed_and_decoded_upright(clips, image, tmp_path):
     rotated = tmp_path / "rotated.mp4"
-    subprocess.run(["ffmpeg", "-v", "error", "-y", "-i", str(clips["still"]), "-c", "copy",
-                    "-metadata:s:v:0", "rotate=90", str(rotated)], check=True, timeout=30)
+    subprocess.run(
+        [
+            "ffmpeg",
+            "-v",
+            "error",
+            "-y",
+            "-i",
+            str(clips["still"]),
+            "-c",
+            "copy",
+            "-metadata:s:v:0",
+            "rotate=90",
+            str(rotated),
+        ],
+        check=True,
+        timeout=30,
+    )
     info = probe(rotated)
     assert info.rotation in (90, 270) and (info.width, info.height) == (H, W)
     cache = decode_frames(rotated, tmp_path / "rotated.raw")
@@ -150,6 +176,7 @@ def test_rotated_video_is_probed_and_decoded_upright(clips, image, tmp_path):
 
 
 # -- audio ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("source", ["talk", "mp3"])
 def test_extract_audio_gives_16k_mono_of_the_right_length(clips, source, tmp_path):
@@ -170,12 +197,14 @@ def test_extract_audio_from_video_without_sound_fails(clips, tmp_path):
 
 def test_make_speech_uses_espeak_when_present(tmp_path):
     import shutil
+
     kind = make_speech(tmp_path / "s.wav", "-- testing one two three")
     assert kind == ("espeak-ng" if shutil.which("espeak-ng") else "tone")
     assert probe(tmp_path / "s.wav").duration_s > 0.5
 
 
 # -- frame cache ---------------------------------------------------------------------------------------
+
 
 def test_decode_frames_exact_count_and_content(clips, image, tmp_path):
     reports: list[str] = []
@@ -211,6 +240,7 @@ def test_decode_cancel_and_timeout_remove_the_cache(clips, tmp_path):
 
 
 # -- writer --------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fps, expected_rate", [(25, "25/1"), (30000 / 1001, "30000/1001")])
 def test_video_writer_writes_exactly_n_frames(clips, tmp_path, fps, expected_rate):
@@ -271,12 +301,12 @@ def test_pick_h264_encoder_is_cached_and_usable():
 
 # -- mux -----------------------------------------------------------------------------------------------
 
+
 def test_mux_copies_a_picture_that_covers_the_audio(clips, tmp_path):
     frames = decode_frames(clips["talk"], tmp_path / "talk.raw")
     picture = write_picture(tmp_path / "picture.mp4", frames, 100)  # 4.0 s
     audio = make_test_tone(tmp_path / "drive.wav", 2.5, 440.0)
-    out = mux(picture, audio, tmp_path / "final.mp4", audio_duration_s=2.5, picture_duration_s=4.0,
-              timeout_s=60)
+    out = mux(picture, audio, tmp_path / "final.mp4", audio_duration_s=2.5, picture_duration_s=4.0, timeout_s=60)
     info = probe(out)
     assert info.audio_codec == "aac" and info.duration_s == pytest.approx(2.5, abs=1 / FPS + 1e-3)
     assert info.frame_count == 63  # frames with pts < 2.5 s
@@ -310,8 +340,10 @@ def test_mux_sound_comes_only_from_the_driving_audio(clips, picture_key, tmp_pat
     expected_path = "copy" if picture_key == "long" else "loop"
     assert (packet_hashes(out)[:10] == packet_hashes(clips[picture_key])[:10]) == (expected_path == "copy")
     assert probe(out).duration_s == pytest.approx(drive_s, abs=1 / FPS + 0.03)
-    decoded = {name: read_wav(extract_audio(path, tmp_path / f"{name}.wav"))[0]
-               for name, path in (("out", out), ("drive", drive), ("own", clips["own"]))}
+    decoded = {
+        name: read_wav(extract_audio(path, tmp_path / f"{name}.wav"))[0]
+        for name, path in (("out", out), ("drive", drive), ("own", clips["own"]))
+    }
     max_lag = 1600  # 0.1 s at 16 kHz: covers AAC priming/resampler delays
     with_drive = best_correlation(decoded["drive"], decoded["out"], max_lag)
     with_own = best_correlation(decoded["own"], decoded["out"], max_lag)
@@ -323,12 +355,17 @@ def test_mux_failure_raises_with_ffmpegs_message(clips, tmp_path):
     garbage = tmp_path / "audio.wav"
     garbage.write_bytes(b"RIFF" + np.random.default_rng(1).bytes(4000))
     with pytest.raises(MediaError) as failure:
-        mux(clips["still"], garbage, tmp_path / "final.mp4", audio_duration_s=2.0, picture_duration_s=2.0,
-            timeout_s=30)
+        mux(clips["still"], garbage, tmp_path / "final.mp4", audio_duration_s=2.0, picture_duration_s=2.0, timeout_s=30)
     assert "exited with" in str(failure.value) and "audio.wav" in str(failure.value)
     with pytest.raises(MediaError, match="matches no streams"):  # "audio" without sound
-        mux(clips["long"], clips["still"], tmp_path / "final.mp4", audio_duration_s=2.0,
-            picture_duration_s=6.0, timeout_s=30)
+        mux(
+            clips["long"],
+            clips["still"],
+            tmp_path / "final.mp4",
+            audio_duration_s=2.0,
+            picture_duration_s=6.0,
+            timeout_s=30,
+        )
     with pytest.raises(MediaError, match="does not exist"):
         mux(tmp_path / "missing.mp4", clips["drive"], tmp_path / "final.mp4", timeout_s=30)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["audio.wav"]
@@ -351,8 +388,7 @@ def test_mux_timeout_kills_ffmpeg_and_cleans_up(clips, tmp_path):
     os.mkfifo(fifo)  # ffmpeg blocks opening it forever
     started = time.monotonic()
     with pytest.raises(MediaError, match="timed out"):
-        mux(clips["short"], fifo, tmp_path / "final.mp4", audio_duration_s=3.0, picture_duration_s=1.0,
-            timeout_s=1.0)
+        mux(clips["short"], fifo, tmp_path / "final.mp4", audio_duration_s=3.0, picture_duration_s=1.0, timeout_s=1.0)
     assert time.monotonic() - started < 10
     assert processes_mentioning(str(fifo)) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["never_written.wav"]

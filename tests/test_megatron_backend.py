@@ -1,4 +1,5 @@
 """Megatron backend on the CPU: process group, Khala GPT, torch_dist checkpoints, both engines."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,6 +49,7 @@ def test_checkpoint_layout_is_megatron_training_layout(profile):
         assert (iteration / name).is_file()
     assert list(iteration.glob("*.distcp"))
     from megatron.core import dist_checkpointing
+
     assert dist_checkpointing.load_content_metadata(str(iteration))["singleton_local_shards"] is True
 
 
@@ -77,8 +79,7 @@ def test_release_tracker_and_bare_iteration_dir_load(profile, backbone, tmp_path
 
 
 def test_load_casts_to_model_dtype(profile, backbone):
-    model = mb.load_gpt(profile.backbone, profile.backbone_dir, causal=True, device="cpu",
-                        dtype=torch.bfloat16)
+    model = mb.load_gpt(profile.backbone, profile.backbone_dir, causal=True, device="cpu", dtype=torch.bfloat16)
     weight = model.decoder.layers[1].mlp.linear_fc1.weight
     assert weight.dtype == torch.bfloat16
     assert torch.equal(weight, backbone.decoder.layers[1].mlp.linear_fc1.weight.to(torch.bfloat16))
@@ -102,8 +103,17 @@ def test_architecture_comes_from_the_checkpoint_args(profile, tmp_path):
     """A checkpoint of another shape (layers, width, heads, groups, head size, FFN, RoPE base) is built as its
     args say, whatever the profile's spec; both engines run it alike."""
     from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron
-    other = dataclasses.replace(profile.backbone, num_layers=3, hidden_size=96, num_attention_heads=6,
-                                num_query_groups=3, kv_channels=24, ffn_hidden_size=128, rotary_base=10_000)
+
+    other = dataclasses.replace(
+        profile.backbone,
+        num_layers=3,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_query_groups=3,
+        kv_channels=24,
+        ffn_hidden_size=128,
+        rotary_base=10_000,
+    )
     mb.write_tiny_checkpoint(other, tmp_path, causal=True, seed=4)
     model = mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
     assert mb.model_spec(model) == other
@@ -112,37 +122,48 @@ def test_architecture_comes_from_the_checkpoint_args(profile, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
     ids = [3, 17, 512, 540, 513, 575]
     megatron_logits = mb.MegatronCausalLM(model).logits(ids)
-    torch.testing.assert_close(TorchCausalLM(from_megatron(model, mb.model_spec(model))).logits(ids),
-                               megatron_logits, rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        TorchCausalLM(from_megatron(model, mb.model_spec(model))).logits(ids), megatron_logits, rtol=0, atol=1e-4
+    )
 
 
 def test_profile_supplies_what_the_reference_never_reads_from_a_checkpoint(profile, tmp_path):
     """Norm epsilon (forced to 1e-6 on the reference's command line), RoPE scaling, QK layernorm and the
     saved vocabulary size are not read by the reference: a checkpoint saying otherwise still loads, as there."""
-    directory = with_saved_args(profile.backbone_dir, tmp_path / "ckpt", norm_epsilon=1e-5, use_rope_scaling=True,
-                                qk_layernorm=True, padded_vocab_size=130_432, vocab_size=130_304,
-                                max_position_embeddings=4096)
+    directory = with_saved_args(
+        profile.backbone_dir,
+        tmp_path / "ckpt",
+        norm_epsilon=1e-5,
+        use_rope_scaling=True,
+        qk_layernorm=True,
+        padded_vocab_size=130_432,
+        vocab_size=130_304,
+        max_position_embeddings=4096,
+    )
     model = mb.load_gpt(profile.backbone, directory, causal=True, device="cpu")
     assert model.config.layernorm_epsilon == profile.backbone.norm_epsilon == 1e-6
     assert model.vocab_size == profile.backbone.vocab_size and model.max_sequence_length == 25_600
     assert mb.model_spec(model) == profile.backbone
 
 
-@pytest.mark.parametrize("field, value, shown", [
-    ("rotary_interleaved", True, "rotary_interleaved=True"),
-    ("apply_layernorm_1p", True, "apply_layernorm_1p=True"),
-    ("normalization", "LayerNorm", "normalization='LayerNorm'"),
-    ("swiglu", False, "swiglu=False"),
-    ("swiglu", None, "swiglu=False"),  # not recorded: Megatron's default, GELU
-    ("squared_relu", True, "squared_relu=True"),
-    ("add_bias_linear", False, "add_bias_linear=False"),
-    ("disable_bias_linear", True, "add_bias_linear=False"),  # older checkpoints' name for it
-    ("untie_embeddings_and_output_weights", False, "untie_embeddings_and_output_weights=False"),
-    ("position_embedding_type", "learned_absolute", "position_embedding_type='learned_absolute'"),
-    ("rotary_percent", 0.5, "rotary_percent=0.5"),
-    ("num_experts", 8, "num_experts=8"),
-    ("hybrid_override_pattern", "M*M*", "hybrid_override_pattern='M*M*'"),
-])
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("rotary_interleaved", True, "rotary_interleaved=True"),
+        ("apply_layernorm_1p", True, "apply_layernorm_1p=True"),
+        ("normalization", "LayerNorm", "normalization='LayerNorm'"),
+        ("swiglu", False, "swiglu=False"),
+        ("swiglu", None, "swiglu=False"),  # not recorded: Megatron's default, GELU
+        ("squared_relu", True, "squared_relu=True"),
+        ("add_bias_linear", False, "add_bias_linear=False"),
+        ("disable_bias_linear", True, "add_bias_linear=False"),  # older checkpoints' name for it
+        ("untie_embeddings_and_output_weights", False, "untie_embeddings_and_output_weights=False"),
+        ("position_embedding_type", "learned_absolute", "position_embedding_type='learned_absolute'"),
+        ("rotary_percent", 0.5, "rotary_percent=0.5"),
+        ("num_experts", 8, "num_experts=8"),
+        ("hybrid_override_pattern", "M*M*", "hybrid_override_pattern='M*M*'"),
+    ],
+)
 def test_architectures_encore_does_not_implement_are_refused_by_name(profile, tmp_path, field, value, shown):
     directory = with_saved_args(profile.backbone_dir, tmp_path / "ckpt", **{field: value})
     with pytest.raises(mb.CheckpointArgsError) as refused:
@@ -152,7 +173,9 @@ def test_architectures_encore_does_not_implement_are_refused_by_name(profile, tm
 
 
 def test_several_wrong_fields_are_all_named(profile, tmp_path):
-    directory = with_saved_args(profile.backbone_dir, tmp_path / "ckpt", rotary_interleaved=True, apply_layernorm_1p=True)
+    directory = with_saved_args(
+        profile.backbone_dir, tmp_path / "ckpt", rotary_interleaved=True, apply_layernorm_1p=True
+    )
     with pytest.raises(mb.CheckpointArgsError, match="rotary_interleaved=True.*apply_layernorm_1p=True"):
         mb.load_gpt(profile.backbone, directory, causal=True, device="cpu")
 
@@ -173,8 +196,11 @@ def test_megatron_defaults_fill_fields_a_checkpoint_does_not_record(profile):
 
 def test_vocabulary_mismatch_is_named_before_weights_are_read(profile, tmp_path):
     mb.write_tiny_checkpoint(dataclasses.replace(profile.backbone, vocab_size=640), tmp_path, causal=True, seed=1)
-    with pytest.raises(mb.CheckpointArgsError, match=r"embedding.word_embeddings.weight is \[640, 64\] in the "
-                                                     r"checkpoint but the model needs \[576, 64\]"):
+    with pytest.raises(
+        mb.CheckpointArgsError,
+        match=r"embedding.word_embeddings.weight is \[640, 64\] in the "
+        r"checkpoint but the model needs \[576, 64\]",
+    ):
         mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
 
 
@@ -219,7 +245,8 @@ def test_cache_misuse_raises(backbone):
 
 def test_superres_model_is_non_causal_and_backbone_causal(profile, backbone):
     superres = mb.MegatronBidirectionalLM(
-        mb.load_gpt(profile.superres, profile.superres_dir, causal=False, device="cpu"))
+        mb.load_gpt(profile.superres, profile.superres_dir, causal=False, device="cpu")
+    )
     assert isinstance(superres, BidirectionalLM)
     ids = torch.tensor([5, 600, 700, 800, 900, 1000])
     changed = ids.clone()
@@ -244,8 +271,9 @@ def test_bidirectional_path_matches_gpt_forward_where_masks_agree(profile, tmp_p
     full = bidirectional.logits(bidirectional.input_embeddings[ids])
     torch.testing.assert_close(full[-1], causal.logits(ids.tolist())[-1], rtol=0, atol=1e-5)
     window = slice(600, 632)
-    torch.testing.assert_close(bidirectional.logits(bidirectional.input_embeddings[ids], window),
-                               full[:, window], rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        bidirectional.logits(bidirectional.input_embeddings[ids], window), full[:, window], rtol=0, atol=1e-5
+    )
 
 
 @pytest.mark.slow  # two child processes (~7 s here)
@@ -255,11 +283,17 @@ def test_two_processes_initialize_at_once_without_colliding():
     import sys
     from pathlib import Path
 
-    code = ("import torch.distributed as dist; from app.pipeline.music.megatron_backend import init_parallel_state;"
-            "init_parallel_state(); init_parallel_state(); print(dist.get_world_size())")
+    code = (
+        "import torch.distributed as dist; from app.pipeline.music.megatron_backend import init_parallel_state;"
+        "init_parallel_state(); init_parallel_state(); print(dist.get_world_size())"
+    )
     root = Path(__file__).resolve().parents[1]
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     for proc in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-2000:]

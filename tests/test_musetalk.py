@@ -1,4 +1,5 @@
 """Tiny MuseTalk models written in the real on-disk layout load through the same loader as the real ones."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,13 @@ from app.pipeline.lipsync.musetalk import load_musetalk, sinusoidal_table, write
 from app.pipeline.profiles import load_lipsync_profile
 
 EXPECTED_FILES = {
-    "musetalkV15/unet.pth", "musetalkV15/musetalk.json",
-    "sd-vae/config.json", "sd-vae/diffusion_pytorch_model.bin",
-    "whisper/config.json", "whisper/pytorch_model.bin", "whisper/preprocessor_config.json",
+    "musetalkV15/unet.pth",
+    "musetalkV15/musetalk.json",
+    "sd-vae/config.json",
+    "sd-vae/diffusion_pytorch_model.bin",
+    "whisper/config.json",
+    "whisper/pytorch_model.bin",
+    "whisper/preprocessor_config.json",
 }
 
 
@@ -68,8 +73,9 @@ def test_round_trip_through_load_musetalk(profile, offline):
     assert all(torch.equal(models.vae.state_dict()[k], v) for k, v in vae_state.items())
 
     whisper_state = torch.load(profile.whisper_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    encoder_state = {k.removeprefix("model.encoder."): v for k, v in whisper_state.items()
-                     if k.startswith("model.encoder.")}
+    encoder_state = {
+        k.removeprefix("model.encoder."): v for k, v in whisper_state.items() if k.startswith("model.encoder.")
+    }
     assert set(models.whisper.state_dict()) == set(encoder_state)
     assert all(torch.equal(models.whisper.state_dict()[k], v) for k, v in encoder_state.items())
 

@@ -1,4 +1,5 @@
 """A whole music job through HTTP on two real CPU workers (gpu0, gpu1) with the tiny models."""
+
 from __future__ import annotations
 
 import io
@@ -43,8 +44,13 @@ class EventLog:
 def ffprobe_duration(data: bytes, tmp_path) -> float:
     path = tmp_path / "probe.mp3"
     path.write_bytes(data)
-    probe = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0",
-                            str(path)], capture_output=True, text=True, check=True, timeout=30)
+    probe = subprocess.run(
+        ["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     return float(probe.stdout.strip())
 
 
@@ -54,15 +60,30 @@ def test_full_music_job_over_http_on_two_workers(make_stack, tmp_path):
     stack.start_worker(1)
     events = EventLog(stack.redis_url)
     duration = 3.0
-    reply = requests.post(f"{stack.base_url}/api/v1/music", json={
-        "mode": "vocal", "tags": "rock, male vocal", "lyrics": "[verse]\nla la la\nna na", "duration_s": duration,
-        "num_tracks": 2, "seed": 11}, timeout=10)
+    reply = requests.post(
+        f"{stack.base_url}/api/v1/music",
+        json={
+            "mode": "vocal",
+            "tags": "rock, male vocal",
+            "lyrics": "[verse]\nla la la\nna na",
+            "duration_s": duration,
+            "num_tracks": 2,
+            "seed": 11,
+        },
+        timeout=10,
+    )
     assert reply.status_code == 202, reply.text
     job_id = reply.json()["job_id"]
     assert reply.json()["status_url"] == f"/api/v1/jobs/{job_id}"
 
-    record = wait_until(lambda: (lambda r: r if r["state"] not in ("queued", "running") else None)(
-        requests.get(f"{stack.base_url}/api/v1/jobs/{job_id}", timeout=5).json()), 180, 0.2, "job end")
+    record = wait_until(
+        lambda: (lambda r: r if r["state"] not in ("queued", "running") else None)(
+            requests.get(f"{stack.base_url}/api/v1/jobs/{job_id}", timeout=5).json()
+        ),
+        180,
+        0.2,
+        "job end",
+    )
     events.close()
     assert record["state"] == "done", record
     tracks = record["tracks"]
@@ -81,8 +102,7 @@ def test_full_music_job_over_http_on_two_workers(make_stack, tmp_path):
         assert partial, "no intermediate progress was published"
         assert track["progress"] == 1.0
 
-        wav_bytes = requests.get(f"{stack.base_url}/api/v1/jobs/{job_id}/tracks/{track['track']}.wav",
-                                 timeout=10)
+        wav_bytes = requests.get(f"{stack.base_url}/api/v1/jobs/{job_id}/tracks/{track['track']}.wav", timeout=10)
         assert wav_bytes.status_code == 200 and wav_bytes.headers["Content-Type"] == "audio/wav"
         with wave.open(io.BytesIO(wav_bytes.content)) as wav:
             assert wav.getframerate() == RATE and wav.getnchannels() == 2 and wav.getsampwidth() == 2
@@ -90,8 +110,11 @@ def test_full_music_job_over_http_on_two_workers(make_stack, tmp_path):
         mp3 = requests.get(f"{stack.base_url}/api/v1/jobs/{job_id}/tracks/{track['track']}.mp3", timeout=10)
         assert mp3.status_code == 200 and mp3.headers["Content-Type"] == "audio/mpeg"
         assert abs(ffprobe_duration(mp3.content, tmp_path) - duration) < 0.15
-        ranged = requests.get(f"{stack.base_url}/api/v1/jobs/{job_id}/tracks/{track['track']}.mp3",
-                              headers={"Range": "bytes=0-99"}, timeout=10)
+        ranged = requests.get(
+            f"{stack.base_url}/api/v1/jobs/{job_id}/tracks/{track['track']}.mp3",
+            headers={"Range": "bytes=0-99"},
+            timeout=10,
+        )
         assert ranged.status_code == 206 and ranged.content == mp3.content[:100]
 
     assert tracks[0]["seed"] != tracks[1]["seed"]

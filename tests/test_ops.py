@@ -1,4 +1,5 @@
 """Operator surfaces: bearer-token auth on /api/*, Prometheus metrics after a real job."""
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,11 @@ pytestmark = pytest.mark.slow  # metrics and logs after a job on a worker (~13 s
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_api_token_guards_api_routes_only(make_stack):
@@ -29,8 +33,10 @@ def test_api_token_guards_api_routes_only(make_stack):
     assert client.get("/api/v1/status", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.get("/api/v1/status", headers={"Authorization": "Bearer second"}).status_code == 200
     reply = client.post("/api/v1/music", json={"mode": "instrumental", "tags": "x", "duration_s": 2})
-    assert reply.status_code == 401 and client.get("/api/v1/jobs", headers={
-        "Authorization": "Bearer s3cret"}).get_json()["jobs"] == []
+    assert (
+        reply.status_code == 401
+        and client.get("/api/v1/jobs", headers={"Authorization": "Bearer s3cret"}).get_json()["jobs"] == []
+    )
     for path in ("/status", "/tags", "/api/status", "/job/" + "0" * 32):  # the Khala-compatible routes too
         assert client.get(path).status_code == 401, path
     assert client.post("/generate", json={}).status_code == 401
@@ -49,16 +55,22 @@ def test_metrics_and_job_event_logs_after_a_job(make_stack, caplog):
     web_lines = [r.getMessage() for r in caplog.records if f"job={job_id}" in r.getMessage()]
     assert any("event=submitted" in line and "kind=music" in line for line in web_lines), web_lines
     assert any("track=0 queue=gpu0" in line and "event=routed" in line for line in web_lines), web_lines
+
     # The record says done before the worker has logged the last stage's end (it logs after writing it).
     def logged_to_the_end():
         lines = [line for line in stack.worker_log(0).splitlines() if f"job={job_id}" in line]
         return lines if any("event=stage_finished" in line and "stage=export" in line for line in lines) else None
+
     worker_lines = wait_until(logged_to_the_end, 30, what="the worker's last log lines")
     for stage in ("backbone", "superres", "decode", "export"):
-        assert any("track=0 queue=gpu0 worker=gpu0@" in line and "event=stage_started" in line
-                   and f"stage={stage}" in line for line in worker_lines), stage
-        assert any("event=stage_finished" in line and f"stage={stage}" in line and "duration_s=" in line
-                   for line in worker_lines), stage
+        assert any(
+            "track=0 queue=gpu0 worker=gpu0@" in line and "event=stage_started" in line and f"stage={stage}" in line
+            for line in worker_lines
+        ), stage
+        assert any(
+            "event=stage_finished" in line and f"stage={stage}" in line and "duration_s=" in line
+            for line in worker_lines
+        ), stage
     assert any("event=track_done" in line for line in worker_lines)
     reply = stack.client.get("/metrics")
     assert reply.status_code == 200 and reply.mimetype == "text/plain"
@@ -84,6 +96,7 @@ def test_openapi_lists_every_route_with_request_schemas(make_stack):
     spec = reply.get_json()
     assert spec["openapi"].startswith("3.1")
     import re
+
     for rule in stack.app.url_map.iter_rules():
         if rule.endpoint == "static":
             continue
@@ -99,12 +112,17 @@ def test_openapi_lists_every_route_with_request_schemas(make_stack):
     assert schema["else"]["required"] == ["lyrics"] and len(schema["anyOf"]) == 2  # lyrics unless instrumental
     lipsync = spec["paths"]["/api/v1/lipsync"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert set(lipsync["required"]) == {"video", "audio"} and lipsync["additionalProperties"] is False
-    assert {"video", "audio", "fps", "extra_margin", "batch_size", "webhook", "webhook_events"} <= set(lipsync["properties"])
+    assert {"video", "audio", "fps", "extra_margin", "batch_size", "webhook", "webhook_events"} <= set(
+        lipsync["properties"]
+    )
     # 200: a repeat of an Idempotency-Key; 409: that key with another body
-    assert {"200", "202", "400", "408", "409", "413", "503"} <= set(spec["paths"]["/api/v1/lipsync"]["post"]["responses"])
+    assert {"200", "202", "400", "408", "409", "413", "503"} <= set(
+        spec["paths"]["/api/v1/lipsync"]["post"]["responses"]
+    )
     track = spec["paths"]["/api/v1/jobs/{job_id}/tracks/{file_name}"]["get"]["responses"]["200"]["content"]
     assert set(track) == {"audio/mpeg", "audio/wav"}
-    assert spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"] \
-        .endswith("/KhalaGenerate")
+    assert spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/KhalaGenerate"
+    )
     assert all(op["security"] == [] for item in spec["paths"].values() for op in item.values())  # no API_TOKEN
     assert spec["paths"]["/api/v1/jobs/{job_id}"]["get"]["parameters"][0]["name"] == "job_id"

@@ -2,6 +2,7 @@
 media work runs (tone, face clip, the three lip-sync stages, the music export), in a Python where importing
 anything of `app` outside `app/pipeline` fails, with no ffmpeg or ffprobe on PATH: the only tools it can run
 are the ones it is handed (here wrappers that log each call before running the real binary)."""
+
 from __future__ import annotations
 
 import json
@@ -75,15 +76,22 @@ def logging_wrapper(path: Path, tool: str, log: Path) -> str:
 
 
 def test_the_pipeline_runs_its_media_work_with_nothing_else_of_app_and_only_the_tools_it_is_given(
-        tiny_models, tmp_path):
+    tiny_models, tmp_path
+):
     log, work, empty_path = tmp_path / "calls.log", tmp_path / "work", tmp_path / "no-tools-here"
     work.mkdir()
     empty_path.mkdir()
     ffmpeg, ffprobe = (logging_wrapper(tmp_path / f"logged-{tool}", tool, log) for tool in ("ffmpeg", "ffprobe"))
     env = {**os.environ, "PATH": str(empty_path), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([PYTHON, "-c", PIPELINE_ALONE, ffmpeg, ffprobe, str(work),
-                           str(tiny_models.parent / "lipsync-tiny")],
-                          cwd=REPO, env=env, check=False, capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(
+        [PYTHON, "-c", PIPELINE_ALONE, ffmpeg, ffprobe, str(work), str(tiny_models.parent / "lipsync-tiny")],
+        cwd=REPO,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(name == "app.pipeline" or name.startswith("app.pipeline.") for name in result["app_modules"])
@@ -92,7 +100,14 @@ def test_the_pipeline_runs_its_media_work_with_nothing_else_of_app_and_only_the_
     assert 1.0 <= result["mp3_s"] < 1.1
     calls = log.read_text().splitlines()
     ran = {  # each part of the work, seen in the wrappers' log
-        "tone": "aevalsrc=", "face clip": "-loop 1", "audio for whisper": "pcm_s16le", "frame decode": "rgb24 pipe:1",
-        "picture": "-i pipe:0", "mux": "-map 0:v:0 -map 1:a:0", "mp3": "-f mp3", "probe": "ffprobe "}
+        "tone": "aevalsrc=",
+        "face clip": "-loop 1",
+        "audio for whisper": "pcm_s16le",
+        "frame decode": "rgb24 pipe:1",
+        "picture": "-i pipe:0",
+        "mux": "-map 0:v:0 -map 1:a:0",
+        "mp3": "-f mp3",
+        "probe": "ffprobe ",
+    }
     missing = [part for part, mark in ran.items() if not any(mark in call for call in calls)]
     assert not missing, (missing, calls)

@@ -1,6 +1,7 @@
 """Priorities (`high | normal | low`): first stages run by level, then in submission order; a started job's
 later stages still run before any other job's first stage, whatever its priority (FIFO across stages).
 Real Redis, the project's Celery app, real worker processes."""
+
 from __future__ import annotations
 
 from itertools import pairwise
@@ -51,8 +52,10 @@ def _submit(svc, celery_app, level: str | None) -> str:
 
 
 def test_parked_tracks_are_dispatched_and_queued_by_priority_then_submission(svc, celery_app):
-    jobs = {name: _submit(svc, celery_app, level) for name, level in
-            (("low", "low"), ("normal", None), ("high", "high"), ("normal2", "normal"))}  # None: the default
+    jobs = {
+        name: _submit(svc, celery_app, level)
+        for name, level in (("low", "low"), ("normal", None), ("high", "high"), ("normal2", "normal"))
+    }  # None: the default
     expected = ["high", "normal", "normal2", "low"]
     members = {f"{job_id}:0": name for name, job_id in jobs.items()}
     assert [members[m] for m in svc.redis.zrange(svc.jobs.keys.unrouted, 0, -1)] == expected  # no worker: parked
@@ -127,6 +130,7 @@ def test_the_openapi_document_offers_priority_on_both_submit_routes(make_stack):
 
 def test_the_cli_sends_a_priority_only_when_given():
     from app.clients.cli import build_parser, music_body
+
     parser = build_parser()
     assert music_body(parser.parse_args(["submit", "music", "--tags", "x", "--priority", "low"]))["priority"] == "low"
     assert "priority" not in music_body(parser.parse_args(["submit", "music", "--tags", "x"]))

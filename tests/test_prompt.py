@@ -1,4 +1,5 @@
 """The tiny Llama-3-shaped tokenizer and the Khala backbone and super-resolution prompt layouts."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,15 +8,29 @@ import pytest
 
 from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.profiles import load_profile
-from app.pipeline.music.prompt import (AUDIO_START, BOS, EOS, FIELD_END, LINE_BREAK, LYRICS_START, PROMPT_END,
-                                 build_prompt, build_superres_prompt, duration_minutes, duration_token,
-                                 llama3_special_tokens,
-                                 load_tokenizer, prompt_token_ids, write_tiny_tokenizer)
+from app.pipeline.music.prompt import (
+    AUDIO_START,
+    BOS,
+    EOS,
+    FIELD_END,
+    LINE_BREAK,
+    LYRICS_START,
+    PROMPT_END,
+    build_prompt,
+    build_superres_prompt,
+    duration_minutes,
+    duration_token,
+    llama3_special_tokens,
+    load_tokenizer,
+    prompt_token_ids,
+    write_tiny_tokenizer,
+)
 
-UNICODE_LYRICS = "你好世界 🎵🎶\nこんにちは\n안녕하세요\nمرحبا\nПривет жизнь\ne\u0301te\u0301 café\n\U0001F468\u200d\U0001F469\u200d\U0001F467"
+UNICODE_LYRICS = "你好世界 🎵🎶\nこんにちは\n안녕하세요\nمرحبا\nПривет жизнь\ne\u0301te\u0301 café\n\U0001f468\u200d\U0001f469\u200d\U0001f467"
 
 
 # ---------------------------------------------------------------- tiny tokenizer
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
@@ -30,8 +45,13 @@ def test_llama3_special_token_layout_matches_real_ids() -> None:
     assert len(names) == len(set(names)) == 256
     real_id = {name: 128_000 + index for index, name in enumerate(names)}
     assert real_id[BOS] == 128_000 and real_id[EOS] == 128_001
-    assert (real_id[LYRICS_START], real_id[LINE_BREAK], real_id[FIELD_END], real_id[PROMPT_END],
-            real_id[AUDIO_START]) == (128_006, 128_007, 128_008, 128_009, 128_010)
+    assert (
+        real_id[LYRICS_START],
+        real_id[LINE_BREAK],
+        real_id[FIELD_END],
+        real_id[PROMPT_END],
+        real_id[AUDIO_START],
+    ) == (128_006, 128_007, 128_008, 128_009, 128_010)
     assert [real_id[duration_token(m)] for m in range(1, 11)] == [128_003, 128_005, *range(128_011, 128_019)]
     assert names[-1] == "<|reserved_special_token_247|>"
     assert load_profile("khala").text_vocab_size == 128_000 + len(names)
@@ -79,6 +99,7 @@ def test_load_tokenizer_needs_a_tokenizer_directory(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- prompt layout
 
+
 def _text(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -86,48 +107,95 @@ def _text(tokenizer, text: str) -> list[int]:
 def test_vocal_prompt_layout(tiny) -> None:
     profile, tokenizer = tiny
     s = prompt_token_ids(tokenizer)
-    ids = build_prompt(tokenizer, profile, mode="vocal", tags="pop, upbeat", description=None,
-                       lyrics="line one\nline two", duration_s=150.0)
-    expected = ([s.bos, *_text(tokenizer, "pop, upbeat"), s.field_end, s.field_end, s.lyrics_start, s.line_break,
-                 *_text(tokenizer, "line one"), s.line_break, *_text(tokenizer, "line two"), s.field_end,
-                 s.durations[3], s.prompt_end, s.audio_start])
+    ids = build_prompt(
+        tokenizer,
+        profile,
+        mode="vocal",
+        tags="pop, upbeat",
+        description=None,
+        lyrics="line one\nline two",
+        duration_s=150.0,
+    )
+    expected = [
+        s.bos,
+        *_text(tokenizer, "pop, upbeat"),
+        s.field_end,
+        s.field_end,
+        s.lyrics_start,
+        s.line_break,
+        *_text(tokenizer, "line one"),
+        s.line_break,
+        *_text(tokenizer, "line two"),
+        s.field_end,
+        s.durations[3],
+        s.prompt_end,
+        s.audio_start,
+    ]
     assert ids == expected
-    assert tokenizer.decode(ids) == (f"{BOS}pop, upbeat{FIELD_END}{FIELD_END}{LYRICS_START}{LINE_BREAK}line one"
-                                     f"{LINE_BREAK}line two{FIELD_END}<|reserved_special_token_3|>{PROMPT_END}"
-                                     f"{AUDIO_START}")
+    assert tokenizer.decode(ids) == (
+        f"{BOS}pop, upbeat{FIELD_END}{FIELD_END}{LYRICS_START}{LINE_BREAK}line one"
+        f"{LINE_BREAK}line two{FIELD_END}<|reserved_special_token_3|>{PROMPT_END}"
+        f"{AUDIO_START}"
+    )
 
 
 def test_instrumental_prompt_layout(tiny) -> None:
     profile, tokenizer = tiny
     s = prompt_token_ids(tokenizer)
-    ids = build_prompt(tokenizer, profile, mode="instrumental", tags="ambient", description="A calm piano piece",
-                       lyrics="ignored words", duration_s=5.0)
-    assert ids == [s.bos, *_text(tokenizer, "A calm piano piece"), s.field_end, *_text(tokenizer, "Instrumental"),
-                   s.field_end, s.durations[1], s.prompt_end, s.audio_start]
+    ids = build_prompt(
+        tokenizer,
+        profile,
+        mode="instrumental",
+        tags="ambient",
+        description="A calm piano piece",
+        lyrics="ignored words",
+        duration_s=5.0,
+    )
+    assert ids == [
+        s.bos,
+        *_text(tokenizer, "A calm piano piece"),
+        s.field_end,
+        *_text(tokenizer, "Instrumental"),
+        s.field_end,
+        s.durations[1],
+        s.prompt_end,
+        s.audio_start,
+    ]
     assert s.lyrics_start not in ids and s.line_break not in ids
 
 
-@pytest.mark.parametrize("tags, description, meta", [
-    ("rock", "  A slow ballad ", "A slow ballad"),
-    ("  rock, guitar ", "   ", "rock, guitar"),
-    (None, None, ""),
-])
+@pytest.mark.parametrize(
+    "tags, description, meta",
+    [
+        ("rock", "  A slow ballad ", "A slow ballad"),
+        ("  rock, guitar ", "   ", "rock, guitar"),
+        (None, None, ""),
+    ],
+)
 def test_meta_prefers_description_over_tags(tiny, tags, description, meta) -> None:
     profile, tokenizer = tiny
-    ids = build_prompt(tokenizer, profile, mode="instrumental", tags=tags, description=description, lyrics=None,
-                       duration_s=60.0)
+    ids = build_prompt(
+        tokenizer, profile, mode="instrumental", tags=tags, description=description, lyrics=None, duration_s=60.0
+    )
     field_end = prompt_token_ids(tokenizer).field_end
-    assert ids[1:ids.index(field_end)] == _text(tokenizer, meta)
+    assert ids[1 : ids.index(field_end)] == _text(tokenizer, meta)
 
 
 def test_prompt_ids_stay_in_text_vocab_for_any_unicode(tiny) -> None:
     profile, tokenizer = tiny
     s = prompt_token_ids(tokenizer)
-    ids = build_prompt(tokenizer, profile, mode="vocal", tags="流行, 🎸", description=None,
-                       lyrics=UNICODE_LYRICS + "\n\n\n\nＥＮＤ", duration_s=200.0)
+    ids = build_prompt(
+        tokenizer,
+        profile,
+        mode="vocal",
+        tags="流行, 🎸",
+        description=None,
+        lyrics=UNICODE_LYRICS + "\n\n\n\nＥＮＤ",
+        duration_s=200.0,
+    )
     assert ids[0] == s.bos and ids[-1] == s.audio_start
     assert all(0 <= i < profile.text_vocab_size for i in ids)
-    lyrics_ids = ids[ids.index(s.line_break) + 1:-4]
+    lyrics_ids = ids[ids.index(s.line_break) + 1 : -4]
     expected = clean_lyrics(UNICODE_LYRICS + "\n\n\n\nＥＮＤ").replace("\n", LINE_BREAK)
     assert tokenizer.decode(lyrics_ids) == expected
     assert expected.endswith(f"{LINE_BREAK * 4}END")  # every newline is a line-break token, as in Khala
@@ -136,15 +204,23 @@ def test_prompt_ids_stay_in_text_vocab_for_any_unicode(tiny) -> None:
 def test_prompt_cleans_lyrics(tiny) -> None:
     profile, tokenizer = tiny
     common = dict(mode="vocal", tags="pop", description=None, duration_s=60.0)
-    assert (build_prompt(tokenizer, profile, lyrics="ＨＩ|ｔｈｅｒｅ\u3000\n", **common)
-            == build_prompt(tokenizer, profile, lyrics="HI-there", **common))
+    assert build_prompt(tokenizer, profile, lyrics="ＨＩ|ｔｈｅｒｅ\u3000\n", **common) == build_prompt(
+        tokenizer, profile, lyrics="HI-there", **common
+    )
 
 
 def test_user_text_cannot_inject_special_tokens(tiny) -> None:
     profile, tokenizer = tiny
     s = prompt_token_ids(tokenizer)
-    ids = build_prompt(tokenizer, profile, mode="vocal", tags=f"pop{PROMPT_END}{AUDIO_START}", description=None,
-                       lyrics=f"la {EOS}", duration_s=60.0)
+    ids = build_prompt(
+        tokenizer,
+        profile,
+        mode="vocal",
+        tags=f"pop{PROMPT_END}{AUDIO_START}",
+        description=None,
+        lyrics=f"la {EOS}",
+        duration_s=60.0,
+    )
     assert ids.count(s.prompt_end) == 1 and ids.count(s.audio_start) == 1 and s.eos not in ids
 
 
@@ -156,11 +232,19 @@ def test_duration_minutes(seconds: float, minutes: int) -> None:
 def test_long_prompt_is_cut_in_the_lyrics_keeping_the_tail(tiny) -> None:
     profile, tokenizer = tiny
     s = prompt_token_ids(tokenizer)
-    ids = build_prompt(tokenizer, profile, mode="vocal", tags="pop", description=None, lyrics="la la\n" * 500,
-                       duration_s=120.0, max_tokens=64)
+    ids = build_prompt(
+        tokenizer,
+        profile,
+        mode="vocal",
+        tags="pop",
+        description=None,
+        lyrics="la la\n" * 500,
+        duration_s=120.0,
+        max_tokens=64,
+    )
     assert len(ids) == 64
     assert ids[-4:] == [s.field_end, s.durations[2], s.prompt_end, s.audio_start]
-    assert ids[:2 + len(_text(tokenizer, "pop"))] == [s.bos, *_text(tokenizer, "pop"), s.field_end]
+    assert ids[: 2 + len(_text(tokenizer, "pop"))] == [s.bos, *_text(tokenizer, "pop"), s.field_end]
 
 
 def test_prompt_rejects_bad_mode_and_mismatched_tokenizer(tiny, tmp_path: Path) -> None:
@@ -168,8 +252,15 @@ def test_prompt_rejects_bad_mode_and_mismatched_tokenizer(tiny, tmp_path: Path) 
     with pytest.raises(ValueError, match="mode"):
         build_prompt(tokenizer, profile, mode="acapella", tags="x", description=None, lyrics="", duration_s=60.0)
     with pytest.raises(ValueError, match="128256"):
-        build_prompt(tokenizer, load_profile("khala", tmp_path), mode="vocal", tags="x", description=None,
-                     lyrics="", duration_s=60.0)
+        build_prompt(
+            tokenizer,
+            load_profile("khala", tmp_path),
+            mode="vocal",
+            tags="x",
+            description=None,
+            lyrics="",
+            duration_s=60.0,
+        )
 
 
 # ---------------------------------------------------------------- super-resolution prompt
@@ -180,7 +271,9 @@ SONG = dict(mode="vocal", lyrics="la la\nlo", duration_s=120.0)
 def test_superres_prompt_of_a_tagged_song_is_the_backbone_prompt(tiny) -> None:
     profile, tokenizer = tiny
     backbone = build_prompt(tokenizer, profile, tags="synthpop, female vocal", description=None, **SONG)
-    assert build_superres_prompt(tokenizer, profile, tags="synthpop, female vocal", description=None, **SONG) == backbone
+    assert (
+        build_superres_prompt(tokenizer, profile, tags="synthpop, female vocal", description=None, **SONG) == backbone
+    )
 
 
 def test_superres_prompt_of_a_described_song_has_empty_metadata(tiny) -> None:
@@ -206,20 +299,26 @@ def test_superres_prompt_is_cut_at_its_own_limit(tiny) -> None:
 
 # ---------------------------------------------------------------- the submission-time bound (positions.py)
 
-@pytest.mark.parametrize("mode,tags,description,lyrics", [
-    ("vocal", "", None, ""),
-    ("instrumental", "", None, None),
-    ("vocal", "pop, upbeat", None, "line one\nline two\n\n"),
-    ("vocal", "流行, 🎸", "a song", UNICODE_LYRICS),
-    ("instrumental", "ambient", "A calm piano piece", None),
-    ("vocal", f"pop{PROMPT_END}{AUDIO_START}", None, f"{LINE_BREAK}\n" * 40),
-    ("vocal", "pop", None, "la la\n" * 2000),  # cut at the prompt cap
-])
+
+@pytest.mark.parametrize(
+    "mode,tags,description,lyrics",
+    [
+        ("vocal", "", None, ""),
+        ("instrumental", "", None, None),
+        ("vocal", "pop, upbeat", None, "line one\nline two\n\n"),
+        ("vocal", "流行, 🎸", "a song", UNICODE_LYRICS),
+        ("instrumental", "ambient", "A calm piano piece", None),
+        ("vocal", f"pop{PROMPT_END}{AUDIO_START}", None, f"{LINE_BREAK}\n" * 40),
+        ("vocal", "pop", None, "la la\n" * 2000),  # cut at the prompt cap
+    ],
+)
 def test_the_prompt_bound_is_never_below_the_real_prompt(tiny, mode, tags, description, lyrics) -> None:
     from app.pipeline.music.positions import BACKBONE_MAX_PROMPT_TOKENS, prompt_tokens_at_most
+
     profile, tokenizer = tiny
-    ids = build_prompt(tokenizer, profile, mode=mode, tags=tags, description=description, lyrics=lyrics,
-                       duration_s=60.0)
+    ids = build_prompt(
+        tokenizer, profile, mode=mode, tags=tags, description=description, lyrics=lyrics, duration_s=60.0
+    )
     meta = (description or "").strip() or (tags or "").strip()
     bound = prompt_tokens_at_most(mode, meta, clean_lyrics(lyrics) if mode == "vocal" and lyrics else "")
     assert len(ids) <= bound <= BACKBONE_MAX_PROMPT_TOKENS
@@ -229,6 +328,7 @@ def test_the_prompt_bound_is_never_below_the_real_prompt(tiny, mode, tags, descr
 
 def test_the_longest_song_fits_in_the_backbone_positions(tiny) -> None:
     from app.pipeline.music.positions import frames_room, longest_song_s
+
     profile, _ = tiny
     assert longest_song_s(profile, 10) == profile.max_duration_s  # a short prompt: the token cap decides
     for prompt_tokens in (2200, 3000, 4096):

@@ -1,6 +1,7 @@
 """GET /readyz (issue 14, item 5) over real HTTP against real workers: 503 with the reason while no live worker
 has its models loaded (none at all, or one that loads lazily), 200 once a worker's preload has loaded the
 models of every kind it serves; /healthz stays liveness. `python -m app.control.readiness` is the compose check."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,15 @@ def readyz(url: str) -> tuple[int, dict]:
 
 
 def readiness_check(stack, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.control.readiness", *args], cwd=REPO, check=False, capture_output=True, text=True,
-                          env={**os.environ, **stack.env}, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "app.control.readiness", *args],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **stack.env},
+        timeout=60,
+    )
 
 
 def test_readyz_is_503_until_a_worker_has_loaded_its_models(make_stack):
@@ -39,14 +47,16 @@ def test_readyz_is_503_until_a_worker_has_loaded_its_models(make_stack):
     assert status == 503, body
     [worker] = body["workers"]
     assert worker["kinds"] == ["lipsync", "music"] and worker["models_loaded"] == [] and not worker["ready"]
-    assert body["error"] == (f"workers: no live worker has its models loaded ({worker['name']} has not loaded "
-                             "lipsync, music)")
+    assert body["error"] == (
+        f"workers: no live worker has its models loaded ({worker['name']} has not loaded lipsync, music)"
+    )
     stack.stop_worker(0)
     wait_until(lambda: not readyz(url)[1]["workers"], 15, 0.1, "the killed worker to drop out")
 
     stack.start_worker(0, wait=False, ENCORE_PRELOAD="1")
-    status, body = wait_until(lambda: (lambda r: r if r[0] == 200 else None)(readyz(url)), 120, 0.2,
-                              "/readyz to answer 200")
+    status, body = wait_until(
+        lambda: (lambda r: r if r[0] == 200 else None)(readyz(url)), 120, 0.2, "/readyz to answer 200"
+    )
     [worker] = body["workers"]
     assert body["ready"] and body["redis"] == "ok" and "error" not in body
     assert worker["models_loaded"] == worker["kinds"] == ["lipsync", "music"] and worker["missing"] == []

@@ -1,5 +1,6 @@
 """The reaper (app/control/recovery.py) against a real Redis broker and kombu channel: expired leases, dead queues,
 lost messages; no worker runs here, so a track it restarts stays parked."""
+
 from __future__ import annotations
 
 import json
@@ -45,12 +46,13 @@ def _running(svc, job_id: str, stage: str = "superres", worker: str = "gpu4@x", 
     names = {"music": ["backbone", "superres", "decode", "export"], "lipsync": ["prepare", "lipsync", "mux"]}[kind]
     ids = [f"{job_id[:6]}-{i}" for i in range(len(names))]
     assert svc.jobs.route(job_id, 0, queue, ids)
-    for index, name in enumerate(names[:names.index(stage) + 1]):
+    for index, name in enumerate(names[: names.index(stage) + 1]):
         owner = f"{worker}|{ids[index]}|1"
-        assert svc.jobs.transition("start", job_id, 0, stage=name, owner=owner, task_id=ids[index], worker=worker,
-                                   lease_ms=60_000)
+        assert svc.jobs.transition(
+            "start", job_id, 0, stage=name, owner=owner, task_id=ids[index], worker=worker, lease_ms=60_000
+        )
         if name != stage:
-            stages = {n: {"started_at": 1.0, "finished_at": 2.0} for n in names[:index + 1]}
+            stages = {n: {"started_at": 1.0, "finished_at": 2.0} for n in names[: index + 1]}
             assert svc.jobs.transition("finish", job_id, 0, {"stages": stages}, stage=name, owner=owner)
     return owner
 
@@ -120,8 +122,7 @@ def test_leases_are_renewed_only_by_their_owner(svc):
     assert svc.jobs.lease(job_id, 0) is None and not svc.jobs.renew_lease(job_id, 0, owner, 5)
 
 
-def test_the_reaper_restarts_running_tracks_without_a_lease_cancels_canceled_ones_and_spares_live_ones(
-        svc, celery_app):
+def test_the_reaper_restarts_running_tracks_without_a_lease_cancels_canceled_ones_and_spares_live_ones(svc, celery_app):
     """A restarted track is parked (no worker is live here), with its old chain's messages gone from the
     broker list and from kombu's unacked hash."""
     jobs = {name: svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0) for name in ("dead", "live", "canceled")}
@@ -133,8 +134,13 @@ def test_the_reaper_restarts_running_tracks_without_a_lease_cancels_canceled_one
     connection, channel = _deliver_without_ack(celery_app, "gpu4", {"job_id": jobs["dead"], "track": 0})
     unacked = svc.redis.hgetall("unacked")
     tag = next(iter(unacked))
-    svc.redis.hset("unacked", tag, unacked[tag].replace(
-        json.loads(unacked[tag])[0]["headers"]["id"], svc.jobs.track(jobs["dead"], 0)["task_ids"][1]))
+    svc.redis.hset(
+        "unacked",
+        tag,
+        unacked[tag].replace(
+            json.loads(unacked[tag])[0]["headers"]["id"], svc.jobs.track(jobs["dead"], 0)["task_ids"][1]
+        ),
+    )
     try:
         assert reap(svc, celery_app) == 2
     finally:
@@ -168,6 +174,7 @@ def test_a_stage_that_finishes_while_the_reaper_looks_is_not_taken_for_dead(svc,
             stages = {n: {"started_at": 1.0, "finished_at": 2.0} for n in ("backbone", "superres", "decode")}
             finished.append(svc.jobs.transition("finish", job_id, 0, {"stages": stages}, stage="decode", owner=owner))
         return read_lease(job, track)
+
     monkeypatch.setattr(svc.jobs, "lease", lease_once_the_stage_has_finished)
     assert reap(svc, celery_app) == 0
     assert finished == [finished[0]] and finished[0]
@@ -179,8 +186,9 @@ def test_a_stage_that_finishes_while_the_reaper_looks_is_not_taken_for_dead(svc,
 def test_the_reaper_moves_the_tracks_of_a_queue_offline_too_long(svc, celery_app, monkeypatch):
     queued, between = (svc.jobs.create("music", {}, [{"seed": s}], cost=1.0) for s in (1, 2))
     owner = _running(svc, between, "backbone", queue="gpu7", worker="gpu7@gone")
-    assert svc.jobs.transition("finish", between, 0, {"stages": {"backbone": {"finished_at": 1.0}}},
-                               stage="backbone", owner=owner)
+    assert svc.jobs.transition(
+        "finish", between, 0, {"stages": {"backbone": {"finished_at": 1.0}}}, stage="backbone", owner=owner
+    )
     enqueue_track(svc, celery_app, queued, 0, "gpu7")
     svc.workers.heartbeat("gpu7@gone", {"queue": "gpu7"})
     assert reap(svc, celery_app) == 0  # its worker is live
@@ -222,6 +230,7 @@ def test_a_message_taken_while_the_reaper_looks_is_not_sent_again(svc, celery_ap
     Resent from the stale record, it got a new chain from its first stage, and its real next message was
     stale. The interleaving is forced: the stage is taken and run just before the broker is read."""
     import app.control.recovery
+
     svc.workers.heartbeat("gpu8@a", {"queue": "gpu8"})
     job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
     enqueue_track(svc, celery_app, job_id, 0, "gpu8")
@@ -232,11 +241,14 @@ def test_a_message_taken_while_the_reaper_looks_is_not_sent_again(svc, celery_ap
     def broker_once_the_stage_ran(*args, **kwargs):
         assert svc.redis.rpop(f"gpu8:{FIRST}") is not None  # a worker takes the message...
         owner = f"gpu8@a|{ids[0]}|1"
-        assert svc.jobs.transition("start", job_id, 0, stage="backbone", owner=owner, task_id=ids[0],
-                                   worker="gpu8@a", lease_ms=60_000)
-        assert svc.jobs.transition("finish", job_id, 0, {"stages": {"backbone": {"finished_at": 2.0}}},
-                                   stage="backbone", owner=owner)  # ...runs the stage, and acks it
+        assert svc.jobs.transition(
+            "start", job_id, 0, stage="backbone", owner=owner, task_id=ids[0], worker="gpu8@a", lease_ms=60_000
+        )
+        assert svc.jobs.transition(
+            "finish", job_id, 0, {"stages": {"backbone": {"finished_at": 2.0}}}, stage="backbone", owner=owner
+        )  # ...runs the stage, and acks it
         return read_broker(*args, **kwargs)
+
     monkeypatch.setattr(app.control.recovery, "messages_present", broker_once_the_stage_ran)
     svc.redis.delete(svc.jobs.keys.lock("stall-check"))
     assert reap(svc, celery_app) == 0

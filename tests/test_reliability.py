@@ -1,6 +1,7 @@
 """Time limits, crash redelivery caps, runtime modes and the faults of the track lifecycle (dead workers, a lost
 Redis, cancels and shutdowns), with real worker processes. The fault scenarios are those of bench/faults.py
 (tests/support/faults.py): here each one's outcome is checked in detail."""
+
 from __future__ import annotations
 
 import os
@@ -46,11 +47,12 @@ def test_stage_that_keeps_killing_its_worker_is_given_up(make_stack):
     job_id = stack.submit_music(duration_s=LONG_S)
     killed: set[int] = set()
     for attempt in (1, 2):
+
         def running_child(attempt: int = attempt):
             track = stack.job(job_id)["tracks"][0]
             pid = stack.child_pid(0)
-            return pid if track["state"] == "backbone" and track["attempts"] == attempt and pid not in killed \
-                else None
+            return pid if track["state"] == "backbone" and track["attempts"] == attempt and pid not in killed else None
+
         pid = wait_until(running_child, 60, 0.1, f"delivery {attempt} running")
         os.kill(pid, signal.SIGKILL)
         killed.add(pid)
@@ -90,13 +92,16 @@ def test_a_worker_killed_mid_stage_and_started_again_runs_the_track_once_its_lea
     def left_by_the_dead_worker(stack, job_id):
         assert stack.redis.hlen("unacked") == 1
         assert stack.job(job_id)["tracks"][0]["status"] == "running:backbone"
+
     [job_id] = faults.worker_killed_and_restarted(stack, None, while_dead=left_by_the_dead_worker).jobs
     record = stack.wait_job(job_id, timeout=120)
     track = record["tracks"][0]
     assert record["state"] == "done" and track["restarts"] == 1, record
     faults.assert_nothing_left(stack)
-    assert any(f"job={job_id} track=0 queue=gpu0 " in line and "event=restarting" in line and "lease expired" in line
-               for line in stack.worker_log(0).splitlines())
+    assert any(
+        f"job={job_id} track=0 queue=gpu0 " in line and "event=restarting" in line and "lease expired" in line
+        for line in stack.worker_log(0).splitlines()
+    )
 
 
 def test_killing_only_the_prefork_child_redelivers_the_stage_which_takes_over_its_lease(make_stack):
@@ -125,8 +130,12 @@ def test_tracks_of_a_dead_workers_queue_move_to_a_live_one_and_its_old_messages_
     assert stack.job(waiting)["tracks"][0]["queue"] == "gpu0" and stack.job(waiting)["queue_position"] == 1
     assert stack.job(started)["tracks"][0]["worker_status"] == "busy"
     stack.stop_worker(0)
-    wait_until(lambda: stack.job(started)["tracks"][0]["worker_status"] == "offline", 30, 0.1,
-               "the record to show its worker offline")
+    wait_until(
+        lambda: stack.job(started)["tracks"][0]["worker_status"] == "offline",
+        30,
+        0.1,
+        "the record to show its worker offline",
+    )
 
     stack.start_worker(1)
     for job_id in (started, waiting):
@@ -151,20 +160,27 @@ def test_tracks_of_a_dead_workers_queue_move_to_a_live_one_and_its_old_messages_
     assert stack.job(started)["tracks"][0] == before["tracks"][0]  # the record did not move
 
 
-
 def test_a_stage_message_not_of_the_tracks_current_chain_is_ignored(make_stack):
     """What keeps a moved track from running twice: a delivery whose id the record no longer lists."""
     from app.adapters.celery_app import make_celery
+
     stack = make_stack()
     stack.start_worker(0)
     svc = stack.app.config["SERVICES"]
     job_id = svc.jobs.create("music", {"mode": "instrumental"}, [{"seed": 1}], cost=1.0)
     svc.jobs.route(job_id, 0, "gpu0", ["current-chain-id"])
     make_celery(stack.settings).signature("encore.music.backbone", args=({"job_id": job_id, "track": 0},)).set(
-        queue="gpu0", priority=9, task_id="old-chain-id").apply_async()
-    wait_until(lambda: any(f"job={job_id} track=0 " in line and "event=stale_delivery" in line
-                           and "task_id=old-chain-id" in line for line in stack.worker_log(0).splitlines()),
-               60, 0.1, "the stale delivery to be ignored")
+        queue="gpu0", priority=9, task_id="old-chain-id"
+    ).apply_async()
+    wait_until(
+        lambda: any(
+            f"job={job_id} track=0 " in line and "event=stale_delivery" in line and "task_id=old-chain-id" in line
+            for line in stack.worker_log(0).splitlines()
+        ),
+        60,
+        0.1,
+        "the stale delivery to be ignored",
+    )
     track = stack.job(job_id)["tracks"][0]
     assert (track["state"], track["stages"], track["attempts"]) == ("queued", {}, 0)
 
@@ -207,7 +223,9 @@ def test_cancel_before_the_dead_worker_is_noticed_ends_when_the_track_would_move
     record = stack.wait_job(job_id, timeout=60)
     assert record["state"] == "canceled", record
     faults.assert_nothing_left(stack)
-    assert not any(f"job={job_id}" in line and "event=stage_started" in line for line in stack.worker_log(1).splitlines())
+    assert not any(
+        f"job={job_id}" in line and "event=stage_started" in line for line in stack.worker_log(1).splitlines()
+    )
 
 
 def test_warm_shutdown_between_stages_resumes_elsewhere_without_running_the_finished_stage_again(make_stack):
@@ -221,8 +239,12 @@ def test_warm_shutdown_between_stages_resumes_elsewhere_without_running_the_fini
     stages = record["tracks"][0]["stages"]
     assert stages["backbone"]["worker"].startswith("gpu0@")
     assert all(stages[name]["worker"].startswith("gpu1@") for name in ("superres", "decode", "export"))
-    started = [line for gpu in (0, 1) for line in stack.worker_log(gpu).splitlines()
-               if f"job={job_id}" in line and "event=stage_started" in line and "stage=backbone" in line]
+    started = [
+        line
+        for gpu in (0, 1)
+        for line in stack.worker_log(gpu).splitlines()
+        if f"job={job_id}" in line and "event=stage_started" in line and "stage=backbone" in line
+    ]
     assert len(started) == 1, started
     assert record["tracks"][0]["restarts"] == 1  # resumed after the backbone, its output in the artifact store
     faults.assert_nothing_left(stack)
@@ -240,12 +262,22 @@ def test_one_of_two_workers_of_a_queue_killed_mid_stage_the_other_takes_the_trac
     assert record["state"] == "done", record
     track = record["tracks"][0]
     assert track["restarts"] == 1 and all(not s["worker"].startswith(runner) for s in track["stages"].values())
-    finished = [line for gpu in (0, 1) for line in stack.worker_log(gpu).splitlines()
-                if f"job={job_id}" in line and "event=stage_finished" in line]
-    assert sorted(line.split("stage=")[1].split()[0] for line in finished) == ["backbone", "decode", "export",
-                                                                               "superres"]
-    assert any(f"job={job_id}" in line and "event=restarting" in line and "lease expired" in line
-               for line in stack.worker_log(survivor).splitlines())
+    finished = [
+        line
+        for gpu in (0, 1)
+        for line in stack.worker_log(gpu).splitlines()
+        if f"job={job_id}" in line and "event=stage_finished" in line
+    ]
+    assert sorted(line.split("stage=")[1].split()[0] for line in finished) == [
+        "backbone",
+        "decode",
+        "export",
+        "superres",
+    ]
+    assert any(
+        f"job={job_id}" in line and "event=restarting" in line and "lease expired" in line
+        for line in stack.worker_log(survivor).splitlines()
+    )
     faults.assert_nothing_left(stack)
 
 
@@ -256,8 +288,9 @@ def test_redis_crash_mid_stage_the_stage_starts_again_when_redis_is_back(tmp_pat
     server = RedisServer(tmp_path / "aof")  # the test's own: it is killed and restarted
     stack = None
     try:
-        stack = Stack(server.url, tiny_models, tmp_path / "stack", ENCORE_LEASE_S="4", ENCORE_PRELOAD="1",
-                      **REFERENCE_ENGINE)
+        stack = Stack(
+            server.url, tiny_models, tmp_path / "stack", ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE
+        )
         [job_id] = faults.redis_crash(stack, server, workers=1, jobs=1, down_s=5.0).jobs
         record = stack.wait_job(job_id, timeout=120)
         assert record["state"] == "done", record
@@ -295,5 +328,3 @@ def test_cancel_storm_ends_every_job_and_leaves_nothing_behind(make_stack):
     states = [stack.wait_job(job_id, timeout=60)["state"] for job_id in jobs]
     assert set(states) <= {"canceled", "done"} and states.count("canceled") >= 55, states
     faults.assert_nothing_left(stack, timeout=60)
-
-

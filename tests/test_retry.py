@@ -1,5 +1,6 @@
 """Retry (issue 14, item 8): POST /api/v1/jobs/<id>/retry re-runs a job's failed or canceled tracks from their
 first unfinished stage, with the same seed, counted in the record; real Redis, real workers."""
+
 from __future__ import annotations
 
 import pytest

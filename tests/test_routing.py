@@ -1,4 +1,5 @@
 """Routing decisions from the real worker registry and job records in Redis."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,7 @@ def test_least_outstanding_work_wins_and_offline_queues_are_skipped(svc):
 
 def test_every_signature_carries_queue_and_first_stage_has_lowest_priority(celery_app):
     from app.core.kinds import MUSIC
+
     workflow, task_ids = build_chain(celery_app, MUSIC, {"job_id": "x", "track": 0}, "gpu3")
     tasks = workflow.tasks
     assert [t.task for t in tasks] == [s.task for s in MUSIC.stages]
@@ -59,6 +61,7 @@ def test_routing_weighs_learned_seconds_so_a_slow_card_gets_less_work(svc):
     app/control/eta.py): of four like tracks it gets one; a card that learned nothing yet borrows the fleet's mean."""
     from app.control import eta
     from app.core.kinds import MUSIC
+
     for name, queue in (("gpu0@a", "gpu0"), ("gpu1@a", "gpu1")):
         svc.workers.heartbeat(name, {"queue": queue})
     for stage in MUSIC.stages:

@@ -2,6 +2,7 @@
 `s3_endpoint` fixture): round trip through the local cache, multipart uploads, expiry by explicit deletion
 in the sweep, presigned URLs that honour Range, and a job through a real worker whose results the web serves
 streamed and redirected."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,8 +19,13 @@ from tests.support.stack import S3_ENV
 
 @pytest.fixture
 def bucket(s3_endpoint):
-    return boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="encore",
-                        aws_secret_access_key="encore-secret")
+    return boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="encore",
+        aws_secret_access_key="encore-secret",
+    )
 
 
 def store(bucket, tmp_path, **kwargs) -> S3Store:

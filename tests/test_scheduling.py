@@ -1,4 +1,5 @@
 """Queue behaviour with real workers: FIFO across stages, cancel (queued and running), parked jobs."""
+
 from __future__ import annotations
 
 from itertools import pairwise
@@ -34,8 +35,11 @@ def test_cancel_queued_and_running_jobs(make_stack):
     stack.start_worker(0)
     running = stack.submit_music(duration_s=LONG_S)
     waiting = stack.submit_music(duration_s=2.0)
-    wait_until(lambda: (lambda t: t["state"] == "backbone" and t["progress"] > 0.02)(stack.job(running)["tracks"][0]),
-               60, what="backbone progress")
+    wait_until(
+        lambda: (lambda t: t["state"] == "backbone" and t["progress"] > 0.02)(stack.job(running)["tracks"][0]),
+        60,
+        what="backbone progress",
+    )
     assert stack.job(waiting)["queue_position"] == 1
     gpu0 = next(q for q in stack.client.get("/api/v1/status").get_json()["queues"] if q["name"] == "gpu0")
     # the waiting job's first stage sits in the broker; the running one's delivery is unacked, not listed
@@ -72,12 +76,23 @@ def test_job_submitted_without_workers_runs_when_one_starts(make_stack):
 def test_plain_celery_command_serves_jobs_with_redis_artifacts(make_stack):
     """`celery -A app worker -Q gpu0` exactly as documented, with the Redis artifact backend."""
     stack = make_stack(ENCORE_ARTIFACT_BACKEND="redis")
-    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "app", "worker", "-Q", "gpu0"], cwd=REPO,
-                            env={**os.environ, **stack.env}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "app", "worker", "-Q", "gpu0"],
+        cwd=REPO,
+        env={**os.environ, **stack.env},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        worker = wait_until(lambda: next((w for w in stack.client.get("/api/v1/status").get_json()["workers"]
-                                          if w["status"] == "idle"), None), 90, 0.2, "plain celery worker")
+        worker = wait_until(
+            lambda: next(
+                (w for w in stack.client.get("/api/v1/status").get_json()["workers"] if w["status"] == "idle"), None
+            ),
+            90,
+            0.2,
+            "plain celery worker",
+        )
         assert worker["queue"] == "gpu0"
         job_id = stack.submit_music(duration_s=2.0)
         record = stack.wait_job(job_id)
@@ -98,8 +113,11 @@ def test_cancel_falls_back_to_killing_a_stage_that_does_not_stop(make_stack):
     stack = make_stack(ENCORE_CANCEL_GRACE_S="0", **REFERENCE_ENGINE)
     stack.start_worker(0)
     job_id = stack.submit_music(duration_s=LONG_S)
-    wait_until(lambda: stack.job(job_id)["tracks"][0]["state"] == "backbone" and stack.child_pid(0), 60,
-               what="backbone running")
+    wait_until(
+        lambda: stack.job(job_id)["tracks"][0]["state"] == "backbone" and stack.child_pid(0),
+        60,
+        what="backbone running",
+    )
     child = stack.child_pid(0)
     asked = time.monotonic()
     stack.client.delete(f"/api/v1/jobs/{job_id}")

@@ -1,5 +1,6 @@
 """Settings that would silently weaken the service are refused when they are read, naming the variable, and the
 web app then refuses to start (no fallback to "no authentication")."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,17 +31,26 @@ def test_api_tokens_are_read_as_written(monkeypatch, value, tokens):
 
 
 def test_the_web_app_refuses_to_start_on_a_token_setting_that_holds_no_token():
-    started = subprocess.run([sys.executable, "-c", "from app.web import create_app; create_app()"], cwd=REPO,
-                             env={**os.environ, "API_TOKEN": ","}, check=False, capture_output=True, text=True,
-                             timeout=120)
+    started = subprocess.run(
+        [sys.executable, "-c", "from app.web import create_app; create_app()"],
+        cwd=REPO,
+        env={**os.environ, "API_TOKEN": ","},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert started.returncode != 0
     assert "API_TOKEN: entry 1 of 2 is empty" in started.stderr
 
 
 def _numeric_fields() -> list[str]:
     settings = load_settings()
-    return [f.name for f in dataclasses.fields(settings)
-            if isinstance(getattr(settings, f.name), (int, float)) and not isinstance(getattr(settings, f.name), bool)]
+    return [
+        f.name
+        for f in dataclasses.fields(settings)
+        if isinstance(getattr(settings, f.name), (int, float)) and not isinstance(getattr(settings, f.name), bool)
+    ]
 
 
 def test_every_numeric_setting_has_bounds_and_is_read_from_the_variable_its_message_names():
@@ -48,8 +58,11 @@ def test_every_numeric_setting_has_bounds_and_is_read_from_the_variable_its_mess
     fields = _numeric_fields()
     assert sorted(fields) == sorted(NUMERIC_BOUNDS), "a numeric setting without bounds, or bounds of no setting"
     for name in fields:
-        assert re.search(rf'^\s+{name}: [^\n]*= field\(default_factory=lambda: _(int|float)\("ENCORE_{name.upper()}"',
-                         source, re.M), f"{name} is not read as ENCORE_{name.upper()} by _int/_float"
+        assert re.search(
+            rf'^\s+{name}: [^=\n]*= field\(\s*default_factory=lambda: _(int|float)\(\s*"ENCORE_{name.upper()}"',
+            source,
+            re.M,
+        ), f"{name} is not read as ENCORE_{name.upper()} by _int/_float"
 
 
 @pytest.mark.parametrize("name", sorted(NUMERIC_BOUNDS))
@@ -82,8 +95,14 @@ def test_the_shortest_audio_may_not_exceed_the_longest(monkeypatch):
 
 def test_a_worker_refuses_to_start_on_a_setting_that_makes_no_sense():
     celery = Path(sys.executable).with_name("celery")
-    started = subprocess.run([str(celery), "-A", "app", "worker", "-Q", "gpu0", "-c", "1"], cwd=REPO,
-                             env={**os.environ, "ENCORE_LEASE_S": "nan", "REDIS_URL": "redis://127.0.0.1:1/0"},
-                             check=False, capture_output=True, text=True, timeout=120)
+    started = subprocess.run(
+        [str(celery), "-A", "app", "worker", "-Q", "gpu0", "-c", "1"],
+        cwd=REPO,
+        env={**os.environ, "ENCORE_LEASE_S": "nan", "REDIS_URL": "redis://127.0.0.1:1/0"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert started.returncode != 0
     assert "ENCORE_LEASE_S must be a finite number, not 'nan'" in started.stderr

@@ -3,6 +3,7 @@
 Random weights would end at random, so these tests use a tiny backbone whose weights make it end on cue
 (tests/support/models.py, make_ending): a track ends on the frame after its first trigger code, at a frame its seed decides.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ PROMPT = [1, 42, 7, 300]
 
 
 def run(lm, profile, end_id, seed=0, **overrides):
-    args = dict(profile=profile, num_frames=40, temperature=1.0, top_k=profile.backbone_top_k, seed=seed,
-                control=StageControl(), end_id=end_id, max_frames=400, min_frames=1)
+    args = dict(
+        profile=profile,
+        num_frames=40,
+        temperature=1.0,
+        top_k=profile.backbone_top_k,
+        seed=seed,
+        control=StageControl(),
+        end_id=end_id,
+        max_frames=400,
+        min_frames=1,
+    )
     args.update(overrides)
     return generate_coarse(lm, PROMPT, **args)
 
@@ -49,24 +59,39 @@ def test_song_ends_on_the_frame_after_the_trigger(ending, tiny_profile, end_id, 
 
 def test_both_engines_end_the_same_song_at_the_same_frame(ending, tiny_profile, end_id):
     for seed in (0, 1):
-        assert torch.equal(run(ending["megatron"], tiny_profile, end_id, seed=seed),
-                           run(ending["torch"], tiny_profile, end_id, seed=seed))
+        assert torch.equal(
+            run(ending["megatron"], tiny_profile, end_id, seed=seed),
+            run(ending["torch"], tiny_profile, end_id, seed=seed),
+        )
 
 
 def test_batched_tracks_end_each_on_its_own(ending, tiny_profile, end_id):
     seeds = [0, 1, 2]
     alone = [run(ending["torch"], tiny_profile, end_id, seed=seed) for seed in seeds]
     assert len({codes.shape[1] for codes in alone}) > 1
-    together = generate_coarse_tracks(ending["torch"], PROMPT, profile=tiny_profile, num_frames=40, temperature=1.0,
-                                      top_k=tiny_profile.backbone_top_k, seeds=seeds, control=StageControl(),
-                                      end_id=end_id, max_frames=400, min_frames=1)
+    together = generate_coarse_tracks(
+        ending["torch"],
+        PROMPT,
+        profile=tiny_profile,
+        num_frames=40,
+        temperature=1.0,
+        top_k=tiny_profile.backbone_top_k,
+        seeds=seeds,
+        control=StageControl(),
+        end_id=end_id,
+        max_frames=400,
+        min_frames=1,
+    )
     assert [codes.shape for codes in together] == [codes.shape for codes in alone]
     assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
 
 
 def test_no_end_before_min_frames_and_a_cap_when_the_model_does_not_end(ending, tiny_profile, end_id):
-    seed, early = next((seed, codes) for seed in range(20)
-                       if 3 <= (codes := run(ending["torch"], tiny_profile, end_id, seed=seed)).shape[1] < 30)
+    seed, early = next(
+        (seed, codes)
+        for seed in range(20)
+        if 3 <= (codes := run(ending["torch"], tiny_profile, end_id, seed=seed)).shape[1] < 30
+    )
     held = run(ending["torch"], tiny_profile, end_id, seed=seed, min_frames=30)
     assert held.shape[1] >= 30 > early.shape[1]  # a trigger before frame 30 could not end it...
     assert held[1, -1] == TRIGGER and not (held[1, 29:-1] == TRIGGER).any()  # ...the first one after it did
@@ -91,6 +116,7 @@ def test_open_ended_progress_stays_below_one_until_the_end(ending, tiny_profile,
 
 def test_song_length_caps(tiny_profile):
     import dataclasses
+
     khala_like = dataclasses.replace(tiny_profile, song_end="model")
     length = song_length(khala_like, 60.0, prompt_tokens=100, margin_s=30.0)
     assert length.model_ends and length.expected_frames == khala_like.frames_for(60.0)
@@ -110,8 +136,9 @@ def test_a_whole_job_ends_where_the_model_ends_it(make_stack, tiny_models, tiny_
     song's actual length, shorter than requested."""
     models = tmp_path / "ending-models"
     shutil.copytree(tiny_models, models, ignore=shutil.ignore_patterns("backbone"))
-    write_ending_backbone(tiny_profile, models / "backbone", end_id=end_id,
-                          trigger_id=tiny_profile.audio_token_offset(1) + TRIGGER)
+    write_ending_backbone(
+        tiny_profile, models / "backbone", end_id=end_id, trigger_id=tiny_profile.audio_token_offset(1) + TRIGGER
+    )
     stack = make_stack(ENCORE_MODEL_DIR=str(models), ENCORE_SONG_END="model", ENCORE_SONG_MARGIN_S="5")
     stack.start_worker(0)
     requested = 20.0

@@ -2,6 +2,7 @@
 job on it. The cache alone (LRU by bytes, atomic entries, off at 0), the two lip-sync stages on real
 media (second run on the same video: hit, identical output, nothing encoded; another video or other
 settings: miss), and two jobs through a real worker whose records say miss, then hit."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ def test_entries_are_evicted_least_recently_used_first_within_the_byte_bound(tmp
         past = time.time() - {"a": 30, "b": 20, "c": 10}[name]
         os.utime(cache.root / name, (past, past))
     assert cache.read("a") == bytes(1000)  # a is now the most recently used
-    assert cache.write("d", bytes(1000))   # 4000 > 3000: the least recently used (b) goes
+    assert cache.write("d", bytes(1000))  # 4000 > 3000: the least recently used (b) goes
     assert [cache.read(k) is not None for k in ("a", "b", "c", "d")] == [True, False, True, True]
     assert sum(size for _, size, _ in cache.entries()) <= 3000
     assert not cache.write("huge", bytes(3001)) and cache.read("huge") is None
@@ -61,8 +62,9 @@ def _prepare(video, audio, scratch, cache):
 
 
 def _lipsync(models, scratch, cache, **params):
-    info = stages.run_lipsync_stage(models, {"fps": 25.0, "extra_margin": 10, "batch_size": 4, **params}, scratch,
-                                    StageControl(), cache=cache)
+    info = stages.run_lipsync_stage(
+        models, {"fps": 25.0, "extra_margin": 10, "batch_size": 4, **params}, scratch, StageControl(), cache=cache
+    )
     return info, (scratch / stages.PICTURE).read_bytes()
 
 

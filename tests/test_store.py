@@ -1,4 +1,5 @@
 """Job records and the artifact store against a real redis-server."""
+
 from __future__ import annotations
 
 
@@ -31,8 +32,9 @@ OWNER = "gpu0@a|t0|1"
 def _start(jobs: JobStore, job_id: str, track: int = 0, queue: str = "gpu0") -> None:
     """Route a parked track and start its first stage as OWNER (the transitions a worker makes)."""
     assert jobs.route(job_id, track, queue, ["t0", "t1", "t2", "t3"])
-    assert jobs.transition("start", job_id, track, stage="backbone", owner=OWNER, task_id="t0", worker="gpu0@a",
-                           lease_ms=60_000)
+    assert jobs.transition(
+        "start", job_id, track, stage="backbone", owner=OWNER, task_id="t0", worker="gpu0@a", lease_ms=60_000
+    )
 
 
 def test_terminal_track_refuses_late_writes(client):
@@ -63,8 +65,9 @@ def test_queue_positions_follow_submission_order(client):
     for job_id in ids:
         assert jobs.route(job_id, 0, "gpu0", ["t0"])
     assert [jobs.record(j)["queue_position"] for j in ids] == [1, 2, 3]
-    assert jobs.transition("start", ids[0], 0, stage="backbone", owner=OWNER, task_id="t0", worker="gpu0@a",
-                           lease_ms=60_000)
+    assert jobs.transition(
+        "start", ids[0], 0, stage="backbone", owner=OWNER, task_id="t0", worker="gpu0@a", lease_ms=60_000
+    )
     assert [jobs.record(j)["queue_position"] for j in ids] == [0, 1, 2]
 
 
@@ -83,8 +86,12 @@ def test_record_is_one_round_trip_with_positions_cancel_flag_and_worker_status(c
         client.execute_command = original
     assert len(calls) == 1, calls
     first, second = record["tracks"]
-    assert (first["state"], first["status"], first["worker_status"], first["queue_position"]) == \
-        ("backbone", "running:backbone", "busy", 0)
+    assert (first["state"], first["status"], first["worker_status"], first["queue_position"]) == (
+        "backbone",
+        "running:backbone",
+        "busy",
+        0,
+    )
     assert (second["state"], second["queue_position"], "worker_status" in second) == ("queued", 1, False)
     assert (record["state"], record["queue_position"], record["cancel_requested"]) == ("running", 1, False)
     client.delete("t:worker:gpu0@a")
@@ -96,10 +103,14 @@ def test_record_is_one_round_trip_with_positions_cancel_flag_and_worker_status(c
     assert jobs.transition("fail", job_id, 1, fields={"error": odd, "detail": ""})
     track = jobs.record(job_id)["tracks"][1]
     assert (track["error"], track["detail"], track["artifacts"]) == (odd, "", [])
-    assert {name: type(track[name]) for name in ("updated_at", "version", "progress")} == \
-        {"updated_at": float, "version": int, "progress": float}
-    assert [k for k in track if k not in ("queue_position", "worker_status")] == \
-        list(client.hgetall(jobs.track_key(job_id, 1)))  # the hash's field order
+    assert {name: type(track[name]) for name in ("updated_at", "version", "progress")} == {
+        "updated_at": float,
+        "version": int,
+        "progress": float,
+    }
+    assert [k for k in track if k not in ("queue_position", "worker_status")] == list(
+        client.hgetall(jobs.track_key(job_id, 1))
+    )  # the hash's field order
 
 
 def test_index_drops_expired_jobs_and_gauges_agree_with_records(client):
@@ -201,8 +212,9 @@ def test_an_empty_file_round_trips_and_a_missing_one_leaves_nothing_behind(store
     assert not list(tmp_path.rglob("*missing*")) and not list(tmp_path.rglob("*.partial"))
 
 
-@pytest.mark.parametrize("job_id,name", [("../" * 5, "x"), (JOB, "../etc/passwd"), (JOB, ".hidden"),
-                                          (JOB, "a/b"), ("zz" * 16, "x")])
+@pytest.mark.parametrize(
+    "job_id,name", [("../" * 5, "x"), (JOB, "../etc/passwd"), (JOB, ".hidden"), (JOB, "a/b"), ("zz" * 16, "x")]
+)
 def test_store_rejects_escaping_names(store, tmp_path, job_id, name):
     source = tmp_path / "f"
     source.write_bytes(b"x")
@@ -253,7 +265,10 @@ def test_cancel_ends_every_track_no_live_stage_holds(client):
     client.delete(jobs.lease_key(job_id, 2))  # a stage whose lease expired: nobody will see the flag
     assert sorted(jobs.request_cancel(job_id)) == sorted(["t0", "t1", "t2", "t3"] * 3)
     states = [(t["state"], t["detail"]) for t in jobs.tracks(job_id, 4)]
-    assert states == [("canceled", "canceled before superres"), ("backbone", "queued"),
-                      ("canceled", "canceled during backbone (its stage had stopped)"),
-                      ("canceled", "canceled before it started")]
+    assert states == [
+        ("canceled", "canceled before superres"),
+        ("backbone", "queued"),
+        ("canceled", "canceled during backbone (its stage had stopped)"),
+        ("canceled", "canceled before it started"),
+    ]
     assert jobs.cancel_requested(job_id)

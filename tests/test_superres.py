@@ -1,4 +1,5 @@
 """Super-resolution stage on the tiny Megatron model (and one recording LM for the input layout)."""
+
 from __future__ import annotations
 
 import pytest
@@ -38,7 +39,11 @@ def test_shape_rows_and_range(lm, tiny_profile, coarse):
 
 
 def test_same_seed_same_codes_different_seed_different(lm, tiny_profile, coarse):
-    first, again, other = fill(lm, tiny_profile, coarse, seed=3), fill(lm, tiny_profile, coarse, seed=3), fill(lm, tiny_profile, coarse, seed=4)
+    first, again, other = (
+        fill(lm, tiny_profile, coarse, seed=3),
+        fill(lm, tiny_profile, coarse, seed=3),
+        fill(lm, tiny_profile, coarse, seed=4),
+    )
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
 
@@ -108,7 +113,7 @@ def test_input_layout_follows_khala(tiny_profile, coarse):
         start = tiny_profile.audio_token_offset(layer)
         assert (vocab.start, vocab.stop) == (start, start + size)
         prompt = PROMPT[:-1] + [task_marker(tiny_profile, layer)]
-        torch.testing.assert_close(embeddings[:len(PROMPT)], stub.table[prompt])
+        torch.testing.assert_close(embeddings[: len(PROMPT)], stub.table[prompt])
         known = sum(stub.table[tiny_profile.audio_token_offset(j) + codes[j]] for j in range(layer))
-        torch.testing.assert_close(embeddings[len(PROMPT):], known)
+        torch.testing.assert_close(embeddings[len(PROMPT) :], known)
     assert task_marker(tiny_profile, 2) == tiny_profile.text_vocab_size - 3

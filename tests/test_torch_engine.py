@@ -1,4 +1,5 @@
 """The plain-PyTorch engine against Megatron-core's forward, the reference, on the same weights (CPU, fp32)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,15 +19,23 @@ TOLERANCE = 1e-5  # float32 rounding; a wrong head, group or half shows up as O(
 
 @pytest.fixture(scope="module")
 def backbones(tiny_profile):
-    reference = load_engine("megatron", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu"))
-    fast = load_engine("torch", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu"))
+    reference = load_engine(
+        "megatron", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu")
+    )
+    fast = load_engine(
+        "torch", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu")
+    )
     return reference, fast
 
 
 @pytest.fixture(scope="module")
 def superres(tiny_profile):
-    reference = load_engine("megatron", tiny_profile.superres, tiny_profile.superres_dir, causal=False, device=torch.device("cpu"))
-    fast = load_engine("torch", tiny_profile.superres, tiny_profile.superres_dir, causal=False, device=torch.device("cpu"))
+    reference = load_engine(
+        "megatron", tiny_profile.superres, tiny_profile.superres_dir, causal=False, device=torch.device("cpu")
+    )
+    fast = load_engine(
+        "torch", tiny_profile.superres, tiny_profile.superres_dir, causal=False, device=torch.device("cpu")
+    )
     return reference, fast
 
 
@@ -52,8 +61,10 @@ def test_full_forward_prefill_and_cached_decode_match_megatron(backbones):
 
 def test_same_seed_generates_the_same_coarse_codes_on_both_engines(backbones, tiny_profile):
     def generate(lm):
-        return generate_coarse(lm, PROMPT, profile=tiny_profile, num_frames=10, temperature=1.0, top_k=50, seed=5,
-                               control=StageControl())
+        return generate_coarse(
+            lm, PROMPT, profile=tiny_profile, num_frames=10, temperature=1.0, top_k=50, seed=5, control=StageControl()
+        )
+
     assert torch.equal(generate(backbones[0]), generate(backbones[1]))
 
 
@@ -100,6 +111,7 @@ def test_superres_windows_and_codes_match_megatron(superres, tiny_profile):
 
     def fill(lm):
         return fill_fine(lm, coarse, profile=tiny_profile, seed=3, control=StageControl(), prompt_ids=PROMPT)
+
     assert torch.equal(fill(reference), fill(fast))
 
 
@@ -124,4 +136,6 @@ def test_cache_misuse_raises(backbones):
 
 def test_unknown_engine_is_refused(tiny_profile):
     with pytest.raises(ValueError, match="unknown engine"):
-        load_engine("tensorrt", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu"))
+        load_engine(
+            "tensorrt", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu")
+        )

@@ -2,6 +2,7 @@
 export their spans over OTLP/HTTP to a receiver in this test process, which decodes them with
 opentelemetry-proto: one trace per job, the submit's server span its root, a span per stage chained under
 it. Without the variable nothing is exported."""
+
 from __future__ import annotations
 
 from itertools import pairwise
@@ -34,15 +35,23 @@ class Collector:
                 request = ExportTraceServiceRequest()
                 request.ParseFromString(body)
                 for resource in request.resource_spans:
-                    service = next((a.value.string_value for a in resource.resource.attributes
-                                    if a.key == "service.name"), "")
+                    service = next(
+                        (a.value.string_value for a in resource.resource.attributes if a.key == "service.name"), ""
+                    )
                     for scope in resource.scope_spans:
                         for span in scope.spans:
-                            collector.spans.append({
-                                "service": service, "name": span.name, "trace": span.trace_id.hex(),
-                                "id": span.span_id.hex(), "parent": span.parent_span_id.hex(),
-                                "attributes": {a.key: a.value.string_value or a.value.int_value
-                                               for a in span.attributes}})
+                            collector.spans.append(
+                                {
+                                    "service": service,
+                                    "name": span.name,
+                                    "trace": span.trace_id.hex(),
+                                    "id": span.span_id.hex(),
+                                    "parent": span.parent_span_id.hex(),
+                                    "attributes": {
+                                        a.key: a.value.string_value or a.value.int_value for a in span.attributes
+                                    },
+                                }
+                            )
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
@@ -76,8 +85,11 @@ def test_one_trace_per_job_with_a_span_per_stage(collector, make_stack):
     url = stack.start_gunicorn()
     jobs = []
     for seed in (1, 2):
-        reply = requests.post(f"{url}/api/v1/music", timeout=10, json={
-            "mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": seed})
+        reply = requests.post(
+            f"{url}/api/v1/music",
+            timeout=10,
+            json={"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": seed},
+        )
         assert reply.status_code == 202, reply.text
         jobs.append(reply.json()["job_id"])
     for job_id in jobs:
@@ -86,6 +98,7 @@ def test_one_trace_per_job_with_a_span_per_stage(collector, make_stack):
     def stage_spans(job_id):
         found = [s for s in collector.spans if s["attributes"].get("encore.job_id") == job_id]
         return found if len(found) == len(MUSIC_STAGES) else None
+
     for job_id in jobs:
         stages = wait_until(lambda job_id=job_id: stage_spans(job_id), 60, 0.2, f"the stage spans of {job_id}")
         assert [s["name"] for s in stages] == [f"stage {name}" for name in MUSIC_STAGES]
@@ -93,8 +106,12 @@ def test_one_trace_per_job_with_a_span_per_stage(collector, make_stack):
         assert len({s["trace"] for s in stages}) == 1  # one trace per job
         for earlier, later in pairwise(stages):
             assert later["parent"] == earlier["id"]  # each stage published by the one before it
-        root = wait_until(lambda stages=stages: next((s for s in collector.spans if s["id"] == stages[0]["parent"]), None),
-                          30, 0.2, "the submit's span")
+        root = wait_until(
+            lambda stages=stages: next((s for s in collector.spans if s["id"] == stages[0]["parent"]), None),
+            30,
+            0.2,
+            "the submit's span",
+        )
         assert root["service"] == "encore-web" and root["name"] == "POST /api/v1/music"
         assert root["trace"] == stages[0]["trace"] and root["parent"] == ""
     traces = {s["trace"] for s in collector.spans if s["attributes"].get("encore.job_id") in jobs}

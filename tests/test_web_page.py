@@ -3,6 +3,7 @@ selenium, against a live HTTP server of the app, a real worker and the tiny mode
 the form, watches the stages reach done (following the job's server-sent events with EventSource), checks that the <audio> element's source is a playable file, cancels a
 running job from its button, and works against a server that requires an API token.
 Needs scripts/install_browser.sh (scripts/test.sh runs it): without the browser the tests fail."""
+
 from __future__ import annotations
 
 import shutil
@@ -20,9 +21,19 @@ pytestmark = pytest.mark.slow  # chromium drives the page through whole jobs (~5
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--window-size=1280,1000", "--autoplay-policy=no-user-gesture-required")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,1000",
+    "--autoplay-policy=no-user-gesture-required",
+)
 RUNNING_STATES = {"backbone", "superres", "decoding", "exporting"}
 TERMINAL_STATES = {"done", "failed", "canceled", "partial"}
 
@@ -34,8 +45,11 @@ def browser(tmp_path):
         from selenium.webdriver.chrome.service import Service
     except ImportError:
         webdriver = None
-    missing = [name for name, found in (("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER),
-                                        ("selenium", webdriver)) if not found]
+    missing = [
+        name
+        for name, found in (("chromium", CHROMIUM), ("chromedriver", CHROMEDRIVER), ("selenium", webdriver))
+        if not found
+    ]
     if missing:  # scripts/test.sh installs them: a missing browser is a broken set-up, never a skip
         pytest.fail(f"{', '.join(missing)} missing: run scripts/install_browser.sh and scripts/setup.sh")
     options = webdriver.ChromeOptions()
@@ -44,8 +58,9 @@ def browser(tmp_path):
         options.add_argument(flag)
     options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log")),
-                              options=options)
+    driver = webdriver.Chrome(
+        service=Service(CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log")), options=options
+    )
     driver.set_page_load_timeout(30)
     driver.set_script_timeout(30)
     yield driver
@@ -54,10 +69,12 @@ def browser(tmp_path):
 
 # ---- page helpers ---------------------------------------------------------------------------------------------
 
+
 def click_button(driver, selector: str, label: str) -> bool:
     """Click the button labelled `label`; False when it is not there yet or the page re-rendered it meanwhile
     (the status table is rebuilt on every poll)."""
     from selenium.common.exceptions import StaleElementReferenceException
+
     try:
         buttons = [b for b in css(driver, selector) if b.text == label]
         if buttons:
@@ -70,6 +87,7 @@ def click_button(driver, selector: str, label: str) -> bool:
 
 def css(driver, selector: str):
     from selenium.webdriver.common.by import By
+
     return driver.find_elements(By.CSS_SELECTOR, selector)
 
 
@@ -86,6 +104,7 @@ def page_state(driver, job_id: str, what: str = "job") -> str | None:
 def submit_music(driver, **fields: str) -> str:
     """Fill the music form like a person would, press the button, return the job id the page reports."""
     from selenium.webdriver.support.ui import Select
+
     form = css(driver, "#music-form")[0]
     Select(css(form, "[name=mode]")[0]).select_by_value(fields.pop("mode"))
     css(form, "summary")[0].click()  # open "Sampling" so the seed field can be typed into
@@ -103,43 +122,58 @@ def submit_music(driver, **fields: str) -> str:
         if "error" in (message.get_attribute("class") or ""):
             raise AssertionError(f"the page reported an error: {message.text}")
         return message.get_attribute("data-job-id")
+
     return wait_until(reported, 15, 0.1, "the page to report the submitted job")
 
 
-def wait_page_state(driver, job_id: str, states: set[str], timeout: float, what: str = "job",
-                    seen: set[str] | None = None) -> str:
+def wait_page_state(
+    driver, job_id: str, states: set[str], timeout: float, what: str = "job", seen: set[str] | None = None
+) -> str:
     def check():
         state = page_state(driver, job_id, what)
         if seen is not None and state:
             seen.add(state)
             seen.update(b.get_attribute("data-status") for b in css(driver, job_selector(job_id) + " .stage"))
         return state if state in states else None
+
     return wait_until(check, timeout, 0.1, f"the page to show {what} {job_id} in {sorted(states)}")
 
 
 def media_metadata(driver, element) -> dict:
     """Let Chromium itself load the element's source: duration and error code once metadata is in."""
-    return driver.execute_async_script("""
+    return driver.execute_async_script(
+        """
         const [media, done] = arguments;
         const report = () => done({duration: media.duration, error: media.error && media.error.code});
         if (media.readyState >= 1 || media.error) report();
         else { media.addEventListener('loadedmetadata', report); media.addEventListener('error', report); }
-    """, element)
+    """,
+        element,
+    )
 
 
 def console_errors(driver, ignore: str | None = None) -> list[str]:
-    return [entry["message"] for entry in driver.get_log("browser")
-            if entry["level"] == "SEVERE" and not (ignore and ignore in entry["message"])]
+    return [
+        entry["message"]
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE" and not (ignore and ignore in entry["message"])
+    ]
 
 
 def ffprobe_duration(data: bytes, path) -> float:
     path.write_bytes(data)
-    probe = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0", str(path)],
-                           capture_output=True, text=True, check=True, timeout=30)
+    probe = subprocess.run(
+        ["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     return float(probe.stdout.strip())
 
 
 # ---- tests ----------------------------------------------------------------------------------------------------
+
 
 def test_page_submits_music_job_shows_progress_and_plays_it(make_stack, browser, tmp_path):
     stack = make_stack()
@@ -148,8 +182,16 @@ def test_page_submits_music_job_shows_progress_and_plays_it(make_stack, browser,
     wait_until(lambda: css(browser, "#workers tr[data-status=idle]"), 15, 0.1, "the page to list the idle worker")
 
     tags = 'lo-fi <i>piano</i> & "keys"'  # user text with markup: the page must show it, not parse it
-    job_id = submit_music(browser, mode="vocal", tags=tags, lyrics="[verse]\nla la la\nna na",
-                          duration_s="2", num_tracks="1", seed="5", priority="high")
+    job_id = submit_music(
+        browser,
+        mode="vocal",
+        tags=tags,
+        lyrics="[verse]\nla la la\nna na",
+        duration_s="2",
+        num_tracks="1",
+        seed="5",
+        priority="high",
+    )
     params = stack.job(job_id)["params"]
     assert (params["tags"], params["duration_s"], params["num_tracks"], params["seed"]) == (tags, 2.0, 1, 5)
     assert params["priority"] == "high"  # the page's priority selector
@@ -216,10 +258,18 @@ def test_cancel_button_cancels_a_running_job(make_stack, browser):
 
     # Steering: drain the queue from its row, then resume it.
     for action, flag in (("Drain", "1"), ("Resume", "0")):
-        wait_until(lambda action=action: click_button(browser, '#queues tr[data-queue="gpu0"] button.drain', action), 30, 0.1,
-                   f"a click on {action}")
-        wait_until(lambda flag=flag: css(browser, f'#queues tr[data-queue="gpu0"][data-draining="{flag}"]'), 30, 0.1,
-                   f"the queue row to show draining={flag}")
+        wait_until(
+            lambda action=action: click_button(browser, '#queues tr[data-queue="gpu0"] button.drain', action),
+            30,
+            0.1,
+            f"a click on {action}",
+        )
+        wait_until(
+            lambda flag=flag: css(browser, f'#queues tr[data-queue="gpu0"][data-draining="{flag}"]'),
+            30,
+            0.1,
+            f"the queue row to show draining={flag}",
+        )
         gpu0 = next(q for q in stack.client.get("/api/v1/status").get_json()["queues"] if q["name"] == "gpu0")
         assert gpu0["draining"] is (flag == "1")
     assert console_errors(browser) == []
@@ -237,10 +287,15 @@ def test_page_submits_lipsync_uploads_and_plays_the_video(make_stack, browser, t
     css(form, "summary")[0].click()
     css(form, "[name=fps]")[0].send_keys("10")
     from selenium.webdriver.support.ui import Select
+
     Select(css(form, "[name=priority]")[0]).select_by_value("low")
     css(form, "button[type=submit]")[0].click()
-    job_id = wait_until(lambda: css(browser, "#lipsync-msg")[0].get_attribute("data-job-id"), 30, 0.1,
-                        "the page to report the lip-sync job")
+    job_id = wait_until(
+        lambda: css(browser, "#lipsync-msg")[0].get_attribute("data-job-id"),
+        30,
+        0.1,
+        "the page to report the lip-sync job",
+    )
     assert stack.job(job_id)["params"]["output_frames"] == 10  # 1 s of audio at the 10 fps typed in
     assert stack.job(job_id)["params"]["priority"] == "low"
 
@@ -264,6 +319,7 @@ def test_page_with_api_token(make_stack, browser):
     def worker_idle():
         workers = requests.get(f"{stack.base_url}/api/v1/status", headers=auth, timeout=5).json()["workers"]
         return any(w["status"] == "idle" for w in workers)
+
     wait_until(worker_idle, 90, 0.2, "worker gpu0 idle")
 
     browser.get(stack.base_url + "/")

@@ -1,5 +1,6 @@
 """The web tier as deployed (gunicorn -c gunicorn.conf.py), over real sockets: slow clients do not starve fast
 ones, a body that stops arriving is answered 408, and request heads are bounded (issue 11, item 2)."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,14 @@ def _stall_an_upload(url: str) -> socket.socket:
     """Send a lip-sync upload's head and half of its body, then nothing more."""
     host, port = url.removeprefix("http://").split(":")
     client = socket.create_connection((host, int(port)), timeout=30)
-    part = (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"video\"; filename=\"v.mp4\"\r\n"
-            "Content-Type: video/mp4\r\n\r\n").encode() + b"\0" * 200_000
-    head = (f"POST /api/v1/lipsync HTTP/1.1\r\nHost: {host}\r\nContent-Type: multipart/form-data; "
-            f"boundary={BOUNDARY}\r\nContent-Length: {2 * len(part)}\r\n\r\n").encode()
+    part = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="video"; filename="v.mp4"\r\n'
+        "Content-Type: video/mp4\r\n\r\n"
+    ).encode() + b"\0" * 200_000
+    head = (
+        f"POST /api/v1/lipsync HTTP/1.1\r\nHost: {host}\r\nContent-Type: multipart/form-data; "
+        f"boundary={BOUNDARY}\r\nContent-Length: {2 * len(part)}\r\n\r\n"
+    ).encode()
     client.sendall(head + part)
     return client
 
@@ -94,11 +99,13 @@ def _refused(reply: requests.Response, status: int, field: str) -> str:
 
 def test_request_heads_are_bounded_and_refused_in_json(stack):
     url = stack.start_gunicorn()
-    assert "8190 bytes" in _refused(requests.get(url + "/healthz", headers={"X-Big": "a" * 9000}, timeout=10),
-                                    431, "headers")
+    assert "8190 bytes" in _refused(
+        requests.get(url + "/healthz", headers={"X-Big": "a" * 9000}, timeout=10), 431, "headers"
+    )
     many = {f"X-H{i}": "1" for i in range(150)}
-    assert "more than 100 header fields" in _refused(requests.get(url + "/healthz", headers=many, timeout=10),
-                                                     431, "headers")
+    assert "more than 100 header fields" in _refused(
+        requests.get(url + "/healthz", headers=many, timeout=10), 431, "headers"
+    )
     assert "longer than 8190 bytes" in _refused(requests.get(url + "/healthz?" + "a" * 9000, timeout=10), 414, "url")
     with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as raw:
         raw.sendall(b"NOT A REQUEST LINE AT ALL\r\n\r\n")
@@ -116,25 +123,33 @@ def _hostile_batch(url: str, auth: dict[str, str], tmp_path) -> list[int]:
     json_headers = {**auth, "Content-Type": "application/json"}
     song = '{"mode": "vocal", "tags": "pop", "lyrics": "[verse]\\nla", "num_tracks": 1'
     bodies = [
-        ("/api/v1/music", "[" * 50_000 + "]" * 50_000), ("/generate", "[" * 50_000 + "]" * 50_000),
-        ("/api/generate", "{" * 5_000), ("/api/v1/music", song + ', "temperature": 1' + "0" * 400 + "}"),
+        ("/api/v1/music", "[" * 50_000 + "]" * 50_000),
+        ("/generate", "[" * 50_000 + "]" * 50_000),
+        ("/api/generate", "{" * 5_000),
+        ("/api/v1/music", song + ', "temperature": 1' + "0" * 400 + "}"),
         ("/generate", '{"mode": "instrumental", "tags": "x", "temperature": 1' + "0" * 5000 + "}"),
         ("/api/v1/music", song + ', "duration_s": 2, "tags": "\\ud800"}'),
         ("/api/v1/music", song + ', "duration_s": 546, "lyrics": "' + "la " * 3000 + '"}'),
-        ("/api/v1/music", "not json"), ("/api/v1/music", b"\xff\xfe\x00"),
+        ("/api/v1/music", "not json"),
+        ("/api/v1/music", b"\xff\xfe\x00"),
     ]
-    statuses = [requests.post(url + path, data=body, headers=json_headers, timeout=30).status_code
-                for path, body in bodies]
+    statuses = [
+        requests.post(url + path, data=body, headers=json_headers, timeout=30).status_code for path, body in bodies
+    ]
     for header in ("Bearer é".encode("utf-8"), b"Bearer \xff", b"Basic x"):
-        statuses.append(requests.get(url + "/api/v1/status", headers={"Authorization": header}, timeout=10)
-                        .status_code)
-    statuses += [requests.request(method, url + "/api/v1/music", headers=auth, timeout=10).status_code
-                 for method in ("PUT", "TRACE", "PATCH")]
+        statuses.append(requests.get(url + "/api/v1/status", headers={"Authorization": header}, timeout=10).status_code)
+    statuses += [
+        requests.request(method, url + "/api/v1/music", headers=auth, timeout=10).status_code
+        for method in ("PUT", "TRACE", "PATCH")
+    ]
     garbage = tmp_path / "garbage.mp4"
     garbage.write_bytes(b"\0" * 4096)
     with open(garbage, "rb") as video, open(garbage, "rb") as audio:
-        statuses.append(requests.post(url + "/api/v1/lipsync", headers=auth, timeout=30,
-                                      files={"video": video, "audio": audio}).status_code)
+        statuses.append(
+            requests.post(
+                url + "/api/v1/lipsync", headers=auth, timeout=30, files={"video": video, "audio": audio}
+            ).status_code
+        )
     return statuses
 
 
@@ -149,8 +164,12 @@ def test_a_valid_job_completes_after_the_hostile_batch(make_stack, tmp_path):
         statuses = _hostile_batch(url, auth, tmp_path)
     assert all(400 <= status < 500 for status in statuses), statuses
     assert requests.get(url + "/api/v1/jobs", headers=auth, timeout=10).json()["jobs"] == []  # none accepted
-    reply = requests.post(url + "/api/v1/music", headers=auth, timeout=10, json={
-        "mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3})
+    reply = requests.post(
+        url + "/api/v1/music",
+        headers=auth,
+        timeout=10,
+        json={"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3},
+    )
     assert reply.status_code == 202, reply.text
     job = stack.wait_job(reply.json()["job_id"])
     assert job["state"] == "done", job
@@ -163,8 +182,11 @@ def test_a_401_sent_before_a_large_body_is_read_reaches_the_client(make_stack):
     stack = make_stack(API_TOKEN="tok")
     url = stack.start_gunicorn()
     for _ in range(2):  # and the connection pool's next request works too
-        reply = requests.post(url + "/api/v1/lipsync", timeout=60,
-                              files={"video": ("v.mp4", b"\0" * (20 << 20)), "audio": ("a.wav", b"\0" * 100)})
+        reply = requests.post(
+            url + "/api/v1/lipsync",
+            timeout=60,
+            files={"video": ("v.mp4", b"\0" * (20 << 20)), "audio": ("a.wav", b"\0" * 100)},
+        )
         assert reply.status_code == 401 and reply.json()["field"] == "authorization"
 
 
@@ -175,13 +197,20 @@ def test_a_chunked_body_past_the_size_limit_is_told_so(make_stack):
     boundary = "encore-chunked"
 
     def body():
-        yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"video\"; filename=\"v.mp4\"\r\n"
-               "Content-Type: video/mp4\r\n\r\n").encode()
+        yield (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="video"; filename="v.mp4"\r\n'
+            "Content-Type: video/mp4\r\n\r\n"
+        ).encode()
         for _ in range(5 * 16):  # 5 MiB in 64 KiB chunks
             yield b"\0" * 65536
         yield f"\r\n--{boundary}--\r\n".encode()
-    reply = requests.post(url + "/api/v1/lipsync", data=body(), timeout=60,
-                          headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+
+    reply = requests.post(
+        url + "/api/v1/lipsync",
+        data=body(),
+        timeout=60,
+        headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+    )
     assert reply.status_code == 413, reply.text[:300]
     assert reply.json()["field"] == "body" and "larger than 3 MiB" in reply.json()["error"], reply.json()
     assert stack.client.get("/api/v1/jobs").get_json()["jobs"] == []

@@ -1,6 +1,7 @@
 """The web application is wired, not written, in `create_app` (issue 21, item 3): views are module-level
 functions of the app/http blueprints that read the shared handles from the application they serve
 (`current_app.extensions`), so two applications in one process keep their own settings, Redis and caches."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,11 @@ def test_create_app_only_wires_views_defined_in_the_http_layer(make_stack):
     stack = make_stack()
     nested = [c.co_name for c in create_app.__code__.co_consts if isinstance(c, types.CodeType)]
     assert nested == [], f"create_app defines functions of its own: {nested}"
-    views = {rule.endpoint: stack.app.view_functions[rule.endpoint] for rule in stack.app.url_map.iter_rules()
-             if rule.endpoint != "static"}  # Flask's own
+    views = {
+        rule.endpoint: stack.app.view_functions[rule.endpoint]
+        for rule in stack.app.url_map.iter_rules()
+        if rule.endpoint != "static"
+    }  # Flask's own
     assert len(views) == 17 + 2 * 5  # the native views, and the Khala contract's at its prefix and under /api
     for endpoint, view in views.items():
         assert view.__module__.startswith("app.http."), (endpoint, view.__module__)

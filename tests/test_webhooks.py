@@ -6,6 +6,7 @@ Issue 22, item 4: webhooks that cannot reach inside. One test per bypass a teste
 trick, each numeric and loopback spelling, the port rule, a redirect to another port, a name that resolves
 inside), against real loopback receivers this file starts: a receiver is reachable only where a test opts in
 through ENCORE_WEBHOOK_ALLOW_PRIVATE, and every refusal is shown to have sent it nothing."""
+
 from __future__ import annotations
 
 import base64
@@ -31,8 +32,9 @@ class Receiver:
     """A loopback HTTP server recording every POST; the first `fail_first` answer 500 (with `body`).
     `redirect_to`: a request to /hooks/encore answers `redirect_status` to that URL instead."""
 
-    def __init__(self, fail_first: int = 0, redirect_to: str | None = None, redirect_status: int = 307,
-                 body: bytes = b""):
+    def __init__(
+        self, fail_first: int = 0, redirect_to: str | None = None, redirect_status: int = 307, body: bytes = b""
+    ):
         self.requests: list[tuple[dict[str, str], bytes, float]] = []
         self.paths: list[str] = []
         self.fail_first, self.redirect_to, self.redirect_status = fail_first, redirect_to, redirect_status
@@ -77,6 +79,7 @@ def receiver():
     def make(**kwargs) -> Receiver:
         servers.append(Receiver(**kwargs))
         return servers[-1]
+
     yield make
     for server in servers:
         server.close()
@@ -90,13 +93,20 @@ def test_the_target_is_checked_at_submit():
     check = webhooks.check_target
     assert check(None, None, settings()) is None
     assert check("https://hooks.example.com/x", None, settings()) == {
-        "url": "https://hooks.example.com/x", "events": ["start", "completed", "failed", "canceled"]}
+        "url": "https://hooks.example.com/x",
+        "events": ["start", "completed", "failed", "canceled"],
+    }
     assert check("http://a.example.com/x", ["completed", "completed"], settings())["events"] == ["completed"]
-    cases = [("ftp://example.com/x", None, {}, "webhook"), ("http:///x", None, {}, "webhook"),
-             ("http://user:pw@example.com/", None, {}, "webhook"), ("http://example.com/", ["done"], {}, "webhook_events"),
-             ("http://example.com/", [], {}, "webhook_events"), (None, ["start"], {}, "webhook_events"),
-             ("http://evil.test/", None, {"webhook_hosts": ("example.com", ".corp.example")}, "webhook"),
-             ("http://example.com/", None, {"webhook_secret": ""}, "webhook")]
+    cases = [
+        ("ftp://example.com/x", None, {}, "webhook"),
+        ("http:///x", None, {}, "webhook"),
+        ("http://user:pw@example.com/", None, {}, "webhook"),
+        ("http://example.com/", ["done"], {}, "webhook_events"),
+        ("http://example.com/", [], {}, "webhook_events"),
+        (None, ["start"], {}, "webhook_events"),
+        ("http://evil.test/", None, {"webhook_hosts": ("example.com", ".corp.example")}, "webhook"),
+        ("http://example.com/", None, {"webhook_secret": ""}, "webhook"),
+    ]
     for url, events, extra, field in cases:
         with pytest.raises(webhooks.WebhookRefused) as refused:
             check(url, events, settings(**extra))
@@ -104,8 +114,13 @@ def test_the_target_is_checked_at_submit():
     hosts = ("example.com", ".corp.example:8443")
     assert webhooks.host_allowed("example.com", hosts) and webhooks.host_allowed("a.b.corp.example", hosts)
     assert not webhooks.host_allowed("xexample.com", hosts) and not webhooks.host_allowed("corp.example.evil", hosts)
-    assert webhooks.named_ports("a.corp.example", hosts) == {8443} and webhooks.named_ports("example.com", hosts) == set()
-    assert check("HTTP://Hooks.Example.COM.:443/a?b=1#frag", None, settings())["url"] == "http://hooks.example.com:443/a?b=1"
+    assert (
+        webhooks.named_ports("a.corp.example", hosts) == {8443} and webhooks.named_ports("example.com", hosts) == set()
+    )
+    assert (
+        check("HTTP://Hooks.Example.COM.:443/a?b=1#frag", None, settings())["url"]
+        == "http://hooks.example.com:443/a?b=1"
+    )
     assert check("https://hooks.example.com:443", None, settings())["url"] == "https://hooks.example.com/"
     for entry in ("hooks:0", "hooks:http", "[::1]8080"):  # a typo stops the service at start
         with pytest.raises(ValueError, match="ENCORE_WEBHOOK_HOSTS"):
@@ -113,8 +128,9 @@ def test_the_target_is_checked_at_submit():
     for entry in ("10.0.0.1/8", "hooks.example.com", "[::1", "127.0.0.1:70000"):
         with pytest.raises(ValueError, match="ENCORE_WEBHOOK_ALLOW_PRIVATE"):
             Settings(webhook_allow_private=(entry,))
-    assert [webhooks.backoff_s(n, settings(webhook_backoff_s=1.0, webhook_backoff_cap_s=5.0)) for n in (1, 2, 3, 4)] \
-        == [1.0, 2.0, 4.0, 5.0]
+    assert [
+        webhooks.backoff_s(n, settings(webhook_backoff_s=1.0, webhook_backoff_cap_s=5.0)) for n in (1, 2, 3, 4)
+    ] == [1.0, 2.0, 4.0, 5.0]
 
 
 def test_a_signature_verifies_with_the_standard_library_and_fails_when_tampered():
@@ -137,24 +153,53 @@ def refused_everywhere(url: str, config: Settings, *receivers: Receiver) -> str:
     return error
 
 
-@pytest.mark.parametrize("url", ["http://169.254.169.254\\.allowed.test/latest/meta-data/",
-                                 "http://127.0.0.2\\.allowed.test/"])
+@pytest.mark.parametrize(
+    "url", ["http://169.254.169.254\\.allowed.test/latest/meta-data/", "http://127.0.0.2\\.allowed.test/"]
+)
 def test_the_backslash_host_trick_is_refused_at_submit_and_at_delivery(url):
     """urlsplit read the host as "<address>\\.allowed.test" (allowed) and urllib3 as the address: now the one
     parser refuses the backslash, and the sender only ever sends what that parser rebuilt."""
     config = settings(webhook_hosts=(".allowed.test",))
     assert "'\\\\'" in refused_everywhere(url, config)
-    assert webhooks.check_target("http://hooks.allowed.test/latest/", None, config)["url"] == "http://hooks.allowed.test/latest/"
+    assert (
+        webhooks.check_target("http://hooks.allowed.test/latest/", None, config)["url"]
+        == "http://hooks.allowed.test/latest/"
+    )
 
 
-INSIDE = ["http://127.0.0.1:16379/", "http://localhost/", "http://LocalHost./x", "http://app.localhost/",
-          "http://[::1]/", "http://169.254.169.254/latest/meta-data/", "http://0.0.0.0/", "http://2130706433/",
-          "http://0x7f000001/", "http://127.1/", "http://0177.0.0.1/", "http://127.0.0.1./", "http://10.0.0.7/",
-          "http://192.168.1.1/", "http://172.16.0.1/", "http://100.64.0.1/", "http://224.0.0.1/",
-          "http://255.255.255.255/", "http://[::]/", "http://[fe80::1]/", "http://[fc00::1]/", "http://[ff02::1]/",
-          "http://[::ffff:127.0.0.1]/", "http://[::ffff:a9fe:a9fe]/", "http://[::127.0.0.1]/",
-          "http://[2002:7f00:1::]/", "http://[64:ff9b::a9fe:a9fe]/", "http://[fe80::1%25eth0]/",
-          "http://127.0.0.1%2e/", "http://127.0.0.1 /", "http://127.0.0.1\t/"]
+INSIDE = [
+    "http://127.0.0.1:16379/",
+    "http://localhost/",
+    "http://LocalHost./x",
+    "http://app.localhost/",
+    "http://[::1]/",
+    "http://169.254.169.254/latest/meta-data/",
+    "http://0.0.0.0/",
+    "http://2130706433/",
+    "http://0x7f000001/",
+    "http://127.1/",
+    "http://0177.0.0.1/",
+    "http://127.0.0.1./",
+    "http://10.0.0.7/",
+    "http://192.168.1.1/",
+    "http://172.16.0.1/",
+    "http://100.64.0.1/",
+    "http://224.0.0.1/",
+    "http://255.255.255.255/",
+    "http://[::]/",
+    "http://[fe80::1]/",
+    "http://[fc00::1]/",
+    "http://[ff02::1]/",
+    "http://[::ffff:127.0.0.1]/",
+    "http://[::ffff:a9fe:a9fe]/",
+    "http://[::127.0.0.1]/",
+    "http://[2002:7f00:1::]/",
+    "http://[64:ff9b::a9fe:a9fe]/",
+    "http://[fe80::1%25eth0]/",
+    "http://127.0.0.1%2e/",
+    "http://127.0.0.1 /",
+    "http://127.0.0.1\t/",
+]
 
 
 @pytest.mark.parametrize("url", INSIDE)
@@ -199,8 +244,11 @@ def test_a_redirect_is_checked_at_every_hop(receiver):
     same_port = receiver(redirect_to="/hooks/elsewhere")
     assert webhooks.post(same_port.url, "{}", {}, 5, settings(webhook_allow_private=(same_port.allow,))) == (204, "")
     assert same_port.paths == ["/hooks/encore", "/hooks/elsewhere"]
-    for location in (f"http://127.0.0.1:{final.port}\\@allowed.test/", f"http://2130706433:{final.port}/",
-                     f"http://localhost:{final.port}/x"):
+    for location in (
+        f"http://127.0.0.1:{final.port}\\@allowed.test/",
+        f"http://2130706433:{final.port}/",
+        f"http://localhost:{final.port}/x",
+    ):
         tricky = receiver(redirect_to=location)
         status, error = webhooks.post(tricky.url, "{}", {}, 5, settings(webhook_allow_private=(tricky.allow,)))
         assert status == 307 and error.startswith("redirect not followed"), (location, error)
@@ -216,8 +264,10 @@ def test_a_name_is_resolved_and_checked_at_delivery(receiver):
     operator allows that address and port."""
     hooks = receiver()
     url = f"http://localhost:{hooks.port}/hooks/encore"
-    assert all(not webhooks.public(address)
-               for address in webhooks.resolve(webhooks.parse_url(url), settings(webhook_allow_private=(hooks.allow,))))
+    assert all(
+        not webhooks.public(address)
+        for address in webhooks.resolve(webhooks.parse_url(url), settings(webhook_allow_private=(hooks.allow,)))
+    )
     for config in (settings(), settings(webhook_hosts=(f"localhost:{hooks.port}",))):
         status, error = webhooks.post(url, "{}", {}, 5, config)
         assert status is None and "127.0.0.1 is not a public address (loopback)" in error and not hooks.requests
@@ -239,6 +289,7 @@ def test_a_delivery_record_keeps_the_status_and_time_never_what_the_target_sent(
         with connection:
             connection.sendall(b"SSH-2.0-inside-secret-banner\r\n")
             connection.recv(65536)
+
     threading.Thread(target=answer_with_a_banner, daemon=True).start()
     client = redis.Redis.from_url(f"{redis_base_url}/505", decode_responses=True)
     layout = Layout("encore-webhook-records")
@@ -264,12 +315,18 @@ def test_a_delivery_record_keeps_the_status_and_time_never_what_the_target_sent(
 
 def test_the_submit_routes_refuse_a_bad_webhook(make_stack):
     stack = make_stack(ENCORE_WEBHOOK_SECRET=SECRET, ENCORE_WEBHOOK_HOSTS="127.0.0.1")
-    reply = stack.client.post("/api/v1/music", json={"mode": "instrumental", "tags": "x", "webhook": "http://example.com/"})
+    reply = stack.client.post(
+        "/api/v1/music", json={"mode": "instrumental", "tags": "x", "webhook": "http://example.com/"}
+    )
     assert reply.status_code == 400 and reply.get_json()["field"] == "webhook"
-    reply = stack.client.post("/api/v1/music", json={"mode": "instrumental", "tags": "x",
-                                                     "webhook": "http://127.0.0.1/", "webhook_events": ["soon"]})
+    reply = stack.client.post(
+        "/api/v1/music",
+        json={"mode": "instrumental", "tags": "x", "webhook": "http://127.0.0.1/", "webhook_events": ["soon"]},
+    )
     assert reply.status_code == 400 and reply.get_json()["field"] == "webhook_events.0"  # the element named
-    reply = stack.client.post("/api/v1/lipsync", data={"webhook": "gopher://127.0.0.1/"}, content_type="multipart/form-data")
+    reply = stack.client.post(
+        "/api/v1/lipsync", data={"webhook": "gopher://127.0.0.1/"}, content_type="multipart/form-data"
+    )
     assert reply.status_code == 400 and reply.get_json()["field"] == "webhook"
     for url in ("http://127.0.0.1\\.example.com/", "http://127.0.0.1:16379/", "http://2130706433/"):
         reply = stack.client.post("/api/v1/music", json={"mode": "instrumental", "tags": "x", "webhook": url})
@@ -285,8 +342,12 @@ def test_events_are_signed_filtered_and_retried_with_backoff(make_stack, receive
     signed; the failed attempts were retried at growing intervals, and the record lists every attempt.
     Progress was not asked for and never sent."""
     hooks = receiver(fail_first=2)
-    stack = make_stack(ENCORE_WEBHOOK_SECRET=SECRET, ENCORE_WEBHOOK_BACKOFF_S="0.4", ENCORE_WEBHOOK_PROGRESS_S="0",
-                       ENCORE_WEBHOOK_ALLOW_PRIVATE=hooks.allow)  # the loopback receiver, opted in
+    stack = make_stack(
+        ENCORE_WEBHOOK_SECRET=SECRET,
+        ENCORE_WEBHOOK_BACKOFF_S="0.4",
+        ENCORE_WEBHOOK_PROGRESS_S="0",
+        ENCORE_WEBHOOK_ALLOW_PRIVATE=hooks.allow,
+    )  # the loopback receiver, opted in
     stack.start_webhook_worker()
     stack.start_worker(0)
     job_id = stack.submit_music(webhook=hooks.url, webhook_events=["start", "completed"])
@@ -296,6 +357,7 @@ def test_events_are_signed_filtered_and_retried_with_backoff(make_stack, receive
         record = stack.job(job_id)
         done = [d for d in record["webhook"]["deliveries"] if d["delivered"]]
         return record if len(done) == 2 else None
+
     record = wait_until(delivered, 60, 0.2, "both webhooks delivered")
     received = [(headers, Webhook(SECRET).verify(body, headers), at) for headers, body, at in hooks.requests]
     types = [body["type"] for _, body, _ in received]
@@ -311,6 +373,7 @@ def test_events_are_signed_filtered_and_retried_with_backoff(make_stack, receive
     failures = [d for d in deliveries if not d["delivered"]]
     assert len(failures) == 2 and all(d["status"] == 500 for d in failures)
     retried = [d for d in deliveries if d["attempt"] > 1]
-    assert retried and all(d["at"] - next(f["at"] for f in deliveries if f["id"] == d["id"] and f["attempt"] == 1)
-                           >= 0.35 for d in retried)
+    assert retried and all(
+        d["at"] - next(f["at"] for f in deliveries if f["id"] == d["id"] and f["attempt"] == 1) >= 0.35 for d in retried
+    )
     assert record["webhook"]["events"] == ["start", "completed"]

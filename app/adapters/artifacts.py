@@ -12,6 +12,7 @@ Three backends behind one interface:
 The two remote stores share their read path (`CachedStore`: the local copy, fetched when missing).
 Names are validated so a download can never escape the store.
 """
+
 from __future__ import annotations
 
 import re
@@ -184,9 +185,11 @@ class RedisStore(CachedStore):
 class S3Store(CachedStore):
     """Objects <prefix><job id>/<name> in one bucket; reads go through a local cache directory."""
 
-    def __init__(self, client, bucket: str, prefix: str, cache_dir: Path, presign_s: int = 0,
-                 multipart_bytes: int = 8 << 20):
+    def __init__(
+        self, client, bucket: str, prefix: str, cache_dir: Path, presign_s: int = 0, multipart_bytes: int = 8 << 20
+    ):
         from boto3.s3.transfer import TransferConfig
+
         self.s3, self.bucket = client, bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.cache = DirectoryStore(cache_dir)
@@ -203,6 +206,7 @@ class S3Store(CachedStore):
 
     def exists(self, job_id: str, name: str) -> bool:
         from botocore.exceptions import ClientError
+
         try:
             self.s3.head_object(Bucket=self.bucket, Key=self._key(job_id, name))
         except ClientError as exc:
@@ -214,6 +218,7 @@ class S3Store(CachedStore):
     def _fetch(self, job_id: str, name: str, target: Path) -> None:
         """Download the object (multipart above the threshold)."""
         from botocore.exceptions import ClientError
+
         try:
             self.s3.download_file(self.bucket, self._key(job_id, name), str(target), Config=self.transfer)
         except ClientError as exc:
@@ -230,8 +235,9 @@ class S3Store(CachedStore):
             return
         keys = self._job_keys(job_id)
         for first in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[first:first + 1000]],
-                                                               "Quiet": True})
+            self.s3.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[first : first + 1000]], "Quiet": True}
+            )
         self.cache.delete_job(job_id)
 
     def sweep(self, job_exists: Callable[[str], bool]) -> list[str]:
@@ -240,7 +246,7 @@ class S3Store(CachedStore):
         removed = []
         for page in pages:
             for common in page.get("CommonPrefixes", []):
-                job_id = common["Prefix"][len(self.prefix):].rstrip("/")
+                job_id = common["Prefix"][len(self.prefix) :].rstrip("/")
                 if is_job_id(job_id) and not job_exists(job_id):
                     self.delete_job(job_id)
                     removed.append(job_id)
@@ -250,9 +256,15 @@ class S3Store(CachedStore):
         """A time-limited GET URL of the object (S3 itself then honours Range), or None when presigning is off."""
         if not self.presign_s:
             return None
-        return self.s3.generate_presigned_url("get_object", ExpiresIn=self.presign_s, Params={
-            "Bucket": self.bucket, "Key": self._key(job_id, name),
-            "ResponseContentDisposition": f'attachment; filename="{filename}"'})
+        return self.s3.generate_presigned_url(
+            "get_object",
+            ExpiresIn=self.presign_s,
+            Params={
+                "Bucket": self.bucket,
+                "Key": self._key(job_id, name),
+                "ResponseContentDisposition": f'attachment; filename="{filename}"',
+            },
+        )
 
 
 def s3_client(settings):
@@ -260,11 +272,21 @@ def s3_client(settings):
     or without them boto3's own chain (a profile, an instance role)."""
     import boto3
     from botocore.config import Config
-    keys = {"aws_access_key_id": settings.s3_access_key, "aws_secret_access_key": settings.s3_secret_key} \
-        if settings.s3_access_key else {}
-    return boto3.client("s3", endpoint_url=settings.s3_endpoint or None, region_name=settings.s3_region, **keys,
-                        config=Config(signature_version="s3v4", retries={"max_attempts": 5, "mode": "standard"},
-                                      s3={"addressing_style": "path"}))
+
+    keys = (
+        {"aws_access_key_id": settings.s3_access_key, "aws_secret_access_key": settings.s3_secret_key}
+        if settings.s3_access_key
+        else {}
+    )
+    return boto3.client(
+        "s3",
+        endpoint_url=settings.s3_endpoint or None,
+        region_name=settings.s3_region,
+        **keys,
+        config=Config(
+            signature_version="s3v4", retries={"max_attempts": 5, "mode": "standard"}, s3={"addressing_style": "path"}
+        ),
+    )
 
 
 def open_store(settings, binary_client: redis.Redis) -> ArtifactStore:
@@ -272,6 +294,11 @@ def open_store(settings, binary_client: redis.Redis) -> ArtifactStore:
     if settings.artifact_backend == "redis":
         return RedisStore(binary_client, settings.key_prefix, settings.worker_cache_dir / "artifacts")
     if settings.artifact_backend == "s3":
-        return S3Store(s3_client(settings), settings.s3_bucket, settings.s3_prefix,
-                       settings.worker_cache_dir / "artifacts", presign_s=settings.s3_presign_s)
+        return S3Store(
+            s3_client(settings),
+            settings.s3_bucket,
+            settings.s3_prefix,
+            settings.worker_cache_dir / "artifacts",
+            presign_s=settings.s3_presign_s,
+        )
     return DirectoryStore(settings.artifact_dir)

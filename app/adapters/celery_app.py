@@ -1,5 +1,6 @@
 """The Celery application. Importing it is cheap (no torch): the web uses it to send tasks by name; the
 worker imports the task modules through `include`."""
+
 from __future__ import annotations
 
 from celery import Celery

@@ -11,6 +11,7 @@ CUDA_DEVICE_ORDER=PCI_BUS_ID, or GPU-<uuid> prefixes; parsing stops at the first
 CUDA's does), or every card when it is unset or empty (app/core/config.py cannot tell those apart; an unpinned
 worker may use any card): one worker per card then reports only its own.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,16 +51,22 @@ class GpuProbe:
         nvml = self._nvml
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         rates = nvml.nvmlDeviceGetUtilizationRates(handle)
-        return {"index": index, "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
-                "name": _text(nvml.nvmlDeviceGetName(handle)), "memory_used_bytes": int(memory.used),
-                "memory_free_bytes": int(memory.free), "memory_total_bytes": int(memory.total),
-                "utilization": rates.gpu / 100.0}
+        return {
+            "index": index,
+            "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
+            "name": _text(nvml.nvmlDeviceGetName(handle)),
+            "memory_used_bytes": int(memory.used),
+            "memory_free_bytes": int(memory.free),
+            "memory_total_bytes": int(memory.total),
+            "utilization": rates.gpu / 100.0,
+        }
 
     def _start(self) -> list[tuple[int, Any]]:
         if self._handles is None:
             self._handles = []
             try:
                 import pynvml
+
                 pynvml.nvmlInit()
                 self._nvml = pynvml
                 self._handles = self._visible(pynvml)

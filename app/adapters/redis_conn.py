@@ -9,6 +9,7 @@ Celery and kombu take the same sentinels as `sentinel://` URLs with the `master_
 limiter (the limits library) its `redis+sentinel://` URI with the credentials and database as options.
 The database number and the primary's password still come from REDIS_URL.
 """
+
 from __future__ import annotations
 
 from typing import Any, cast, overload
@@ -37,12 +38,22 @@ def redis_client(settings: Settings, *, decode_responses: bool) -> redis.Redis:
     if not settings.redis_sentinels:
         return redis.Redis.from_url(settings.redis_url, decode_responses=decode_responses)
     sentinel_auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
-    sentinel = Sentinel(list(settings.redis_sentinels), sentinel_kwargs={
-        "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S, "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
-        **sentinel_auth})
-    return sentinel.master_for(settings.redis_sentinel_master, db=_database(settings), password=_password(settings),
-                               decode_responses=decode_responses, socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
-                               socket_keepalive=True)
+    sentinel = Sentinel(
+        list(settings.redis_sentinels),
+        sentinel_kwargs={
+            "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+            "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+            **sentinel_auth,
+        },
+    )
+    return sentinel.master_for(
+        settings.redis_sentinel_master,
+        db=_database(settings),
+        password=_password(settings),
+        decode_responses=decode_responses,
+        socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
+        socket_keepalive=True,
+    )
 
 
 def limits_storage(settings: Settings) -> tuple[str, dict[str, Any]]:
@@ -53,14 +64,20 @@ def limits_storage(settings: Settings) -> tuple[str, dict[str, Any]]:
     database, and a password in it would be sent to the sentinels and the primary alike."""
     redis_url = settings.redis_url
     if not settings.redis_sentinels:
-        return ("redis+unix://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://")
-                else redis_url), {}
+        return (
+            "redis+unix://" + redis_url.removeprefix("unix://") if redis_url.startswith("unix://") else redis_url
+        ), {}
     hosts = ",".join(f"{host}:{port}" for host, port in settings.redis_sentinels)
     options: dict[str, Any] = {
-        "db": _database(settings), "password": _password(settings), "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
-        "sentinel_kwargs": {"password": settings.redis_sentinel_password or None,
-                            "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
-                            "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S}}
+        "db": _database(settings),
+        "password": _password(settings),
+        "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+        "sentinel_kwargs": {
+            "password": settings.redis_sentinel_password or None,
+            "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+            "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+        },
+    }
     return f"redis+sentinel://{hosts}/{settings.redis_sentinel_master}", options
 
 
@@ -74,13 +91,18 @@ def celery_connection(settings: Settings) -> dict[str, Any]:
     options: dict[str, Any] = {"master_name": settings.redis_sentinel_master}
     if settings.redis_sentinel_password:
         options["sentinel_kwargs"] = {"password": settings.redis_sentinel_password}
-    return {"broker_url": urls, "result_backend": urls, "broker_transport_options": options,
-            "result_backend_transport_options": dict(options)}
+    return {
+        "broker_url": urls,
+        "result_backend": urls,
+        "broker_transport_options": options,
+        "result_backend_transport_options": dict(options),
+    }
 
 
 # redis-py types every reply `bytes | str` (and containers of them) whichever way the client was opened. Encore's
 # text clients (decode_responses=True: every client but the artifact store's) only ever get str back, so for
 # their replies these say so to the type checker; they return their argument unchanged.
+
 
 @overload
 def decoded(reply: bytes | str) -> str: ...

@@ -11,6 +11,7 @@ OTEL_SERVICE_NAME, default "encore", with "-web" or "-worker" appended).
   (attributes: the job id, track and stage), `task_postrun` ends it; a stage that raised marks it an error.
 The propagation is the OpenTelemetry API's own (`opentelemetry.propagate`); only the wiring is here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,9 +44,11 @@ def configure(settings: Settings, role: str) -> bool:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     provider = TracerProvider(resource=Resource.create({"service.name": f"{settings.otel_service_name}-{role}"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
-        endpoint=settings.otel_endpoint.rstrip("/") + "/v1/traces")))
+    provider.add_span_processor(
+        BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otel_endpoint.rstrip("/") + "/v1/traces"))
+    )
     trace.set_tracer_provider(provider)
     _connect_celery()
     _configured = True
@@ -55,11 +58,13 @@ def configure(settings: Settings, role: str) -> bool:
 
 def _tracer():
     from opentelemetry import trace
+
     return trace.get_tracer("encore")
 
 
 def _connect_celery() -> None:
     from celery.signals import before_task_publish, task_failure, task_postrun, task_prerun
+
     before_task_publish.connect(_inject, weak=False)
     task_prerun.connect(_start_stage, weak=False)
     task_postrun.connect(_end_stage, weak=False)
@@ -70,6 +75,7 @@ def _inject(headers: dict | None = None, **_: Any) -> None:
     """The current trace context into the message headers (Celery's protocol 2 headers dict)."""
     if headers is not None:
         from opentelemetry import propagate
+
         propagate.inject(headers)
 
 
@@ -94,13 +100,20 @@ def _request_getter() -> Getter[Any]:
 
 def _start_stage(task_id: str | None = None, task: Any = None, args: tuple = (), **_: Any) -> None:
     from opentelemetry import context, propagate, trace
+
     parent = propagate.extract(task.request, getter=_request_getter())
     ref = args[0] if args and isinstance(args[0], dict) else {}
-    span = _tracer().start_span(f"stage {task.name.rsplit('.', 1)[-1]}", context=parent,
-                                kind=trace.SpanKind.CONSUMER, attributes={
-                                    "celery.task_id": task_id or "", "celery.task_name": task.name,
-                                    "encore.job_id": str(ref.get("job_id", "")),
-                                    "encore.track": int(ref.get("track", -1))})
+    span = _tracer().start_span(
+        f"stage {task.name.rsplit('.', 1)[-1]}",
+        context=parent,
+        kind=trace.SpanKind.CONSUMER,
+        attributes={
+            "celery.task_id": task_id or "",
+            "celery.task_name": task.name,
+            "encore.job_id": str(ref.get("job_id", "")),
+            "encore.track": int(ref.get("track", -1)),
+        },
+    )
     _open_spans[task_id or ""] = (span, context.attach(trace.set_span_in_context(span)))
 
 
@@ -108,6 +121,7 @@ def _fail_stage(task_id: str | None = None, exception: BaseException | None = No
     opened = _open_spans.get(task_id or "")
     if opened is not None and exception is not None:
         from opentelemetry.trace import Status, StatusCode
+
         opened[0].record_exception(exception)
         opened[0].set_status(Status(StatusCode.ERROR, str(exception)[:200]))
 
@@ -116,6 +130,7 @@ def _end_stage(task_id: str | None = None, **_: Any) -> None:
     opened = _open_spans.pop(task_id or "", None)
     if opened is not None:
         from opentelemetry import context
+
         span, token = opened
         context.detach(token)
         span.end()
@@ -130,9 +145,11 @@ def instrument_flask(app: Any, settings: Settings) -> None:
 
     @app.before_request
     def _open_request_span() -> None:
-        span = _tracer().start_span(f"{request.method} {request.url_rule.rule if request.url_rule else request.path}",
-                                    kind=trace.SpanKind.SERVER,
-                                    attributes={"http.method": request.method, "http.target": request.path})
+        span = _tracer().start_span(
+            f"{request.method} {request.url_rule.rule if request.url_rule else request.path}",
+            kind=trace.SpanKind.SERVER,
+            attributes={"http.method": request.method, "http.target": request.path},
+        )
         g.otel = (span, context.attach(trace.set_span_in_context(span)))
 
     @app.after_request

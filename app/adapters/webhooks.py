@@ -24,6 +24,7 @@ proxy from the environment. A 307/308 redirect is followed, at most MAX_REDIRECT
 same way; other redirects are not followed. A delivery record keeps the status and an error class, never what
 the target sent.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -96,8 +97,11 @@ def parse_url(url: str) -> Target:
         raise WebhookRefused("webhook", f"longer than {MAX_URL_CHARS} characters")
     odd = sorted({char for char in url if char not in URL_CHARACTERS})
     if odd:
-        raise WebhookRefused("webhook", f"must be printable ASCII without {' '.join(map(repr, odd))} "
-                                        "(percent-encode the path; a host in its ASCII form)")
+        raise WebhookRefused(
+            "webhook",
+            f"must be printable ASCII without {' '.join(map(repr, odd))} "
+            "(percent-encode the path; a host in its ASCII form)",
+        )
     parts = urlsplit(url)  # safe to split here: nothing left that parsers disagree on
     if parts.scheme not in DEFAULT_PORT or not parts.netloc:
         raise WebhookRefused("webhook", "must be an http:// or https:// URL with a host")
@@ -147,8 +151,11 @@ def named_ports(host: str, allowed: tuple[str, ...]) -> set[int]:
 def _matching(host: str, allowed: tuple[str, ...]) -> list[tuple[str, int | None]]:
     host = _canonical(host.lower().rstrip("."))
     entries = [webhook_entry(entry, "ENCORE_WEBHOOK_HOSTS") for entry in allowed]
-    return [(name, port) for name, port in entries
-            if host == _canonical(name) or (name.startswith(".") and (host.endswith(name) or host == name[1:]))]
+    return [
+        (name, port)
+        for name, port in entries
+        if host == _canonical(name) or (name.startswith(".") and (host.endswith(name) or host == name[1:]))
+    ]
 
 
 def _canonical(host: str) -> str:
@@ -162,8 +169,15 @@ def _canonical(host: str) -> str:
 def public(address: IPAddress) -> bool:
     """Whether `address` is on the public internet: not loopback, private, link-local, multicast, unspecified,
     reserved or shared, nor an IPv6 form that carries such an IPv4 address (mapped, 6to4, Teredo, NAT64)."""
-    if address.is_multicast or address.is_reserved or address.is_loopback or address.is_link_local \
-            or address.is_unspecified or address.is_private or not address.is_global:
+    if (
+        address.is_multicast
+        or address.is_reserved
+        or address.is_loopback
+        or address.is_link_local
+        or address.is_unspecified
+        or address.is_private
+        or not address.is_global
+    ):
         return False
     if isinstance(address, ipaddress.IPv6Address):
         if address.scope_id or address.is_site_local or address in _NAT64_LOCAL:
@@ -195,8 +209,10 @@ def refusal(target: Target, address: IPAddress | None, settings: Settings) -> st
     elif not public(address):
         covering = [port for network, port in private if address.version == network.version and address in network]
         if not any(port in (None, target.port) for port in covering):
-            return (f"{address} is not a public address ({_kind(address)}) and {address} port {target.port} is "
-                    "not in this server's ENCORE_WEBHOOK_ALLOW_PRIVATE")
+            return (
+                f"{address} is not a public address ({_kind(address)}) and {address} port {target.port} is "
+                "not in this server's ENCORE_WEBHOOK_ALLOW_PRIVATE"
+            )
         if target.port in covering:
             return None
     if target.port not in ports:
@@ -232,11 +248,16 @@ def split_events(text: str | None) -> list[str] | None:
 
 # -- signing and sending --------------------------------------------------------------------------------
 
+
 def signed_headers(secret: str, message_id: str, body: str, at: float | None = None) -> dict[str, str]:
     stamp = datetime.fromtimestamp(time.time() if at is None else at, tz=timezone.utc)
-    return {"webhook-id": message_id, "webhook-timestamp": str(int(stamp.timestamp())),
-            "webhook-signature": Webhook(secret).sign(message_id, stamp, body), "content-type": "application/json",
-            "user-agent": "encore-webhooks"}
+    return {
+        "webhook-id": message_id,
+        "webhook-timestamp": str(int(stamp.timestamp())),
+        "webhook-signature": Webhook(secret).sign(message_id, stamp, body),
+        "content-type": "application/json",
+        "user-agent": "encore-webhooks",
+    }
 
 
 def resolve(target: Target, settings: Settings) -> list[IPAddress]:
@@ -291,8 +312,9 @@ class _PinnedConnection(http.client.HTTPConnection):
         raise error
 
 
-def _send(target: Target, addresses: list[IPAddress], body: bytes, headers: dict[str, str],
-          timeout_s: float) -> tuple[int, str | None]:
+def _send(
+    target: Target, addresses: list[IPAddress], body: bytes, headers: dict[str, str], timeout_s: float
+) -> tuple[int, str | None]:
     """POST once: (status, Location header or None). Nothing of the body is read."""
     connection = _PinnedConnection(target, addresses, timeout_s)
     try:
@@ -303,8 +325,7 @@ def _send(target: Target, addresses: list[IPAddress], body: bytes, headers: dict
         connection.close()
 
 
-def post(url: str, body: str, headers: dict[str, str], timeout_s: float,
-         settings: Settings) -> tuple[int | None, str]:
+def post(url: str, body: str, headers: dict[str, str], timeout_s: float, settings: Settings) -> tuple[int | None, str]:
     """POST once to a checked address, following 307/308 redirects whose targets pass the same checks: (HTTP
     status or None, error text or ""). The error names a class of failure only, never what the target sent."""
     try:
@@ -324,8 +345,9 @@ def post(url: str, body: str, headers: dict[str, str], timeout_s: float,
         if 200 <= status < 300:
             return status, ""
         if status not in (307, 308) or not location:
-            return status, f"answered {status}" + (" (only 307 and 308 redirects are followed)"
-                                                   if 300 <= status < 400 else "")
+            return status, f"answered {status}" + (
+                " (only 307 and 308 redirects are followed)" if 300 <= status < 400 else ""
+            )
         try:
             target = parse_url(urljoin(target.url, location))
         except WebhookRefused as exc:
@@ -342,23 +364,35 @@ def backoff_s(attempt: int, settings: Settings) -> float:
     return min(settings.webhook_backoff_cap_s, settings.webhook_backoff_s * 2 ** (attempt - 1))
 
 
-def deliver(client: redis.Redis, layout: Layout, settings: Settings, message: dict[str, Any],
-            attempt: int) -> tuple[bool, float | None]:
+def deliver(
+    client: redis.Redis, layout: Layout, settings: Settings, message: dict[str, Any], attempt: int
+) -> tuple[bool, float | None]:
     """One delivery attempt of an outbox message, recorded in its job; (delivered, seconds until the next
     attempt or None when there is none: delivered, given up, or the job is gone)."""
     job_key = layout.job(message["job_id"])
     url = decoded(client.hget(job_key, "webhook"))
     if not url:
         return False, None  # the job expired: nobody to tell
-    body = json.dumps({"type": f"job.{message['type']}", "timestamp": _iso(message["at"]), "data": message["data"]},
-                      separators=(",", ":"))
+    body = json.dumps(
+        {"type": f"job.{message['type']}", "timestamp": _iso(message["at"]), "data": message["data"]},
+        separators=(",", ":"),
+    )
     started = time.time()
-    status, error = post(url, body, signed_headers(settings.webhook_secret, message["id"], body),
-                         settings.webhook_timeout_s, settings)
+    status, error = post(
+        url, body, signed_headers(settings.webhook_secret, message["id"], body), settings.webhook_timeout_s, settings
+    )
     delivered = not error
     retry_in = None if delivered or attempt >= settings.webhook_max_attempts else backoff_s(attempt, settings)
-    record = {"id": message["id"], "type": message["type"], "attempt": attempt, "at": round(started, 3),
-              "status": status, "error": error, "delivered": delivered, "retry_in_s": retry_in}
+    record = {
+        "id": message["id"],
+        "type": message["type"],
+        "attempt": attempt,
+        "at": round(started, 3),
+        "status": status,
+        "error": error,
+        "delivered": delivered,
+        "retry_in_s": retry_in,
+    }
     deliveries = layout.webhook_deliveries(message["job_id"])
     pipe = client.pipeline()
     pipe.rpush(deliveries, json.dumps(record))
@@ -366,8 +400,16 @@ def deliver(client: redis.Redis, layout: Layout, settings: Settings, message: di
     ttl = client.ttl(job_key)
     pipe.expire(deliveries, ttl if ttl and ttl > 0 else settings.job_ttl_s)
     pipe.execute()
-    log.info("event=webhook job_id=%s id=%s type=%s attempt=%d status=%s delivered=%s %s", message["job_id"],
-             message["id"], message["type"], attempt, status, delivered, error)
+    log.info(
+        "event=webhook job_id=%s id=%s type=%s attempt=%d status=%s delivered=%s %s",
+        message["job_id"],
+        message["id"],
+        message["type"],
+        attempt,
+        status,
+        delivered,
+        error,
+    )
     return delivered, retry_in
 
 
@@ -377,8 +419,10 @@ def _iso(at: float) -> str:
 
 # -- the outbox pump ---------------------------------------------------------------------------------------
 
-def pump_outbox(client: redis.Redis, layout: Layout, worker: str, send: Callable[[dict[str, Any]], None],
-                block_s: float = 1.0) -> int:
+
+def pump_outbox(
+    client: redis.Redis, layout: Layout, worker: str, send: Callable[[dict[str, Any]], None], block_s: float = 1.0
+) -> int:
     """Move one message from the outbox to this worker's in-flight list (waiting up to `block_s`), `send`
     it, then drop it from the list; returns how many were sent (0 or 1). Call `recover_in_flight` first."""
     mine = layout.webhook_in_flight(worker)

@@ -8,6 +8,7 @@ It only speaks HTTP (base URL from --url / ENCORE_URL, token from --token / ENCO
 against any deployment; nothing heavy (torch, Flask, Redis) is imported. Exit codes: 0 the job is done (or
 the command succeeded), 1 the job ended failed / canceled / partial, 2 usage or HTTP error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -152,8 +153,14 @@ class BarReporter:
             bar = self.bars.get(track["track"])
             if bar is None:
                 bar = self.bars[track["track"]] = tqdm(
-                    desc=text, total=100, position=track["track"], leave=True, file=self.stream,
-                    dynamic_ncols=True, bar_format="{desc} {bar} {percentage:3.0f}% {elapsed}")
+                    desc=text,
+                    total=100,
+                    position=track["track"],
+                    leave=True,
+                    file=self.stream,
+                    dynamic_ncols=True,
+                    bar_format="{desc} {bar} {percentage:3.0f}% {elapsed}",
+                )
             bar.set_description_str(text, refresh=False)
             bar.n = 100 if track["state"] == "done" else round(100 * float(track.get("progress") or 0))
             bar.refresh()
@@ -273,9 +280,15 @@ def follow_events(client: Client, job_id: str, reporter: Reporter, interval_s: f
     while True:
         headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last_id} if last_id else {})}
         try:
-            with client.session.get(client.url(f"/api/v1/jobs/{job_id}/events"), headers=headers, stream=True,
-                                    timeout=(client.timeout_s, EVENT_STREAM_READ_S)) as reply:
-                if reply.status_code != 200 or not reply.headers.get("Content-Type", "").startswith("text/event-stream"):
+            with client.session.get(
+                client.url(f"/api/v1/jobs/{job_id}/events"),
+                headers=headers,
+                stream=True,
+                timeout=(client.timeout_s, EVENT_STREAM_READ_S),
+            ) as reply:
+                if reply.status_code != 200 or not reply.headers.get("Content-Type", "").startswith(
+                    "text/event-stream"
+                ):
                     raise StreamUnavailable(f"events answered HTTP {reply.status_code}")
                 # chunk_size=None: each line as soon as it arrives (requests allows it; its stubs do not)
                 lines = cast(Iterator[str], reply.iter_lines(chunk_size=None, decode_unicode=True))  # type: ignore[call-overload]
@@ -300,8 +313,12 @@ def follow_events(client: Client, job_id: str, reporter: Reporter, interval_s: f
 
 def with_event(record: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
     """The record with one track event applied (its state, progress, detail, error), and the job's state."""
-    tracks = [dict(t, **{k: event[k] for k in ("state", "status", "stage", "progress", "detail", "error") if k in event})
-              if t["track"] == event.get("track") else t for t in record["tracks"]]
+    tracks = [
+        dict(t, **{k: event[k] for k in ("state", "status", "stage", "progress", "detail", "error") if k in event})
+        if t["track"] == event.get("track")
+        else t
+        for t in record["tracks"]
+    ]
     return {**record, "tracks": tracks, "state": event.get("job_state", record["state"])}
 
 
@@ -352,8 +369,7 @@ def submitted(client: Client, reply: dict[str, Any], args: argparse.Namespace) -
     print(job_id)
     print(client.url(reply["status_url"]))
     where = f"queue position {reply['queue_position']}" if reply.get("queue_position") else reply.get("state", "")
-    print(f"submitted job {job_id[:8]} ({where}){'; ' + reply['note'] if reply.get('note') else ''}",
-          file=sys.stderr)
+    print(f"submitted job {job_id[:8]} ({where}){'; ' + reply['note'] if reply.get('note') else ''}", file=sys.stderr)
     return wait_and_download(client, job_id, args) if args.wait else EXIT_OK
 
 
@@ -361,9 +377,18 @@ def submitted(client: Client, reply: dict[str, Any], args: argparse.Namespace) -
 def music_body(args: argparse.Namespace) -> dict[str, Any]:
     """The POST /api/v1/music body: only the options given, so the server's defaults apply to the rest."""
     lyrics = args.lyrics_file.read_text(encoding="utf-8") if args.lyrics_file else args.lyrics
-    fields = {"mode": args.mode, "tags": args.tags, "prompt": args.prompt, "lyrics": lyrics,
-              "duration_s": args.duration_s, "num_tracks": args.tracks, "seed": args.seed,
-              "temperature": args.temperature, "top_k": args.top_k, "priority": args.priority}
+    fields = {
+        "mode": args.mode,
+        "tags": args.tags,
+        "prompt": args.prompt,
+        "lyrics": lyrics,
+        "duration_s": args.duration_s,
+        "num_tracks": args.tracks,
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "priority": args.priority,
+    }
     return {name: value for name, value in fields.items() if value is not None}
 
 
@@ -378,9 +403,16 @@ def cmd_submit_lipsync(client: Client, args: argparse.Namespace) -> int:
     for name, path in (("video", args.video), ("audio", args.audio)):
         if not path.is_file():
             raise UsageError(f"{name}: no such file: {path}")
-    form = {name: str(value) for name, value in (("fps", args.fps), ("extra_margin", args.extra_margin),
-                                                   ("batch_size", args.batch_size), ("priority", args.priority))
-            if value is not None}
+    form = {
+        name: str(value)
+        for name, value in (
+            ("fps", args.fps),
+            ("extra_margin", args.extra_margin),
+            ("batch_size", args.batch_size),
+            ("priority", args.priority),
+        )
+        if value is not None
+    }
     with open(args.video, "rb") as video, open(args.audio, "rb") as audio:
         files: dict[str, tuple[str, BinaryIO]] = {"video": (args.video.name, video), "audio": (args.audio.name, audio)}
         reply = client.json("POST", "/api/v1/lipsync", data=form, files=files, timeout=max(client.timeout_s, 300))
@@ -398,7 +430,8 @@ def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
     if args.wait:
         record = follow(client, args.job_id, LineReporter(), args.interval, events=not args.poll)
     ended_otherwise = record["state"] in ("done", "failed") or (
-        record["state"] == "partial" and not any(t["state"] == "canceled" for t in record["tracks"]))
+        record["state"] == "partial" and not any(t["state"] == "canceled" for t in record["tracks"])
+    )
     states = ", ".join(f"{t['track']}:{t['state']}" for t in record["tracks"])
     print(f"job {args.job_id} {record['state']} (tracks {states})")
     if ended_otherwise:
@@ -451,10 +484,14 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return EXIT_OK
     now = status.get("time") or time.time()
-    workers = [(w["name"], w["status"], w.get("queue"), w.get("device"), gpu_memory(w), current_work(w, now))
-               for w in status["workers"]]
-    queues = [(q["name"], q["waiting"], q["outstanding"], "draining" if q.get("draining") else "routing")
-              for q in status["queues"]]
+    workers = [
+        (w["name"], w["status"], w.get("queue"), w.get("device"), gpu_memory(w), current_work(w, now))
+        for w in status["workers"]
+    ]
+    queues = [
+        (q["name"], q["waiting"], q["outstanding"], "draining" if q.get("draining") else "routing")
+        for q in status["queues"]
+    ]
     print("WORKERS" if workers else "WORKERS: none registered")
     if workers:
         print(format_table(["name", "status", "queue", "device", "gpu mem", "current job/stage"], workers))
@@ -471,8 +508,16 @@ def cmd_jobs(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(jobs, indent=2))
         return EXIT_OK
-    rows = [(j["job_id"], j["kind"], j["state"], j["num_tracks"],
-             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j["created_at"]))) for j in jobs]
+    rows = [
+        (
+            j["job_id"],
+            j["kind"],
+            j["state"],
+            j["num_tracks"],
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j["created_at"])),
+        )
+        for j in jobs
+    ]
     print(format_table(["id", "kind", "state", "tracks", "created"], rows) if rows else "no jobs")
     return EXIT_OK
 
@@ -488,25 +533,33 @@ def add_connection_options(parser: argparse.ArgumentParser, suppress: bool) -> N
     url = argparse.SUPPRESS if settings is None else settings.url
     token = argparse.SUPPRESS if settings is None else settings.token
     parser.add_argument("--url", default=url, help=f"Encore base URL (env ENCORE_URL, default {DEFAULT_WEB_URL})")
-    parser.add_argument("--token", default=token,
-                        help="API token, sent as a Bearer header (env ENCORE_API_TOKEN)")
+    parser.add_argument("--token", default=token, help="API token, sent as a Bearer header (env ENCORE_API_TOKEN)")
 
 
 def add_wait_options(parser: argparse.ArgumentParser, with_flag: bool = True) -> None:
     if with_flag:
         parser.add_argument("--wait", action="store_true", help="follow progress until the job ends and download")
     parser.add_argument("--out", type=Path, help="download folder (default ./encore-<jobid8>/)")
-    parser.add_argument("--progress", choices=["auto", "bars", "lines"], default="auto",
-                        help="progress display: bars on a terminal, lines otherwise (default auto)")
-    parser.add_argument("--interval", type=float, default=0.25,
-                        help="seconds between record reads while following (default 0.25)")
-    parser.add_argument("--poll", action="store_true",
-                        help="poll the job record instead of following its server-sent events")
+    parser.add_argument(
+        "--progress",
+        choices=["auto", "bars", "lines"],
+        default="auto",
+        help="progress display: bars on a terminal, lines otherwise (default auto)",
+    )
+    parser.add_argument(
+        "--interval", type=float, default=0.25, help="seconds between record reads while following (default 0.25)"
+    )
+    parser.add_argument(
+        "--poll", action="store_true", help="poll the job record instead of following its server-sent events"
+    )
 
 
 def add_priority_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--priority", choices=PRIORITIES,
-                        help="orders the job's first stage among those waiting (the server's default: normal)")
+    parser.add_argument(
+        "--priority",
+        choices=PRIORITIES,
+        help="orders the job's first stage among those waiting (the server's default: normal)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -516,8 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     add_connection_options(common, suppress=True)
 
-    submit = commands.add_parser("submit", help="submit a job").add_subparsers(dest="kind", required=True,
-                                                                               metavar="KIND")
+    submit = commands.add_parser("submit", help="submit a job").add_subparsers(
+        dest="kind", required=True, metavar="KIND"
+    )
     music = submit.add_parser("music", parents=[common], help="generate music")
     music.add_argument("--mode", choices=["vocal", "instrumental"])
     music.add_argument("--tags", help="comma-separated style tags")
@@ -570,8 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_argument("--json", action="store_true", help="print the raw job records")
     jobs.set_defaults(handler=cmd_jobs)
 
-    drain = commands.add_parser("drain", parents=[common],
-                                help="stop routing to a queue and move its waiting tracks elsewhere")
+    drain = commands.add_parser(
+        "drain", parents=[common], help="stop routing to a queue and move its waiting tracks elsewhere"
+    )
     drain.add_argument("queue", help="e.g. gpu0")
     drain.set_defaults(handler=cmd_drain)
     resume = commands.add_parser("resume", parents=[common], help="route to a drained queue again")

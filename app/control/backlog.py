@@ -32,6 +32,7 @@ RANK, DEFAULT_RANK: lifecycle.lua_tables); estimate.lua, the estimator, a chunk 
 same round trip as its record) and of this module's script (lua/estimates.lua), after STAGES alone
 (lifecycle.lua_stages). Both come after `lua_backlog()`, this module's constants, generated.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,7 @@ import redis
 
 from app.control.scripts import script
 
-FENWICK_SIZE = 2 ** 40  # seq stays below it (app/priority.RANK_SPAN already assumes fewer than 10**12)
+FENWICK_SIZE = 2**40  # seq stays below it (app/priority.RANK_SPAN already assumes fewer than 10**12)
 GROUP_ORDER = {"r": 0, "w": 1, "q0": 2, "q1": 3, "q2": 4}
 
 
@@ -67,15 +68,26 @@ class Estimates:
         self.prefix = prefix
         self._script = script(client, "estimates", tables, lua_backlog(), libraries=("tracks", "estimate"))
 
-    def read(self, now: float, heads: int, jobs: Sequence[str] = (), queues: Sequence[str] = (),
-             work: tuple[str, float] | None = None, schedules: Sequence[str] = ()) -> dict[str, Any]:
+    def read(
+        self,
+        now: float,
+        heads: int,
+        jobs: Sequence[str] = (),
+        queues: Sequence[str] = (),
+        work: tuple[str, float] | None = None,
+        schedules: Sequence[str] = (),
+    ) -> dict[str, Any]:
         """{"jobs": {id: ETA or None}, "queues": {q: (its seconds, a new track of `work`'s seconds there)},
         "schedules": {q: [(member, finish)...] in the worker's order}}, in one round trip."""
         what: dict[str, Any] = {"jobs": list(jobs), "queues": list(queues), "schedules": list(schedules)}
         if work is not None:
             what["kind"], what["cost"] = work[0], repr(float(work[1]))
         raw = json.loads(self._script(keys=[], args=[self.prefix, repr(now), str(heads), json.dumps(what)]))
-        return {"jobs": {job_id: _number(v) for job_id, v in _dict(raw["jobs"]).items()},
-                "queues": {q: (float(v[0]), float(v[1])) for q, v in _dict(raw["queues"]).items()},
-                "schedules": {q: [(m, float(f)) for m, f in (v if isinstance(v, list) else [])]
-                              for q, v in _dict(raw["schedules"]).items()}}
+        return {
+            "jobs": {job_id: _number(v) for job_id, v in _dict(raw["jobs"]).items()},
+            "queues": {q: (float(v[0]), float(v[1])) for q, v in _dict(raw["queues"]).items()},
+            "schedules": {
+                q: [(m, float(f)) for m, f in (v if isinstance(v, list) else [])]
+                for q, v in _dict(raw["schedules"]).items()
+            },
+        }

@@ -1,5 +1,6 @@
 """What Encore reads and removes in kombu's Redis transport: the per-priority lists of a queue, and the
 `unacked` hash of deliveries a worker holds (acks_late keeps a message there until its task ends)."""
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,9 @@ def drop_unacked(svc: Services, transport_options: dict[str, Any], task_ids: lis
 
 def messages_present(svc: Services, queue: str, transport_options: dict[str, Any]) -> set[str]:
     """Ids of the messages of `queue` still in the broker, and of every delivery not acked yet."""
-    ids = {_message_id(p) for key in broker_lists(queue, transport_options)
-           for p in decoded(svc.redis.lrange(key, 0, -1))}
+    ids = {
+        _message_id(p) for key in broker_lists(queue, transport_options) for p in decoded(svc.redis.lrange(key, 0, -1))
+    }
     unacked, _ = _unacked_keys(transport_options)
     for raw in svc.redis.hvals(unacked):
         try:

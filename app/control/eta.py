@@ -18,6 +18,7 @@ one round trip whatever the number of jobs:
 A stage no queue has learned yet counts its share of the cost (so with nothing learned a track's estimate is
 its cost, the old load); a queue that has not learned a stage another queue has borrows the fleet's mean.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,12 +30,21 @@ from app.control.scripts import script
 from app.control.services import Services
 from app.core.kinds import TERMINAL_STATES
 
+
 def field_name(queue: str, kind: str, stage: str) -> str:
     return f"{queue}|{kind}|{stage}"
 
 
-def learn(svc: Services, queue: str, kind: str, stage: str, seconds: float, cost: float, cold: bool = False,
-          alpha: float | None = None) -> float | None:
+def learn(
+    svc: Services,
+    queue: str,
+    kind: str,
+    stage: str,
+    seconds: float,
+    cost: float,
+    cold: bool = False,
+    alpha: float | None = None,
+) -> float | None:
     """Teach `queue` that `stage` of `kind` took `seconds` for `cost` units (of all the tracks it served);
     returns the new rate (None when the sample says nothing: no queue, no cost)."""
     if not queue or cost <= 0 or seconds < 0 or not math.isfinite(seconds):
@@ -70,12 +80,20 @@ def running_heads(svc: Services) -> int:
 
 def job_etas(svc: Services, records: list[dict[str, Any]]) -> list[float | None]:
     """Each job's `eta_s` (app/control/backlog.py's rule), from one read (none when no track is open on a queue)."""
+
     def on_queue(record: dict[str, Any]) -> bool:
         return any(t["queue"] and t["status"] not in TERMINAL_STATES for t in record["tracks"])
+
     ids = [record["job_id"] for record in records if on_queue(record)]
     etas = svc.jobs.estimates.read(time.time(), running_heads(svc), jobs=ids)["jobs"] if ids else {}
-    return [_rounded(etas.get(record["job_id"])) if on_queue(record)
-            else 0.0 if all(t["status"] in TERMINAL_STATES for t in record["tracks"]) else None for record in records]
+    return [
+        _rounded(etas.get(record["job_id"]))
+        if on_queue(record)
+        else 0.0
+        if all(t["status"] in TERMINAL_STATES for t in record["tracks"])
+        else None
+        for record in records
+    ]
 
 
 def record_with_eta(svc: Services, job_id: str) -> tuple[dict[str, Any] | None, float | None]:

@@ -5,6 +5,7 @@ live (ENCORE_JOB_TTL_S); the same key with another body is a client bug, answere
 One `SET NX` claims the key for (body hash, job id) before the job is written, with a job id drawn first, so
 two concurrent retries can never both create a job: the loser reads the winner's id and waits for its record.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,9 +24,14 @@ from app.control.services import Services
 HEADER = "Idempotency-Key"
 KEY = re.compile(r"[\x21-\x7e]{1,255}", re.ASCII)  # printable ASCII without spaces, as the IETF draft's examples
 PATTERN = r"^[\x21-\x7e]{1,255}$"  # the same, for the OpenAPI document
-OPENAPI_HEADER = {HEADER: {  # the header as the submit routes document it (app/http/openapi.py)
-    "type": "string", "pattern": PATTERN, "description": "a retry with the same key (per token) within the job "
-    "TTL gets the same job (200) instead of a second one; the same key with another body: 409"}}
+OPENAPI_HEADER = {
+    HEADER: {  # the header as the submit routes document it (app/http/openapi.py)
+        "type": "string",
+        "pattern": PATTERN,
+        "description": "a retry with the same key (per token) within the job "
+        "TTL gets the same job (200) instead of a second one; the same key with another body: 409",
+    }
+}
 WAIT_FOR_FIRST_S = 10.0  # how long a retry waits for a concurrent first request to write its job
 
 
@@ -40,10 +46,10 @@ class IdempotencyError(Exception):
 
 @dataclass(frozen=True)
 class Claim:
-    key: str      # the Redis key
-    value: str    # "body hash|job id"
+    key: str  # the Redis key
+    value: str  # "body hash|job id"
     job_id: str
-    fresh: bool   # this request claimed it and must create `job_id` (or release the claim)
+    fresh: bool  # this request claimed it and must create `job_id` (or release the claim)
 
 
 def scope(authorization: str, tokens: tuple[str, ...]) -> str:
@@ -64,6 +70,7 @@ def checked_key(value: str) -> str:
 def json_digest(body: dict[str, Any]) -> str:
     """The body's hash, independent of key order and whitespace."""
     import json
+
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -100,8 +107,7 @@ def release(svc: Services, held: Claim) -> None:
     script(svc.redis, "release_lock")(keys=[held.key], args=[held.value])
 
 
-def submit_once(svc: Services, owner: str, key: str, body_hash: str,
-                create: Callable[[str], str]) -> tuple[str, bool]:
+def submit_once(svc: Services, owner: str, key: str, body_hash: str, create: Callable[[str], str]) -> tuple[str, bool]:
     """`create(job_id)` at most once per key: (job id, whether it is an earlier request's job)."""
     held = claim(svc, owner, key, body_hash)
     if not held.fresh:

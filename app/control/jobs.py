@@ -4,6 +4,7 @@ The layout and every change of a track's state belong to app/control/lifecycle.p
 them in the shape clients see, and names the transitions the web, the router, the reaper and the stages
 make (each one is `Lifecycle.apply`, one atomic step).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,18 +34,28 @@ def _decode_track(raw: dict[str, str]) -> dict[str, Any]:
     return track
 
 
-
 def _decode_job(job_id: str, raw: dict[str, str]) -> dict[str, Any]:
-    return {"job_id": job_id, "kind": raw["kind"], "params": json.loads(raw["params"]),
-            "num_tracks": int(raw["num_tracks"]), "created_at": float(raw["created_at"]),
-            "expires_at": float(raw["expires_at"])}
+    return {
+        "job_id": job_id,
+        "kind": raw["kind"],
+        "params": json.loads(raw["params"]),
+        "num_tracks": int(raw["num_tracks"]),
+        "created_at": float(raw["created_at"]),
+        "expires_at": float(raw["expires_at"]),
+    }
 
 
 class JobStore:
     """Create and read job records; every state change is a named transition (app/control/lifecycle.py)."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "encore", ttl_s: int = 24 * 3600,
-                 events_maxlen: int = 1000, webhook_progress_s: float = 5.0):
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str = "encore",
+        ttl_s: int = 24 * 3600,
+        events_maxlen: int = 1000,
+        webhook_progress_s: float = 5.0,
+    ):
         self.redis = client
         self.prefix = prefix
         self.ttl_s = ttl_s
@@ -82,9 +93,16 @@ class JobStore:
         return decoded(self.redis.smembers(self.keys.queues))
 
     # -- create -------------------------------------------------------------------------------------
-    def create(self, kind: str, params: dict[str, Any], track_params: list[dict[str, Any]],
-               cost: float, job_id: str | None = None, webhook: dict[str, Any] | None = None,
-               priority: str = DEFAULT_PRIORITY) -> str:
+    def create(
+        self,
+        kind: str,
+        params: dict[str, Any],
+        track_params: list[dict[str, Any]],
+        cost: float,
+        job_id: str | None = None,
+        webhook: dict[str, Any] | None = None,
+        priority: str = DEFAULT_PRIORITY,
+    ) -> str:
         """Write a job with one parked track per entry of `track_params` (one round trip); returns its
         unguessable id (`job_id` when the caller drew it first: an idempotent submit claims it before). The
         caller routes it. `webhook` ({"url", "events"}, app/webhooks.check_target) is kept in the job hash,
@@ -93,20 +111,34 @@ class JobStore:
         job_id = job_id or new_job_id()
         now = time.time()
         pipe = self.redis.pipeline()
-        pipe.hset(self.job_key(job_id), mapping={
-            "kind": kind, "params": json.dumps(params), "num_tracks": len(track_params),
-            "created_at": now, "expires_at": now + self.ttl_s, "priority": priority,
-            **{name: 0 for name in _INTERNAL_JOB_FIELDS},
-            **({"webhook": webhook["url"], "webhook_events": ",".join(webhook["events"])} if webhook else {})})
+        pipe.hset(
+            self.job_key(job_id),
+            mapping={
+                "kind": kind,
+                "params": json.dumps(params),
+                "num_tracks": len(track_params),
+                "created_at": now,
+                "expires_at": now + self.ttl_s,
+                "priority": priority,
+                **{name: 0 for name in _INTERNAL_JOB_FIELDS},
+                **({"webhook": webhook["url"], "webhook_events": ",".join(webhook["events"])} if webhook else {}),
+            },
+        )
         pipe.expire(self.job_key(job_id), self.ttl_s)
         for index, extra in enumerate(track_params):
-            self.lifecycle.apply("submit", job_id, index, {"cost": cost},
-                                 {"params": extra, "detail": "waiting for a worker"}, client=pipe)
+            self.lifecycle.apply(
+                "submit",
+                job_id,
+                index,
+                {"cost": cost},
+                {"params": extra, "detail": "waiting for a worker"},
+                client=pipe,
+            )
         pipe.zadd(self.jobs_key, {job_id: now})
         for state in JOB_STATES:  # the gauges' sets lose the ids of expired jobs here
             pipe.zremrangebyscore(self.keys.jobs_in_state(kind, state), "-inf", now)
         replies = pipe.execute()
-        refused = [r for r in replies[2:2 + len(track_params)] if not r[0]]
+        refused = [r for r in replies[2 : 2 + len(track_params)] if not r[0]]
         if refused:
             raise RuntimeError(f"job {job_id}: a track could not be created: {refused}")
         return job_id
@@ -155,13 +187,18 @@ class JobStore:
         job["queue_position"] = min(waiting) if waiting else 0
         job["cancel_requested"] = bool(raw["cancel"])
         if raw["job"].get("webhook"):  # one more read, only for the jobs that asked for webhooks
-            job["webhook"] = {"url": raw["job"]["webhook"], "events": raw["job"]["webhook_events"].split(","),
-                              "deliveries": [json.loads(item) for item in
-                                             self.redis.lrange(self.keys.webhook_deliveries(job_id), 0, -1)]}
+            job["webhook"] = {
+                "url": raw["job"]["webhook"],
+                "events": raw["job"]["webhook_events"].split(","),
+                "deliveries": [
+                    json.loads(item) for item in self.redis.lrange(self.keys.webhook_deliveries(job_id), 0, -1)
+                ],
+            }
         return job
 
-    def events_after(self, job_id: str, after: str, block_ms: int | None = None,
-                     count: int = 500) -> list[tuple[str, dict[str, Any]]]:
+    def events_after(
+        self, job_id: str, after: str, block_ms: int | None = None, count: int = 500
+    ) -> list[tuple[str, dict[str, Any]]]:
         """The job's events after stream id `after` ("0-0": from the first kept), oldest first: at most
         `count`, waiting up to `block_ms` for one when there are none (None: do not wait)."""
         reply = self.redis.xread({self.keys.event_stream(job_id): after}, count=count, block=block_ms)
@@ -194,8 +231,9 @@ class JobStore:
         return dict(zip(pairs, pipe.execute(), strict=True))
 
     # -- transitions (app/lifecycle.TRANSITIONS) ------------------------------------------------------
-    def transition(self, event: str, job_id: str, track: int, fields: dict[str, Any] | None = None,
-                   **args: Any) -> Outcome:
+    def transition(
+        self, event: str, job_id: str, track: int, fields: dict[str, Any] | None = None, **args: Any
+    ) -> Outcome:
         return self.lifecycle.apply(event, job_id, track, args, fields)
 
     def report(self, job_id: str, track: int, owner: str, **fields: Any) -> bool:
@@ -203,12 +241,20 @@ class JobStore:
         return bool(self.transition("report", job_id, track, fields, owner=owner))
 
     def route(self, job_id: str, track: int, queue: str, task_ids: list[str]) -> Outcome:
-        return self.transition("route", job_id, track, {"detail": "queued"}, queue=queue,
-                               task_ids=json.dumps(task_ids), cancel_detail="canceled before it started")
+        return self.transition(
+            "route",
+            job_id,
+            track,
+            {"detail": "queued"},
+            queue=queue,
+            task_ids=json.dumps(task_ids),
+            cancel_detail="canceled before it started",
+        )
 
     def fail(self, job_id: str, track: int, message: str, owner: str = "", steal: str = "") -> bool:
-        return bool(self.transition("fail", job_id, track, {"error": message, "detail": "failed"},
-                                    owner=owner, steal=steal))
+        return bool(
+            self.transition("fail", job_id, track, {"error": message, "detail": "failed"}, owner=owner, steal=steal)
+        )
 
     def cancel(self, job_id: str, track: int, detail: str, owner: str = "", steal: str = "") -> bool:
         return bool(self.transition("cancel", job_id, track, {"detail": detail}, owner=owner, steal=steal))
@@ -262,7 +308,7 @@ PIPELINE_CHUNK = 500
 
 
 def _chunks(items: list[str], size: int) -> list[list[str]]:
-    return [items[start:start + size] for start in range(0, len(items), size)]
+    return [items[start : start + size] for start in range(0, len(items), size)]
 
 
 def overall_state(states: list[str]) -> str:
@@ -277,4 +323,3 @@ def overall_state(states: list[str]) -> str:
     if len(unique) == 1:
         return states[0]
     return "partial" if "done" in unique else (CANCELED if CANCELED in unique else FAILED)
-

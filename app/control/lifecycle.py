@@ -60,6 +60,7 @@ Layout (prefix `encore` by default; job keys expire with the job):
 The script builds the keys of the queue a track is on from its hash, so it runs on a standalone Redis or a
 Sentinel-managed primary, not on Redis Cluster.
 """
+
 from __future__ import annotations
 
 import json
@@ -113,49 +114,111 @@ class Transition:
     target: str
     holder: str
     cancel: bool  # a pending cancel turns it into `canceled` (when the target is not terminal)
-    does: str     # what it means, for the README
+    does: str  # what it means, for the README
 
 
 TRANSITIONS: dict[str, Transition] = {
     "submit": Transition(("new",), CREATED, "free", False, "a new track, routed by its submitter next"),
-    "park": Transition((CREATED,), PARKED, "free", True,
-                       "no live worker (or its submitter died before routing it): waits for one"),
-    "route": Transition((CREATED, PARKED), QUEUED, "free", True,
-                        "put on a live queue, its chain's first message sent"),
-    "unroute": Transition((QUEUED,), PARKED, "free", True,
-                          "taken off a dead or drained queue with its message, before any worker took it"),
-    "start": Transition(("queued@first", "waiting:S", "running:S"), "running:S", "free", True,
-                        "a delivery of the track's current chain starts stage S and takes the lease "
-                        "(from running:S only when the lease is gone or was its own dead child's)"),
-    "adopt": Transition(("queued@first",), "running:S", "free", True,
-                        "a running first stage takes a waiting sibling track into its batch, under its lease"),
+    "park": Transition(
+        (CREATED,), PARKED, "free", True, "no live worker (or its submitter died before routing it): waits for one"
+    ),
+    "route": Transition((CREATED, PARKED), QUEUED, "free", True, "put on a live queue, its chain's first message sent"),
+    "unroute": Transition(
+        (QUEUED,), PARKED, "free", True, "taken off a dead or drained queue with its message, before any worker took it"
+    ),
+    "start": Transition(
+        ("queued@first", "waiting:S", "running:S"),
+        "running:S",
+        "free",
+        True,
+        "a delivery of the track's current chain starts stage S and takes the lease "
+        "(from running:S only when the lease is gone or was its own dead child's)",
+    ),
+    "adopt": Transition(
+        ("queued@first",),
+        "running:S",
+        "free",
+        True,
+        "a running first stage takes a waiting sibling track into its batch, under its lease",
+    ),
     "report": Transition(("running:*",), "same", "lease", False, "progress, detail, artifacts of the running stage"),
     "finish": Transition(("running:S",), "next", "lease", True, "stage S is done: wait for the next, or done"),
-    "release": Transition(("running:S",), QUEUED, "lease", True,
-                          "an adopted track goes back to wait for its own message (its batch failed)"),
-    "restart": Transition((QUEUED, "waiting:*", "running:*"), PARKED, "free", True,
-                          "its stage died (lease expired) or its queue has no consumer: parked to run again "
-                          "from its first unfinished stage; failed after ENCORE_MAX_DELIVERIES restarts"),
-    "resend": Transition((QUEUED, "waiting:*"), "same", "free", False,
-                         "the message it waits for was lost: sent again (a new chain from that stage)"),
+    "release": Transition(
+        ("running:S",),
+        QUEUED,
+        "lease",
+        True,
+        "an adopted track goes back to wait for its own message (its batch failed)",
+    ),
+    "restart": Transition(
+        (QUEUED, "waiting:*", "running:*"),
+        PARKED,
+        "free",
+        True,
+        "its stage died (lease expired) or its queue has no consumer: parked to run again "
+        "from its first unfinished stage; failed after ENCORE_MAX_DELIVERIES restarts",
+    ),
+    "resend": Transition(
+        (QUEUED, "waiting:*"),
+        "same",
+        "free",
+        False,
+        "the message it waits for was lost: sent again (a new chain from that stage)",
+    ),
     "fail": Transition(("open",), FAILED, "free", False, "its stage failed, timed out, or gave up"),
-    "cancel": Transition(("open",), CANCELED, "free", False,
-                         "the job was canceled and no live stage will see the flag (or the stage itself stops)"),
-    "retry": Transition((FAILED, CANCELED), PARKED, "free", False,
-                        "a client re-runs a failed or canceled track (POST /api/v1/jobs/<id>/retry) from its first "
-                        "unfinished stage: counted in `retries`, its restart budget fresh, the job's cancel flag "
-                        "cleared (refused while a sibling is still being canceled)"),
+    "cancel": Transition(
+        ("open",),
+        CANCELED,
+        "free",
+        False,
+        "the job was canceled and no live stage will see the flag (or the stage itself stops)",
+    ),
+    "retry": Transition(
+        (FAILED, CANCELED),
+        PARKED,
+        "free",
+        False,
+        "a client re-runs a failed or canceled track (POST /api/v1/jobs/<id>/retry) from its first "
+        "unfinished stage: counted in `retries`, its restart budget fresh, the job's cancel flag "
+        "cleared (refused while a sibling is still being canceled)",
+    ),
 }
 
 # Track fields stored as JSON (everything else is a plain string). Never decoded by Lua's cjson, which would turn
 # every empty list, however deep, into {}: Python parses them, and the read script splices them in raw.
-JSON_FIELDS = ("progress", "artifacts", "stages", "task_ids", "seq", "attempts", "track", "cost", "restarts", "retries",
-               "song", "version", "params", "updated_at")
+JSON_FIELDS = (
+    "progress",
+    "artifacts",
+    "stages",
+    "task_ids",
+    "seq",
+    "attempts",
+    "track",
+    "cost",
+    "restarts",
+    "retries",
+    "song",
+    "version",
+    "params",
+    "updated_at",
+)
 
 # Fields only the script writes; others (detail, progress, error, stages, artifacts, song, attempts) are
 # passed by the caller and written with the transition.
-STRUCTURAL = ("status", "state", "stage", "queue", "task_ids", "version", "restarts", "retries", "seq", "updated_at",
-              "worker", "cost")
+STRUCTURAL = (
+    "status",
+    "state",
+    "stage",
+    "queue",
+    "task_ids",
+    "version",
+    "restarts",
+    "retries",
+    "seq",
+    "updated_at",
+    "worker",
+    "cost",
+)
 
 
 def _lua_table(value: Any) -> str:
@@ -181,14 +244,18 @@ def lua_stages() -> str:
 def lua_tables() -> str:
     """The transition table, stages, display states and priority ranks as Lua locals (T, STAGES, DISPLAY,
     STRUCTURAL, RANK, ...), for the scripts that change a track."""
-    table = {name: {"sources": list(t.sources), "target": t.target, "holder": t.holder, "cancel": t.cancel}
-             for name, t in TRANSITIONS.items()}
+    table = {
+        name: {"sources": list(t.sources), "target": t.target, "holder": t.holder, "cancel": t.cancel}
+        for name, t in TRANSITIONS.items()
+    }
     display = {kind.name: {stage.name: stage.state for stage in kind.stages} for kind in KINDS.values()}
     ranks = {level: str(rank) for level, rank in RANK.items()}
-    return (f"local T = {_lua_table(table)}\n{lua_stages()}"
-            f"local DISPLAY = {_lua_table(display)}\nlocal STRUCTURAL = {_lua_table({f: True for f in STRUCTURAL})}\n"
-            f"local RANK = {_lua_table(ranks)}\nlocal RANK_SPAN = {RANK_SPAN}\n"
-            f"local DEFAULT_RANK = {RANK[DEFAULT_PRIORITY]}\n")
+    return (
+        f"local T = {_lua_table(table)}\n{lua_stages()}"
+        f"local DISPLAY = {_lua_table(display)}\nlocal STRUCTURAL = {_lua_table({f: True for f in STRUCTURAL})}\n"
+        f"local RANK = {_lua_table(ranks)}\nlocal RANK_SPAN = {RANK_SPAN}\n"
+        f"local DEFAULT_RANK = {RANK[DEFAULT_PRIORITY]}\n"
+    )
 
 
 @dataclass(frozen=True)
@@ -207,8 +274,7 @@ class Outcome:
 class Lifecycle:
     """Runs the transition table against one Redis."""
 
-    def __init__(self, client: redis.Redis, layout: Layout, events_maxlen: int = 1000,
-                 webhook_progress_s: float = 5.0):
+    def __init__(self, client: redis.Redis, layout: Layout, events_maxlen: int = 1000, webhook_progress_s: float = 5.0):
         self.redis = client
         self.layout = layout
         self.events_maxlen = events_maxlen
@@ -219,19 +285,33 @@ class Lifecycle:
         self._forget = script(client, "forget", *writes, libraries=("tracks", "backlog_write"))
         self._snapshot = script(client, "snapshot")
 
-    def apply(self, event: str, job_id: str, track: int, args: dict[str, Any] | None = None,
-              fields: dict[str, Any] | None = None, client: Any = None) -> Outcome:
+    def apply(
+        self,
+        event: str,
+        job_id: str,
+        track: int,
+        args: dict[str, Any] | None = None,
+        fields: dict[str, Any] | None = None,
+        client: Any = None,
+    ) -> Outcome:
         """Make one transition (see TRANSITIONS); `fields` are written with it (non-strings as JSON)."""
         encoded = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (fields or {}).items()}
-        argv = [self.layout.prefix, event, job_id, str(track), repr(time.time()),
-                json.dumps(args or {}), json.dumps(encoded) if encoded else "{}", str(self.events_maxlen),
-                repr(self.webhook_progress_s)]
+        argv = [
+            self.layout.prefix,
+            event,
+            job_id,
+            str(track),
+            repr(time.time()),
+            json.dumps(args or {}),
+            json.dumps(encoded) if encoded else "{}",
+            str(self.events_maxlen),
+            repr(self.webhook_progress_s),
+        ]
         reply = self._script(keys=[], args=argv, client=client or self.redis)
         if client is not None and client is not self.redis:
             return Outcome(True, False, "")  # queued in a pipeline: its reply comes with the pipeline's
         code, status, reason = reply
         return Outcome(code > 0, code == 2, _text(status), _text(reason))
-
 
     def read_job(self, job_id: str, eta_at: float | None = None, heads: int = 0) -> dict[str, Any] | None:
         """The raw job hash, its track hashes (JSON fields decoded; with queue_position, and worker_status for
@@ -248,9 +328,9 @@ class Lifecycle:
         its backlog (app/control/backlog.py). False when the load set did not hold it."""
         return self._forget(keys=[], args=[self.layout.prefix, queue, value]) == 1
 
-
-    def snapshot(self, states: list[tuple[str, str]], stages: list[tuple[str, str]],
-                 list_suffixes: list[str]) -> dict[str, Any]:
+    def snapshot(
+        self, states: list[tuple[str, str]], stages: list[tuple[str, str]], list_suffixes: list[str]
+    ) -> dict[str, Any]:
         """Workers (with their current stage), queues (depths, load, broker messages, drained), parked
         tracks, jobs per (kind, state) in `states` order, submission counters, the stage histograms of
         `stages` and the learned rates, in one round trip (see app/control/snapshot.py)."""

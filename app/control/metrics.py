@@ -9,6 +9,7 @@ sets the track transitions keep (app/control/lifecycle.py), queue and worker gau
 worker registry, GPU gauges from the NVML readings live workers' heartbeats carry (app/adapters/gpu.py; none on a CPU
 host): a scrape costs one round trip, whatever the number of jobs.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,6 +26,7 @@ from app.control.services import Services
 from app.control.snapshot import Snapshot, take_snapshot
 
 STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, math.inf)
+
 
 def observe_stage(svc: Services, kind: str, stage: str, seconds: float, units: float = 0.0) -> None:
     """Count one finished stage in its duration buckets (cumulative, as Prometheus expects) and, when it got
@@ -75,8 +77,9 @@ def _submitted(snapshot: Snapshot) -> CounterMetricFamily:
 
 def _queues(snapshot: Snapshot) -> Iterator[GaugeMetricFamily]:
     waiting = GaugeMetricFamily("encore_queue_waiting_tracks", "Tracks not started yet, per queue", labels=["queue"])
-    outstanding = GaugeMetricFamily("encore_queue_outstanding_tracks", "Tracks queued or running, per queue",
-                                    labels=["queue"])
+    outstanding = GaugeMetricFamily(
+        "encore_queue_outstanding_tracks", "Tracks queued or running, per queue", labels=["queue"]
+    )
     for queue in snapshot.queues:
         waiting.add_metric([queue["name"]], queue["waiting"])
         outstanding.add_metric([queue["name"]], queue["outstanding"])
@@ -96,8 +99,9 @@ def _workers(snapshot: Snapshot) -> GaugeMetricFamily:
 
 
 def _stage_durations(snapshot: Snapshot) -> HistogramMetricFamily:
-    histogram = HistogramMetricFamily("encore_stage_duration_seconds", "Wall time of finished stages",
-                                      labels=["kind", "stage"])
+    histogram = HistogramMetricFamily(
+        "encore_stage_duration_seconds", "Wall time of finished stages", labels=["kind", "stage"]
+    )
     for (kind, stage), raw in snapshot.stages.items():
         if raw:
             buckets = [(_bucket_label(b), float(raw.get(_bucket_label(b), 0))) for b in STAGE_BUCKETS]
@@ -107,13 +111,24 @@ def _stage_durations(snapshot: Snapshot) -> HistogramMetricFamily:
 
 def _stage_throughput(snapshot: Snapshot, alpha: float) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     labels = ["kind", "stage"]
-    units = CounterMetricFamily("encore_stage_units", "Cost units (song seconds for music, audio seconds for "
-                                "lip-sync) finished stages got through, over every track a run served", labels=labels)
-    last = GaugeMetricFamily("encore_stage_last_seconds_per_unit", "Wall seconds per cost unit of the stage's last "
-                             "finished run", labels=labels)
-    average = GaugeMetricFamily("encore_stage_seconds_per_unit", "Wall seconds per cost unit of the stage on the "
-                                "queue, exponentially weighted (ENCORE_ETA_ALPHA, here the newest run "
-                                f"{alpha:g}): the rate its ETAs and routing use", labels=["queue", "kind", "stage"])
+    units = CounterMetricFamily(
+        "encore_stage_units",
+        "Cost units (song seconds for music, audio seconds for "
+        "lip-sync) finished stages got through, over every track a run served",
+        labels=labels,
+    )
+    last = GaugeMetricFamily(
+        "encore_stage_last_seconds_per_unit",
+        "Wall seconds per cost unit of the stage's last finished run",
+        labels=labels,
+    )
+    average = GaugeMetricFamily(
+        "encore_stage_seconds_per_unit",
+        "Wall seconds per cost unit of the stage on the "
+        "queue, exponentially weighted (ENCORE_ETA_ALPHA, here the newest run "
+        f"{alpha:g}): the rate its ETAs and routing use",
+        labels=["queue", "kind", "stage"],
+    )
     for (kind, stage), raw in snapshot.stages.items():
         if raw.get("last_s_per_unit"):
             units.add_metric([kind, stage], float(raw.get("units", 0)))
@@ -125,16 +140,22 @@ def _stage_throughput(snapshot: Snapshot, alpha: float) -> Iterator[GaugeMetricF
     yield average
 
 
-GPU_SERIES = (("memory_used_bytes", "encore_gpu_memory_used_bytes", "GPU memory in use (NVML)"),
-              ("memory_free_bytes", "encore_gpu_memory_free_bytes", "GPU memory free (NVML)"),
-              ("memory_total_bytes", "encore_gpu_memory_total_bytes", "GPU memory in all (NVML)"),
-              ("utilization", "encore_gpu_utilization_ratio", "Share of the last sample period a kernel ran (NVML)"))
+GPU_SERIES = (
+    ("memory_used_bytes", "encore_gpu_memory_used_bytes", "GPU memory in use (NVML)"),
+    ("memory_free_bytes", "encore_gpu_memory_free_bytes", "GPU memory free (NVML)"),
+    ("memory_total_bytes", "encore_gpu_memory_total_bytes", "GPU memory in all (NVML)"),
+    ("utilization", "encore_gpu_utilization_ratio", "Share of the last sample period a kernel ran (NVML)"),
+)
 
 
 def _gpus(snapshot: Snapshot) -> Iterator[GaugeMetricFamily]:
     """Per card of every live worker; no family at all when no worker reads NVML (a CPU host)."""
-    cards = [(worker["name"], card) for worker in snapshot.workers if worker["status"] != "offline"
-             for card in parse_readings(worker.get("gpus"))]
+    cards = [
+        (worker["name"], card)
+        for worker in snapshot.workers
+        if worker["status"] != "offline"
+        for card in parse_readings(worker.get("gpus"))
+    ]
     if not cards:
         return
     labels = ["worker", "gpu", "uuid", "name"]
@@ -142,8 +163,10 @@ def _gpus(snapshot: Snapshot) -> Iterator[GaugeMetricFamily]:
         gauge = GaugeMetricFamily(name, description, labels=labels)
         for worker, card in cards:
             if isinstance(card.get(field), (int, float)):
-                gauge.add_metric([worker, str(card.get("index", "")), str(card.get("uuid", "")),
-                                  str(card.get("name", ""))], float(card[field]))
+                gauge.add_metric(
+                    [worker, str(card.get("index", "")), str(card.get("uuid", "")), str(card.get("name", ""))],
+                    float(card[field]),
+                )
         yield gauge
 
 

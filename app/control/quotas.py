@@ -9,6 +9,7 @@ A job that would pass a cap is not created: QueueFull carries a Retry-After, the
 finish, read from the queues' ETA schedules (app/control/eta.py). The count and the job's write happen under one short
 Redis lock, so concurrent submits cannot both take the last room. With no cap set nothing is counted or locked.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,8 @@ from app.control.scripts import script
 from app.control.services import Services
 
 UNKNOWN_WAIT_S = 60  # Retry-After when no schedule says when room comes (every open track parked)
-LOCK_S = 5.0         # the lock's expiry (a web process that dies holding it delays admissions this long)
-LOCK_WAIT_S = 5.0    # how long a submit waits for the lock before it is refused (Retry-After 1)
+LOCK_S = 5.0  # the lock's expiry (a web process that dies holding it delays admissions this long)
+LOCK_WAIT_S = 5.0  # how long a submit waits for the lock before it is refused (Retry-After 1)
 
 
 class QueueFull(Exception):
@@ -38,9 +39,9 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class OpenTracks:
-    unrouted: int              # created (not routed yet) and parked tracks
-    on_queue: dict[str, int]   # open tracks per known queue
-    live: list[str]            # live, not drained queues (where new tracks can go)
+    unrouted: int  # created (not routed yet) and parked tracks
+    on_queue: dict[str, int]  # open tracks per known queue
+    live: list[str]  # live, not drained queues (where new tracks can go)
 
     @property
     def total(self) -> int:
@@ -87,24 +88,31 @@ def check(svc: Services, num_tracks: int) -> None:
     if cap and counts.total + num_tracks > cap:
         need = counts.total + num_tracks - cap
         wait = _wait(svc, counts.on_queue, need, lambda queue: 0)
-        raise QueueFull(f"queue full: {counts.total} tracks are open and the service takes at most {cap}; this job "
-                        f"has {num_tracks}", wait)
+        raise QueueFull(
+            f"queue full: {counts.total} tracks are open and the service takes at most {cap}; this job "
+            f"has {num_tracks}",
+            wait,
+        )
     per_queue = settings.max_queued_tracks_per_queue
     if per_queue and counts.live:
         room = sum(max(0, per_queue - counts.on_queue.get(q, 0)) for q in counts.live) - counts.unrouted
         if room < num_tracks:
             live = {q: counts.on_queue.get(q, 0) for q in counts.live}
             wait = _wait(svc, live, num_tracks - room, lambda queue: max(0, live[queue] - per_queue))
-            raise QueueFull(f"queue full: every GPU queue holds its {per_queue} open tracks (room for "
-                            f"{max(room, 0)}); this job has {num_tracks}", wait)
+            raise QueueFull(
+                f"queue full: every GPU queue holds its {per_queue} open tracks (room for "
+                f"{max(room, 0)}); this job has {num_tracks}",
+                wait,
+            )
 
 
 def _wait(svc: Services, on_queue: dict[str, int], need: int, skip) -> int:
     """Whole seconds until `need` tracks have finished on the queues in `on_queue` whose finishing frees room
     (the first `skip(queue)` finishes on an over-full queue free none), by the queues' ETA schedules."""
     schedules = finishes(svc, on_queue)
-    frees = sorted(finish for queue in on_queue
-                   for finish in sorted(f for _, f in schedules.get(queue, []))[skip(queue):])
+    frees = sorted(
+        finish for queue in on_queue for finish in sorted(f for _, f in schedules.get(queue, []))[skip(queue) :]
+    )
     if need <= 0 or len(frees) < need:
         return UNKNOWN_WAIT_S
     return max(1, math.ceil(frees[need - 1]))

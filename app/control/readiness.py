@@ -8,6 +8,7 @@ each worker's heartbeat lists the kinds it serves (`kinds`) and its pool child, 
 `python -m app.control.readiness <worker name>` exits 0 when that one worker is ready (docker-compose's worker
 healthcheck); without a name, when the deployment is.
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,8 +29,7 @@ def worker_readiness(worker: dict[str, Any]) -> dict[str, Any]:
     kinds = _names(worker.get("kinds")) or sorted(KINDS)  # a worker from before `kinds` serves them all
     loaded = _names(worker.get("models_loaded"))
     missing = [kind for kind in kinds if kind not in loaded]
-    return {"name": worker["name"], "kinds": kinds, "models_loaded": loaded, "ready": not missing,
-            "missing": missing}
+    return {"name": worker["name"], "kinds": kinds, "models_loaded": loaded, "ready": not missing, "missing": missing}
 
 
 def readiness(svc: Services) -> tuple[bool, dict[str, Any]]:
@@ -55,6 +55,7 @@ def _reason(entries: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from app.control.services import services
+
     args = list(sys.argv[1:] if argv is None else argv)
     svc = services()
     ready, body = readiness(svc)

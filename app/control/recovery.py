@@ -19,6 +19,7 @@ The old chain's messages of a moved track are dropped from the broker lists and 
 hash (kombu would restore them after the visibility timeout); should one still come, the stage's start
 refuses it: it is not of the track's current chain.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,16 @@ from app.control.broker import broker_lists, drop_messages, drop_unacked, messag
 from app.core.joblog import job_event
 from app.core.kinds import KINDS
 from app.control.lifecycle import QUEUED, parse_member
-from app.control.routing import (chain_start, enqueue_track, expected_task_id, known_queues, pick_queue, routable_queues,
-                         resend, unroute_waiting)
+from app.control.routing import (
+    chain_start,
+    enqueue_track,
+    expected_task_id,
+    known_queues,
+    pick_queue,
+    routable_queues,
+    resend,
+    unroute_waiting,
+)
 from app.control.services import Services
 
 log = logging.getLogger("encore.recovery")
@@ -48,8 +57,9 @@ def finished_stages(svc: Services, job_id: str, record: dict[str, Any]) -> dict[
     return {name: stage for name, stage in record["stages"].items() if stage.get("finished_at")}
 
 
-def restart_track(svc: Services, celery: Celery, job_id: str, track: int, record: dict[str, Any], why: str,
-                  back_to: str | None = None) -> str:
+def restart_track(
+    svc: Services, celery: Celery, job_id: str, track: int, record: dict[str, Any], why: str, back_to: str | None = None
+) -> str:
     """Park a started track to run again (the `restart` transition: refused while anyone holds its lease),
     drop its old chain's messages, and route it: to `back_to` when given and live, else where routing picks.
     Returns "restarted", "failed" (too many restarts), "canceled" (a cancel was pending) or "" (left alone)."""
@@ -57,11 +67,19 @@ def restart_track(svc: Services, celery: Celery, job_id: str, track: int, record
     resume = f"after {', '.join(kept)}" if kept else "from its first stage"
     restarts = int(record.get("restarts", 0))
     outcome = svc.jobs.transition(
-        "restart", job_id, track, {"stages": kept, "progress": 0.0,
-                                   "detail": f"restarting {resume}: {why} during {record['stage'] or 'its chain'}"},
-        max_restarts=svc.settings.max_deliveries, cancel_detail=f"canceled during {record['stage'] or 'its chain'}",
+        "restart",
+        job_id,
+        track,
+        {
+            "stages": kept,
+            "progress": 0.0,
+            "detail": f"restarting {resume}: {why} during {record['stage'] or 'its chain'}",
+        },
+        max_restarts=svc.settings.max_deliveries,
+        cancel_detail=f"canceled during {record['stage'] or 'its chain'}",
         give_up=f"its stage died {restarts + 1} times ({why}, last on {record['worker'] or record['queue']}); "
-                f"giving up")
+        f"giving up",
+    )
     if not outcome:
         return ""
     _drop_chain(svc, celery, record)
@@ -98,14 +116,17 @@ def retry_job(svc: Services, celery: Celery, job_id: str) -> list[int]:
     most = svc.settings.max_retries
     spent = [t["track"] for t in ended if int(t.get("retries") or 0) >= most]
     if spent:
-        raise RetryLimit(f"track {spent[0]} was retried {most} times, the most this server allows "
-                         "(ENCORE_MAX_RETRIES)")
+        raise RetryLimit(f"track {spent[0]} was retried {most} times, the most this server allows (ENCORE_MAX_RETRIES)")
     retried = []
     for track in ended:
         kept = finished_stages(svc, job_id, track)
         resume = f"after {', '.join(kept)}" if kept else "from its first stage"
-        outcome = svc.jobs.transition("retry", job_id, track["track"], {
-            "stages": kept, "progress": 0.0, "error": "", "detail": f"retrying {resume} (was {track['status']})"})
+        outcome = svc.jobs.transition(
+            "retry",
+            job_id,
+            track["track"],
+            {"stages": kept, "progress": 0.0, "error": "", "detail": f"retrying {resume} (was {track['status']})"},
+        )
         if outcome:
             retried.append(track["track"])
     for track in retried:
@@ -134,8 +155,11 @@ def reap(svc: Services, celery: Celery) -> int:
         acted = 0
         workers = svc.workers.workers()
         live = set(svc.workers.live_queues(workers))
-        check_stalls = bool(svc.redis.set(svc.jobs.keys.lock("stall-check"), "1", nx=True,
-                                          ex=max(1, int(svc.settings.stall_after_s / 2))))
+        check_stalls = bool(
+            svc.redis.set(
+                svc.jobs.keys.lock("stall-check"), "1", nx=True, ex=max(1, int(svc.settings.stall_after_s / 2))
+            )
+        )
         for queue in known_queues(svc, workers):
             acted += _reap_queue(svc, celery, queue, live, check_stalls)
         return acted + _park_abandoned(svc)  # the heartbeat routes what is parked next
@@ -150,8 +174,13 @@ def _park_abandoned(svc: Services) -> int:
     stale = svc.redis.zrangebyscore(svc.jobs.keys.created, "-inf", time.time() - svc.settings.stall_after_s)
     for value in decoded_members(stale):
         job_id, track = parse_member(value)
-        if svc.jobs.transition("park", job_id, track, {"detail": "waiting for a worker (its submitter stopped)"},
-                               cancel_detail="canceled before it started"):
+        if svc.jobs.transition(
+            "park",
+            job_id,
+            track,
+            {"detail": "waiting for a worker (its submitter stopped)"},
+            cancel_detail="canceled before it started",
+        ):
             job_event(log, "parked", job_id, track=track, reason="never routed", level=logging.WARNING)
             parked += 1
         elif svc.jobs.track(job_id, track) is None:  # expired
@@ -208,8 +237,9 @@ def _unchanged(svc: Services, job_id: str, track: int, record: dict[str, Any]) -
     return current is not None and current.get("version") == record.get("version")
 
 
-def _lease_expired(svc: Services, celery: Celery, job_id: str, track: int, record: dict[str, Any], queue: str,
-                   live: set[str]) -> int:
+def _lease_expired(
+    svc: Services, celery: Celery, job_id: str, track: int, record: dict[str, Any], queue: str, live: set[str]
+) -> int:
     stage = record["stage"] or "its stage"
     if svc.jobs.cancel_requested(job_id):
         ended = svc.jobs.cancel(job_id, track, f"canceled during {stage} (its stage had stopped)")
@@ -217,21 +247,31 @@ def _lease_expired(svc: Services, celery: Celery, job_id: str, track: int, recor
             _drop_chain(svc, celery, record)  # the dead stage's delivery would come back after the timeout
             job_event(log, "canceled", job_id, track=track, queue=queue, reason="no live lease")
         return int(ended)
-    outcome = restart_track(svc, celery, job_id, track, record,
-                            f"the lease of {record['worker'] or 'its worker'} expired", back_to=queue)
+    outcome = restart_track(
+        svc, celery, job_id, track, record, f"the lease of {record['worker'] or 'its worker'} expired", back_to=queue
+    )
     return _logged(outcome, job_id, track, queue, "lease expired", stage=stage)
 
 
 def _logged(outcome: str, job_id: str, track: int, queue: str, reason: str, **extra: Any) -> int:
     if outcome:
         event = {"restarted": "restarting"}.get(outcome, outcome)
-        job_event(log, event, job_id, track=track, queue=queue, reason=reason,
-                  level=logging.ERROR if outcome == "failed" else logging.WARNING, **extra)
+        job_event(
+            log,
+            event,
+            job_id,
+            track=track,
+            queue=queue,
+            reason=reason,
+            level=logging.ERROR if outcome == "failed" else logging.WARNING,
+            **extra,
+        )
     return int(bool(outcome))
 
 
-def _resend_if_lost(svc: Services, celery: Celery, job_id: str, track: int, record: dict[str, Any], queue: str,
-                    present: set[str]) -> int:
+def _resend_if_lost(
+    svc: Services, celery: Celery, job_id: str, track: int, record: dict[str, Any], queue: str, present: set[str]
+) -> int:
     job = svc.jobs.job(job_id)
     if job is None or record["queue"] != queue or not record["task_ids"]:
         return 0
@@ -241,7 +281,16 @@ def _resend_if_lost(svc: Services, celery: Celery, job_id: str, track: int, reco
     if expected is None or expected in present or not _unchanged(svc, job_id, track, record):
         return 0  # its message is there, or the track moved on since its record was read (it was not lost)
     if resend(svc, celery, job_id, track, record, queue):
-        job_event(log, "resent", job_id, track=track, queue=queue, stage=stage, task_id=expected,
-                  reason="its message was in no broker list and not delivered", level=logging.WARNING)
+        job_event(
+            log,
+            "resent",
+            job_id,
+            track=track,
+            queue=queue,
+            stage=stage,
+            task_id=expected,
+            reason="its message was in no broker list and not delivered",
+            level=logging.WARNING,
+        )
         return 1
     return 0

@@ -16,6 +16,7 @@
 - A chain starts at the track's first unfinished stage (a resumed music track skips what it already has);
   its task ids are those of the kind's last stages, so the id a waiting track expects is known.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,7 @@ def routable_queues(svc: Services, workers: list[dict] | None = None) -> list[st
     return sorted(set(svc.workers.live_queues(workers)) - draining(svc))
 
 
-def pick_queue(svc: Services, workers: list[dict] | None = None,
-               work: tuple[str, float] | None = None) -> str | None:
+def pick_queue(svc: Services, workers: list[dict] | None = None, work: tuple[str, float] | None = None) -> str | None:
     """The live, not drained queue with room where a new track (`work`: its kind and cost) would be done
     soonest, its outstanding seconds plus the track's own there (without `work`: the least outstanding seconds);
     ties go to the lowest name."""
@@ -114,8 +114,9 @@ def expected_task_id(kind: JobKind, record: dict[str, Any], stage: str) -> str |
     return ids[index] if 0 <= index < len(ids) else None
 
 
-def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str, start: int = 0,
-                priority: str = DEFAULT_PRIORITY) -> tuple[chain, list[str]]:
+def build_chain(
+    celery: Celery, kind: JobKind, ref: dict, queue: str, start: int = 0, priority: str = DEFAULT_PRIORITY
+) -> tuple[chain, list[str]]:
     """The chain of `kind`'s stages from index `start`, on `queue`, with fresh task ids; its first stage (when
     the chain has it) is sent with `priority`'s level, later ones above every level."""
     signatures, task_ids = [], []
@@ -123,8 +124,11 @@ def build_chain(celery: Celery, kind: JobKind, ref: dict, queue: str, start: int
         task_id = uuid.uuid4().hex
         message_priority = first_stage_priority(priority) if index == 0 else LATER_STAGE_PRIORITY
         args = (ref,) if index == start else ()
-        signatures.append(celery.signature(
-            stage.task, args=args, queue=queue, priority=message_priority, task_id=task_id, immutable=False))
+        signatures.append(
+            celery.signature(
+                stage.task, args=args, queue=queue, priority=message_priority, task_id=task_id, immutable=False
+            )
+        )
         task_ids.append(task_id)
     return chain(*signatures), task_ids
 
@@ -143,8 +147,14 @@ def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue:
     if job is None or record is None or record["status"] not in (CREATED, PARKED):
         return False
     kind = KINDS[job["kind"]]
-    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue,
-                                     first_unfinished(kind, record["stages"]), job_priority(job))
+    workflow, task_ids = build_chain(
+        celery,
+        kind,
+        {"job_id": job_id, "track": track},
+        queue,
+        first_unfinished(kind, record["stages"]),
+        job_priority(job),
+    )
     outcome = svc.jobs.route(job_id, track, queue, task_ids)
     if outcome.canceled:
         job_event(log, "canceled", job_id, track=track, reason="canceled while waiting to be routed")
@@ -164,8 +174,7 @@ def resend(svc: Services, celery: Celery, job_id: str, track: int, record: dict[
         return False
     kind = KINDS[job["kind"]]
     start = first_unfinished(kind, record["stages"])
-    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue, start,
-                                     job_priority(job))
+    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue, start, job_priority(job))
     if not svc.jobs.transition("resend", job_id, track, {"detail": record["detail"]}, task_ids=json.dumps(task_ids)):
         return False
     workflow.apply_async()
@@ -178,8 +187,9 @@ def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> No
     for track in range(num_tracks):
         queue = pick_queue(svc, work=work)
         if queue is None:
-            if svc.jobs.transition("park", job_id, track, {"detail": "waiting for a worker"},
-                                   cancel_detail="canceled before it started"):
+            if svc.jobs.transition(
+                "park", job_id, track, {"detail": "waiting for a worker"}, cancel_detail="canceled before it started"
+            ):
                 job_event(log, "parked", job_id, track=track, reason="no live worker")
         else:
             enqueue_track(svc, celery, job_id, track, queue)
@@ -210,8 +220,13 @@ def unroute_waiting(svc: Services, queue: str, transport_options: dict[str, Any]
             continue
         found = find_message(svc.redis, lists, record["task_ids"][0])
         if found is not None and svc.jobs.transition(
-                "unroute", job_id, track, {"detail": f"moving: no worker on {queue}"}, lrem=list(found),
-                cancel_detail="canceled before it started"):
+            "unroute",
+            job_id,
+            track,
+            {"detail": f"moving: no worker on {queue}"},
+            lrem=list(found),
+            cancel_detail="canceled before it started",
+        ):
             moved.append(member(job_id, track))
     return moved
 

@@ -6,6 +6,7 @@ A script is composed of: the generated `keys_under` of app/core/keys.py (so the 
 Python), any preludes generated from other Python tables (the lifecycle's transition table and stages, the
 backlog's constants), the library chunks it uses (lua/tracks.lua, lua/backlog_write.lua, lua/estimate.lua:
 local functions shared by several scripts), then its own body."""
+
 from __future__ import annotations
 
 from functools import cache

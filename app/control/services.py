@@ -1,5 +1,6 @@
 """The shared handles every process needs (Redis clients, job store, worker registry, artifact store, and the
 ffmpeg/ffprobe the pipeline's media calls are given)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,9 @@ def build_services(settings: Settings) -> Services:
     return Services(
         settings=settings,
         redis=text_client,
-        jobs=JobStore(text_client, settings.key_prefix, settings.job_ttl_s, settings.events_maxlen,
-                      settings.webhook_progress_s),
+        jobs=JobStore(
+            text_client, settings.key_prefix, settings.job_ttl_s, settings.events_maxlen, settings.webhook_progress_s
+        ),
         workers=WorkerRegistry(text_client, settings.key_prefix, settings.heartbeat_s),
         artifacts=open_store(settings, bytes_client),
         media=MediaTools.of(settings),

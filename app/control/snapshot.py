@@ -1,5 +1,6 @@
 """One consistent read of everything the operator views show (GET /api/v1/status, GET /metrics, Khala's
 GET /status): a single Lua round trip (app/lifecycle.Lifecycle.snapshot), whatever the number of jobs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,13 +15,13 @@ from app.control.workers import worker_entry
 
 @dataclass(frozen=True)
 class Snapshot:
-    workers: list[dict[str, Any]]            # as WorkerRegistry.workers() gives them
-    queues: list[dict[str, Any]]             # name, waiting, outstanding, estimated_load, broker_messages, draining
+    workers: list[dict[str, Any]]  # as WorkerRegistry.workers() gives them
+    queues: list[dict[str, Any]]  # name, waiting, outstanding, estimated_load, broker_messages, draining
     unrouted: int
-    jobs: dict[tuple[str, str], int]         # (kind, overall state) -> jobs held in Redis
-    submitted: dict[str, int]                # kind -> jobs accepted since Redis was created
+    jobs: dict[tuple[str, str], int]  # (kind, overall state) -> jobs held in Redis
+    submitted: dict[str, int]  # kind -> jobs accepted since Redis was created
     stages: dict[tuple[str, str], dict[str, str]]  # (kind, stage) -> its duration histogram's raw counters
-    rates: dict[str, str]                    # the learned seconds per cost unit, raw (app/control/eta.py)
+    rates: dict[str, str]  # the learned seconds per cost unit, raw (app/control/eta.py)
 
 
 def take_snapshot(svc: Services, transport_options: dict[str, Any]) -> Snapshot:
@@ -28,14 +29,26 @@ def take_snapshot(svc: Services, transport_options: dict[str, Any]) -> Snapshot:
     stages = [(kind, stage.name) for kind in sorted(KINDS) for stage in KINDS[kind].stages]
     raw = svc.jobs.lifecycle.snapshot(states, stages, broker_lists("", transport_options))
     workers = [worker_entry(w["name"], _dict(w["info"]), _dict(w["current"])) for w in _list(raw["workers"])]
-    queues = [{"name": q["name"], "waiting": q["waiting"], "outstanding": q["outstanding"],
-               "estimated_load": q["cost"] / 1000, "broker_messages": q["broker_messages"], "draining": q["draining"]}
-              for q in _list(raw["queues"])]
-    return Snapshot(workers=workers, queues=queues, unrouted=raw["unrouted"],
-                    jobs=dict(zip(states, _list(raw["jobs"]), strict=True)),
-                    submitted={kind: int(n) for kind, n in _dict(raw["submitted"]).items()},
-                    stages={pair: _dict(h) for pair, h in zip(stages, _list(raw["stages"]), strict=True)},
-                    rates=_dict(raw.get("rates")))
+    queues = [
+        {
+            "name": q["name"],
+            "waiting": q["waiting"],
+            "outstanding": q["outstanding"],
+            "estimated_load": q["cost"] / 1000,
+            "broker_messages": q["broker_messages"],
+            "draining": q["draining"],
+        }
+        for q in _list(raw["queues"])
+    ]
+    return Snapshot(
+        workers=workers,
+        queues=queues,
+        unrouted=raw["unrouted"],
+        jobs=dict(zip(states, _list(raw["jobs"]), strict=True)),
+        submitted={kind: int(n) for kind, n in _dict(raw["submitted"]).items()},
+        stages={pair: _dict(h) for pair, h in zip(stages, _list(raw["stages"]), strict=True)},
+        rates=_dict(raw.get("rates")),
+    )
 
 
 def _list(value: Any) -> list:

@@ -9,6 +9,7 @@ its child is running. Routing and /api/v1/status read it (no broadcast `inspect`
   {p}:queue:{q}:live_at       last heartbeat of a worker consuming q (how long a queue has had no consumer)
 (key builders: app/core/keys.py)
 """
+
 from __future__ import annotations
 
 import os
@@ -94,7 +95,10 @@ class WorkerRegistry:
             pipe.hgetall(self._key(name))
             pipe.hgetall(self.keys.worker_current(name))
         replies = pipe.execute()
-        return [worker_entry(name, info, current) for name, info, current in zip(names, replies[0::2], replies[1::2], strict=True)]
+        return [
+            worker_entry(name, info, current)
+            for name, info, current in zip(names, replies[0::2], replies[1::2], strict=True)
+        ]
 
     def live_queues(self, workers: list[dict[str, Any]] | None = None) -> list[str]:
         """Queues of live workers, from `workers` when the caller already read them."""
@@ -108,8 +112,16 @@ def worker_entry(name: str, info: dict[str, str], current: dict[str, str]) -> di
     # Live once its master's heartbeat wrote the entry (a child's model report can come first).
     status = "offline" if not info.get("last_seen") else ("busy" if current else "idle")
     entry: dict[str, Any] = {"name": name, "status": status, **info}
-    entry["current"] = ({"job_id": current["job_id"], "track": int(current["track"]), "stage": current["stage"],
-                         "since": float(current["since"])} if current and info else None)
+    entry["current"] = (
+        {
+            "job_id": current["job_id"],
+            "track": int(current["track"]),
+            "stage": current["stage"],
+            "since": float(current["since"]),
+        }
+        if current and info
+        else None
+    )
     return entry
 
 

@@ -3,6 +3,7 @@ printed from this module by scripts/config_table.py).
 
 Settings are read when `load_settings()` is called, so tests and the demo can set the environment first.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -53,16 +54,19 @@ def _time_limits(spec: str) -> dict[str, tuple[float | None, float]]:
     return limits
 
 
-MODEL_PATH_VARIABLES = {"tokenizer_subdir": "ENCORE_TOKENIZER_DIR", "backbone_subdir": "ENCORE_BACKBONE_DIR",
-                        "superres_subdir": "ENCORE_SUPERRES_DIR", "codec_file": "ENCORE_CODEC_FILE"}
+MODEL_PATH_VARIABLES = {
+    "tokenizer_subdir": "ENCORE_TOKENIZER_DIR",
+    "backbone_subdir": "ENCORE_BACKBONE_DIR",
+    "superres_subdir": "ENCORE_SUPERRES_DIR",
+    "codec_file": "ENCORE_CODEC_FILE",
+}
 
 DEFAULT_WEB_URL = "http://127.0.0.1:8000"
 
 RATE_LIMIT_STRATEGIES = ("fixed-window", "moving-window", "sliding-window-counter")  # limits' names
 
 DEFAULT_TIME_LIMITS = (
-    "backbone=1500/1560,superres=900/960,decode=900/960,export=300/330,"
-    "prepare=300/330,lipsync=1500/1560,mux=300/330"
+    "backbone=1500/1560,superres=900/960,decode=900/960,export=300/330,prepare=300/330,lipsync=1500/1560,mux=300/330"
 )
 
 
@@ -86,8 +90,9 @@ def _api_tokens(text: str) -> tuple[str, ...]:
     tokens = tuple(part.strip() for part in text.split(","))
     for number, token in enumerate(tokens, 1):
         if not token:
-            raise ValueError(f"API_TOKEN: entry {number} of {len(tokens)} is empty (unset API_TOKEN for no "
-                             "authentication)")
+            raise ValueError(
+                f"API_TOKEN: entry {number} of {len(tokens)} is empty (unset API_TOKEN for no authentication)"
+            )
         if any(c.isspace() for c in token):
             raise ValueError(f"API_TOKEN: entry {number} holds white space, which a bearer token cannot carry")
     return tokens
@@ -176,7 +181,9 @@ class Settings:
     redis_url: str = field(default_factory=lambda: _env("REDIS_URL", "redis://127.0.0.1:6379/0"), repr=False)
     # Redis Sentinel (app/adapters/redis_conn.py): "host:port,host:port,..." of the sentinels and the monitored primary's
     # name; then REDIS_URL only gives the database and the primary's password. Sentinels' own password apart.
-    redis_sentinels: tuple[tuple[str, int], ...] = field(default_factory=lambda: _sentinels(_env("REDIS_SENTINELS", "")))
+    redis_sentinels: tuple[tuple[str, int], ...] = field(
+        default_factory=lambda: _sentinels(_env("REDIS_SENTINELS", ""))
+    )
     redis_sentinel_master: str = field(default_factory=lambda: _env("REDIS_SENTINEL_MASTER", "mymaster"))
     redis_sentinel_password: str = field(default_factory=lambda: _env("REDIS_SENTINEL_PASSWORD", ""), repr=False)
     key_prefix: str = field(default_factory=lambda: _env("ENCORE_KEY_PREFIX", "encore"))
@@ -194,14 +201,20 @@ class Settings:
     # unset: boto3's own chain (a profile, an instance role).
     s3_access_key: str = field(default_factory=lambda: _env("AWS_ACCESS_KEY_ID", ""), repr=False)
     s3_secret_key: str = field(default_factory=lambda: _env("AWS_SECRET_ACCESS_KEY", ""), repr=False)
-    s3_presign_s: int = field(default_factory=lambda: _int("ENCORE_S3_PRESIGN_S", "900")
-                              if _env("ENCORE_S3_PRESIGN", "0") == "1" else 0)
-    worker_cache_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_WORKER_CACHE_DIR", "var/worker-cache")).resolve())
+    s3_presign_s: int = field(
+        default_factory=lambda: _int("ENCORE_S3_PRESIGN_S", "900") if _env("ENCORE_S3_PRESIGN", "0") == "1" else 0
+    )
+    worker_cache_dir: Path = field(
+        default_factory=lambda: Path(_env("ENCORE_WORKER_CACHE_DIR", "var/worker-cache")).resolve()
+    )
     music_profile: str = field(default_factory=lambda: _env("ENCORE_MUSIC_PROFILE", "tiny"))
     model_dir: str | None = field(default_factory=lambda: os.environ.get("ENCORE_MODEL_DIR"))
     # Each model's location, overriding the profile's layout under ENCORE_MODEL_DIR (absolute, or relative to it).
-    model_paths: dict[str, str] = field(default_factory=lambda: {
-        name: os.environ[variable] for name, variable in MODEL_PATH_VARIABLES.items() if os.environ.get(variable)})
+    model_paths: dict[str, str] = field(
+        default_factory=lambda: {
+            name: os.environ[variable] for name, variable in MODEL_PATH_VARIABLES.items() if os.environ.get(variable)
+        }
+    )
     song_end: str | None = field(default_factory=lambda: os.environ.get("ENCORE_SONG_END") or None)
     song_margin_s: float = field(default_factory=lambda: _float("ENCORE_SONG_MARGIN_S", "90"))
     runtime_mode: str = field(default_factory=lambda: _env("ENCORE_RUNTIME_MODE", "keep_loaded"))
@@ -213,7 +226,8 @@ class Settings:
     max_lyrics_chars: int = field(default_factory=lambda: _int("ENCORE_MAX_LYRICS_CHARS", "8000"))
     max_text_chars: int = field(default_factory=lambda: _int("ENCORE_MAX_TEXT_CHARS", "1000"))
     time_limits: dict[str, tuple[float | None, float]] = field(
-        default_factory=lambda: {**_time_limits(DEFAULT_TIME_LIMITS), **_time_limits(_env("ENCORE_TIME_LIMITS", ""))})
+        default_factory=lambda: {**_time_limits(DEFAULT_TIME_LIMITS), **_time_limits(_env("ENCORE_TIME_LIMITS", ""))}
+    )
     max_deliveries: int = field(default_factory=lambda: _int("ENCORE_MAX_DELIVERIES", "3"))
     # How often a client may retry one track (POST /api/v1/jobs/<id>/retry): each retry costs GPU time again.
     max_retries: int = field(default_factory=lambda: _int("ENCORE_MAX_RETRIES", "5"))
@@ -241,8 +255,9 @@ class Settings:
     max_video_s: float = field(default_factory=lambda: _float("ENCORE_MAX_VIDEO_S", "300"))
     # A lip-sync job's decoded source frames in the worker's scratch (RGB, the frames its output shows).
     max_scratch_mb: float = field(default_factory=lambda: _float("ENCORE_MAX_SCRATCH_MB", "16384"))
-    max_video_frame_pixels: int = field(default_factory=lambda: _int("ENCORE_MAX_VIDEO_FRAME_PIXELS",
-                                                                     str(300 * 30 * 1920 * 1080)))
+    max_video_frame_pixels: int = field(
+        default_factory=lambda: _int("ENCORE_MAX_VIDEO_FRAME_PIXELS", str(300 * 30 * 1920 * 1080))
+    )
     upload_dir: Path = field(default_factory=lambda: Path(_env("ENCORE_UPLOAD_DIR", "var/uploads")).resolve())
     ffmpeg_timeout_s: float = field(default_factory=lambda: _float("ENCORE_FFMPEG_TIMEOUT_S", "600"))
     # The ffmpeg / ffprobe every media call runs (app/pipeline/media/ffmpeg.py), the music export's pydub too.
@@ -263,8 +278,9 @@ class Settings:
     lipsync_warmup: bool = field(default_factory=lambda: _env("ENCORE_LIPSYNC_WARMUP", "1") == "1")
     api_tokens: tuple[str, ...] = field(default_factory=lambda: _api_tokens(_env("API_TOKEN", "")), repr=False)
     compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))
-    tags_file: Path | None = field(default_factory=lambda: Path(os.environ["ENCORE_TAGS_FILE"])
-                                   if os.environ.get("ENCORE_TAGS_FILE") else None)
+    tags_file: Path | None = field(
+        default_factory=lambda: Path(os.environ["ENCORE_TAGS_FILE"]) if os.environ.get("ENCORE_TAGS_FILE") else None
+    )
     # What the worker is pinned to (worker_entrypoint.sh sets it), shown in its registry entry; never read to
     # pick a device: CUDA itself honours it.
     cuda_visible_devices: str = field(default_factory=lambda: _env("CUDA_VISIBLE_DEVICES", ""))
@@ -296,10 +312,16 @@ class Settings:
     # their backoff, the request timeout, how many attempts a job keeps, and the least seconds between a job's
     # progress webhooks.
     webhook_secret: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_SECRET", ""), repr=False)
-    webhook_hosts: tuple[str, ...] = field(default_factory=lambda: tuple(
-        h.strip().lower() for h in _env("ENCORE_WEBHOOK_HOSTS", "").split(",") if h.strip()))
-    webhook_allow_private: tuple[str, ...] = field(default_factory=lambda: tuple(
-        h.strip().lower() for h in _env("ENCORE_WEBHOOK_ALLOW_PRIVATE", "").split(",") if h.strip()))
+    webhook_hosts: tuple[str, ...] = field(
+        default_factory=lambda: tuple(
+            h.strip().lower() for h in _env("ENCORE_WEBHOOK_HOSTS", "").split(",") if h.strip()
+        )
+    )
+    webhook_allow_private: tuple[str, ...] = field(
+        default_factory=lambda: tuple(
+            h.strip().lower() for h in _env("ENCORE_WEBHOOK_ALLOW_PRIVATE", "").split(",") if h.strip()
+        )
+    )
     webhook_queue: str = field(default_factory=lambda: _env("ENCORE_WEBHOOK_QUEUE", "webhooks"))
     webhook_max_attempts: int = field(default_factory=lambda: _int("ENCORE_WEBHOOK_MAX_ATTEMPTS", "8"))
     webhook_backoff_s: float = field(default_factory=lambda: _float("ENCORE_WEBHOOK_BACKOFF_S", "1"))
@@ -326,8 +348,9 @@ class Settings:
     def __post_init__(self) -> None:
         self._check_bounds()
         if self.min_audio_s > self.max_audio_s:
-            raise ValueError(f"ENCORE_MIN_AUDIO_S ({self.min_audio_s}) must not exceed ENCORE_MAX_AUDIO_S "
-                             f"({self.max_audio_s})")
+            raise ValueError(
+                f"ENCORE_MIN_AUDIO_S ({self.min_audio_s}) must not exceed ENCORE_MAX_AUDIO_S ({self.max_audio_s})"
+            )
         if self.runtime_mode not in ("keep_loaded", "one_shot"):
             raise ValueError(f"ENCORE_RUNTIME_MODE must be keep_loaded or one_shot, not {self.runtime_mode!r}")
         if self.music_engine not in ("torch", "megatron"):
@@ -349,15 +372,19 @@ class Settings:
         if self.webhook_secret:
             from standardwebhooks import Webhook
             from standardwebhooks.webhooks import EmptyWebhookSecretError
+
             try:
                 Webhook(self.webhook_secret)
             except (ValueError, EmptyWebhookSecretError) as exc:  # binascii.Error is a ValueError
                 raise ValueError(f"ENCORE_WEBHOOK_SECRET must be whsec_ + base64: {exc}") from None
         if self.rate_limit_strategy not in RATE_LIMIT_STRATEGIES:
-            raise ValueError(f"ENCORE_RATE_LIMIT_STRATEGY must be one of {', '.join(RATE_LIMIT_STRATEGIES)}, "
-                             f"not {self.rate_limit_strategy!r}")
+            raise ValueError(
+                f"ENCORE_RATE_LIMIT_STRATEGY must be one of {', '.join(RATE_LIMIT_STRATEGIES)}, "
+                f"not {self.rate_limit_strategy!r}"
+            )
         if self.submit_rate_limit:
             from limits import parse_many
+
             try:
                 parse_many(self.submit_rate_limit)
             except ValueError as exc:
@@ -378,6 +405,7 @@ class Settings:
     def music(self) -> "MusicProfile":
         """The music profile these settings select, with its files where the settings put them."""
         from app.pipeline.profiles import load_profile
+
         return load_profile(self.music_profile, self.model_dir, song_end=self.song_end, **self.model_paths)
 
     @property
@@ -394,100 +422,98 @@ class Settings:
 # table from these, the variables and the defaults above, and tests/test_docs.py fails when the two differ.
 SETTING_DESCRIPTIONS: dict[str, str] = {
     "redis_url": "broker, result backend, job records, registry; under Sentinel only the database and the "
-                 "primary's password",
+    "primary's password",
     "redis_sentinels": "Redis through Sentinel (`app/adapters/redis_conn.py`): the sentinels as `host:port,host:port` "
-                       "(port 26379 when left out); empty: no Sentinel",
+    "(port 26379 when left out); empty: no Sentinel",
     "redis_sentinel_master": "the name of the primary the sentinels monitor",
     "redis_sentinel_password": "the sentinels' own password, when they require one",
     "key_prefix": "prefix of Encore's Redis keys",
     "job_ttl_s": "job records, their artifacts and Idempotency-Keys expire after this many seconds",
     "artifact_backend": "`dir` (shared directory), `redis` (chunked, expires with the job) or `s3` (an "
-                        "S3-compatible bucket)",
+    "S3-compatible bucket)",
     "artifact_dir": "root of the `dir` backend (a shared volume across hosts)",
     "s3_endpoint": "the `s3` backend's endpoint (empty: AWS S3)",
     "s3_bucket": "the `s3` backend's bucket",
     "s3_prefix": "key prefix of the `s3` backend's objects (`<prefix><job id>/<name>`)",
     "s3_region": "the `s3` backend's region",
-    "s3_access_key": "S3 credentials (the standard variable; unset: boto3's own chain, a profile or an "
-                     "instance role)",
+    "s3_access_key": "S3 credentials (the standard variable; unset: boto3's own chain, a profile or an instance role)",
     "s3_secret_key": "S3 credentials (the standard variable; unset: boto3's own chain)",
     "s3_presign_s": "with `ENCORE_S3_PRESIGN=1`, downloads are answered 302 to a URL presigned for "
-                    "`ENCORE_S3_PRESIGN_S` seconds instead of streamed through the web",
+    "`ENCORE_S3_PRESIGN_S` seconds instead of streamed through the web",
     "worker_cache_dir": "each host's local scratch: lip-sync track intermediates (`tracks/`), local copies of "
-                        "`redis`- and `s3`-backend artifacts (`artifacts/`), the lip-sync source cache "
-                        "(`lipsync-sources/`)",
+    "`redis`- and `s3`-backend artifacts (`artifacts/`), the lip-sync source cache "
+    "(`lipsync-sources/`)",
     "music_profile": "`tiny` (random weights, for tests and the demo) or `khala` (the real checkpoints)",
     "model_dir": "where the profile's models live (unset: `models/<profile>`; for `khala`, a Khala checkout)",
     "model_paths": "where each model lies, when not in the profile's layout under `ENCORE_MODEL_DIR` (absolute, "
-                   "or relative to it; a `*` in the codec file picks the highest training step)",
+    "or relative to it; a `*` in the codec file picks the highest training step)",
     "song_end": "`model`: the backbone may sample end-of-text and the song ends where the model ends it; "
-                "`duration`: exactly the requested length (unset: the profile's, `khala` model, `tiny` duration)",
+    "`duration`: exactly the requested length (unset: the profile's, `khala` model, `tiny` duration)",
     "song_margin_s": "with `ENCORE_SONG_END=model`, a song is cut at its requested duration plus this (and at "
-                     "the reference's 23,552 generated tokens)",
+    "the reference's 23,552 generated tokens)",
     "runtime_mode": "`keep_loaded`: all models stay resident; `one_shot`: tokenizer and backbone stay, "
-                    "super-resolution and codec are freed after their stage",
+    "super-resolution and codec are freed after their stage",
     "batch_tracks": "how many tracks of one song waiting on the same worker share one batched backbone pass "
-                    "(1: none); needs the `torch` engine",
+    "(1: none); needs the `torch` engine",
     "music_engine": "transformer engine of the music stages: `torch` (plain PyTorch with a static KV cache, "
-                    "`app/pipeline/music/torch_engine.py`) or `megatron` (megatron-core's own forward, the "
-                    "reference); megatron-core loads the checkpoints either way",
+    "`app/pipeline/music/torch_engine.py`) or `megatron` (megatron-core's own forward, the "
+    "reference); megatron-core loads the checkpoints either way",
     "preload_models": "`1`: each worker child loads its models before it takes jobs (what `/readyz` waits for)",
     "torch_threads": "CPU threads per worker child (0: torch's default)",
     "max_tracks": "most tracks per music job",
     "max_lyrics_chars": "lyrics size limit (characters)",
     "max_text_chars": "tags / prompt size limit (characters)",
     "time_limits": "per-stage `soft/hard` seconds over the defaults "
-                   f"`{DEFAULT_TIME_LIMITS}`, e.g. `backbone=1500/1560,decode=/600` (an empty soft: none)",
+    f"`{DEFAULT_TIME_LIMITS}`, e.g. `backbone=1500/1560,decode=/600` (an empty soft: none)",
     "max_retries": "most retries of one track through `POST /api/v1/jobs/<id>/retry` (403 naming `retries` past it; "
-                   "0: none)",
+    "0: none)",
     "max_deliveries": "a stage delivered (or restarted) more often than this, its worker dying each time, "
-                      "fails the track",
+    "fails the track",
     "cancel_grace_s": "after a cancel, how long a running stage may take to stop before its child is killed",
     "reroute_after_s": "move the open tracks of a queue whose every worker has been offline this long to live "
-                       "queues (0: never)",
+    "queues (0: never)",
     "lease_s": "a running stage's lease (renewed every third of it); a running track whose lease expired is "
-               "started again from its first unfinished stage",
+    "started again from its first unfinished stage",
     "stall_after_s": "a track waiting this long for a message that is in no broker list and not delivered gets "
-                     "it sent again",
+    "it sent again",
     "heartbeat_s": "worker heartbeat period; a worker is offline after about 3 missed beats",
     "result_expires_s": "Celery result expiry (seconds)",
     "lipsync_profile": "`tiny` (random weights) or `musetalk` (real MuseTalk v1.5 weights)",
     "lipsync_model_dir": "the MuseTalk layout (unset: `models/lipsync-<profile>`)",
     "lipsync_precision": "MuseTalk's dtype: `auto` (fp16 on CUDA, fp32 on CPU), `fp16` or `fp32`; `fp16` on a "
-                         "CPU runs (about 2x slower than fp32 here) where its half kernels work, else the model "
-                         "load fails saying so",
+    "CPU runs (about 2x slower than fp32 here) where its half kernels work, else the model "
+    "load fails saying so",
     "max_video_mb": "face video upload limit (MB; 413 above it)",
     "max_audio_mb": "driving audio upload limit (MB; 413 above it)",
     "min_video_s": "shortest face video (seconds; 400 below)",
     "max_audio_s": "longest driving audio (seconds; 400 above)",
     "min_audio_s": "shortest driving audio (seconds, never less than one output frame period; 400 below)",
     "max_scratch_mb": "most worker scratch for one lip-sync job's decoded source frames (MiB; the frames its output "
-                      "shows x width x height x 3): 400 at submit when the upload would pass it, and the stage "
-                      "fails saying so if decoding does",
-    "max_video_s": "longest face video (seconds: its frames, counted from the packets, over its frame rate; 400 "
-                   "above)",
+    "shows x width x height x 3): 400 at submit when the upload would pass it, and the stage "
+    "fails saying so if decoding does",
+    "max_video_s": "longest face video (seconds: its frames, counted from the packets, over its frame rate; 400 above)",
     "max_video_frame_pixels": "most decoding work in one face video: frames x width x height (5 minutes of 30 fps "
-                              "1080p; 400 above)",
+    "1080p; 400 above)",
     "max_video_pixels": "largest face video, width x height from ffprobe (4096x2160; 400 above, before any "
-                        "frame is decoded)",
+    "frame is decoded)",
     "upload_dir": "where uploads are staged while they are checked",
     "ffmpeg_timeout_s": "timeout of each ffmpeg call in the lip-sync stages (seconds)",
     "ffmpeg": "the ffmpeg binary every media call runs, the music export's pydub included",
     "ffprobe": "the ffprobe binary every media call runs",
     "lipsync_mask": "lip-sync blend mask: `jaw` (drawn from the 68 landmarks, as MuseTalk's 'jaw' parsing mode) "
-                    "or `rectangle` (the box's lower half; also whenever landmarks are missing)",
+    "or `rectangle` (the box's lower half; also whenever landmarks are missing)",
     "lipsync_path": "lip-sync's per-frame work: `device` (crops, resizes and blend as tensor ops on the model's "
-                    "device) or `reference` (OpenCV on the CPU, MuseTalk's own operations)",
+    "device) or `reference` (OpenCV on the CPU, MuseTalk's own operations)",
     "face_threads": "threads finding faces in the prepare stage; 0: one per core, at most 8",
     "lipsync_cache_mb": "the per-source-video cache (faces and VAE latents of a face video) in "
-                        "`ENCORE_WORKER_CACHE_DIR/lipsync-sources`, in MiB, least recently used out; 0: off",
+    "`ENCORE_WORKER_CACHE_DIR/lipsync-sources`, in MiB, least recently used out; 0: off",
     "lipsync_warmup": "with `ENCORE_PRELOAD=1`, one warm-up batch through MuseTalk at preload",
     "api_tokens": "bearer token(s) required on `/api/*` and the Khala-compatible routes (a comma-separated "
-                  "list allowed); unset or empty: no auth; an empty entry (`,`, `a,,b`) refuses to start",
+    "list allowed); unset or empty: no auth; an empty entry (`,`, `a,,b`) refuses to start",
     "compat_prefix": "URL prefix of the Khala-compatible routes (they are always under `/api` too)",
     "tags_file": "the tag catalogue served by `GET /tags` (unset: `app/http/khala_tags.json`)",
     "cuda_visible_devices": "set by `worker_entrypoint.sh`; shown as the worker's `pinned_to` in the registry "
-                            "and the cards its GPU readings cover (never read to pick a device)",
+    "and the cards its GPU readings cover (never read to pick a device)",
     "flower_basic_auth": "Flower's `user:password[,...]` (unset: a random password is generated and printed)",
     "flower_port": "Flower's port",
     "flower_address": "Flower's bind address",
@@ -500,15 +526,15 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "web_threads": "threads per web process: size it for the event streams open at once",
     "body_idle_s": "a request body that sends nothing this long is answered 408 and dropped",
     "sse_heartbeat_s": "a `: heartbeat` comment on an idle event stream this often (also when a gone client is "
-                       "noticed)",
+    "noticed)",
     "sse_max_s": "the longest one event stream stays open (the client resumes with `Last-Event-ID`)",
     "events_maxlen": "events kept per job for replay (the stream `encore:job:<id>:events`, expiring with the job)",
     "webhook_secret": "Standard Webhooks signing secret (`whsec_` + base64); unset: a submit with a webhook is "
-                      "refused (400)",
+    "refused (400)",
     "webhook_hosts": "comma list of hosts a webhook may name (`.example.com`: it and its subdomains; "
-                     "`host:8443`: that port too, beside 80 and 443); unset: any public host",
+    "`host:8443`: that port too, beside 80 and 443); unset: any public host",
     "webhook_allow_private": "comma list of non-public addresses or networks a webhook may reach (`10.0.0.0/8`; "
-                             "`127.0.0.1:8080`, `[::1]:8080`: that port only); unset: public addresses only",
+    "`127.0.0.1:8080`, `[::1]:8080`: that port only); unset: public addresses only",
     "webhook_queue": "the webhook worker's queue (never a GPU queue)",
     "webhook_max_attempts": "delivery attempts of one webhook",
     "webhook_backoff_s": "delay before the first retry of a webhook (doubling each attempt)",
@@ -519,11 +545,11 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "otel_endpoint": "OpenTelemetry tracing over OTLP/HTTP (`app/adapters/tracing.py`); unset: tracing off",
     "otel_service_name": "spans come from `<name>-web` and `<name>-worker`",
     "max_queued_tracks": "most open (not ended) tracks in all (0: no cap); a submit past it is 429 with "
-                         "`Retry-After` from the ETA, and not created",
+    "`Retry-After` from the ETA, and not created",
     "max_queued_tracks_per_queue": "most open tracks on each live GPU queue (0: no cap; a full queue takes no "
-                                   "new track; 429 when none has room)",
+    "new track; 429 when none has room)",
     "submit_rate_limit": "per-token rate limit of the submit routes together, e.g. `10/minute;200/day` (429 "
-                         "with `Retry-After`, `X-RateLimit-*`); unset: none",
+    "with `Retry-After`, `X-RateLimit-*`); unset: none",
     "rate_limit_strategy": "the rate limit's window: `fixed-window`, `moving-window` or `sliding-window-counter`",
     "eta_alpha": "weight of a finished stage in its queue's learned seconds per cost unit (ETA, routing)",
 }

@@ -1,4 +1,5 @@
 """Job ids: random, unguessable, and checked before they reach a Redis key or a file path."""
+
 from __future__ import annotations
 
 import re

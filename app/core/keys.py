@@ -5,6 +5,7 @@ builds keys through `Layout`; the Lua scripts (app/control/lua/) build them thro
 generated from the same patterns (`lua_keys`), so a key's shape lives in this table and nowhere else. Job keys
 expire with the job; the rest live as long as the deployment.
 """
+
 from __future__ import annotations
 
 import re
@@ -12,46 +13,46 @@ import string
 
 KEYS: dict[str, str] = {
     # a job and its tracks
-    "job": "job:{job_id}",                                   # hash: the job record
-    "track": "job:{job_id}:track:{track}",                   # hash: one track's record
-    "event_stream": "job:{job_id}:events",                   # stream: the job's events, replayed to a client
-    "webhook_deliveries": "job:{job_id}:webhooks",           # list: its webhook delivery attempts (JSON each)
-    "events": "events:{job_id}",                             # pub/sub channel: the same events, live
-    "cancel": "cancel:{job_id}",                             # flag: a cancel was asked for
-    "lease": "lease:{job_id}:{track}",                       # string: who runs the track's stage, with an expiry
-    "deliveries": "deliveries:{task_id}",                    # counter: how often a stage message was delivered
-    "artifact": "artifact:{job_id}:{name}",                  # list: a file's chunks (the Redis artifact store)
-    "artifact_index": "artifacts:{job_id}",                  # set: the job's stored file names
+    "job": "job:{job_id}",  # hash: the job record
+    "track": "job:{job_id}:track:{track}",  # hash: one track's record
+    "event_stream": "job:{job_id}:events",  # stream: the job's events, replayed to a client
+    "webhook_deliveries": "job:{job_id}:webhooks",  # list: its webhook delivery attempts (JSON each)
+    "events": "events:{job_id}",  # pub/sub channel: the same events, live
+    "cancel": "cancel:{job_id}",  # flag: a cancel was asked for
+    "lease": "lease:{job_id}:{track}",  # string: who runs the track's stage, with an expiry
+    "deliveries": "deliveries:{task_id}",  # counter: how often a stage message was delivered
+    "artifact": "artifact:{job_id}:{name}",  # list: a file's chunks (the Redis artifact store)
+    "artifact_index": "artifacts:{job_id}",  # set: the job's stored file names
     # indexes over jobs and tracks
-    "jobs": "jobs",                                          # zset: every job by creation time
-    "jobs_in_state": "jobs:{kind}:{state}",                  # zset: a kind's jobs in one client-facing state
-    "created": "created",                                    # zset: tracks written, not routed yet
-    "unrouted": "unrouted",                                  # zset: parked tracks by priority, then submission
-    "seq": "seq",                                            # counter: submission order
+    "jobs": "jobs",  # zset: every job by creation time
+    "jobs_in_state": "jobs:{kind}:{state}",  # zset: a kind's jobs in one client-facing state
+    "created": "created",  # zset: tracks written, not routed yet
+    "unrouted": "unrouted",  # zset: parked tracks by priority, then submission
+    "seq": "seq",  # counter: submission order
     # queues
-    "queues": "queues",                                      # set: every queue a track was assigned to
-    "draining": "draining",                                  # set: queues an operator drained
-    "waiting": "queue:{queue}:waiting",                      # zset: queued tracks by priority, then submission
-    "load": "queue:{queue}:load",                            # zset: tracks not finished on the queue, by cost
-    "cost": "queue:{queue}:cost",                            # counter: that set's scores summed, in thousandths
-    "queue_live_at": "queue:{queue}:live_at",                # string: when a consumer was last seen
-    "backlog": "queue:{queue}:backlog",                      # hash: the backlog index (app/control/backlog.py)
-    "backlog_sums": "queue:{queue}:backlog:sums",            # hash: its totals per group and class
-    "backlog_tree": "queue:{queue}:backlog:tree",            # hash: its Fenwick trees over submission order
-    "running": "queue:{queue}:running",                      # zset: running tracks by submission order
+    "queues": "queues",  # set: every queue a track was assigned to
+    "draining": "draining",  # set: queues an operator drained
+    "waiting": "queue:{queue}:waiting",  # zset: queued tracks by priority, then submission
+    "load": "queue:{queue}:load",  # zset: tracks not finished on the queue, by cost
+    "cost": "queue:{queue}:cost",  # counter: that set's scores summed, in thousandths
+    "queue_live_at": "queue:{queue}:live_at",  # string: when a consumer was last seen
+    "backlog": "queue:{queue}:backlog",  # hash: the backlog index (app/control/backlog.py)
+    "backlog_sums": "queue:{queue}:backlog:sums",  # hash: its totals per group and class
+    "backlog_tree": "queue:{queue}:backlog:tree",  # hash: its Fenwick trees over submission order
+    "running": "queue:{queue}:running",  # zset: running tracks by submission order
     # workers
-    "workers": "workers",                                    # set: registered worker names
-    "worker": "worker:{name}",                               # hash: a worker's heartbeat, with an expiry
-    "worker_current": "worker:{name}:current",               # hash: the stage it runs now
+    "workers": "workers",  # set: registered worker names
+    "worker": "worker:{name}",  # hash: a worker's heartbeat, with an expiry
+    "worker_current": "worker:{name}:current",  # hash: the stage it runs now
     # control-plane state
-    "lock": "lock:{name}",                                   # string: a short mutual-exclusion lock
-    "idempotency": "idempotency:{scope}:{key_hash}",         # hash: a submit's Idempotency-Key claim
-    "throughput": "throughput",                              # hash: learned seconds per cost unit per stage
-    "rate_limits": "ratelimit",                              # prefix of the submit routes' rate-limit counters
-    "webhook_outbox": "webhooks:outbox",                     # list: webhook messages not yet handed out
-    "webhook_seq": "webhooks:seq",                           # counter: webhook message ids
-    "webhook_in_flight": "webhooks:in-flight:{worker}",      # list: messages a webhook worker is handing out
-    "metrics": "metrics",                                    # prefix of the metric counters (`metric(...)`)
+    "lock": "lock:{name}",  # string: a short mutual-exclusion lock
+    "idempotency": "idempotency:{scope}:{key_hash}",  # hash: a submit's Idempotency-Key claim
+    "throughput": "throughput",  # hash: learned seconds per cost unit per stage
+    "rate_limits": "ratelimit",  # prefix of the submit routes' rate-limit counters
+    "webhook_outbox": "webhooks:outbox",  # list: webhook messages not yet handed out
+    "webhook_seq": "webhooks:seq",  # counter: webhook message ids
+    "webhook_in_flight": "webhooks:in-flight:{worker}",  # list: messages a webhook worker is handing out
+    "metrics": "metrics",  # prefix of the metric counters (`metric(...)`)
 }
 
 _FIELD = re.compile(r"{(\w+)}")

@@ -1,4 +1,5 @@
 """Job kinds: the ordered stages each pipeline runs. The job/stage machinery is shared; only this differs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,10 +8,10 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Stage:
-    name: str   # stage name, also the key of its time limit
+    name: str  # stage name, also the key of its time limit
     state: str  # the track state shown while this stage runs
-    task: str   # Celery task name
-    unit: str   # what its progress counts
+    task: str  # Celery task name
+    unit: str  # what its progress counts
 
 
 @dataclass(frozen=True)
@@ -34,18 +35,25 @@ class JobKind:
         return self.stages[index + 1] if index + 1 < len(self.stages) else None
 
 
-MUSIC = JobKind("music", (
-    Stage("backbone", "backbone", "encore.music.backbone", "tokens"),
-    Stage("superres", "superres", "encore.music.superres", "layers"),
-    Stage("decode", "decoding", "encore.music.decode", "chunks"),
-    Stage("export", "exporting", "encore.music.export", "files"),
-), resumable=True)
+MUSIC = JobKind(
+    "music",
+    (
+        Stage("backbone", "backbone", "encore.music.backbone", "tokens"),
+        Stage("superres", "superres", "encore.music.superres", "layers"),
+        Stage("decode", "decoding", "encore.music.decode", "chunks"),
+        Stage("export", "exporting", "encore.music.export", "files"),
+    ),
+    resumable=True,
+)
 
-LIPSYNC = JobKind("lipsync", (
-    Stage("prepare", "preparing", "encore.lipsync.prepare", "steps"),
-    Stage("lipsync", "lipsync", "encore.lipsync.lipsync", "frames"),
-    Stage("mux", "muxing", "encore.lipsync.mux", "steps"),
-))
+LIPSYNC = JobKind(
+    "lipsync",
+    (
+        Stage("prepare", "preparing", "encore.lipsync.prepare", "steps"),
+        Stage("lipsync", "lipsync", "encore.lipsync.lipsync", "frames"),
+        Stage("mux", "muxing", "encore.lipsync.mux", "steps"),
+    ),
+)
 
 KINDS: dict[str, JobKind] = {MUSIC.name: MUSIC, LIPSYNC.name: LIPSYNC}
 

@@ -9,6 +9,7 @@ Two orders follow from a job's priority, both by level first and submission orde
   (its queue positions) are scored `rank * RANK_SPAN + seq` by the transition script (app/control/lifecycle.py).
 The levels sit on kombu's default priority steps (0, 3, 6, 9), so they keep their order with those too.
 """
+
 from __future__ import annotations
 
 from typing import Literal

@@ -2,6 +2,7 @@
 rather than in closures or module globals: `create_app` builds one `WebContext` per application and stores
 it in `app.extensions`, and views read it back with `context()`. Two applications in one process (tests,
 tools) therefore never see each other's settings, Redis or caches."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ EXTENSION = "encore"  # the key in app.extensions
 @dataclass(frozen=True)
 class WebContext:
     """One application's shared handles, built once by create_app."""
+
     settings: Settings
     services: Services
     celery: Celery  # sends stages by name (the web never imports the task modules)

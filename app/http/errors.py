@@ -1,5 +1,6 @@
 """Error handlers: every failure a request can meet becomes a JSON error body (app/http/replies.py) with its
 status, never an HTML page; Redis down is 503, anything unforeseen 500 (and logged)."""
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,11 @@ def queue_full(exc: QueueFull) -> Reply:
 
 
 def rate_limited(exc: RateLimitExceeded) -> Reply:
-    return error(429, f"rate limit: this token's submissions are limited to {exc.description}; retry after "
-                      "Retry-After seconds", "authorization")
+    return error(
+        429,
+        f"rate limit: this token's submissions are limited to {exc.description}; retry after Retry-After seconds",
+        "authorization",
+    )
 
 
 def idempotency_refused(exc: idempotency.IdempotencyError) -> Reply:
@@ -62,6 +66,11 @@ def unexpected(exc: Exception) -> Reply:
 
 # What create_app registers (Flask picks the handler of the most specific class, whatever the order).
 HANDLERS: tuple[tuple[type[Exception], Callable[[Any], Reply]], ...] = (
-    (HTTPException, http_error), (ClientDisconnected, body_stalled), (QueueFull, queue_full),
-    (RateLimitExceeded, rate_limited), (idempotency.IdempotencyError, idempotency_refused),
-    (redis.RedisError, redis_down), (Exception, unexpected))
+    (HTTPException, http_error),
+    (ClientDisconnected, body_stalled),
+    (QueueFull, queue_full),
+    (RateLimitExceeded, rate_limited),
+    (idempotency.IdempotencyError, idempotency_refused),
+    (redis.RedisError, redis_down),
+    (Exception, unexpected),
+)

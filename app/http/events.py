@@ -7,6 +7,7 @@ stream is bounded: it ends when the job ends (`event: end`), after ENCORE_SSE_MA
 the last id it saw), or when a heartbeat comment finds its client gone (the write fails and the server closes
 the generator).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,16 @@ def end_frame(job_id: str, state: str) -> str:
     return frame({"job_id": job_id, "state": state}, event="end")
 
 
-def job_events(jobs: JobStore, job_id: str, after: str, *, job_state: str, heartbeat_s: float, max_s: float,
-               clock: Callable[[], float] = time.monotonic) -> Iterator[str]:
+def job_events(
+    jobs: JobStore,
+    job_id: str,
+    after: str,
+    *,
+    job_state: str,
+    heartbeat_s: float,
+    max_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> Iterator[str]:
     """The SSE body: the job's events after `after` (all kept ones from "0-0"), then every new one as it is
     appended, a comment every `heartbeat_s`, and `event: end` once the job has ended."""
     yield f"retry: {RETRY_MS}\n\n"

@@ -1,4 +1,5 @@
 """Hooks that run before every view: the bearer-token check and the read timeout on request bodies."""
+
 from __future__ import annotations
 
 import hmac
@@ -22,8 +23,9 @@ def check_token() -> tuple[Response, int] | None:
     tokens = context().settings.api_tokens
     if scheme.lower() == "bearer" and any(hmac.compare_digest(offered, t.encode()) for t in tokens):
         return None
-    reply, status = error(401, "authorization: a valid 'Authorization: Bearer <token>' header is required",
-                          "authorization")
+    reply, status = error(
+        401, "authorization: a valid 'Authorization: Bearer <token>' header is required", "authorization"
+    )
     reply.headers["WWW-Authenticate"] = 'Bearer realm="encore"'
     return reply, status
 

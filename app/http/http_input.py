@@ -1,5 +1,6 @@
 """Bounded reading of request bodies: a JSON body is refused (400, naming `body`) before it is parsed when
 it is too large or nested too deeply, so no client can make the parser recurse or allocate without bound."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from typing import Any
 from flask import Request
 
 MAX_JSON_BYTES = 1 << 20  # far above any valid body (lyrics are capped at ENCORE_MAX_LYRICS_CHARS)
-MAX_JSON_DEPTH = 32       # valid bodies are flat objects
+MAX_JSON_DEPTH = 32  # valid bodies are flat objects
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
 

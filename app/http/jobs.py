@@ -1,4 +1,5 @@
 """Reading and acting on jobs: list, read, follow (server-sent events), cancel, retry, download results."""
+
 from __future__ import annotations
 
 import logging
@@ -25,26 +26,42 @@ TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched 
 LIMIT = re.compile(r"[0-9]{1,6}", re.ASCII)
 MAX_LISTED = 500
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
-SSE_EVENT = {"type": "object", "description": "one server-sent event", "properties": {  # what clients parse
-    "event": {"type": "string", "enum": ["message", "end"]}, "id": {"type": "string"},
-    "data": {"type": "string", "description": "a JSON object: the track event, or (end) the job's final state"},
-    "retry": {"type": "integer"}}}
-LAST_EVENT_ID = {"Last-Event-ID": {"type": "string", "pattern": r"^([0-9]{1,20}-[0-9]{1,20})?$",  # empty: from the start
-                                   "description": "the `id:` of the last event received: only later ones are sent"}}
+SSE_EVENT = {
+    "type": "object",
+    "description": "one server-sent event",
+    "properties": {  # what clients parse
+        "event": {"type": "string", "enum": ["message", "end"]},
+        "id": {"type": "string"},
+        "data": {"type": "string", "description": "a JSON object: the track event, or (end) the job's final state"},
+        "retry": {"type": "integer"},
+    },
+}
+LAST_EVENT_ID = {
+    "Last-Event-ID": {
+        "type": "string",
+        "pattern": r"^([0-9]{1,20}-[0-9]{1,20})?$",  # empty: from the start
+        "description": "the `id:` of the last event received: only later ones are sent",
+    }
+}
 
 
 @blueprint.get("/api/v1/jobs/<job_id>/video.mp4")
-@documented("Download a lip-sync job's video (Range requests honoured)", media=("video/mp4",),
-            responses={**DOWNLOAD_REPLIES, 404: "unknown job, or not done"})
+@documented(
+    "Download a lip-sync job's video (Range requests honoured)",
+    media=("video/mp4",),
+    responses={**DOWNLOAD_REPLIES, 404: "unknown job, or not done"},
+)
 def download_video(job_id: str) -> ResponseReturnValue:
     """The lip-sync output."""
     return _serve_artifact(context().services, job_id, 0, "output.mp4", "mp4")
 
 
 @blueprint.get("/api/v1/jobs")
-@documented("Recent jobs, newest first",
-            responses={200: ("the jobs", JobList), 400: "`limit` is not a whole number from 1 to 500"},
-            query={"limit": {"type": "integer", "minimum": 1, "maximum": MAX_LISTED, "default": 50}})
+@documented(
+    "Recent jobs, newest first",
+    responses={200: ("the jobs", JobList), 400: "`limit` is not a whole number from 1 to 500"},
+    query={"limit": {"type": "integer", "minimum": 1, "maximum": MAX_LISTED, "default": 50}},
+)
 def list_jobs() -> ResponseReturnValue:
     """Recent jobs, newest first (?limit=50, at most 500): a limit out of range is refused, not clamped."""
     svc = context().services
@@ -68,12 +85,23 @@ def get_job(job_id: str) -> ResponseReturnValue:
 
 
 @blueprint.get("/api/v1/jobs/<job_id>/events")
-@documented("The job's state and progress changes as server-sent events, until it ends",
-            media=("text/event-stream",), headers=LAST_EVENT_ID,
-            responses={200: (("`retry:`, then per change `id:` + `data:` (the track's state, progress, detail and "
-                              "the job's `job_state`), a `: heartbeat` comment while nothing changes, and "
-                              "`event: end` when the job has ended"), SSE_EVENT),
-                       400: "Last-Event-ID is not an event id", 404: "unknown job"})
+@documented(
+    "The job's state and progress changes as server-sent events, until it ends",
+    media=("text/event-stream",),
+    headers=LAST_EVENT_ID,
+    responses={
+        200: (
+            (
+                "`retry:`, then per change `id:` + `data:` (the track's state, progress, detail and "
+                "the job's `job_state`), a `: heartbeat` comment while nothing changes, and "
+                "`event: end` when the job has ended"
+            ),
+            SSE_EVENT,
+        ),
+        400: "Last-Event-ID is not an event id",
+        404: "unknown job",
+    },
+)
 def job_events_stream(job_id: str) -> ResponseReturnValue:
     """Every transition of the job's tracks as SSE; a reconnect with Last-Event-ID replays what it missed."""
     shared = context()
@@ -83,8 +111,14 @@ def job_events_stream(job_id: str) -> ResponseReturnValue:
     after = request.headers.get("Last-Event-ID", "").strip()
     if after and not valid_event_id(after):
         return error(400, "Last-Event-ID: expected an event id such as 1700000000000-0", "Last-Event-ID")
-    stream = job_events(shared.services.jobs, job_id, after or "0-0", job_state=record["state"],
-                        heartbeat_s=shared.settings.sse_heartbeat_s, max_s=shared.settings.sse_max_s)
+    stream = job_events(
+        shared.services.jobs,
+        job_id,
+        after or "0-0",
+        job_state=record["state"],
+        heartbeat_s=shared.settings.sse_heartbeat_s,
+        max_s=shared.settings.sse_max_s,
+    )
     return Response(stream, mimetype="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -107,10 +141,15 @@ def cancel_job(job_id: str) -> ResponseReturnValue:
 
 
 @blueprint.post("/api/v1/jobs/<job_id>/retry")
-@documented("Re-run a job's failed or canceled tracks from their first unfinished stage (same seed)",
-            responses={200: ("the record, the tracks queued again (each counts it in `retries`)", RetryReply),
-                       403: "a track was retried ENCORE_MAX_RETRIES times already (`field`: retries)",
-                       404: "unknown job", 409: "the job is still running, or no track failed or was canceled"})
+@documented(
+    "Re-run a job's failed or canceled tracks from their first unfinished stage (same seed)",
+    responses={
+        200: ("the record, the tracks queued again (each counts it in `retries`)", RetryReply),
+        403: "a track was retried ENCORE_MAX_RETRIES times already (`field`: retries)",
+        404: "unknown job",
+        409: "the job is still running, or no track failed or was canceled",
+    },
+)
 def retry(job_id: str) -> ResponseReturnValue:
     """Queue a failed or canceled job's unfinished tracks again (the recovery module decides which)."""
     shared = context()
@@ -130,9 +169,11 @@ def retry(job_id: str) -> ResponseReturnValue:
 
 
 @blueprint.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
-@documented("Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)",
-            media=("audio/mpeg", "audio/wav"),
-            responses={**DOWNLOAD_REPLIES, 404: "unknown job, track or file name, or not done"})
+@documented(
+    "Download a music track as <i>.mp3 or <i>.wav (Range requests honoured)",
+    media=("audio/mpeg", "audio/wav"),
+    responses={**DOWNLOAD_REPLIES, 404: "unknown job, track or file name, or not done"},
+)
 def download_track(job_id: str, file_name: str) -> ResponseReturnValue:
     """A music track's file, named <track>.mp3 or <track>.wav."""
     match = TRACK_FILE.fullmatch(file_name)
@@ -153,7 +194,9 @@ def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str)
     if track["state"] != "done":
         return error(404, f"track {index} is {track['state']}, not done")
     if name not in track["artifacts"]:
-        hint = f" (a lip-sync job: its result is /api/v1/jobs/{job_id}/video.mp4)" if record["kind"] == "lipsync" else ""
+        hint = (
+            f" (a lip-sync job: its result is /api/v1/jobs/{job_id}/video.mp4)" if record["kind"] == "lipsync" else ""
+        )
         return error(404, f"track {index} has no file {name}{hint}")
     download_name = f"encore-{job_id[:8]}-{name}"
     presigned = svc.artifacts.presigned_url(job_id, name, download_name)

@@ -4,6 +4,7 @@ native MusicRequest and submitted through app.submissions; replies are read from
 Field names and strings are the reference's, exactly. One module-level blueprint, mounted twice by
 `register` (at ENCORE_COMPAT_PREFIX and under /api); its views read the application's handles (`context()`).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,13 +32,26 @@ from app.http.submissions import RequestError, longest_song, submit_music, valid
 
 NUM_TRACKS = 2
 DEFAULT_TAGS = Path(__file__).with_name("khala_tags.json")
-TRACK_STATUS = {QUEUED: "queued", "backbone": "generating", "superres": "superres", "decoding": "decoding",
-                "exporting": "decoding", DONE: "done", FAILED: "error", CANCELED: "error"}
+TRACK_STATUS = {
+    QUEUED: "queued",
+    "backbone": "generating",
+    "superres": "superres",
+    "decoding": "decoding",
+    "exporting": "decoding",
+    DONE: "done",
+    FAILED: "error",
+    CANCELED: "error",
+}
 NATIVE_TO_CONTRACT_FIELD = {"duration_s": "duration", "top_k": "top_k_bb"}
 TOKENS = re.compile(r"^(\d+)/(\d+) tokens$")
-TAGS_SCHEMA = {"type": "object", "additionalProperties": {
-    "type": "object", "required": ["label", "tags"],
-    "properties": {"label": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}}
+TAGS_SCHEMA = {
+    "type": "object",
+    "additionalProperties": {
+        "type": "object",
+        "required": ["label", "tags"],
+        "properties": {"label": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    },
+}
 
 
 def _error(status: int, message: str, field: str | None = None):
@@ -81,8 +95,14 @@ def _translate(body: dict[str, Any], longest_song: Callable[[dict[str, Any]], fl
     top_k = max(1, min(200, _whole(body, "top_k_bb", 80)))
     temperature = max(0.6, min(1.4, _real(body, "temperature", 1.0)))
     text_field = "tags" if prompt_mode == "tags" else "prompt"
-    native = {"mode": mode, text_field: body.get(text_field, ""), "duration_s": float(minutes * 60),
-              "num_tracks": NUM_TRACKS, "temperature": temperature, "top_k": top_k}
+    native = {
+        "mode": mode,
+        text_field: body.get(text_field, ""),
+        "duration_s": float(minutes * 60),
+        "num_tracks": NUM_TRACKS,
+        "temperature": temperature,
+        "top_k": top_k,
+    }
     if mode == "vocal":
         native["lyrics"] = body.get("lyrics", "")
     native["duration_s"] = max(1.0, min(native["duration_s"], longest_song(native)))
@@ -105,14 +125,23 @@ def _phase(track: dict[str, Any], progress: int) -> tuple[str, str, str]:
 
 def _running_phase(track: dict[str, Any], state: str, loading: bool, progress: int) -> tuple[str, str] | None:
     if state == "backbone":
-        return ("loading_backbone", "Loading backbone model...") if loading else \
-            ("backbone", _backbone_display(track, progress))
+        return (
+            ("loading_backbone", "Loading backbone model...")
+            if loading
+            else ("backbone", _backbone_display(track, progress))
+        )
     if state == "superres":
-        return ("loading_superres", "Loading super-resolution model...") if loading else \
-            ("superres", f"Super-Resolution Generating · {progress}%")
+        return (
+            ("loading_superres", "Loading super-resolution model...")
+            if loading
+            else ("superres", f"Super-Resolution Generating · {progress}%")
+        )
     if state in ("decoding", "exporting"):
-        return ("loading_decoder", "Loading decoder model...") if loading and state == "decoding" else \
-            ("decoding", "Decoding audio...")
+        return (
+            ("loading_decoder", "Loading decoder model...")
+            if loading and state == "decoding"
+            else ("decoding", "Decoding audio...")
+        )
     return None
 
 
@@ -159,14 +188,22 @@ def job_reply(record: dict[str, Any]) -> dict[str, Any]:
     for track in record["tracks"]:
         progress = _progress(track)
         status, worker_phase, display = _phase(track, progress)
-        tracks.append({
-            "index": track["track"], "status": status, "progress": progress, "phase_display": display,
-            "worker_id": track["worker"] or None, "worker_phase": worker_phase,
-            "duration_sec": _song_seconds(track), "error": track["error"] or None,
-        })
+        tracks.append(
+            {
+                "index": track["track"],
+                "status": status,
+                "progress": progress,
+                "phase_display": display,
+                "worker_id": track["worker"] or None,
+                "worker_phase": worker_phase,
+                "duration_sec": _song_seconds(track),
+                "error": track["error"] or None,
+            }
+        )
     statuses = [t["status"] for t in tracks]
     return {
-        "job_id": record["job_id"], "status": _job_status(statuses),
+        "job_id": record["job_id"],
+        "status": _job_status(statuses),
         "queue_position": record["queue_position"] if all(s == "queued" for s in statuses) else 0,
         "cleaned_lyrics": record["params"].get("lyrics", ""),
         "created_at": datetime.fromtimestamp(record["created_at"], timezone.utc).isoformat(),
@@ -179,7 +216,9 @@ def _starts_now(svc: Services, record: dict[str, Any]) -> bool:
     first = record["tracks"][0]
     if not first["queue"]:
         return False
-    ahead = decoded_members(svc.redis.zrange(svc.jobs.load_key(first["queue"]), 0, record["num_tracks"]))  # at most this many
+    ahead = decoded_members(
+        svc.redis.zrange(svc.jobs.load_key(first["queue"]), 0, record["num_tracks"])
+    )  # at most this many
     return len(ahead) <= record["num_tracks"] and all(m.startswith(record["job_id"] + ":") for m in ahead)
 
 
@@ -191,12 +230,19 @@ def status_reply(svc: Services, transport_options: dict[str, Any]) -> dict[str, 
     live = [w for w in workers if w["status"] != "offline"]
     counts = snapshot.jobs
     return {
-        "total_gpus": len(live), "idle_gpus": sum(w["status"] == "idle" for w in live),
+        "total_gpus": len(live),
+        "idle_gpus": sum(w["status"] == "idle" for w in live),
         "active_jobs": sum(n for (_, state), n in counts.items() if state == "running"),
         "queued_jobs": sum(n for (_, state), n in counts.items() if state == QUEUED),
-        "workers": [{"worker_id": w["name"], "status": w["status"],
-                     "phase": _worker_phase(w), "gpu_id": _gpu_index(w.get("queue", "") or w["name"])}
-                    for w in workers],
+        "workers": [
+            {
+                "worker_id": w["name"],
+                "status": w["status"],
+                "phase": _worker_phase(w),
+                "gpu_id": _gpu_index(w.get("queue", "") or w["name"]),
+            }
+            for w in workers
+        ],
     }
 
 
@@ -204,8 +250,9 @@ def _worker_phase(worker: dict[str, Any]) -> str:
     current = worker.get("current")
     if not current:
         return "idle"
-    return {"backbone": "backbone", "superres": "superres", "decode": "decoding",
-            "export": "decoding"}.get(current["stage"], current["stage"])
+    return {"backbone": "backbone", "superres": "superres", "decode": "decoding", "export": "decoding"}.get(
+        current["stage"], current["stage"]
+    )
 
 
 def _gpu_index(queue: str) -> int | None:
@@ -232,8 +279,7 @@ def load_catalogue(tags_file: Path | None) -> dict[str, Any]:
 
 
 @blueprint.get("/tags")
-@documented("Khala: the tag catalogue the reference frontend offers",
-            responses={200: ("groups of tags", TAGS_SCHEMA)})
+@documented("Khala: the tag catalogue the reference frontend offers", responses={200: ("groups of tags", TAGS_SCHEMA)})
 def tags() -> ResponseReturnValue:
     """The tag catalogue the reference frontend offers."""
     return jsonify(context().tags)
@@ -248,12 +294,20 @@ def status() -> ResponseReturnValue:
 
 
 @blueprint.post("/generate")
-@documented("Khala: submit a 2-track song in the reference's format", json_body=KhalaGenerate,
-            headers=IDEMPOTENCY_HEADER,
-            responses={200: (("accepted or queued (or, with an Idempotency-Key used before with this body, the "
-                              "job that request made)"), KhalaAccepted),
-                       400: "invalid field (named first in `error`)",
-                       409: "the Idempotency-Key was used with a different body", 429: TOO_MANY})
+@documented(
+    "Khala: submit a 2-track song in the reference's format",
+    json_body=KhalaGenerate,
+    headers=IDEMPOTENCY_HEADER,
+    responses={
+        200: (
+            ("accepted or queued (or, with an Idempotency-Key used before with this body, the job that request made)"),
+            KhalaAccepted,
+        ),
+        400: "invalid field (named first in `error`)",
+        409: "the Idempotency-Key was used with a different body",
+        429: TOO_MANY,
+    },
+)
 def generate() -> ResponseReturnValue:
     """Submit a 2-track song in the reference's format: translated into a native MusicRequest, validated and
     submitted as the native route does (once per Idempotency-Key)."""
@@ -263,19 +317,29 @@ def generate() -> ResponseReturnValue:
     except BodyError as exc:
         return _error(400, str(exc))
     try:
-        req = validate_music(_translate(body, lambda native: longest_song(native, shared.profile)),
-                             shared.settings, shared.profile)
+        req = validate_music(
+            _translate(body, lambda native: longest_song(native, shared.profile)), shared.settings, shared.profile
+        )
     except RequestError as exc:
         field = NATIVE_TO_CONTRACT_FIELD.get(exc.field, exc.field)
         if field == "tags" and body.get("prompt_mode") == "natural":
             field = "prompt"
         return _error(400, f"{field}: {exc.message}", field)
-    job_id, _ = submit_once(shared, idempotency_key(), lambda: idempotency.json_digest(body),
-                            lambda new_id: submit_music(shared.services, shared.celery, req, shared.profile,
-                                                        job_id=new_id, api="khala"))
+    job_id, _ = submit_once(
+        shared,
+        idempotency_key(),
+        lambda: idempotency.json_digest(body),
+        lambda new_id: submit_music(shared.services, shared.celery, req, shared.profile, job_id=new_id, api="khala"),
+    )
     record = shared.services.jobs.existing_record(job_id)  # just written
-    return jsonify({"status": "accepted" if _starts_now(shared.services, record) else "queued", "job_id": job_id,
-                    "num_tracks": NUM_TRACKS, "queue_position": record["queue_position"]})
+    return jsonify(
+        {
+            "status": "accepted" if _starts_now(shared.services, record) else "queued",
+            "job_id": job_id,
+            "num_tracks": NUM_TRACKS,
+            "queue_position": record["queue_position"],
+        }
+    )
 
 
 @blueprint.get("/job/<job_id>")
@@ -289,10 +353,11 @@ def job(job_id: str) -> ResponseReturnValue:
 
 
 @blueprint.get("/job/<job_id>/track/<int(signed=True):index>/<fmt>")
-@documented("Khala: a track as mp3 (inline, ranges honoured) or wav (attachment)",
-            media=("audio/mpeg", "audio/wav"),
-            responses={**DOWNLOAD_REPLIES, 400: "track index out of range",
-                       404: "unknown job or format, or not ready"})
+@documented(
+    "Khala: a track as mp3 (inline, ranges honoured) or wav (attachment)",
+    media=("audio/mpeg", "audio/wav"),
+    responses={**DOWNLOAD_REPLIES, 400: "track index out of range", 404: "unknown job or format, or not ready"},
+)
 def track_file(job_id: str, index: int, fmt: str) -> ResponseReturnValue:
     """mp3 inline (ranges honoured) or wav as an attachment."""
     svc = context().services
@@ -309,7 +374,7 @@ def track_file(job_id: str, index: int, fmt: str) -> ResponseReturnValue:
     path = svc.artifacts.local_path(job_id, name)
     download_name = f"encore_{job_id[:8]}_track{index}.{fmt}"
     if fmt == "mp3":
-        return send_file(path, mimetype="audio/mpeg", conditional=True, as_attachment=False,
-                         download_name=download_name)
-    return send_file(path, mimetype="audio/wav", conditional=True, as_attachment=True,
-                     download_name=download_name)
+        return send_file(
+            path, mimetype="audio/mpeg", conditional=True, as_attachment=False, download_name=download_name
+        )
+    return send_file(path, mimetype="audio/wav", conditional=True, as_attachment=True, download_name=download_name)

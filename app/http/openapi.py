@@ -6,6 +6,7 @@ Answers every operation can give are added here rather than listed on each view:
 required (only when the server has one), 400/408/413 where a body is read, 404 where the path names something,
 503 where Redis is read. tests/test_openapi.py runs schemathesis against a live server with this document.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,35 +24,65 @@ IGNORED_METHODS = {"HEAD", "OPTIONS"}
 NO_REDIS = {"index", "openapi", "tags"}  # endpoints that answer without Redis (the tag catalogue is in memory)
 Reply = tuple[str, "type[BaseModel] | dict[str, Any] | None"]
 # What a file download (send_file, conditional, Range honoured) can answer besides its own 404s.
-DOWNLOAD_REPLIES: dict[int, Reply | str] = {200: ("the file", None), 206: ("the requested range", None),
-                                            302: ("a presigned URL of the object store (ENCORE_S3_PRESIGN=1)", None),
-                                            304: ("not modified since the client's copy", None),
-                                            416: "range not satisfiable"}
-TOO_MANY = ("too many: the open tracks are at a cap (the job was not created), or the token's submit rate "
-            "limit is spent; Retry-After says when to try again")
+DOWNLOAD_REPLIES: dict[int, Reply | str] = {
+    200: ("the file", None),
+    206: ("the requested range", None),
+    302: ("a presigned URL of the object store (ENCORE_S3_PRESIGN=1)", None),
+    304: ("not modified since the client's copy", None),
+    416: "range not satisfiable",
+}
+TOO_MANY = (
+    "too many: the open tracks are at a cap (the job was not created), or the token's submit rate "
+    "limit is spent; Retry-After says when to try again"
+)
 # Headers of a 429: Retry-After always; the rate limiter's window with a rate-limit refusal.
 TOO_MANY_HEADERS = {
-    "Retry-After": {"required": True, "description": "whole seconds to wait (from the ETA, or the limit's window)",
-                    "schema": {"type": "string", "pattern": "^[1-9][0-9]*$"}},
-    **{name: {"required": False, "description": what, "schema": {"type": "string", "pattern": "^[0-9]+$"}}
-       for name, what in (("X-RateLimit-Limit", "requests the window allows"),
-                          ("X-RateLimit-Remaining", "requests left in the window"),
-                          ("X-RateLimit-Reset", "when the window resets (Unix seconds)"))}}
+    "Retry-After": {
+        "required": True,
+        "description": "whole seconds to wait (from the ETA, or the limit's window)",
+        "schema": {"type": "string", "pattern": "^[1-9][0-9]*$"},
+    },
+    **{
+        name: {"required": False, "description": what, "schema": {"type": "string", "pattern": "^[0-9]+$"}}
+        for name, what in (
+            ("X-RateLimit-Limit", "requests the window allows"),
+            ("X-RateLimit-Remaining", "requests left in the window"),
+            ("X-RateLimit-Reset", "when the window resets (Unix seconds)"),
+        )
+    },
+}
 
 
-def documented(summary: str, *, responses: dict[int, Reply | str], json_body: type[BaseModel] | None = None,
-               form: type[BaseModel] | None = None, files: tuple[str, ...] = (),
-               query: dict[str, dict[str, Any]] | None = None, headers: dict[str, dict[str, Any]] | None = None,
-               media: tuple[str, ...] = (JSON,)) -> Callable:
+def documented(
+    summary: str,
+    *,
+    responses: dict[int, Reply | str],
+    json_body: type[BaseModel] | None = None,
+    form: type[BaseModel] | None = None,
+    files: tuple[str, ...] = (),
+    query: dict[str, dict[str, Any]] | None = None,
+    headers: dict[str, dict[str, Any]] | None = None,
+    media: tuple[str, ...] = (JSON,),
+) -> Callable:
     """Attach an operation description to a view; build_spec reads it. `responses` maps a status to
     (description, reply model or raw schema) for 2xx/3xx and to a description for errors (ErrorReply bodies);
     `query` and `headers` name optional parameters and their schemas; `media` lists the content types of the
     success replies."""
+
     def attach(view: Callable) -> Callable:
-        doc = {"summary": summary, "json_body": json_body, "form": form, "files": files, "query": query or {},
-               "headers": headers or {}, "responses": responses, "media": media}
+        doc = {
+            "summary": summary,
+            "json_body": json_body,
+            "form": form,
+            "files": files,
+            "query": query or {},
+            "headers": headers or {},
+            "responses": responses,
+            "media": media,
+        }
         setattr(view, "openapi", doc)  # noqa: B010 - a function's attribute, which its type does not declare
         return view
+
     return attach
 
 
@@ -73,8 +104,10 @@ def _request_body(doc: dict[str, Any]) -> dict[str, Any] | None:
     if doc["json_body"] is not None:
         return {"required": True, "content": {JSON: {"schema": _ref(doc["json_body"])}}}
     if doc["form"] is not None or doc["files"]:
-        return {"required": True, "content": {"multipart/form-data": {"schema": _form_schema(doc["form"],
-                                                                                             doc["files"])}}}
+        return {
+            "required": True,
+            "content": {"multipart/form-data": {"schema": _form_schema(doc["form"], doc["files"])}},
+        }
     return None
 
 
@@ -93,8 +126,9 @@ def _path_parameter(name: str, converter: str) -> dict[str, Any]:
     return {"name": name, "in": "path", "required": True, "schema": schema}
 
 
-def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protected: bool,
-               operation_id: str) -> dict[str, Any]:
+def _operation(
+    endpoint: str, view: Callable, arguments: dict[str, str], protected: bool, operation_id: str
+) -> dict[str, Any]:
     doc = getattr(view, "openapi", None)
     if doc is None:
         raise ValueError(f"view {endpoint} has no @documented description")
@@ -109,8 +143,7 @@ def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protect
     body = _request_body(doc)
     implied = {401: "a valid bearer token is required"} if protected else {}
     if body:
-        implied.update({400: "invalid field or body", 408: "the body stopped arriving",
-                        413: "the body is too large"})
+        implied.update({400: "invalid field or body", 408: "the body stopped arriving", 413: "the body is too large"})
     if arguments:
         implied[404] = "nothing at this path"
     if endpoint.rsplit(".", 1)[-1] not in NO_REDIS:
@@ -118,15 +151,18 @@ def _operation(endpoint: str, view: Callable, arguments: dict[str, str], protect
     for status, description in implied.items():
         responses.setdefault(str(status), _error(description))
     operation: dict[str, Any] = {
-        "summary": doc["summary"], "operationId": operation_id,
+        "summary": doc["summary"],
+        "operationId": operation_id,
         "responses": dict(sorted(responses.items())),
         "security": [{"bearer": []}] if protected else [],
     }
     parameters = [_path_parameter(name, converter) for name, converter in sorted(arguments.items())]
-    parameters += [{"name": name, "in": "query", "required": False, "schema": schema}
-                   for name, schema in doc["query"].items()]
-    parameters += [{"name": name, "in": "header", "required": False, "schema": schema}
-                   for name, schema in doc["headers"].items()]
+    parameters += [
+        {"name": name, "in": "query", "required": False, "schema": schema} for name, schema in doc["query"].items()
+    ]
+    parameters += [
+        {"name": name, "in": "header", "required": False, "schema": schema} for name, schema in doc["headers"].items()
+    ]
     if parameters:
         operation["parameters"] = parameters
     if body:
@@ -140,21 +176,44 @@ def openapi_path(rule: str) -> str:
 
 
 REPLY_MODELS: tuple[type[BaseModel], ...] = (
-    schemas.Accepted, schemas.ErrorReply, schemas.TrackReply, schemas.JobReply, schemas.JobList,
-    schemas.WorkerReply, schemas.StatusReply, schemas.DrainReply, schemas.HealthReply, schemas.ReadyReply,
-    schemas.WorkerReadiness, schemas.KhalaGenerate,
-    schemas.KhalaAccepted, schemas.KhalaTrack, schemas.KhalaJob, schemas.KhalaWorker, schemas.KhalaStatus,
+    schemas.Accepted,
+    schemas.ErrorReply,
+    schemas.TrackReply,
+    schemas.JobReply,
+    schemas.JobList,
+    schemas.WorkerReply,
+    schemas.StatusReply,
+    schemas.DrainReply,
+    schemas.HealthReply,
+    schemas.ReadyReply,
+    schemas.WorkerReadiness,
+    schemas.KhalaGenerate,
+    schemas.KhalaAccepted,
+    schemas.KhalaTrack,
+    schemas.KhalaJob,
+    schemas.KhalaWorker,
+    schemas.KhalaStatus,
 )
 
 
-def build_spec(app: Flask, music_limits: dict[str, Any], is_protected: Callable[[str], bool],
-               operation_id: Callable[[str], str], title: str = "Encore", version: str = "1") -> dict[str, Any]:
+def build_spec(
+    app: Flask,
+    music_limits: dict[str, Any],
+    is_protected: Callable[[str], bool],
+    operation_id: Callable[[str], str],
+    title: str = "Encore",
+    version: str = "1",
+) -> dict[str, Any]:
     """The document for `app` as configured: its duration and size limits, security where a token is
     required (`is_protected(endpoint)`; with no API_TOKEN nothing is), and each operation's id
     (`operation_id(endpoint)`)."""
-    spec = APISpec(title=title, version=version, openapi_version="3.1.0",
-                   info={"description": "GPU job service: music generation and lip-sync on Celery + Redis."},
-                   components={"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}})
+    spec = APISpec(
+        title=title,
+        version=version,
+        openapi_version="3.1.0",
+        info={"description": "GPU job service: music generation and lip-sync on Celery + Redis."},
+        components={"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    )
     spec.components.schema("MusicRequest", schemas.music_request_schema(music_limits))
     models: tuple[type[BaseModel], ...] = (LipsyncForm, *REPLY_MODELS)
     for model in models:
@@ -167,8 +226,9 @@ def build_spec(app: Flask, music_limits: dict[str, Any], is_protected: Callable[
         arguments = {name: type(rule._converters[name]).__name__ for name in rule.arguments}
         operations = paths.setdefault(openapi_path(rule.rule), {})
         for method in sorted((rule.methods or set()) - IGNORED_METHODS):
-            operations[method.lower()] = _operation(rule.endpoint, view, arguments, is_protected(rule.endpoint),
-                                                    operation_id(rule.endpoint))
+            operations[method.lower()] = _operation(
+                rule.endpoint, view, arguments, is_protected(rule.endpoint), operation_id(rule.endpoint)
+            )
     for path, operations in sorted(paths.items()):
         spec.path(path=path, operations=operations)
     return spec.to_dict()

@@ -1,5 +1,6 @@
 """Operating the service: liveness and readiness probes, Prometheus metrics, the workers and queues, and
 draining a queue for GPU maintenance."""
+
 from __future__ import annotations
 
 import logging
@@ -24,16 +25,18 @@ blueprint = Blueprint("ops", __name__)
 
 
 @blueprint.get("/metrics")
-@documented("Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers",
-            responses={200: ("the metrics, text format 0.0.4", None)}, media=("text/plain",))
+@documented(
+    "Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers",
+    responses={200: ("the metrics, text format 0.0.4", None)},
+    media=("text/plain",),
+)
 def metrics() -> ResponseReturnValue:
     """Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers (no auth)."""
     return Response(generate_latest(context().metrics), content_type=CONTENT_TYPE_LATEST)  # it names its charset
 
 
 @blueprint.get("/healthz")
-@documented("Liveness of the web and its Redis", responses={200: ("both up", HealthReply),
-                                                           503: "Redis is down"})
+@documented("Liveness of the web and its Redis", responses={200: ("both up", HealthReply), 503: "Redis is down"})
 def healthz() -> ResponseReturnValue:
     """Liveness of the web and its Redis."""
     try:
@@ -44,8 +47,10 @@ def healthz() -> ResponseReturnValue:
 
 
 @blueprint.get("/readyz")
-@documented("Readiness: Redis answers and a live worker has the models of every kind it serves loaded",
-            responses={200: ("ready", ReadyReply), 503: "not ready (why in `error`)"})
+@documented(
+    "Readiness: Redis answers and a live worker has the models of every kind it serves loaded",
+    responses={200: ("ready", ReadyReply), 503: "not ready (why in `error`)"},
+)
 def readyz() -> ResponseReturnValue:
     """Readiness for load balancers and orchestrators; liveness is /healthz."""
     ready, body = readiness(context().services)
@@ -66,8 +71,7 @@ def drain(queue: str) -> ResponseReturnValue:
 
 
 @blueprint.delete("/api/v1/queues/<queue>/drain")
-@documented("Route tracks to a drained queue again", responses={200: ("resumed", DrainReply),
-                                                              404: "unknown queue"})
+@documented("Route tracks to a drained queue again", responses={200: ("resumed", DrainReply), 404: "unknown queue"})
 def resume(queue: str) -> ResponseReturnValue:
     """Route tracks to a drained queue again."""
     shared = context()
@@ -84,15 +88,31 @@ def status() -> ResponseReturnValue:
     """Every worker (idle/busy/offline, current job and stage, device) and every queue's depth."""
     shared = context()
     snapshot = take_snapshot(shared.services, shared.transport_options)
-    return jsonify({
-        "workers": [_public_worker(w) for w in snapshot.workers],
-        "queues": snapshot.queues,
-        "unrouted": snapshot.unrouted,
-        "time": time.time(),
-    })
+    return jsonify(
+        {
+            "workers": [_public_worker(w) for w in snapshot.workers],
+            "queues": snapshot.queues,
+            "unrouted": snapshot.unrouted,
+            "time": time.time(),
+        }
+    )
 
 
 def _public_worker(worker: dict[str, Any]) -> dict[str, Any]:
-    keys = ("name", "status", "queue", "pinned_to", "device", "runtime_mode", "gpu_free_bytes", "gpu_total_bytes",
-            "pid", "last_seen", "current", "hostname", "profile", "music_engine")
+    keys = (
+        "name",
+        "status",
+        "queue",
+        "pinned_to",
+        "device",
+        "runtime_mode",
+        "gpu_free_bytes",
+        "gpu_total_bytes",
+        "pid",
+        "last_seen",
+        "current",
+        "hostname",
+        "profile",
+        "music_engine",
+    )
     return {k: worker.get(k) for k in keys if k in worker}

@@ -1,4 +1,5 @@
 """What describes the service to people and tools: the operator/user page and the OpenAPI document."""
+
 from __future__ import annotations
 
 from flask import Blueprint, Response, current_app, jsonify
@@ -26,8 +27,9 @@ def openapi() -> Response:
     the first request, once the application has all its routes, and kept on the application)."""
     if "OPENAPI" not in current_app.config:
         shared = context()
-        current_app.config["OPENAPI"] = build_spec(current_app, music_limits(shared.settings, shared.profile),
-                                                   _is_protected, operation_id)
+        current_app.config["OPENAPI"] = build_spec(
+            current_app, music_limits(shared.settings, shared.profile), _is_protected, operation_id
+        )
     return jsonify(current_app.config["OPENAPI"])
 
 

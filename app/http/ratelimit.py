@@ -6,6 +6,7 @@ One limit (ENCORE_SUBMIT_RATE_LIMIT, e.g. "10/minute;100/hour") is shared by all
 refusal is 429 with Retry-After and X-RateLimit-Limit/-Remaining/-Reset, which every rate-limited reply also
 carries. Unset: no limiter at all.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,10 +30,15 @@ def install(app: Flask, settings: Settings) -> Limiter | None:
     app.after_request(_retry_after_at_least_one_second)  # registered first: runs after the limiter's own
     uri, options = storage(settings)
     return Limiter(
-        key_func=lambda: _client(settings), app=app, storage_uri=uri, storage_options=options,
-        strategy=settings.rate_limit_strategy, headers_enabled=True,
+        key_func=lambda: _client(settings),
+        app=app,
+        storage_uri=uri,
+        storage_options=options,
+        strategy=settings.rate_limit_strategy,
+        headers_enabled=True,
         application_limits=[settings.submit_rate_limit],
-        application_limits_exempt_when=lambda: request.endpoint not in SUBMIT_ENDPOINTS)
+        application_limits_exempt_when=lambda: request.endpoint not in SUBMIT_ENDPOINTS,
+    )
 
 
 def storage(settings: Settings) -> tuple[str, dict[str, Any]]:

@@ -1,4 +1,5 @@
 """The JSON error body every route and error handler answers with."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,5 +1,6 @@
 """Request and reply schemas (pydantic): one definition validates input and names the offending field, and
 the OpenAPI document (app/http/openapi.py) is generated from these same models."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -17,11 +18,19 @@ MAX_SEED = 2**31 - 1
 TEXT_PATTERN = r"^[^\u0000-\u0008\u000B\u000C\u000E-\u001F\u007F-\u009F]*$"
 _ASCII_SPACE = r"[ \t\n\r\f\v]*"
 # The Khala contract's lax numbers (app/http/khala.py _whole and _real), as its document says them.
-WHOLE_NUMBER_SCHEMA: JsonDict = {"anyOf": [{"type": "integer"}, {"type": "number", "multipleOf": 1},
-                                 {"type": "string", "pattern": f"^{_ASCII_SPACE}[+-]?[0-9]{{1,9}}{_ASCII_SPACE}$"}]}
-REAL_NUMBER_SCHEMA: JsonDict = {"anyOf": [{"type": "number", "exclusiveMinimum": -1e9, "exclusiveMaximum": 1e9},
-                                {"type": "string",
-                                 "pattern": f"^{_ASCII_SPACE}[+-]?[0-9]{{1,9}}(\\.[0-9]{{1,9}})?{_ASCII_SPACE}$"}]}
+WHOLE_NUMBER_SCHEMA: JsonDict = {
+    "anyOf": [
+        {"type": "integer"},
+        {"type": "number", "multipleOf": 1},
+        {"type": "string", "pattern": f"^{_ASCII_SPACE}[+-]?[0-9]{{1,9}}{_ASCII_SPACE}$"},
+    ]
+}
+REAL_NUMBER_SCHEMA: JsonDict = {
+    "anyOf": [
+        {"type": "number", "exclusiveMinimum": -1e9, "exclusiveMaximum": 1e9},
+        {"type": "string", "pattern": f"^{_ASCII_SPACE}[+-]?[0-9]{{1,9}}(\\.[0-9]{{1,9}})?{_ASCII_SPACE}$"},
+    ]
+}
 TEXT_SCHEMA: JsonDict = {"anyOf": [{"type": "string", "pattern": TEXT_PATTERN}, {"type": "null"}]}
 
 
@@ -29,31 +38,48 @@ class MusicRequest(BaseModel):
     """POST /api/v1/music. Limits that depend on deployment (duration range, track count, text sizes)
     come from the validation context: {"min_duration_s", "max_duration_s", "max_tracks", ...}."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        # the two rules the fields alone cannot say: tags or a prompt; lyrics unless the song is instrumental
-        "anyOf": [{"required": ["tags"], "properties": {"tags": {"type": "string", "pattern": r"\S"}}},
-                  {"required": ["prompt"], "properties": {"prompt": {"type": "string", "pattern": r"\S"}}}],
-        "if": {"required": ["mode"], "properties": {"mode": {"const": "instrumental"}}},
-        "else": {"required": ["lyrics"], "properties": {"lyrics": {"type": "string", "pattern": r"\w"}}},
-    })
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            # the two rules the fields alone cannot say: tags or a prompt; lyrics unless the song is instrumental
+            "anyOf": [
+                {"required": ["tags"], "properties": {"tags": {"type": "string", "pattern": r"\S"}}},
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string", "pattern": r"\S"}}},
+            ],
+            "if": {"required": ["mode"], "properties": {"mode": {"const": "instrumental"}}},
+            "else": {"required": ["lyrics"], "properties": {"lyrics": {"type": "string", "pattern": r"\w"}}},
+        },
+    )
 
     mode: Literal["vocal", "instrumental"] = "vocal"
     tags: str | None = None
     prompt: str | None = Field(default=None, description="natural-language description of the song")
     lyrics: str | None = None
-    duration_s: float | None = Field(default=None, description="song length in seconds; at most what the "
-                                     "backbone's positions hold after this request's prompt (a 400 says how much)")
+    duration_s: float | None = Field(
+        default=None,
+        description="song length in seconds; at most what the "
+        "backbone's positions hold after this request's prompt (a 400 says how much)",
+    )
     num_tracks: int = Field(default=2, ge=1)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     temperature: float = Field(default=1.0, ge=0.6, le=1.4)
     top_k: int = Field(default=80, ge=1, le=200)
-    webhook: str | None = Field(default=None, max_length=2000, description="an http(s) URL that receives the job's "
-                                "events, signed the Standard Webhooks way (docs/api.md: Webhooks)")
+    webhook: str | None = Field(
+        default=None,
+        max_length=2000,
+        description="an http(s) URL that receives the job's "
+        "events, signed the Standard Webhooks way (docs/api.md: Webhooks)",
+    )
     webhook_events: list[Literal["start", "progress", "completed", "failed", "canceled"]] | None = Field(
-        default=None, min_length=1, description="which events to send (default: start, completed, failed, canceled)")
-    priority: Priority = Field(default=DEFAULT_PRIORITY, description="orders the first stages of jobs waiting for a "
-                               "GPU (high before normal before low, then by submission); a started job's later "
-                               "stages still run before any other job's first stage")
+        default=None, min_length=1, description="which events to send (default: start, completed, failed, canceled)"
+    )
+    priority: Priority = Field(
+        default=DEFAULT_PRIORITY,
+        description="orders the first stages of jobs waiting for a "
+        "GPU (high before normal before low, then by submission); a started job's later "
+        "stages still run before any other job's first stage",
+    )
 
     @field_validator("tags", "prompt", "lyrics")
     @classmethod
@@ -87,11 +113,15 @@ class MusicRequest(BaseModel):
             raise _field_error("duration_s", f"must be between {low:g} and {high:g} seconds")
         profile = limits.get("profile")
         if profile is not None:
-            longest = longest_song_for(profile, mode=self.mode, tags=self.tags, description=self.prompt,
-                                       lyrics=self.lyrics)
+            longest = longest_song_for(
+                profile, mode=self.mode, tags=self.tags, description=self.prompt, lyrics=self.lyrics
+            )
             if self.duration_s > longest:
-                raise _field_error("duration_s", f"at most {longest:g} seconds with this prompt and lyrics (the "
-                                   f"model holds {profile.backbone.max_sequence_length} positions, prompt included)")
+                raise _field_error(
+                    "duration_s",
+                    f"at most {longest:g} seconds with this prompt and lyrics (the "
+                    f"model holds {profile.backbone.max_sequence_length} positions, prompt included)",
+                )
         max_tracks = limits.get("max_tracks", 4)
         if self.num_tracks > max_tracks:
             raise _field_error("num_tracks", f"at most {max_tracks}")
@@ -154,9 +184,12 @@ class Accepted(BaseModel):
     status_url: str
     queue_position: int
     state: str
-    eta_s: float | None = Field(default=None, description="estimated seconds until the job is done, the work queued "
-                                "ahead of it included, from each GPU queue's learned stage rates; 0 once it ended, "
-                                "null while a track waits for a live worker")
+    eta_s: float | None = Field(
+        default=None,
+        description="estimated seconds until the job is done, the work queued "
+        "ahead of it included, from each GPU queue's learned stage rates; 0 once it ended, "
+        "null while a track waits for a live worker",
+    )
     note: str | None = None
 
 
@@ -170,6 +203,7 @@ class ErrorReply(BaseModel):
 
 
 # ---- replies (the OpenAPI document's response schemas; app/http/openapi.py)
+
 
 class _Open(BaseModel):
     """A reply that may grow fields: clients must ignore the ones they do not know."""
@@ -210,9 +244,12 @@ class JobReply(_Open):
     queue_position: int
     cancel_requested: bool
     tracks: list[TrackReply]
-    eta_s: float | None = Field(default=None, description="estimated seconds until the job is done, the work queued "
-                                "ahead of it included, from each GPU queue's learned stage rates; 0 once it ended, "
-                                "null while a track waits for a live worker")
+    eta_s: float | None = Field(
+        default=None,
+        description="estimated seconds until the job is done, the work queued "
+        "ahead of it included, from each GPU queue's learned stage rates; 0 once it ended, "
+        "null while a track waits for a live worker",
+    )
 
 
 class RetryReply(JobReply):
@@ -268,23 +305,37 @@ class KhalaGenerate(_Open):
     ranges, whole numbers may come as 3, 3.0 or "3"; lyrics are required for a vocal song, and the prompt
     (prompt_mode natural) or the tags (prompt_mode tags) must not be empty."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra={"allOf": [
-        {"if": {"required": ["prompt_mode"], "properties": {"prompt_mode": {"const": "natural"}}},
-         "then": {"required": ["prompt"], "properties": {"prompt": {"type": "string", "pattern": r"\S"}}},
-         "else": {"required": ["tags"], "properties": {"tags": {"type": "string", "pattern": r"\S"}}}},
-        {"if": {"required": ["mode"], "properties": {"mode": {"const": "instrumental"}}},
-         "else": {"required": ["lyrics"], "properties": {"lyrics": {"type": "string", "pattern": r"\w"}}}},
-    ]})
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"required": ["prompt_mode"], "properties": {"prompt_mode": {"const": "natural"}}},
+                    "then": {"required": ["prompt"], "properties": {"prompt": {"type": "string", "pattern": r"\S"}}},
+                    "else": {"required": ["tags"], "properties": {"tags": {"type": "string", "pattern": r"\S"}}},
+                },
+                {
+                    "if": {"required": ["mode"], "properties": {"mode": {"const": "instrumental"}}},
+                    "else": {"required": ["lyrics"], "properties": {"lyrics": {"type": "string", "pattern": r"\w"}}},
+                },
+            ]
+        },
+    )
 
     mode: Literal["vocal", "instrumental"] = "vocal"
     prompt_mode: Literal["natural", "tags"] = "tags"
     prompt: str | None = Field(default=None, json_schema_extra=TEXT_SCHEMA)
     tags: str | None = Field(default=None, json_schema_extra=TEXT_SCHEMA)
     lyrics: str | None = Field(default=None, json_schema_extra=TEXT_SCHEMA)
-    duration: int | float | str = Field(default=3, description="minutes, clamped to 1..10",
-                                        json_schema_extra=WHOLE_NUMBER_SCHEMA)
-    top_k_bb: int | float | str = Field(default=80, description="clamped to 1..200", json_schema_extra=WHOLE_NUMBER_SCHEMA)
-    temperature: float | str = Field(default=1.0, description="clamped to 0.6..1.4", json_schema_extra=REAL_NUMBER_SCHEMA)
+    duration: int | float | str = Field(
+        default=3, description="minutes, clamped to 1..10", json_schema_extra=WHOLE_NUMBER_SCHEMA
+    )
+    top_k_bb: int | float | str = Field(
+        default=80, description="clamped to 1..200", json_schema_extra=WHOLE_NUMBER_SCHEMA
+    )
+    temperature: float | str = Field(
+        default=1.0, description="clamped to 0.6..1.4", json_schema_extra=REAL_NUMBER_SCHEMA
+    )
 
 
 class KhalaAccepted(BaseModel):

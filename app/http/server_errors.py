@@ -29,19 +29,25 @@ def _message(status: int, reason: str, detail: str, cfg: Any) -> str:
     if status == 414:
         return f"url: the request line is longer than {cfg.limit_request_line} bytes"
     if status == 431:
-        return (f"headers: more than {cfg.limit_request_fields} header fields, or one longer than "
-                f"{cfg.limit_request_field_size} bytes")
+        return (
+            f"headers: more than {cfg.limit_request_fields} header fields, or one longer than "
+            f"{cfg.limit_request_field_size} bytes"
+        )
     detail = detail[:MAX_DETAIL_CHARS]
     return f"{_field(status)}: {reason}" + (f" ({detail})" if detail else "")
 
 
 def json_error_writer(cfg: Any):
     """A drop-in for gunicorn.util.write_error(sock, status, reason, message) that answers JSON."""
+
     def write_error(sock: socket.socket, status_int: int, reason: str, mesg: str) -> None:
         body = json.dumps({"error": _message(status_int, reason, mesg, cfg), "field": _field(status_int)}).encode()
-        head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode("latin1")
+        head = (
+            f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode("latin1")
         util.write_nonblock(sock, head + body)
+
     return write_error
 
 

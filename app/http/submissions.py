@@ -1,5 +1,6 @@
 """Turning a validated request into a routed job; shared by the native API and the Khala-compatible one,
 so both create the same records, metrics and log lines."""
+
 from __future__ import annotations
 
 import logging
@@ -31,18 +32,25 @@ class RequestError(ValueError):
 
 
 def music_limits(settings: Settings, profile: MusicProfile) -> dict[str, Any]:
-    return {"min_duration_s": profile.min_duration_s, "max_duration_s": profile.max_duration_s,
-            "default_duration_s": profile.default_duration_s, "max_tracks": settings.max_tracks,
-            "max_lyrics_chars": settings.max_lyrics_chars, "max_text_chars": settings.max_text_chars,
-            "profile": profile}
+    return {
+        "min_duration_s": profile.min_duration_s,
+        "max_duration_s": profile.max_duration_s,
+        "default_duration_s": profile.default_duration_s,
+        "max_tracks": settings.max_tracks,
+        "max_lyrics_chars": settings.max_lyrics_chars,
+        "max_text_chars": settings.max_text_chars,
+        "profile": profile,
+    }
 
 
 def longest_song(body: dict[str, Any], profile: MusicProfile) -> float:
     """The longest song a (not yet validated) native body's prompt leaves room for; text fields of the
     wrong type count as empty (validation refuses them afterwards)."""
+
     def text(name: str) -> str:
         value = body.get(name)
         return value if isinstance(value, str) and untokenizable(value) is None else ""
+
     requested = body.get("mode")
     mode = requested if isinstance(requested, str) and requested in ("vocal", "instrumental") else "vocal"
     return longest_song_for(profile, mode=mode, tags=text("tags"), description=text("prompt"), lyrics=text("lyrics"))
@@ -56,29 +64,52 @@ def validate_music(body: dict[str, Any], settings: Settings, profile: MusicProfi
         raise RequestError(*describe_validation_error(exc)) from None
 
 
-def submit_music(svc: Services, celery: Celery, req: MusicRequest, profile: MusicProfile,
-                 job_id: str | None = None, webhook: dict[str, Any] | None = None, **extra: Any) -> str:
+def submit_music(
+    svc: Services,
+    celery: Celery,
+    req: MusicRequest,
+    profile: MusicProfile,
+    job_id: str | None = None,
+    webhook: dict[str, Any] | None = None,
+    **extra: Any,
+) -> str:
     """Create the job record (one track per requested track, seeds seed+i) and route its tracks; `job_id` when
     the caller drew it (an idempotent submit); `webhook` as app/webhooks.check_target gives it."""
     if req.duration_s is None:  # validate_music sets it (the deployment's default when the body has none)
         raise ValueError("submit_music needs a validated MusicRequest: duration_s is unset")
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - req.num_tracks)
     params = {
-        "mode": req.mode, "tags": req.tags or "", "prompt": req.prompt or "",
+        "mode": req.mode,
+        "tags": req.tags or "",
+        "prompt": req.prompt or "",
         "lyrics": clean_lyrics(req.lyrics) if req.mode == "vocal" and req.lyrics else "",
-        "duration_s": req.duration_s, "num_tracks": req.num_tracks, "seed": seed,
-        "temperature": req.temperature, "top_k": req.top_k, "profile": profile.name, "priority": req.priority,
+        "duration_s": req.duration_s,
+        "num_tracks": req.num_tracks,
+        "seed": seed,
+        "temperature": req.temperature,
+        "top_k": req.top_k,
+        "profile": profile.name,
+        "priority": req.priority,
         **extra,
     }
     tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
-    job_id = create_job(svc, "music", params, tracks, float(req.duration_s), job_id=job_id, webhook=webhook,
-                        duration_s=req.duration_s)
+    job_id = create_job(
+        svc, "music", params, tracks, float(req.duration_s), job_id=job_id, webhook=webhook, duration_s=req.duration_s
+    )
     route_job(svc, celery, job_id, req.num_tracks)
     return job_id
 
 
-def create_job(svc: Services, kind: str, params: dict[str, Any], tracks: list[dict[str, Any]], cost: float,
-               job_id: str | None = None, webhook: dict[str, Any] | None = None, **log_fields: Any) -> str:
+def create_job(
+    svc: Services,
+    kind: str,
+    params: dict[str, Any],
+    tracks: list[dict[str, Any]],
+    cost: float,
+    job_id: str | None = None,
+    webhook: dict[str, Any] | None = None,
+    **log_fields: Any,
+) -> str:
     """Write the record, count the submission and log it; the caller routes once the job's inputs exist. The
     job's priority is the one its params record (normal, recorded there, when they name none)."""
     params = {**params, "priority": params.get("priority", DEFAULT_PRIORITY)}

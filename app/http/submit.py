@@ -1,4 +1,5 @@
 """Submitting jobs: POST /api/v1/music and /api/v1/lipsync, each at most once per Idempotency-Key."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -25,7 +26,8 @@ IDEMPOTENCY_HEADER = idempotency.OPENAPI_HEADER
 IDEMPOTENT_REPLIES: dict[int, Any] = {
     200: ("an earlier request with this Idempotency-Key made this job", Accepted),
     409: "the Idempotency-Key was used with a different body (or its first request is still running)",
-    429: TOO_MANY}
+    429: TOO_MANY,
+}
 # A lip-sync form has two files and three short fields: a body with more parts, or a text field longer than
 # this (Werkzeug also holds its read buffer to it, so it stays well above the 64 KiB chunk), is refused (413)
 # while it is parsed.
@@ -34,9 +36,12 @@ MAX_FORM_MEMORY_BYTES = 500_000
 
 
 @blueprint.post("/api/v1/music")
-@documented("Submit a music job (one chain of stages per track)", json_body=MusicRequest,
-            headers=IDEMPOTENCY_HEADER, responses={202: ("accepted", Accepted), **IDEMPOTENT_REPLIES,
-                                                   400: "invalid field (named in `field`)"})
+@documented(
+    "Submit a music job (one chain of stages per track)",
+    json_body=MusicRequest,
+    headers=IDEMPOTENCY_HEADER,
+    responses={202: ("accepted", Accepted), **IDEMPOTENT_REPLIES, 400: "invalid field (named in `field`)"},
+)
 def submit_music() -> tuple[Response, int]:
     """A music job: the body checked against the profile's limits, one chain of stages per track."""
     shared = context()
@@ -52,17 +57,30 @@ def submit_music() -> tuple[Response, int]:
         webhook = check_target(req.webhook, req.webhook_events, shared.settings)
     except WebhookRefused as exc:
         return error(400, str(exc), exc.field)
-    job_id, replayed = submit_once(shared, key, lambda: idempotency.json_digest(body),
-                                   lambda new_id: submit_music_job(shared.services, shared.celery, req, shared.profile,
-                                                                   job_id=new_id, webhook=webhook))
+    job_id, replayed = submit_once(
+        shared,
+        key,
+        lambda: idempotency.json_digest(body),
+        lambda new_id: submit_music_job(
+            shared.services, shared.celery, req, shared.profile, job_id=new_id, webhook=webhook
+        ),
+    )
     return accepted(shared, job_id, replayed)
 
 
 @blueprint.post("/api/v1/lipsync")
-@documented("Submit a lip-sync job (face video + driving audio)", form=LipsyncForm, files=("video", "audio"),
-            headers=IDEMPOTENCY_HEADER,
-            responses={202: ("accepted", Accepted), **IDEMPOTENT_REPLIES,
-                       400: "invalid field or media (named in `field`)", 413: "a file, or the whole body, is too large"})
+@documented(
+    "Submit a lip-sync job (face video + driving audio)",
+    form=LipsyncForm,
+    files=("video", "audio"),
+    headers=IDEMPOTENCY_HEADER,
+    responses={
+        202: ("accepted", Accepted),
+        **IDEMPOTENT_REPLIES,
+        400: "invalid field or media (named in `field`)",
+        413: "a file, or the whole body, is too large",
+    },
+)
 def submit_lipsync() -> tuple[Response, int]:
     """A lip-sync job: the two files staged and probed, stored as the job's inputs, one stage routed."""
     shared = context()
@@ -76,14 +94,23 @@ def submit_lipsync() -> tuple[Response, int]:
         if (request.content_length or 0) > most:
             raise
         if getattr(request.stream, "is_exhausted", False):  # a chunked body (no length) read up to the limit
-            return error(413, f"body: larger than {most / 2**20:g} MiB, the most both files and the fields may take "
-                              "(ENCORE_MAX_VIDEO_MB + ENCORE_MAX_AUDIO_MB + 1)", "body")
-        return error(413, f"body: at most {MAX_FORM_PARTS} form parts, and form fields (besides the files) "
-                          f"of at most {MAX_FORM_MEMORY_BYTES} bytes", "body")
+            return error(
+                413,
+                f"body: larger than {most / 2**20:g} MiB, the most both files and the fields may take "
+                "(ENCORE_MAX_VIDEO_MB + ENCORE_MAX_AUDIO_MB + 1)",
+                "body",
+            )
+        return error(
+            413,
+            f"body: at most {MAX_FORM_PARTS} form parts, and form fields (besides the files) "
+            f"of at most {MAX_FORM_MEMORY_BYTES} bytes",
+            "body",
+        )
     try:
         # an empty form field is an absent one, as for every other field of the form (app/http/uploads.py)
-        webhook = check_target(form.get("webhook") or None, split_events(form.get("webhook_events") or None),
-                               shared.settings)
+        webhook = check_target(
+            form.get("webhook") or None, split_events(form.get("webhook_events") or None), shared.settings
+        )
         upload = receive_lipsync(form, files, shared.settings, shared.lipsync_profile)
     except WebhookRefused as exc:
         return error(400, str(exc), exc.field)
@@ -92,17 +119,24 @@ def submit_lipsync() -> tuple[Response, int]:
 
     def create(new_id: str | None) -> str:
         svc = shared.services
-        job_id = create_job(svc, "lipsync", upload.params, [{}], float(upload.params["audio_duration_s"]),
-                            job_id=new_id, webhook=webhook, frames=upload.params["output_frames"],
-                            audio_s=round(upload.params["audio_duration_s"], 3))
+        job_id = create_job(
+            svc,
+            "lipsync",
+            upload.params,
+            [{}],
+            float(upload.params["audio_duration_s"]),
+            job_id=new_id,
+            webhook=webhook,
+            frames=upload.params["output_frames"],
+            audio_s=round(upload.params["audio_duration_s"], 3),
+        )
         for path in upload.files.values():
             svc.artifacts.put(job_id, path.name, path, shared.settings.job_ttl_s)
         route_job(svc, shared.celery, job_id, 1)
         return job_id
 
     try:
-        job_id, replayed = submit_once(shared, key, lambda: idempotency.form_digest(form, upload.files.items()),
-                                       create)
+        job_id, replayed = submit_once(shared, key, lambda: idempotency.form_digest(form, upload.files.items()), create)
     finally:
         upload.discard()
     return accepted(shared, job_id, replayed)
@@ -111,9 +145,13 @@ def submit_lipsync() -> tuple[Response, int]:
 def accepted(shared: WebContext, job_id: str, replayed: bool = False) -> tuple[Response, int]:
     """202 for a new job; 200 (same body) for the job an earlier request with the same Idempotency-Key made."""
     record = shared.services.jobs.existing_record(job_id)  # just written
-    body = {"job_id": job_id, "status_url": f"/api/v1/jobs/{job_id}",
-            "queue_position": record["queue_position"], "state": record["state"],
-            "eta_s": job_etas(shared.services, [record])[0]}
+    body = {
+        "job_id": job_id,
+        "status_url": f"/api/v1/jobs/{job_id}",
+        "queue_position": record["queue_position"],
+        "state": record["state"],
+        "eta_s": job_etas(shared.services, [record])[0],
+    }
     if any(not t["queue"] for t in record["tracks"]) and record["state"] not in JOB_END_STATES:
         body["note"] = "no worker is live: the job waits until one starts"
     reply = jsonify(body)
@@ -128,8 +166,9 @@ def idempotency_key() -> str | None:
     return None if key is None else idempotency.checked_key(key)
 
 
-def submit_once(shared: WebContext, key: str | None, body_hash: Callable[[], str],
-                create: Callable[[str | None], str]) -> tuple[str, bool]:
+def submit_once(
+    shared: WebContext, key: str | None, body_hash: Callable[[], str], create: Callable[[str | None], str]
+) -> tuple[str, bool]:
     """(job id, replayed): `create` runs unless an earlier request with the same key (and owner) made the job."""
     if key is None:
         return create(None), False

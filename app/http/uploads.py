@@ -3,6 +3,7 @@
 Werkzeug spools multipart files larger than 500 KB to temporary files, and the app's MAX_CONTENT_LENGTH
 stops a body larger than both limits together before it is read; per-field limits are checked here.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,18 +41,30 @@ class LipsyncForm(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    fps: float | None = Field(default=None, ge=0, le=FPS_LIMIT, description="output frame rate, 1 to 120; missing or 0 "
-                              "→ the video's own (25 when unknown or above 120)",
-                              json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0,
-                                                         "exclusiveMaximum": FPS_LEAST}})
+    fps: float | None = Field(
+        default=None,
+        ge=0,
+        le=FPS_LIMIT,
+        description="output frame rate, 1 to 120; missing or 0 → the video's own (25 when unknown or above 120)",
+        json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": FPS_LEAST}},
+    )
     extra_margin: int | None = Field(default=None, ge=0, le=200, description="pixels added below the face box")
     batch_size: int | None = Field(default=None, ge=1, le=256, description="frames per UNet batch")
-    webhook: str | None = Field(default=None, max_length=2000, description="an http(s) URL that receives the job's "
-                                "events, signed the Standard Webhooks way")
-    webhook_events: str | None = Field(default=None, max_length=100, description="comma-separated: start, progress, "
-                                       "completed, failed, canceled (default: all but progress)")
-    priority: Priority | None = Field(default=None, description="high, normal (the default) or low: orders the first "
-                                      "stages of jobs waiting for a GPU; a started job's later stages still run first")
+    webhook: str | None = Field(
+        default=None,
+        max_length=2000,
+        description="an http(s) URL that receives the job's events, signed the Standard Webhooks way",
+    )
+    webhook_events: str | None = Field(
+        default=None,
+        max_length=100,
+        description="comma-separated: start, progress, completed, failed, canceled (default: all but progress)",
+    )
+    priority: Priority | None = Field(
+        default=None,
+        description="high, normal (the default) or low: orders the first "
+        "stages of jobs waiting for a GPU; a started job's later stages still run first",
+    )
 
     @field_validator("fps")
     @classmethod
@@ -71,8 +84,9 @@ class ReceivedUpload:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-def receive_lipsync(form: dict[str, str], files: dict[str, FileStorage], settings: Settings,
-                    profile: LipsyncProfile) -> ReceivedUpload:
+def receive_lipsync(
+    form: dict[str, str], files: dict[str, FileStorage], settings: Settings, profile: LipsyncProfile
+) -> ReceivedUpload:
     """Validate fields, stage both files, probe them; raises UploadError naming the field."""
     unknown = sorted(set(files) - set(FILE_FIELDS))
     if unknown:
@@ -136,8 +150,9 @@ def _probe(path: Path, field: str, tools: MediaTools) -> MediaInfo:
         raise UploadError(400, field, "cannot be read as audio/video (ffprobe failed)") from None
 
 
-def _measured(video: MediaInfo, audio: MediaInfo, files: dict[str, Path], settings: Settings,
-              tools: MediaTools) -> tuple[MediaInfo, MediaInfo]:
+def _measured(
+    video: MediaInfo, audio: MediaInfo, files: dict[str, Path], settings: Settings, tools: MediaTools
+) -> tuple[MediaInfo, MediaInfo]:
     """The two probes with their lengths replaced by what the streams really hold: the video's frames counted
     from its packets (its length = frames / frame rate), the audio's seconds counted in decoded samples (up to
     the limit and one second). A header's durations and frame count are never trusted for a limit."""
@@ -162,48 +177,77 @@ def _check_media(video: MediaInfo, audio: MediaInfo, settings: Settings, fps: fl
         raise UploadError(400, "video", "has no video stream")
     pixels = (video.width or 0) * (video.height or 0)
     if pixels > settings.max_video_pixels:
-        raise UploadError(400, "video", f"is {video.width}x{video.height} ({pixels} pixels); the limit is "
-                                        f"{settings.max_video_pixels} pixels (4096x2160 by default)")
+        raise UploadError(
+            400,
+            "video",
+            f"is {video.width}x{video.height} ({pixels} pixels); the limit is "
+            f"{settings.max_video_pixels} pixels (4096x2160 by default)",
+        )
     if not audio.has_audio:
         raise UploadError(400, "audio", "has no audio stream")
     video_seconds = video.video_duration_s or video.duration_s or 0.0
     if video_seconds < settings.min_video_s:
         raise UploadError(400, "video", f"is {video_seconds:.2f} s long; at least {settings.min_video_s:g} s needed")
     if video_seconds > settings.max_video_s:
-        raise UploadError(400, "video", f"is {video_seconds:.1f} s long ({video.frame_count} frames); the limit is "
-                                        f"{settings.max_video_s:g} s")
+        raise UploadError(
+            400,
+            "video",
+            f"is {video_seconds:.1f} s long ({video.frame_count} frames); the limit is {settings.max_video_s:g} s",
+        )
     work = video.frame_count * pixels
     if work > settings.max_video_frame_pixels:
-        raise UploadError(400, "video", f"holds {video.frame_count} frames of {video.width}x{video.height}: "
-                                        f"{work:.3g} pixels to decode; the limit is {settings.max_video_frame_pixels:.3g}")
+        raise UploadError(
+            400,
+            "video",
+            f"holds {video.frame_count} frames of {video.width}x{video.height}: "
+            f"{work:.3g} pixels to decode; the limit is {settings.max_video_frame_pixels:.3g}",
+        )
     audio_seconds = audio.audio_duration_s or audio.duration_s or 0.0
     shortest = max(settings.min_audio_s, 1.0 / fps)
     if audio_seconds < shortest:
         raise UploadError(400, "audio", f"is {audio_seconds:.2f} s long; at least {shortest:g} s needed")
     if audio_seconds > settings.max_audio_s:
         longer = "longer than " if audio_seconds >= settings.max_audio_s + 1 else ""  # decoding stopped there
-        raise UploadError(400, "audio", f"is {longer}{audio_seconds:.1f} s long (decoded); the limit is "
-                                        f"{settings.max_audio_s:g} s")
-    shown = min(video.frame_count, source_frames_to_decode(
-        source_frames_shown(output_frame_count(audio_seconds, fps), video.fps, fps)))  # what the worker decodes
+        raise UploadError(
+            400, "audio", f"is {longer}{audio_seconds:.1f} s long (decoded); the limit is {settings.max_audio_s:g} s"
+        )
+    shown = min(
+        video.frame_count,
+        source_frames_to_decode(source_frames_shown(output_frame_count(audio_seconds, fps), video.fps, fps)),
+    )  # what the worker decodes
     scratch_mb = shown * pixels * 3 / 2**20
     if scratch_mb > settings.max_scratch_mb:
-        raise UploadError(400, "video", f"the {shown} frames of {video.width}x{video.height} this output reads would "
-                                        f"take {scratch_mb:.0f} MiB of worker scratch; the limit is "
-                                        f"{settings.max_scratch_mb:g} MiB")
+        raise UploadError(
+            400,
+            "video",
+            f"the {shown} frames of {video.width}x{video.height} this output reads would "
+            f"take {scratch_mb:.0f} MiB of worker scratch; the limit is "
+            f"{settings.max_scratch_mb:g} MiB",
+        )
 
 
-def _params(fields: LipsyncForm, fps: float, fps_from: str, video: MediaInfo, audio: MediaInfo,
-            profile: LipsyncProfile, files: dict[str, Path]) -> dict[str, Any]:
+def _params(
+    fields: LipsyncForm,
+    fps: float,
+    fps_from: str,
+    video: MediaInfo,
+    audio: MediaInfo,
+    profile: LipsyncProfile,
+    files: dict[str, Path],
+) -> dict[str, Any]:
     audio_seconds = audio.audio_duration_s or audio.duration_s
     return {
-        "fps": fps, "source_fps": video.fps, "fps_from": fps_from,
+        "fps": fps,
+        "source_fps": video.fps,
+        "fps_from": fps_from,
         "extra_margin": fields.extra_margin if fields.extra_margin is not None else profile.default_extra_margin,
         "batch_size": fields.batch_size,  # None: the worker's default for its device (LipsyncModels.batch_size)
         "audio_duration_s": audio_seconds,
         "video_duration_s": video.video_duration_s or video.duration_s,
-        "video_fps": video.fps, "video_frames": video.frame_count,
-        "width": video.width, "height": video.height,
+        "video_fps": video.fps,
+        "video_frames": video.frame_count,
+        "width": video.width,
+        "height": video.height,
         "output_frames": output_frame_count(audio_seconds, fps),
         "inputs": {name: path.name for name, path in files.items()},
         "profile": profile.name,

@@ -3,6 +3,7 @@
 Pipeline code stays free of Celery and Redis: the task layer builds a StageControl that writes progress to
 the job record and checks the job's cancel flag; tests build one from plain callables.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,4 +38,5 @@ class StageControl:
         """A control for one phase of a stage: its progress maps to start..end of the stage's."""
         return StageControl(
             report=lambda fraction, detail: self.report(start + fraction * (end - start), f"{label}: {detail}"),
-            cancel_requested=self.cancel_requested)
+            cancel_requested=self.cancel_requested,
+        )

@@ -4,6 +4,7 @@
 checkpoints (its audio is noise); `khala` points at real checkpoints. Loaders are the same code for both.
 Audio-token id offsets derive from these numbers, never from literals in stage code.
 """
+
 from __future__ import annotations
 
 import os
@@ -141,16 +142,32 @@ def _tiny(model_dir: Path) -> MusicProfile:
     """Random weights: `song_end="duration"` keeps every song at its requested length (docs/models.md)."""
     text_vocab, codebook_size = 512, 32
     backbone_vocab, superres_vocab = _vocab_sizes(text_vocab, codebook_size)
+
     def transformer(vocab: int, positions: int) -> TransformerSpec:
-        return TransformerSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                               ffn_hidden_size=176, vocab_size=vocab, max_sequence_length=positions)
+        return TransformerSpec(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=176,
+            vocab_size=vocab,
+            max_sequence_length=positions,
+        )
+
     profile = MusicProfile(
-        name="tiny", text_vocab_size=text_vocab, codebook_size=codebook_size,
+        name="tiny",
+        text_vocab_size=text_vocab,
+        codebook_size=codebook_size,
         backbone=transformer(backbone_vocab, BACKBONE_MAX_POSITIONS),
         superres=transformer(superres_vocab, SUPERRES_MAX_POSITIONS),
-        codec=CodecSpec(codebook_size=codebook_size, codebook_dim=16, decoder_channels=32,
-                        chunk_frames=64, overlap_frames=16),
-        model_dir=model_dir, min_duration_s=1.0, max_duration_s=0.0, default_duration_s=5.0, song_end="duration",
+        codec=CodecSpec(
+            codebook_size=codebook_size, codebook_dim=16, decoder_channels=32, chunk_frames=64, overlap_frames=16
+        ),
+        model_dir=model_dir,
+        min_duration_s=1.0,
+        max_duration_s=0.0,
+        default_duration_s=5.0,
+        song_end="duration",
     )
     return replace(profile, max_duration_s=profile.longest_song_s)
 
@@ -160,17 +177,33 @@ def _khala(model_dir: Path) -> MusicProfile:
     models/Tokenizer/, checkpoints/backbone/, checkpoints/superresolution/, checkpoints/dac_rvq_*.ckpt."""
     text_vocab, codebook_size = 128_256, 1024
     backbone_vocab, superres_vocab = _vocab_sizes(text_vocab, codebook_size)  # 130304, 193792
+
     def transformer(vocab: int, positions: int) -> TransformerSpec:
-        return TransformerSpec(num_layers=24, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
-                               ffn_hidden_size=5632, vocab_size=vocab, max_sequence_length=positions)
+        return TransformerSpec(
+            num_layers=24,
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_query_groups=8,
+            ffn_hidden_size=5632,
+            vocab_size=vocab,
+            max_sequence_length=positions,
+        )
+
     profile = MusicProfile(
-        name="khala", text_vocab_size=text_vocab, codebook_size=codebook_size,
+        name="khala",
+        text_vocab_size=text_vocab,
+        codebook_size=codebook_size,
         backbone=transformer(backbone_vocab, BACKBONE_MAX_POSITIONS),
         superres=transformer(superres_vocab, SUPERRES_MAX_POSITIONS),
         codec=CodecSpec(codebook_size=codebook_size, codebook_dim=128, decoder_channels=3072),
-        model_dir=model_dir, min_duration_s=60.0, max_duration_s=0.0, default_duration_s=120.0,
-        tokenizer_subdir="models/Tokenizer", backbone_subdir="checkpoints/backbone",
-        superres_subdir="checkpoints/superresolution", codec_file="checkpoints/dac_rvq_*.ckpt",
+        model_dir=model_dir,
+        min_duration_s=60.0,
+        max_duration_s=0.0,
+        default_duration_s=120.0,
+        tokenizer_subdir="models/Tokenizer",
+        backbone_subdir="checkpoints/backbone",
+        superres_subdir="checkpoints/superresolution",
+        codec_file="checkpoints/dac_rvq_*.ckpt",
     )
     return replace(profile, max_duration_s=profile.longest_song_s)  # 546 s: 23,552 tokens at 21.53 frames/s
 
@@ -183,8 +216,9 @@ def _training_step(path: Path) -> tuple[int, str]:
 PROFILES = {"tiny": _tiny, "khala": _khala}
 
 
-def load_profile(name: str, model_dir: str | os.PathLike | None = None, *, song_end: str | None = None,
-                 **paths: str) -> MusicProfile:
+def load_profile(
+    name: str, model_dir: str | os.PathLike | None = None, *, song_end: str | None = None, **paths: str
+) -> MusicProfile:
     """Profile `name` with its files under `model_dir` (default: ./models/<name>); `paths` override where each
     model lies (tokenizer_subdir, backbone_subdir, superres_subdir, codec_file: absolute or under model_dir),
     `song_end` who ends a song ("model" or "duration")."""
@@ -198,11 +232,13 @@ def load_profile(name: str, model_dir: str | os.PathLike | None = None, *, song_
         if song_end not in ("model", "duration"):
             raise ValueError(f"song_end must be 'model' or 'duration', not {song_end!r}")
         profile = replace(profile, song_end=song_end)
-    return replace(profile,  # by name, so that each field gets a str and a new field is not set by accident
-                   tokenizer_subdir=paths.get("tokenizer_subdir", profile.tokenizer_subdir),
-                   backbone_subdir=paths.get("backbone_subdir", profile.backbone_subdir),
-                   superres_subdir=paths.get("superres_subdir", profile.superres_subdir),
-                   codec_file=paths.get("codec_file", profile.codec_file))
+    return replace(
+        profile,  # by name, so that each field gets a str and a new field is not set by accident
+        tokenizer_subdir=paths.get("tokenizer_subdir", profile.tokenizer_subdir),
+        backbone_subdir=paths.get("backbone_subdir", profile.backbone_subdir),
+        superres_subdir=paths.get("superres_subdir", profile.superres_subdir),
+        codec_file=paths.get("codec_file", profile.codec_file),
+    )
 
 
 @dataclass(frozen=True)
@@ -212,11 +248,11 @@ class LipsyncProfile:
     name: str
     model_dir: Path
     crop_size: int = 256
-    audio_padding_left: int = 2   # whisper feature frames around each video frame (MuseTalk v1.5)
+    audio_padding_left: int = 2  # whisper feature frames around each video frame (MuseTalk v1.5)
     audio_padding_right: int = 2
     default_fps: float = 25.0
-    default_batch_size: int = 8   # frames per UNet batch on a CPU, when the request names none
-    cuda_batch_size: int = 64     # ... and on CUDA: MuseTalk's size ran 285 frames/s at 64 on an H200, 208 at 32
+    default_batch_size: int = 8  # frames per UNet batch on a CPU, when the request names none
+    cuda_batch_size: int = 64  # ... and on CUDA: MuseTalk's size ran 285 frames/s at 64 on an H200, 208 at 32
     default_extra_margin: int = 10
 
     @property

@@ -4,6 +4,7 @@
 music: tokenizer and backbone, as the reference backend does); the rest is freed after its stage.
 Load counts are kept so a job record can say which models a stage had to load.
 """
+
 from __future__ import annotations
 
 import gc
@@ -53,6 +54,7 @@ def release_memory(collect: bool = True) -> None:
     if collect:
         gc.collect()
     import torch
+
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
@@ -60,8 +62,12 @@ def release_memory(collect: bool = True) -> None:
 def device_report() -> dict[str, object]:
     """The device this process computes on, and free/total memory when it is a GPU."""
     import torch
+
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {"device": "cpu"}
     free, total = torch.cuda.mem_get_info()
-    return {"device": f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})",
-            "gpu_free_bytes": free, "gpu_total_bytes": total}
+    return {
+        "device": f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})",
+        "gpu_free_bytes": free,
+        "gpu_total_bytes": total,
+    }

@@ -9,6 +9,7 @@ global outside torch's weights-only allowlist resolves to an inert stand-in that
 given, so nothing named in the file is ever imported or called. Tensors come back as real tensors; the
 other objects come back as `Opaque` records, which callers ignore.
 """
+
 from __future__ import annotations
 
 import os

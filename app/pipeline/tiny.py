@@ -8,6 +8,7 @@ The loaders that read these are the ones that read real checkpoints. Their audio
 
     python -m app.pipeline.tiny [--out models/tiny] [--lipsync-out models/lipsync-tiny] [--seed 1234] [--force]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ def write_tiny_models(out: Path, seed: int = 1234, force: bool = False) -> Path:
     if (out / MARKER).exists() and not force:
         return out
     from app.pipeline.music import codec, megatron_backend, prompt
+
     profile = load_profile("tiny", out)
     out.mkdir(parents=True, exist_ok=True)
     prompt.write_tiny_tokenizer(profile, profile.tokenizer_dir)
@@ -40,6 +42,7 @@ def write_tiny_lipsync_models(out: Path, seed: int = 1234, force: bool = False) 
     if (out / MARKER).exists() and not force:
         return out
     from app.pipeline.lipsync import musetalk
+
     out.mkdir(parents=True, exist_ok=True)
     musetalk.write_tiny_musetalk(load_lipsync_profile("tiny", out), seed=seed)
     (out / MARKER).write_text(f"seed={seed}\n")

@@ -2,6 +2,7 @@
 
 As for music, the pipeline (torch, diffusers) is imported in the pool child only, never in the master.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -20,11 +21,13 @@ OUTPUT = "output.mp4"
 
 def _stages():
     from app.pipeline.lipsync import stages
+
     return stages
 
 
 def _faces():
     from app.pipeline.lipsync import faces
+
     return faces
 
 
@@ -44,8 +47,9 @@ def preload() -> None:
 def source_cache():
     """The worker-local per-source-video cache (None when ENCORE_LIPSYNC_CACHE_MB is 0)."""
     from app.pipeline.lipsync.source_cache import SourceCache
+
     settings = services().settings
-    size = int(settings.lipsync_cache_mb * 2 ** 20)
+    size = int(settings.lipsync_cache_mb * 2**20)
     return SourceCache(settings.worker_cache_dir / "lipsync-sources", size) if size else None
 
 
@@ -55,24 +59,47 @@ def _input(run: StageRun, field: str):
 
 def prepare_work(run: StageRun) -> None:
     settings = run.svc.settings
-    run.info.update(_stages().run_prepare(_input(run, "video"), _input(run, "audio"), run.params["fps"],
-                                          run.scratch, run.control, settings.ffmpeg_timeout_s, cache=source_cache(),
-                                          face_threads=settings.face_threads or _faces().default_threads(),
-                                          tools=run.svc.media, max_scratch_bytes=int(settings.max_scratch_mb * 2**20)))
+    run.info.update(
+        _stages().run_prepare(
+            _input(run, "video"),
+            _input(run, "audio"),
+            run.params["fps"],
+            run.scratch,
+            run.control,
+            settings.ffmpeg_timeout_s,
+            cache=source_cache(),
+            face_threads=settings.face_threads or _faces().default_threads(),
+            tools=run.svc.media,
+            max_scratch_bytes=int(settings.max_scratch_mb * 2**20),
+        )
+    )
 
 
 def lipsync_work(run: StageRun) -> None:
     settings = run.svc.settings
-    run.info.update(_stages().run_lipsync_stage(models(), run.params, run.scratch, run.control, run.loaded,
-                                                mask=settings.lipsync_mask, path=settings.lipsync_path,
-                                                cache=source_cache(), tools=run.svc.media))
+    run.info.update(
+        _stages().run_lipsync_stage(
+            models(),
+            run.params,
+            run.scratch,
+            run.control,
+            run.loaded,
+            mask=settings.lipsync_mask,
+            path=settings.lipsync_path,
+            cache=source_cache(),
+            tools=run.svc.media,
+        )
+    )
     models().cache.after_stage(["musetalk"])
 
 
 def mux_work(run: StageRun) -> None:
     out = run.workdir / OUTPUT
-    run.info.update(_stages().run_mux(run.scratch, _input(run, "audio"), out, run.control,
-                                      run.svc.settings.ffmpeg_timeout_s, tools=run.svc.media))
+    run.info.update(
+        _stages().run_mux(
+            run.scratch, _input(run, "audio"), out, run.control, run.svc.settings.ffmpeg_timeout_s, tools=run.svc.media
+        )
+    )
     run.publish(OUTPUT, out)
 
 

@@ -4,6 +4,7 @@ The pipeline (torch, megatron-core, the codec) is imported inside the pool child
 initialises CUDA when imported, and a prefork master that did so hands its children a CUDA context that
 breaks after fork ("Cannot re-initialize CUDA in forked subprocess", seen on an H200).
 """
+
 from __future__ import annotations
 
 import time
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 def _music():
     from app.pipeline.music import stages
+
     return stages
 
 
@@ -27,8 +29,9 @@ def _music():
 def models() -> "MusicModels":
     """This worker child's models (created on first use, after fork)."""
     settings = services().settings
-    return _music().MusicModels(settings.music(), settings.runtime_mode, engine=settings.music_engine,
-                                song_margin_s=settings.song_margin_s)
+    return _music().MusicModels(
+        settings.music(), settings.runtime_mode, engine=settings.music_engine, song_margin_s=settings.song_margin_s
+    )
 
 
 def preload() -> None:
@@ -43,8 +46,13 @@ def preload() -> None:
 
 def _names(run: StageRun) -> dict[str, str]:
     t = run.track
-    return {"coarse": f"track{t}.coarse.pt", "fine": f"track{t}.fine.pt", "wav": f"track{t}.wav",
-            "mp3": f"track{t}.mp3", "meta": f"track{t}.json"}
+    return {
+        "coarse": f"track{t}.coarse.pt",
+        "fine": f"track{t}.fine.pt",
+        "wav": f"track{t}.wav",
+        "mp3": f"track{t}.mp3",
+        "meta": f"track{t}.json",
+    }
 
 
 def _seed(run: StageRun) -> int:
@@ -62,8 +70,7 @@ def backbone_work(run: StageRun) -> None:
     outs = [run.workdir / f"track{track}.coarse.pt" for track in tracks]
     started = time.time()
     try:
-        info = _music().run_backbone_tracks(models(), run.params, seeds, outs, run.shared_control(siblings),
-                                            run.loaded)
+        info = _music().run_backbone_tracks(models(), run.params, seeds, outs, run.shared_control(siblings), run.loaded)
     except BaseException:
         run.release_siblings(siblings)
         raise
@@ -98,8 +105,14 @@ def export_work(run: StageRun) -> None:
     mp3, meta = run.workdir / names["mp3"], run.workdir / names["meta"]
     record = run.svc.jobs.track(run.job_id, run.track) or {}
     metadata = _music().metadata_json(run.params, _seed(run), models().profile, record.get("song"))
-    _music().run_export(run.input(names["wav"]), mp3, meta, {**metadata, "job_id": run.job_id, "track": run.track},
-                        run.control, tools=run.svc.media)
+    _music().run_export(
+        run.input(names["wav"]),
+        mp3,
+        meta,
+        {**metadata, "job_id": run.job_id, "track": run.track},
+        run.control,
+        tools=run.svc.media,
+    )
     run.publish(mp3.name, mp3)
     run.publish(meta.name, meta)
 

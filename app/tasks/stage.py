@@ -16,6 +16,7 @@ work:
 - soft time limit -> failed with a timeout message; hard limit (child killed) -> on_failure in the master;
 - any other exception -> failed with the message; the worker takes the next job.
 """
+
 from __future__ import annotations
 
 import logging
@@ -106,10 +107,16 @@ class StageRun:
             if len(adopted) >= limit:
                 break
             if other != self.track and self.svc.jobs.transition(
-                    "adopt", self.job_id, other, {"detail": f"{self.stage.name} together with track {self.track}",
-                                                  "progress": 0.0},
-                    stage=self.stage.name, queue_is=self.queue, owner=self.lease_owner, worker=self.worker,
-                    lease_ms=int(self.svc.settings.lease_s * 1000)):
+                "adopt",
+                self.job_id,
+                other,
+                {"detail": f"{self.stage.name} together with track {self.track}", "progress": 0.0},
+                stage=self.stage.name,
+                queue_is=self.queue,
+                owner=self.lease_owner,
+                worker=self.worker,
+                lease_ms=int(self.svc.settings.lease_s * 1000),
+            ):
                 adopted.append(other)
                 self.adopted.append(other)
         return adopted
@@ -128,6 +135,7 @@ class StageRun:
             self.control.report(fraction, detail)
             for other in others:
                 other(fraction, detail)
+
         return StageControl(report=report, cancel_requested=self.control.cancel_requested)
 
     def finish_sibling(self, track: int, started_at: float) -> None:
@@ -137,11 +145,25 @@ class StageRun:
             return
         stages = record["stages"]
         now = time.time()
-        stages[self.stage.name] = {"started_at": started_at, "finished_at": now, "duration_s": round(now - started_at, 3),
-                                   "worker": self.worker, "loaded": [], "with_track": self.track}
+        stages[self.stage.name] = {
+            "started_at": started_at,
+            "finished_at": now,
+            "duration_s": round(now - started_at, 3),
+            "worker": self.worker,
+            "loaded": [],
+            "with_track": self.track,
+        }
         finish_stage(self.svc, self.kind, self.job_id, track, self.stage, stages, self.lease_owner)
-        job_event(log, "stage_finished", self.job_id, track=track, queue=self.queue, worker=self.worker,
-                  stage=self.stage.name, with_track=self.track)
+        job_event(
+            log,
+            "stage_finished",
+            self.job_id,
+            track=track,
+            queue=self.queue,
+            worker=self.worker,
+            stage=self.stage.name,
+            with_track=self.track,
+        )
 
     def release_siblings(self, tracks: list[int]) -> None:
         """Adopted tracks go back to waiting for their own message (this run failed or was stopped)."""
@@ -152,17 +174,28 @@ class StageRun:
         return max(1.0, (job["expires_at"] if job else time.time() + self.svc.settings.job_ttl_s) - time.time())
 
 
-def finish_stage(svc: Services, kind: JobKind, job_id: str, track: int, stage: Stage, stages: dict[str, Any],
-                 owner: str) -> bool:
+def finish_stage(
+    svc: Services, kind: JobKind, job_id: str, track: int, stage: Stage, stages: dict[str, Any], owner: str
+) -> bool:
     """Stage `stage` of the track is done (the `finish` transition): it waits for the next, or is done.
     False when the track is no longer this run's (lease lost) or a pending cancel ended it."""
     following = kind.next_stage(stage.name)
     if following is None:
         drop_scratch(svc, job_id, track)  # first: whoever sees the track done never finds its scratch
-    fields = {"stages": stages, "progress": 1.0 if following is None else 0.0,
-              "detail": "done" if following is None else "waiting for the worker"}
-    outcome = svc.jobs.transition("finish", job_id, track, fields, stage=stage.name, owner=owner,
-                                  cancel_detail=f"canceled before {following.name if following else 'the end'}")
+    fields = {
+        "stages": stages,
+        "progress": 1.0 if following is None else 0.0,
+        "detail": "done" if following is None else "waiting for the worker",
+    }
+    outcome = svc.jobs.transition(
+        "finish",
+        job_id,
+        track,
+        fields,
+        stage=stage.name,
+        owner=owner,
+        cancel_detail=f"canceled before {following.name if following else 'the end'}",
+    )
     if outcome.canceled:
         drop_scratch(svc, job_id, track)
     return outcome.applied and not outcome.canceled
@@ -172,16 +205,26 @@ def release_adopted(svc: Services, job_id: str, tracks: list[int], stage: str, o
     """Tracks adopted by a run that did not finish wait again for their own message (the `release`
     transition); with a cancel pending they end now (the canceled job's messages were revoked)."""
     for track in tracks:
-        svc.jobs.transition("release", job_id, track, {"detail": "queued", "progress": 0.0}, stage=stage,
-                            owner=owner, cancel_detail=f"canceled during {stage}")
+        svc.jobs.transition(
+            "release",
+            job_id,
+            track,
+            {"detail": "queued", "progress": 0.0},
+            stage=stage,
+            owner=owner,
+            cancel_detail=f"canceled during {stage}",
+        )
 
 
 def adopted_by_killed_run(svc: Services, job_id: str, track: int, owner: str) -> list[int]:
     """Other tracks of the job whose lease is the killed run's own: it had adopted them (its child took its
     list of them along)."""
     job = svc.jobs.job(job_id)
-    return [other for other in range(job["num_tracks"] if job else 0)
-            if other != track and svc.jobs.lease(job_id, other) == owner]
+    return [
+        other
+        for other in range(job["num_tracks"] if job else 0)
+        if other != track and svc.jobs.lease(job_id, other) == owner
+    ]
 
 
 def track_scratch(svc: Services, job_id: str, track: int) -> Path:
@@ -215,8 +258,9 @@ class _Throttled:
         now = time.monotonic()
         if fraction >= 1.0 or now - self.last >= PROGRESS_EVERY_S:
             self.last = now
-            self.svc.jobs.report(self.job_id, self.track, self.owner,
-                                 progress=round(min(max(fraction, 0.0), 1.0), 4), detail=detail)
+            self.svc.jobs.report(
+                self.job_id, self.track, self.owner, progress=round(min(max(fraction, 0.0), 1.0), 4), detail=detail
+            )
 
 
 # What the lease thread rides out: Redis unreachable for a while (a restart, a Sentinel failover). Anything
@@ -238,8 +282,16 @@ class CancelWatch:
     `lost` is set too. Any other error in the thread sets `broken` (and `canceled`): the work stops at its
     next cancel check and the stage fails with LeaseWatchBroken (`raise_if_broken`)."""
 
-    def __init__(self, svc: Services, job_id: str, track: int, grace_s: float, adopted: list[int] | None = None,
-                 lease_owner: str = "", stage: str = ""):
+    def __init__(
+        self,
+        svc: Services,
+        job_id: str,
+        track: int,
+        grace_s: float,
+        adopted: list[int] | None = None,
+        lease_owner: str = "",
+        stage: str = "",
+    ):
         self.svc, self.job_id, self.track, self.grace_s = svc, job_id, track, grace_s
         self.adopted = adopted if adopted is not None else []  # filled by the run as it adopts tracks
         self.lease_owner, self.stage = lease_owner, stage
@@ -265,13 +317,17 @@ class CancelWatch:
             raise LeaseWatchBroken(self.failure()) from self.broken
 
     def failure(self) -> str:
-        return (f"the stage's lease thread failed ({type(self.broken).__name__}: {self.broken}); "
-                "the stage was stopped rather than run on without renewing its lease")
+        return (
+            f"the stage's lease thread failed ({type(self.broken).__name__}: {self.broken}); "
+            "the stage was stopped rather than run on without renewing its lease"
+        )
 
     def _renew(self) -> bool:
         lease_s = self.svc.settings.lease_s
-        return all(self.svc.jobs.renew_lease(self.job_id, track, self.lease_owner, lease_s)
-                   for track in [self.track, *self.adopted])
+        return all(
+            self.svc.jobs.renew_lease(self.job_id, track, self.lease_owner, lease_s)
+            for track in [self.track, *self.adopted]
+        )
 
     def _watch(self) -> None:
         try:
@@ -279,8 +335,15 @@ class CancelWatch:
         except Exception as exc:
             self.broken = exc
             log.exception("lease thread of job %s track %s failed", self.job_id, self.track)
-            job_event(log, "lease_watch_broken", self.job_id, track=self.track, level=logging.ERROR,
-                      owner=self.lease_owner, error=repr(exc))
+            job_event(
+                log,
+                "lease_watch_broken",
+                self.job_id,
+                track=self.track,
+                level=logging.ERROR,
+                owner=self.lease_owner,
+                error=repr(exc),
+            )
             must_stop = True
         if not must_stop:
             return
@@ -322,8 +385,9 @@ class CancelWatch:
                 release_adopted(self.svc, self.job_id, self.adopted, self.stage, self.lease_owner)
             elif not self.lost.is_set():
                 for track in [self.track, *self.adopted]:
-                    self.svc.jobs.cancel(self.job_id, track, "canceled (stage stopped by force)",
-                                         owner=self.lease_owner)
+                    self.svc.jobs.cancel(
+                        self.job_id, track, "canceled (stage stopped by force)", owner=self.lease_owner
+                    )
         except Exception:
             log.exception("job %s track %s: could not record the forced stop", self.job_id, self.track)
         os._exit(75)  # the prefork master replaces this child; the redelivered message finds the track ended
@@ -348,27 +412,55 @@ class StageTask(Task):
             self._stale(job_id, track, worker, "not of the track's current chain")
         done = record["stages"].get(self.stage.name, {})
         if done.get("finished_at"):  # run already: with another track of the job, or before a redelivery
-            job_event(log, "stage_skipped", job_id, track=track, queue=record["queue"], worker=worker,
-                      stage=self.stage.name, reason="already done" + (
-                          f" with track {done['with_track']}" if "with_track" in done else ""))
+            job_event(
+                log,
+                "stage_skipped",
+                job_id,
+                track=track,
+                queue=record["queue"],
+                worker=worker,
+                stage=self.stage.name,
+                reason="already done" + (f" with track {done['with_track']}" if "with_track" in done else ""),
+            )
             return ref
         owner = f"{worker}|{self.request.id}|{os.getpid()}"
         steal = self._killed_child_lease(svc, job_id, track, worker)
         deliveries = svc.jobs.count_delivery(self.request.id)
         if deliveries > svc.settings.max_deliveries:
             drop_scratch(svc, job_id, track)
-            svc.jobs.fail(job_id, track, f"{self.stage.name} was interrupted {deliveries - 1} times (worker crashed "
-                                         f"or was killed); giving up", steal=steal)
-            job_event(log, "failed", job_id, track=track, worker=worker, level=logging.ERROR, stage=self.stage.name,
-                      reason="too many deliveries")
+            svc.jobs.fail(
+                job_id,
+                track,
+                f"{self.stage.name} was interrupted {deliveries - 1} times (worker crashed or was killed); giving up",
+                steal=steal,
+            )
+            job_event(
+                log,
+                "failed",
+                job_id,
+                track=track,
+                worker=worker,
+                level=logging.ERROR,
+                stage=self.stage.name,
+                reason="too many deliveries",
+            )
             raise Ignore()
         stages = record["stages"]
         stages[self.stage.name] = {"started_at": time.time(), "worker": worker, "attempt": deliveries}
         outcome = svc.jobs.transition(
-            "start", job_id, track, {"progress": 0.0, "detail": "starting", "stages": stages, "attempts": deliveries},
-            stage=self.stage.name, owner=owner, steal=steal, task_id=self.request.id, worker=worker,
-            pid=str(os.getpid()), lease_ms=int(svc.settings.lease_s * 1000),
-            cancel_detail=f"canceled before {self.stage.name}")
+            "start",
+            job_id,
+            track,
+            {"progress": 0.0, "detail": "starting", "stages": stages, "attempts": deliveries},
+            stage=self.stage.name,
+            owner=owner,
+            steal=steal,
+            task_id=self.request.id,
+            worker=worker,
+            pid=str(os.getpid()),
+            lease_ms=int(svc.settings.lease_s * 1000),
+            cancel_detail=f"canceled before {self.stage.name}",
+        )
         if outcome.canceled:
             drop_scratch(svc, job_id, track)
             job_event(log, "canceled", job_id, track=track, worker=worker, stage=self.stage.name)
@@ -378,20 +470,42 @@ class StageTask(Task):
         job = svc.jobs.job(job_id)
         if job is None:  # the job's record expired under its track: nothing to run it for
             self._stale(job_id, track, worker, "the job's record expired")
-        job_event(log, "stage_started", job_id, track=track, queue=record["queue"], worker=worker,
-                  stage=self.stage.name, attempt=deliveries)
+        job_event(
+            log,
+            "stage_started",
+            job_id,
+            track=track,
+            queue=record["queue"],
+            worker=worker,
+            stage=self.stage.name,
+            attempt=deliveries,
+        )
         started = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix=f"encore-{job_id[:8]}-{self.stage.name}-"))
         succeeded = False
-        watch = CancelWatch(svc, job_id, track, svc.settings.cancel_grace_s, [], lease_owner=owner,
-                            stage=self.stage.name)
+        watch = CancelWatch(
+            svc, job_id, track, svc.settings.cancel_grace_s, [], lease_owner=owner, stage=self.stage.name
+        )
         try:
             with watch:
-                control = StageControl(report=_Throttled(svc, job_id, track, owner),
-                                       cancel_requested=watch.canceled.is_set)
-                run = StageRun(svc, job_id, track, self.stage, job["params"], record["params"], workdir, control,
-                               kind=self.kind, queue=record["queue"], worker=worker, adopted=watch.adopted,
-                               lease_owner=owner)
+                control = StageControl(
+                    report=_Throttled(svc, job_id, track, owner), cancel_requested=watch.canceled.is_set
+                )
+                run = StageRun(
+                    svc,
+                    job_id,
+                    track,
+                    self.stage,
+                    job["params"],
+                    record["params"],
+                    workdir,
+                    control,
+                    kind=self.kind,
+                    queue=record["queue"],
+                    worker=worker,
+                    adopted=watch.adopted,
+                    lease_owner=owner,
+                )
                 self._work_watched(run, watch)
             succeeded = True
         except Canceled:
@@ -413,8 +527,16 @@ class StageTask(Task):
             shutil.rmtree(workdir, ignore_errors=True)
             release_memory(collect=not succeeded)
             svc.workers.update(worker, **device_report())
-        self._finish(svc, run, stages, time.monotonic() - started, worker, owner, watch,
-                     units=float(record.get("cost") or 0) * (1 + len(run.adopted)))
+        self._finish(
+            svc,
+            run,
+            stages,
+            time.monotonic() - started,
+            worker,
+            owner,
+            watch,
+            units=float(record.get("cost") or 0) * (1 + len(run.adopted)),
+        )
         return ref
 
     def _work(self, run: StageRun) -> None:
@@ -430,8 +552,17 @@ class StageTask(Task):
         watch.raise_if_broken()
 
     def _stale(self, job_id: str, track: int, worker: str, reason: str) -> NoReturn:
-        job_event(log, "stale_delivery", job_id, track=track, worker=worker, level=logging.WARNING,
-                  stage=self.stage.name, task_id=self.request.id, reason=repr(reason))
+        job_event(
+            log,
+            "stale_delivery",
+            job_id,
+            track=track,
+            worker=worker,
+            level=logging.WARNING,
+            stage=self.stage.name,
+            task_id=self.request.id,
+            reason=repr(reason),
+        )
         raise Ignore()
 
     def _killed_child_lease(self, svc: Services, job_id: str, track: int, worker: str) -> str:
@@ -444,30 +575,75 @@ class StageTask(Task):
         pid = int(lease.rsplit("|", 1)[1] or 0)
         return lease if pid != os.getpid() and not pid_alive(pid) else ""
 
-    def _finish(self, svc: Services, run: StageRun, stages: dict, seconds: float, worker: str, owner: str,
-                watch: "CancelWatch", units: float = 0.0) -> None:
+    def _finish(
+        self,
+        svc: Services,
+        run: StageRun,
+        stages: dict,
+        seconds: float,
+        worker: str,
+        owner: str,
+        watch: "CancelWatch",
+        units: float = 0.0,
+    ) -> None:
         """`units`: the cost units the run got through (its track's and those it adopted), for throughput."""
-        stages[self.stage.name].update(finished_at=time.time(), duration_s=round(seconds, 3), loaded=run.loaded,
-                                       **({"info": run.info} if run.info else {}))
+        stages[self.stage.name].update(
+            finished_at=time.time(),
+            duration_s=round(seconds, 3),
+            loaded=run.loaded,
+            **({"info": run.info} if run.info else {}),
+        )
         observe_stage(svc, self.kind.name, self.stage.name, seconds, units)
-        learn_stage(svc, run.queue, self.kind.name, self.stage.name, seconds, units,
-                    cold=bool(run.loaded) and svc.settings.runtime_mode == "keep_loaded")
+        learn_stage(
+            svc,
+            run.queue,
+            self.kind.name,
+            self.stage.name,
+            seconds,
+            units,
+            cold=bool(run.loaded) and svc.settings.runtime_mode == "keep_loaded",
+        )
         if not finish_stage(svc, self.kind, run.job_id, run.track, self.stage, stages, owner):
-            job_event(log, "stage_finished_too_late", run.job_id, track=run.track, worker=worker,
-                      stage=self.stage.name, level=logging.WARNING,
-                      reason="canceled" if svc.jobs.cancel_requested(run.job_id) else "the lease was lost")
+            job_event(
+                log,
+                "stage_finished_too_late",
+                run.job_id,
+                track=run.track,
+                worker=worker,
+                stage=self.stage.name,
+                level=logging.WARNING,
+                reason="canceled" if svc.jobs.cancel_requested(run.job_id) else "the lease was lost",
+            )
             raise Ignore()  # the chain stops here: the track ended, or is another run's now
-        job_event(log, "stage_finished", run.job_id, track=run.track, queue=run.queue, worker=worker,
-                  stage=self.stage.name, duration_s=f"{seconds:.3f}", loaded=",".join(run.loaded) or "-")
+        job_event(
+            log,
+            "stage_finished",
+            run.job_id,
+            track=run.track,
+            queue=run.queue,
+            worker=worker,
+            stage=self.stage.name,
+            duration_s=f"{seconds:.3f}",
+            loaded=",".join(run.loaded) or "-",
+        )
         if self.kind.next_stage(self.stage.name) is None:
             job_event(log, "track_done", run.job_id, track=run.track, queue=run.queue, worker=worker)
 
-    def _fail(self, svc: Services, job_id: str, track: int, worker: str, message: str, owner: str = "",
-              steal: str = "") -> None:
+    def _fail(
+        self, svc: Services, job_id: str, track: int, worker: str, message: str, owner: str = "", steal: str = ""
+    ) -> None:
         drop_scratch(svc, job_id, track)  # first, as for done
         if svc.jobs.fail(job_id, track, message, owner=owner, steal=steal):
-            job_event(log, "failed", job_id, track=track, worker=worker, level=logging.ERROR, stage=self.stage.name,
-                      error=repr(message))
+            job_event(
+                log,
+                "failed",
+                job_id,
+                track=track,
+                worker=worker,
+                level=logging.ERROR,
+                stage=self.stage.name,
+                error=repr(message),
+            )
 
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
         """Also runs in the worker's master when a hard time limit killed the child: the master fails the
@@ -480,8 +656,14 @@ class StageTask(Task):
             worker, _, rest = lease.partition("|")  # the master's own request context is not the task's
             dead = lease if rest.partition("|")[0] == task_id else ""
             adopted = adopted_by_killed_run(svc, job_id, track, dead) if dead else []
-            self._fail(svc, job_id, track, worker,
-                       f"timed out: {self.stage.name} exceeded its hard time limit of {hard:g} s", steal=dead)
+            self._fail(
+                svc,
+                job_id,
+                track,
+                worker,
+                f"timed out: {self.stage.name} exceeded its hard time limit of {hard:g} s",
+                steal=dead,
+            )
             release_adopted(svc, job_id, adopted, self.stage.name, dead)
 
 
@@ -489,12 +671,23 @@ def stage_task(kind: JobKind, stage_name: str, work: Callable[[StageRun], None])
     """Register the Celery task for one stage of `kind`, with that stage's time limits."""
     stage = kind.stage(stage_name)
     soft, hard = services().settings.time_limits.get(stage_name, (None, 3600.0))
-    base = type(f"{kind.name.title()}{stage_name.title()}Task", (StageTask,),
-                {"kind": kind, "stage": stage, "work": staticmethod(work)})
+    base = type(
+        f"{kind.name.title()}{stage_name.title()}Task",
+        (StageTask,),
+        {"kind": kind, "stage": stage, "work": staticmethod(work)},
+    )
 
     def run(self: StageTask, ref: dict[str, Any]) -> dict[str, Any]:
         return self.run_stage(ref)
 
     run.__doc__ = f"{kind.name} stage {stage_name!r}: see app/tasks/stage.py."
-    return celery.task(run, name=stage.task, base=base, bind=True, time_limit=hard, soft_time_limit=soft,
-                       acks_late=True, reject_on_worker_lost=True)
+    return celery.task(
+        run,
+        name=stage.task,
+        base=base,
+        bind=True,
+        time_limit=hard,
+        soft_time_limit=soft,
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )

@@ -4,6 +4,7 @@ Run it apart from the GPU workers, on its own queue:
     celery -A app worker -Q webhooks -P threads -c 8 -n webhooks@%h
 Its master moves messages from the outbox into `deliver` tasks; the thread pool POSTs them.
 """
+
 from __future__ import annotations
 
 import logging

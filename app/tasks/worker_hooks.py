@@ -2,6 +2,7 @@
 parked tracks, the reaper of app/control/recovery.py, artifact sweep); per-child set-up (torch threads, optional model
 preload). The master never touches CUDA. What a crashed predecessor left running is the reaper's: its lease
 expires."""
+
 from __future__ import annotations
 
 import logging
@@ -33,10 +34,17 @@ def _consumed_queues() -> list[str]:
 def _heartbeat_loop(hostname: str) -> None:
     svc = services()
     queues = _consumed_queues()
-    info = {"queue": ",".join(queues), "pid": os.getpid(), "hostname": hostname,
-            "runtime_mode": svc.settings.runtime_mode, "profile": svc.settings.music_profile,
-            "music_engine": svc.settings.music_engine, "kinds": ",".join(sorted(KINDS)),
-            "pinned_to": _device_claim(), "started_at": time.time()}
+    info = {
+        "queue": ",".join(queues),
+        "pid": os.getpid(),
+        "hostname": hostname,
+        "runtime_mode": svc.settings.runtime_mode,
+        "profile": svc.settings.music_profile,
+        "music_engine": svc.settings.music_engine,
+        "kinds": ",".join(sorted(KINDS)),
+        "pinned_to": _device_claim(),
+        "started_at": time.time(),
+    }
     gpus = GpuProbe(svc.settings.cuda_visible_devices)  # NVML, not CUDA: safe in the forking master
     last_sweep = 0.0
     while not _stop.is_set():
@@ -69,6 +77,7 @@ def start_heartbeat(sender=None, **_: object) -> None:
     _stop.clear()
     if _consumed_queues() == [services().settings.webhook_queue]:
         from app.tasks.webhooks import pump_forever
+
         threading.Thread(target=pump_forever, args=(hostname, _stop), name="encore-webhooks", daemon=True).start()
         log.info("worker=%s event=ready role=webhooks", hostname)
         return
@@ -93,10 +102,12 @@ def init_child(sender=None, **_: object) -> None:
     svc = services()
     tracing.configure(svc.settings, "worker")  # in the child: the exporter's thread must not cross a fork
     import torch
+
     if svc.settings.torch_threads > 0:
         torch.set_num_threads(svc.settings.torch_threads)
     if svc.settings.preload_models:
         from app.tasks import lipsync, music
+
         loaded: list[str] = []
         for kind, preload in (("music", music.preload), ("lipsync", lipsync.preload)):
             preload()

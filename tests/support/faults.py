@@ -7,6 +7,7 @@ redis-server and counts (done, failed, stuck, duplicated, left behind, recovery 
 reroute delays) are the caller's: they are the stack's environment. Scenarios that do not touch Redis take
 `redis=None` too.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,13 +42,13 @@ def wait_running(stack: Stack, job_id: str, timeout: float = 90) -> None:
 
 
 def idle_workers(stack: Stack) -> int:
-    return sum(w["status"] == "idle" for w in stack.client.get("/api/v1/status", headers=stack.auth)
-               .get_json()["workers"])
+    return sum(
+        w["status"] == "idle" for w in stack.client.get("/api/v1/status", headers=stack.auth).get_json()["workers"]
+    )
 
 
 # -- scenarios: each sets up, injects its fault, and returns a Fault ------------------------------------------
-def redis_crash(stack: Stack, redis: RedisServer, *, workers: int = 2, jobs: int = 2,
-                down_s: float = 10.0) -> Fault:
+def redis_crash(stack: Stack, redis: RedisServer, *, workers: int = 2, jobs: int = 2, down_s: float = 10.0) -> Fault:
     """redis-server kill -9 with stages running (one per worker), back `down_s` later on its AOF."""
     for gpu in range(workers):
         stack.start_worker(gpu)
@@ -113,8 +114,7 @@ def cancel_storm(stack: Stack, redis: RedisServer | None) -> Fault:
     stack.start_worker(0)
     stack.start_worker(1)
     jobs = [stack.submit_music(duration_s=3.0, seed=seed) for seed in range(60)]
-    wait_until(lambda: any(stack.job(j)["tracks"][0]["state"] != "queued" for j in jobs[:2]), 90, 0.1,
-               "a job running")
+    wait_until(lambda: any(stack.job(j)["tracks"][0]["state"] != "queued" for j in jobs[:2]), 90, 0.1, "a job running")
     for job_id in jobs:
         reply = stack.client.delete(f"/api/v1/jobs/{job_id}", headers=stack.auth)
         assert reply.status_code == 200, reply.get_json()
@@ -131,8 +131,9 @@ def child_killed(stack: Stack, redis: RedisServer | None) -> Fault:
     return Fault([job_id], time.monotonic(), {"child": child})
 
 
-def worker_killed_and_restarted(stack: Stack, redis: RedisServer | None,
-                                while_dead: Callable[[Stack, str], None] | None = None) -> Fault:
+def worker_killed_and_restarted(
+    stack: Stack, redis: RedisServer | None, while_dead: Callable[[Stack, str], None] | None = None
+) -> Fault:
     """kill -9 of master and child mid-stage, the worker started again (`while_dead(stack, job_id)` runs in
     between: a test's look at what the dead worker left)."""
     stack.start_worker(0)
@@ -151,8 +152,12 @@ def worker_started_while_redis_down(stack: Stack, redis: RedisServer) -> Fault:
     parked = stack.submit_music(duration_s=2.0)
     redis.kill()
     stack.start_worker(0, wait=False)
-    wait_until(lambda: "Cannot connect to redis://" in stack.worker_log(0), 90, 0.2,
-               "the worker to fail to reach Redis and retry")
+    wait_until(
+        lambda: "Cannot connect to redis://" in stack.worker_log(0),
+        90,
+        0.2,
+        "the worker to fail to reach Redis and retry",
+    )
     redis.start()
     cleared = time.monotonic()
     stack.wait_worker(0, "idle", timeout=120)
@@ -160,9 +165,19 @@ def worker_started_while_redis_down(stack: Stack, redis: RedisServer) -> Fault:
 
 
 SCENARIOS: dict[str, Callable[..., Fault]] = {
-    f.__name__: f for f in (redis_crash, two_consumers_one_killed, cancel_while_worker_dead, worker_on_two_queues,
-                            warm_shutdown_between_stages, cancel_storm, child_killed, worker_killed_and_restarted,
-                            worker_started_while_redis_down)}
+    f.__name__: f
+    for f in (
+        redis_crash,
+        two_consumers_one_killed,
+        cancel_while_worker_dead,
+        worker_on_two_queues,
+        warm_shutdown_between_stages,
+        cancel_storm,
+        child_killed,
+        worker_killed_and_restarted,
+        worker_started_while_redis_down,
+    )
+}
 
 
 # -- what a fault may leave behind ----------------------------------------------------------------------------

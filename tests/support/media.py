@@ -1,5 +1,6 @@
 """Test media: clips for the lip-sync tests built with real ffmpeg from a real face photograph, frames of it
 drifting across a frame, and a voice-like sweep as a WAV file."""
+
 from __future__ import annotations
 
 import re
@@ -16,6 +17,7 @@ from app.pipeline.media import samples
 
 def face_image(size: int = 256) -> np.ndarray:
     import cv2
+
     return cv2.resize(skimage.data.astronaut(), (size, size), interpolation=cv2.INTER_AREA)
 
 
@@ -45,12 +47,13 @@ def astronaut_frames(count: int, size: tuple[int, int] = (320, 240)) -> list[np.
     """A short clip: the astronaut scaled to the frame height, drifting right 3 px a frame over a grey
     background whose level differs per frame (so every frame's pixels outside the face differ)."""
     import cv2
+
     width, height = size
     portrait = cv2.resize(skimage.data.astronaut(), (height, height), interpolation=cv2.INTER_AREA)
     frames = []
     for i in range(count):
         frame = np.full((height, width, 3), 90 + 7 * i, np.uint8)
-        frame[:, 20 + 3 * i:20 + 3 * i + height] = portrait
+        frame[:, 20 + 3 * i : 20 + 3 * i + height] = portrait
         frames.append(frame)
     return frames
 
@@ -71,15 +74,14 @@ def write_wav(path: Path, seconds: float, rate: int = 16000) -> Path:
 def matroska_that_says(source: Path, path: Path, seconds: float) -> Path:
     """`source` remuxed to Matroska with a header that lies: the segment's duration and every track's DURATION
     tag say `seconds`, whatever the streams hold (what a hostile upload sends to pass a length limit)."""
-    subprocess.run(["ffmpeg", "-v", "error", "-y", "-i", str(source), "-c", "copy", str(path)], check=True,
-                   timeout=120)
+    subprocess.run(["ffmpeg", "-v", "error", "-y", "-i", str(source), "-c", "copy", str(path)], check=True, timeout=120)
     data = bytearray(path.read_bytes())
     at = data.find(b"\x44\x89\x88")  # Segment Info / Duration, an 8-byte float in TimestampScale units (1 ms)
     assert at >= 0, "no segment duration written"
-    data[at + 3:at + 11] = struct.pack(">d", seconds * 1000.0)
+    data[at + 3 : at + 11] = struct.pack(">d", seconds * 1000.0)
     hours, rest = divmod(seconds, 3600)
     claimed = f"{int(hours):02d}:{int(rest // 60):02d}:{rest % 60:012.9f}".encode()
     for tag in re.finditer(rb"\d\d:\d\d:\d\d\.\d{9}", bytes(data)):
-        data[tag.start():tag.end()] = claimed
+        data[tag.start() : tag.end()] = claimed
     path.write_bytes(bytes(data))
     return path

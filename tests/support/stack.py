@@ -2,6 +2,7 @@
 and the Flask app (test client or a live HTTP server), configured like a deployment. Each Stack gets its own
 Redis database, so stacks never see each other's queues. Also the unit tests' services and Celery settings on
 the test redis-server."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,8 +21,12 @@ from tests.support.processes import PYTHON, REPO, free_port, wait_until
 
 _databases = itertools.count(1)
 
-S3_ENV = {"ENCORE_ARTIFACT_BACKEND": "s3", "ENCORE_S3_BUCKET": "encore", "AWS_ACCESS_KEY_ID": "encore",
-          "AWS_SECRET_ACCESS_KEY": "encore-secret"}
+S3_ENV = {
+    "ENCORE_ARTIFACT_BACKEND": "s3",
+    "ENCORE_S3_BUCKET": "encore",
+    "AWS_ACCESS_KEY_ID": "encore",
+    "AWS_SECRET_ACCESS_KEY": "encore-secret",
+}
 
 
 def project_celery_config(settings) -> dict[str, Any]:
@@ -34,8 +39,12 @@ def project_celery_config(settings) -> dict[str, Any]:
     import inspect
 
     import celeryconfig
-    config = {name: value for name, value in vars(celeryconfig).items()
-              if name.islower() and not name.startswith("_") and not callable(value) and not inspect.ismodule(value)}
+
+    config = {
+        name: value
+        for name, value in vars(celeryconfig).items()
+        if name.islower() and not name.startswith("_") and not callable(value) and not inspect.ismodule(value)
+    }
     return {**config, "broker_url": settings.redis_url, "result_backend": settings.redis_url}
 
 
@@ -43,6 +52,7 @@ def unit_services(redis_base_url: str, db: int, root: Path):
     """Services on one of the unit tests' Redis databases (500+), emptied first."""
     from app.core.config import Settings
     from app.control.services import build_services
+
     services = build_services(Settings(redis_url=f"{redis_base_url}/{db}", artifact_dir=root))
     services.redis.flushdb()
     return services
@@ -67,12 +77,19 @@ class Stack:
         self.redis_url = f"{redis_base_url}/{self.db}"
         self.root = root
         self.env = {
-            "REDIS_URL": self.redis_url, "ENCORE_MODEL_DIR": str(models), "ENCORE_MUSIC_PROFILE": "tiny",
-            "ENCORE_LIPSYNC_MODEL_DIR": str(models.parent / "lipsync-tiny"), "ENCORE_LIPSYNC_PROFILE": "tiny",
+            "REDIS_URL": self.redis_url,
+            "ENCORE_MODEL_DIR": str(models),
+            "ENCORE_MUSIC_PROFILE": "tiny",
+            "ENCORE_LIPSYNC_MODEL_DIR": str(models.parent / "lipsync-tiny"),
+            "ENCORE_LIPSYNC_PROFILE": "tiny",
             "ENCORE_UPLOAD_DIR": str(root / "uploads"),
-            "ENCORE_ARTIFACT_DIR": str(root / "artifacts"), "ENCORE_WORKER_CACHE_DIR": str(root / "cache"),
-            "ENCORE_LOG_DIR": str(root / "logs"), "ENCORE_TORCH_THREADS": "1", "ENCORE_HEARTBEAT_S": "0.5",
-            "PYTHONUNBUFFERED": "1", **env,
+            "ENCORE_ARTIFACT_DIR": str(root / "artifacts"),
+            "ENCORE_WORKER_CACHE_DIR": str(root / "cache"),
+            "ENCORE_LOG_DIR": str(root / "logs"),
+            "ENCORE_TORCH_THREADS": "1",
+            "ENCORE_HEARTBEAT_S": "0.5",
+            "PYTHONUNBUFFERED": "1",
+            **env,
         }
         self.workers: dict[int, subprocess.Popen] = {}
         self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True)
@@ -87,6 +104,7 @@ class Stack:
     def _make_app(self):
         from app.core.config import Settings
         from app.web import create_app
+
         old = dict(os.environ)
         os.environ.update(self.env)
         try:
@@ -99,9 +117,14 @@ class Stack:
     # -- workers ------------------------------------------------------------------------------------
     def start_worker(self, gpu: int, wait: bool = True, args: tuple[str, ...] = (), **env: str) -> subprocess.Popen:
         """worker_entrypoint.sh <gpu> [args: extra celery worker options, e.g. ("-Q", "gpu0,gpu1")]."""
-        proc = subprocess.Popen(["bash", str(REPO / "worker_entrypoint.sh"), str(gpu), *args], cwd=REPO,
-                                env={**os.environ, **self.env, **env}, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            ["bash", str(REPO / "worker_entrypoint.sh"), str(gpu), *args],
+            cwd=REPO,
+            env={**os.environ, **self.env, **env},
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.workers[gpu] = proc
         if wait:
             self.wait_worker(gpu, "idle")
@@ -113,16 +136,38 @@ class Stack:
         log = self.root / "logs" / "webhooks.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
-            proc = subprocess.Popen([PYTHON, "-m", "celery", "-A", "app", "worker", "-Q", "webhooks", "-P", "threads",
-                                     "-c", "4", "-n", f"webhooks{self.db}@%h", "--loglevel", "INFO"], cwd=REPO,
-                                    env={**os.environ, **self.env, **env}, start_new_session=True, stdout=out,
-                                    stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [
+                    PYTHON,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "app",
+                    "worker",
+                    "-Q",
+                    "webhooks",
+                    "-P",
+                    "threads",
+                    "-c",
+                    "4",
+                    "-n",
+                    f"webhooks{self.db}@%h",
+                    "--loglevel",
+                    "INFO",
+                ],
+                cwd=REPO,
+                env={**os.environ, **self.env, **env},
+                start_new_session=True,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self._gunicorns.append(proc)  # stopped with the stack, as the web servers are
 
         def pumping() -> bool:
             if proc.poll() is not None:
                 raise AssertionError(f"the webhook worker exited: {log.read_text(errors='replace')[-3000:]}")
             return "role=webhooks" in log.read_text(errors="replace")
+
         wait_until(pumping, 60, 0.2, "the webhook worker")
         return proc
 
@@ -138,6 +183,7 @@ class Stack:
                 raise AssertionError(f"worker gpu{gpu} exited: {self.worker_log(gpu)[-3000:]}")
             worker = self.worker_status(gpu)
             return worker if worker and worker["status"] == status else None
+
         return wait_until(check, timeout, interval=0.2, what=f"worker gpu{gpu} {status}")
 
     def worker_log(self, gpu: int) -> str:
@@ -170,9 +216,14 @@ class Stack:
     def start_gunicorn(self, *args: str, **env: str) -> str:
         """The web tier as deployed (gunicorn -c gunicorn.conf.py) on a free port; its base URL once healthy."""
         port = free_port()
-        proc = subprocess.Popen([PYTHON, "-m", "gunicorn", "-c", "gunicorn.conf.py", "-b", f"127.0.0.1:{port}", *args],
-                                cwd=REPO, env={**os.environ, **self.env, **env}, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "gunicorn", "-c", "gunicorn.conf.py", "-b", f"127.0.0.1:{port}", *args],
+            cwd=REPO,
+            env={**os.environ, **self.env, **env},
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self._gunicorns.append(proc)
         url = f"http://127.0.0.1:{port}"
 
@@ -182,12 +233,12 @@ class Stack:
                 return requests.get(f"{url}/healthz", timeout=2).ok
             except requests.RequestException:
                 return False
+
         wait_until(healthy, 60, 0.2, "gunicorn")
         return url
 
     def submit_music(self, **fields: Any) -> str:
-        body = {"mode": "instrumental", "tags": "lo-fi, piano", "duration_s": 2.0, "num_tracks": 1,
-                "seed": 7, **fields}
+        body = {"mode": "instrumental", "tags": "lo-fi, piano", "duration_s": 2.0, "num_tracks": 1, "seed": 7, **fields}
         reply = self.client.post("/api/v1/music", json=body, headers=self.auth)
         assert reply.status_code == 202, reply.get_json()
         return reply.get_json()["job_id"]
@@ -197,10 +248,15 @@ class Stack:
         assert reply.status_code == 200, reply.get_json()
         return reply.get_json()
 
-    def wait_job(self, job_id: str, states=("done", "failed", "canceled", "partial"), timeout: float = 120,
-                 interval: float = 0.1) -> dict:
-        return wait_until(lambda: (lambda r: r if r["state"] in states else None)(self.job(job_id)),
-                          timeout, interval, what=f"job {job_id} to reach {states}")
+    def wait_job(
+        self, job_id: str, states=("done", "failed", "canceled", "partial"), timeout: float = 120, interval: float = 0.1
+    ) -> dict:
+        return wait_until(
+            lambda: (lambda r: r if r["state"] in states else None)(self.job(job_id)),
+            timeout,
+            interval,
+            what=f"job {job_id} to reach {states}",
+        )
 
     def close(self) -> None:
         for gpu in list(self.workers):

@@ -18,6 +18,7 @@ Fallback: when dlib cannot be imported, or finds no face anywhere in the clip, O
 (`haarcascade_frontalface_default.xml`, in opencv-python-headless) gives boxes without landmarks, and the
 blend falls back to the rectangle mask. A clip with no face at all is a clear `NoFaceDetected`.
 """
+
 from __future__ import annotations
 
 from itertools import pairwise
@@ -41,20 +42,20 @@ Box = tuple[int, int, int, int]  # x1, y1, x2, y2 in pixels; x2/y2 exclusive
 Found = TypeVar("Found")  # what a frame may lack: a box, or landmarks
 
 CASCADE_FILE = "haarcascade_frontalface_default.xml"
-DETECT_MAX_SIDE = 640   # detect on a downscaled copy: Haar cost grows with pixels, faces stay findable
+DETECT_MAX_SIDE = 640  # detect on a downscaled copy: Haar cost grows with pixels, faces stay findable
 SCALE_FACTOR = 1.1
 MIN_NEIGHBORS = 5
 
 
 LANDMARKS = 68
-NOSE_BRIDGE = 29          # the landmark MuseTalk splits the face at
-DETECT_EVERY = 5          # HOG detection period in frames (landmarks are fitted on every frame)
-HOG_SIDE = 640            # HOG runs on a copy this large (about 60 ms a frame on one CPU core)
-CUT_THRESHOLD = 40.0      # mean absolute difference of 32x32 grey thumbnails that marks a shot cut
-SMOOTH_RADIUS = 2         # frames on each side in the moving average of landmarks
+NOSE_BRIDGE = 29  # the landmark MuseTalk splits the face at
+DETECT_EVERY = 5  # HOG detection period in frames (landmarks are fitted on every frame)
+HOG_SIDE = 640  # HOG runs on a copy this large (about 60 ms a frame on one CPU core)
+CUT_THRESHOLD = 40.0  # mean absolute difference of 32x32 grey thumbnails that marks a shot cut
+SMOOTH_RADIUS = 2  # frames on each side in the moving average of landmarks
 SEGMENT = 20 * DETECT_EVERY  # frames per piece of work handed to a thread; a multiple of DETECT_EVERY, so
-                             # every piece starts on a detection and the result equals one thread's
-FACE_PIPELINE_VERSION = 1    # part of the source cache's key: bump when the boxes or landmarks change
+# every piece starts on a detection and the result equals one thread's
+FACE_PIPELINE_VERSION = 1  # part of the source cache's key: bump when the boxes or landmarks change
 
 
 def default_threads() -> int:
@@ -115,8 +116,9 @@ def detect_face(frame: np.ndarray) -> Box | None:
     return x1, y1, x2, y2
 
 
-def detect_faces(frames: FrameSequence, *, stride: int = 1, threads: int = 1,
-                 control: StageControl | None = None) -> list[Box | None]:
+def detect_faces(
+    frames: FrameSequence, *, stride: int = 1, threads: int = 1, control: StageControl | None = None
+) -> list[Box | None]:
     """One entry per frame: the largest face, or None when none was found or the frame was skipped.
 
     With `stride` > 1 only every stride-th frame is examined (faces move little between neighbours);
@@ -128,7 +130,7 @@ def detect_faces(frames: FrameSequence, *, stride: int = 1, threads: int = 1,
         raise ValueError("threads must be >= 1")
     boxes: list[Box | None] = [None] * len(frames)
     examined = list(range(0, len(frames), stride))
-    pieces = [examined[i:i + SEGMENT] for i in range(0, len(examined), SEGMENT)]
+    pieces = [examined[i : i + SEGMENT] for i in range(0, len(examined), SEGMENT)]
     with ThreadPoolExecutor(threads, thread_name_prefix="haar") as pool:
         futures = [pool.submit(lambda piece: [detect_face(frames[i]) for i in piece], piece) for piece in pieces]
         found = _in_order(pool, futures, len(examined), control)
@@ -166,6 +168,7 @@ def crop_box(box: Box, frame_shape: tuple[int, ...], extra_margin: int) -> Box:
 
 # -- landmarks (dlib) -------------------------------------------------------------------------------------
 
+
 def _predictor_path() -> Path | None:
     """The 68-point model inside the face-recognition-models package, found without importing it (its
     __init__ needs pkg_resources, which recent setuptools no longer ships)."""
@@ -188,12 +191,12 @@ def _shape_predictor() -> Any | None:
     return None if path is None else dlib.shape_predictor(str(path))
 
 
-
 def _hog_detector() -> Any:
     """This thread's HOG detector: one detector run from two threads at once gives wrong boxes (it keeps
     its image pyramid in the object), so each thread has its own (building one is cheap)."""
     if getattr(_per_thread, "detector", None) is None:
         import dlib
+
         _per_thread.detector = dlib.get_frontal_face_detector()
     return _per_thread.detector
 
@@ -207,8 +210,11 @@ def _detect_rect(frame: np.ndarray) -> Box | None:
     detector = _hog_detector()
     height, width = frame.shape[:2]
     scale = HOG_SIDE / max(height, width)  # small frames are enlarged: HOG's window is 80 px
-    image = cv2.resize(np.ascontiguousarray(frame), (round(width * scale), round(height * scale)),
-                       interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR)
+    image = cv2.resize(
+        np.ascontiguousarray(frame),
+        (round(width * scale), round(height * scale)),
+        interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR,
+    )
     rects, scores, _ = detector.run(image, 0, 0.0)
     if len(rects) == 0:  # a face smaller than the window at this size: look again at twice the size
         rects, scores, _ = detector.run(image, 1, 0.0)
@@ -222,6 +228,7 @@ def _detect_rect(frame: np.ndarray) -> Box | None:
 def _fit_landmarks(frame: np.ndarray, rect: Box) -> np.ndarray:
     """[68, 2] float landmarks inside `rect`."""
     import dlib
+
     predictor = _shape_predictor()
     if predictor is None:  # callers ask landmarks_available() first
         raise RuntimeError("dlib's 68-point shape predictor is not available")
@@ -247,12 +254,14 @@ def shot_cuts(frames: FrameSequence, *, threads: int = 1) -> list[int]:
     """Indices of frames that start a new shot (0 always does)."""
     with ThreadPoolExecutor(threads, thread_name_prefix="cuts") as pool:
         thumbs = list(pool.map(lambda index: _thumbnail(frames[index]), range(len(frames))))
-    return [0] + [index for index in range(1, len(thumbs))
-                  if float(np.abs(thumbs[index] - thumbs[index - 1]).mean()) > CUT_THRESHOLD]
+    return [0] + [
+        index
+        for index in range(1, len(thumbs))
+        if float(np.abs(thumbs[index] - thumbs[index - 1]).mean()) > CUT_THRESHOLD
+    ]
 
 
-def _track_piece(frames: FrameSequence, starts: set[int], first: int,
-                 stop: int) -> list[tuple[np.ndarray, Box] | None]:
+def _track_piece(frames: FrameSequence, starts: set[int], first: int, stop: int) -> list[tuple[np.ndarray, Box] | None]:
     """track_landmarks over frames [first, stop); `first` must be a detection frame (a multiple of
     DETECT_EVERY), which makes pieces independent."""
     found: list[tuple[np.ndarray, Box] | None] = []
@@ -277,8 +286,9 @@ def _track_piece(frames: FrameSequence, starts: set[int], first: int,
     return found
 
 
-def track_landmarks(frames: FrameSequence, cuts: Sequence[int], *, threads: int = 1,
-                    control: StageControl | None = None) -> list[tuple[np.ndarray, Box] | None]:
+def track_landmarks(
+    frames: FrameSequence, cuts: Sequence[int], *, threads: int = 1, control: StageControl | None = None
+) -> list[tuple[np.ndarray, Box] | None]:
     """Per frame, (landmarks [68, 2], detector rectangle) or None where no face was found: a detection every
     DETECT_EVERY frames and at every cut, the rectangle following the landmarks in between. Pieces of
     SEGMENT frames run on `threads` threads with the same result as one."""
@@ -289,14 +299,16 @@ def track_landmarks(frames: FrameSequence, cuts: Sequence[int], *, threads: int 
         return _in_order(pool, futures, count, control)
 
 
-def smooth(values: list[np.ndarray | None], cuts: Sequence[int], radius: int = SMOOTH_RADIUS) -> list[np.ndarray | None]:
+def smooth(
+    values: list[np.ndarray | None], cuts: Sequence[int], radius: int = SMOOTH_RADIUS
+) -> list[np.ndarray | None]:
     """Centred moving average of per-frame arrays over the frames that have one, within each shot."""
     bounds = list(cuts) + [len(values)]
     out: list[np.ndarray | None] = list(values)
     for start, stop in pairwise(bounds):
         present = [(i, value) for i, value in enumerate(values[start:stop], start) if value is not None]
         for k, (i, _) in enumerate(present):
-            window = present[max(0, k - radius):k + radius + 1]
+            window = present[max(0, k - radius) : k + radius + 1]
             out[i] = np.mean([value for _, value in window], axis=0)
     return out
 
@@ -307,21 +319,29 @@ class FaceTrack:
 
     boxes: list[Box]
     landmarks: list[np.ndarray] | None  # [68, 2] per frame, in frame pixels; None for the Haar fallback
-    method: str                         # "landmarks" or "haar"
+    method: str  # "landmarks" or "haar"
     frames_with_face: int
     cuts: list[int]
 
     def to_json(self) -> dict[str, Any]:
-        return {"method": self.method, "frames_with_face": self.frames_with_face, "cuts": self.cuts,
-                "boxes": [list(box) for box in self.boxes],
-                "landmarks": None if self.landmarks is None else [np.round(p, 2).tolist() for p in self.landmarks]}
+        return {
+            "method": self.method,
+            "frames_with_face": self.frames_with_face,
+            "cuts": self.cuts,
+            "boxes": [list(box) for box in self.boxes],
+            "landmarks": None if self.landmarks is None else [np.round(p, 2).tolist() for p in self.landmarks],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "FaceTrack":
         landmarks = data["landmarks"]
-        return cls([tuple(box) for box in data["boxes"]],
-                   None if landmarks is None else [np.asarray(p, dtype=np.float64) for p in landmarks],
-                   data["method"], data["frames_with_face"], data["cuts"])
+        return cls(
+            [tuple(box) for box in data["boxes"]],
+            None if landmarks is None else [np.asarray(p, dtype=np.float64) for p in landmarks],
+            data["method"],
+            data["frames_with_face"],
+            data["cuts"],
+        )
 
 
 def find_faces(frames: FrameSequence, *, threads: int = 1, control: StageControl | None = None) -> FaceTrack:

@@ -6,6 +6,7 @@ inference: when the audio is longer than the video, output frame i shows source 
 rate differs from the source's, output frame i shows the source frame nearest in time (`source_frame`), so
 head motion plays at its own speed.
 """
+
 from __future__ import annotations
 
 import math
@@ -70,8 +71,7 @@ def source_frames_to_decode(shown: int) -> int:
     return max(DECODE_AT_LEAST, 1 << max(shown - 1, 0).bit_length())
 
 
-def shows_a_frame_twice(num_frames: int, n: int, source_fps: float | None = None,
-                        out_fps: float | None = None) -> bool:
+def shows_a_frame_twice(num_frames: int, n: int, source_fps: float | None = None, out_fps: float | None = None) -> bool:
     """Whether some source frame appears in more than one of the first num_frames output frames: then the
     model's per-frame work on it is worth keeping (cycling, or a source slower than the output)."""
     if num_frames > n:

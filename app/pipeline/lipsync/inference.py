@@ -22,6 +22,7 @@ the UNet step and the VAE decode are unavoidable; around them: source latents ar
 frame when the output cycles (SourceLatents), the blend and the sink run in a thread beside the next batch
 (BlendWriter), and blend masks are cached per box size.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,14 +41,19 @@ from app.pipeline.control import StageControl
 from app.pipeline.lipsync.faces import Box, crop_box
 from app.pipeline.lipsync.frames import FrameSequence, FrameSink, shows_a_frame_twice, source_frame
 from app.pipeline.lipsync.options import LIPSYNC_PATHS
-from app.pipeline.lipsync.musetalk import (UNET_TIMESTEP, WHISPER_FEATURE_RATE, WHISPER_SAMPLE_RATE, WHISPER_WINDOW_S,
-                       MuseTalkModels)
+from app.pipeline.lipsync.musetalk import (
+    UNET_TIMESTEP,
+    WHISPER_FEATURE_RATE,
+    WHISPER_SAMPLE_RATE,
+    WHISPER_WINDOW_S,
+    MuseTalkModels,
+)
 
-BLEND_EXPAND = 1.5       # blending.get_crop_box: the context square is 1.5x the face box's larger side
+BLEND_EXPAND = 1.5  # blending.get_crop_box: the context square is 1.5x the face box's larger side
 BLEND_BLUR_RATIO = 0.05  # blending.get_image: Gaussian kernel = 5% of the context square's width
-PARSING_SIZE = 512       # MuseTalk parses the context square at 512x512; its kernels are in those pixels
-MASK_CANVAS = 256        # the jaw mask is drawn at half that (kernels scaled to match)
-CHEEK_HALF_WIDTH = 90    # face_parsing: outside centre +- 90 px (of 512) the skin is eroded (the cheeks)
+PARSING_SIZE = 512  # MuseTalk parses the context square at 512x512; its kernels are in those pixels
+MASK_CANVAS = 256  # the jaw mask is drawn at half that (kernels scaled to match)
+CHEEK_HALF_WIDTH = 90  # face_parsing: outside centre +- 90 px (of 512) the skin is eroded (the cheeks)
 JAW = list(range(0, 17))
 BROWS_BACKWARDS = list(range(26, 16, -1))
 NOSE = list(range(27, 36))
@@ -55,6 +61,7 @@ OUTER_LIPS = list(range(48, 60))
 
 
 # -- audio ------------------------------------------------------------------------------------------------
+
 
 def read_wav_16k(path: str | Path) -> np.ndarray:
     """Mono float32 samples in [-1, 1] from a 16 kHz PCM WAV (what `ffmpeg -ar 16000 -ac 1` writes)."""
@@ -88,11 +95,12 @@ def whisper_hidden_states(models: MuseTalkModels, samples: np.ndarray) -> torch.
     if samples.size == 0:
         raise ValueError("audio is empty")
     window = WHISPER_WINDOW_S * WHISPER_SAMPLE_RATE
-    pieces = [samples[start:start + window] for start in range(0, samples.size, window)]
+    pieces = [samples[start : start + window] for start in range(0, samples.size, window)]
     parts = []
     for first in range(0, len(pieces), WHISPER_WINDOWS_PER_PASS):
-        mel = models.feature_extractor(pieces[first:first + WHISPER_WINDOWS_PER_PASS],
-                                       sampling_rate=WHISPER_SAMPLE_RATE, return_tensors="pt").input_features
+        mel = models.feature_extractor(
+            pieces[first : first + WHISPER_WINDOWS_PER_PASS], sampling_rate=WHISPER_SAMPLE_RATE, return_tensors="pt"
+        ).input_features
         mel = mel.to(device=models.device, dtype=models.dtype)
         hidden = models.whisper(mel, output_hidden_states=True).hidden_states
         parts.append(torch.stack(hidden, dim=2).flatten(0, 1))  # [windows * 1500, layers, d_model]
@@ -106,8 +114,9 @@ def _window_starts(fps: float, num_frames: int) -> torch.Tensor:
     return torch.tensor([math.floor(i * WHISPER_FEATURE_RATE / fps) for i in range(num_frames)], dtype=torch.long)
 
 
-def window_features(hidden: torch.Tensor, *, fps: float, num_frames: int, padding_left: int,
-                    padding_right: int) -> torch.Tensor:
+def window_features(
+    hidden: torch.Tensor, *, fps: float, num_frames: int, padding_left: int, padding_right: int
+) -> torch.Tensor:
     """[num_frames, 2 * (left + 1 + right) * layers, d_model] audio prompt per video frame.
 
     MuseTalk v1.5 (get_whisper_chunk): zero-pad ceil(50 / fps) * padding_left whisper frames in front, take
@@ -115,24 +124,25 @@ def window_features(hidden: torch.Tensor, *, fps: float, num_frames: int, paddin
     Frames past the end of the audio see zeros, as MuseTalk's tail padding gives them. The reference for
     AudioWindows, which builds the same prompts batch by batch.
     """
-    return AudioWindows(hidden, fps=fps, num_frames=num_frames, padding_left=padding_left,
-                        padding_right=padding_right)[0:num_frames]
+    return AudioWindows(hidden, fps=fps, num_frames=num_frames, padding_left=padding_left, padding_right=padding_right)[
+        0:num_frames
+    ]
 
 
 class AudioWindows:
     """The prompts of `window_features`, built for a slice of frames at a time from the hidden states
     (kept once, on their device): memory stays that of the hidden states, not 2 * (left + 1 + right) times it."""
 
-    def __init__(self, hidden: torch.Tensor, *, fps: float, num_frames: int, padding_left: int,
-                 padding_right: int):
+    def __init__(self, hidden: torch.Tensor, *, fps: float, num_frames: int, padding_left: int, padding_right: int):
         self.per_frame = 2 * (padding_left + padding_right + 1)
         self.starts = _window_starts(fps, num_frames).to(hidden.device)
         self.num_frames = num_frames
         left = math.ceil(WHISPER_FEATURE_RATE / fps) * padding_left
         needed = int(self.starts.max()) + self.per_frame if num_frames else 0
         right = max(0, needed - left - hidden.shape[0])
-        self.padded = torch.cat([hidden.new_zeros((left, *hidden.shape[1:])), hidden,
-                                 hidden.new_zeros((right, *hidden.shape[1:]))])
+        self.padded = torch.cat(
+            [hidden.new_zeros((left, *hidden.shape[1:])), hidden, hidden.new_zeros((right, *hidden.shape[1:]))]
+        )
         self.offsets = torch.arange(self.per_frame, device=hidden.device)
 
     def __len__(self) -> int:
@@ -146,26 +156,41 @@ class AudioWindows:
 
 
 @torch.inference_mode()
-def audio_windows(models: MuseTalkModels, wav_16k_path: str | Path, *, fps: float, num_frames: int,
-                  padding_left: int, padding_right: int) -> AudioWindows:
+def audio_windows(
+    models: MuseTalkModels,
+    wav_16k_path: str | Path,
+    *,
+    fps: float,
+    num_frames: int,
+    padding_left: int,
+    padding_right: int,
+) -> AudioWindows:
     """Per-video-frame whisper prompts of a 16 kHz WAV, sliced per batch (on the model's device).
 
     Uses the real fps for the frame -> audio mapping (MuseTalk truncates it to an int, which drifts at 29.97).
     """
     hidden = whisper_hidden_states(models, read_wav_16k(wav_16k_path))
-    return AudioWindows(hidden, fps=fps, num_frames=num_frames, padding_left=padding_left,
-                        padding_right=padding_right)
+    return AudioWindows(hidden, fps=fps, num_frames=num_frames, padding_left=padding_left, padding_right=padding_right)
 
 
-def audio_features(models: MuseTalkModels, wav_16k_path: str | Path, *, fps: float, num_frames: int,
-                   padding_left: int, padding_right: int) -> torch.Tensor:
+def audio_features(
+    models: MuseTalkModels,
+    wav_16k_path: str | Path,
+    *,
+    fps: float,
+    num_frames: int,
+    padding_left: int,
+    padding_right: int,
+) -> torch.Tensor:
     """Every prompt of `audio_windows` at once: [num_frames, 2 * (left + 1 + right) * layers, d_model]."""
-    windows = audio_windows(models, wav_16k_path, fps=fps, num_frames=num_frames, padding_left=padding_left,
-                            padding_right=padding_right)
+    windows = audio_windows(
+        models, wav_16k_path, fps=fps, num_frames=num_frames, padding_left=padding_left, padding_right=padding_right
+    )
     return windows[0:num_frames]
 
 
 # -- faces -------------------------------------------------------------------------------------------------
+
 
 def face_crop(frame: np.ndarray, box: Box, size: int) -> np.ndarray:
     """The box's pixels resized to size x size (Lanczos, as MuseTalk)."""
@@ -180,9 +205,12 @@ def device_crops(frames: torch.Tensor, regions: list[Box], size: int) -> torch.T
     crops = []
     for frame, (x1, y1, x2, y2) in zip(frames, regions, strict=True):
         pixels = frame[y1:y2, x1:x2].permute(2, 0, 1)[None].float()
-        crops.append(torch.nn.functional.interpolate(pixels, size=(size, size), mode="bicubic", antialias=True,
-                                                     align_corners=False))
-    return (torch.cat(crops).clamp_(0, 255) / 255.0)
+        crops.append(
+            torch.nn.functional.interpolate(
+                pixels, size=(size, size), mode="bicubic", antialias=True, align_corners=False
+            )
+        )
+    return torch.cat(crops).clamp_(0, 255) / 255.0
 
 
 def encode_pixels(models: MuseTalkModels, pixels: torch.Tensor) -> torch.Tensor:
@@ -194,7 +222,7 @@ def encode_pixels(models: MuseTalkModels, pixels: torch.Tensor) -> torch.Tensor:
     """
     pixels = pixels.to(device=models.device, dtype=models.dtype)
     masked = pixels.clone()
-    masked[:, :, pixels.shape[2] // 2:, :] = 0
+    masked[:, :, pixels.shape[2] // 2 :, :] = 0
     images = torch.cat([masked, pixels]) * 2.0 - 1.0
     latents = models.vae.encode(images).latent_dist.mode() * models.scaling_factor
     masked_latents, reference_latents = latents.chunk(2)
@@ -238,12 +266,20 @@ class SourceLatents:
     def __call__(self, sources: list[int], originals: list[np.ndarray], regions: list[Box]) -> torch.Tensor:
         """`get` with the reference crops (OpenCV Lanczos on the CPU) of `originals` at `regions`."""
         size = self.models.crop_size
-        return self.get(sources, lambda positions: torch.from_numpy(np.stack(
-            [face_crop(originals[p], regions[p], size) for p in positions])).permute(0, 3, 1, 2).float() / 255.0)
+        return self.get(
+            sources,
+            lambda positions: (
+                torch.from_numpy(np.stack([face_crop(originals[p], regions[p], size) for p in positions]))
+                .permute(0, 3, 1, 2)
+                .float()
+                / 255.0
+            ),
+        )
 
 
-def redraw_faces(models: MuseTalkModels, latents: torch.Tensor, prompts: torch.Tensor, *,
-                 pad_to: int = 0) -> torch.Tensor:
+def redraw_faces(
+    models: MuseTalkModels, latents: torch.Tensor, prompts: torch.Tensor, *, pad_to: int = 0
+) -> torch.Tensor:
     """Re-drawn crops, uint8 [B, 3, s, s] on the model's device, for UNet input latents [B, 8, s/8, s/8]
     (`encode_pixels`) and audio prompts [B, seq, d_model]. A batch smaller than `pad_to` is padded with
     copies of its last item (dropped again): every call then has the same shapes, so the last partial batch
@@ -287,7 +323,7 @@ def mouth_mask(height: int, width: int) -> np.ndarray:
     kernel = _blur_kernel(2 * _context_half_side(width, height))
     inset = kernel // 2
     mask: np.ndarray = np.zeros((height, width), np.float32)
-    mask[height // 2:height - inset, inset:width - inset] = 1.0
+    mask[height // 2 : height - inset, inset : width - inset] = 1.0
     if kernel > 1:
         mask = cv2.GaussianBlur(mask, (kernel, kernel), 0, borderType=cv2.BORDER_CONSTANT)
     mask = mask[:, :, None]
@@ -302,9 +338,9 @@ def _cone_kernel(scale: float) -> np.ndarray:
     kernel = np.zeros((size, size), np.uint8)
     for row in range(cone // 2, cone):
         half = row - cone // 2
-        kernel[row, max(0, centre - half):centre + half + 1] = 1
+        kernel[row, max(0, centre - half) : centre + half + 1] = 1
     base = int(kernel[cone - 1].sum())
-    kernel[cone:, max(0, centre - base // 2):centre + base // 2 + 1] = 1
+    kernel[cone:, max(0, centre - base // 2) : centre + base // 2 + 1] = 1
     return kernel
 
 
@@ -314,7 +350,7 @@ def _jaw_kernels() -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     cheek_kernel = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (max(3, round(35 * scale) | 1), 3))
     cheeks = np.full((MASK_CANVAS, MASK_CANVAS), 255, np.uint8)
     half = round(CHEEK_HALF_WIDTH * scale)
-    cheeks[:, MASK_CANVAS // 2 - half:MASK_CANVAS // 2 + half] = 0
+    cheeks[:, MASK_CANVAS // 2 - half : MASK_CANVAS // 2 + half] = 0
     return _cone_kernel(scale), cheek_kernel, cheeks, _blur_kernel(MASK_CANVAS)
 
 
@@ -344,7 +380,7 @@ def jaw_mask(landmarks: np.ndarray, region: Box) -> np.ndarray:
     top_row = max(ry1, MASK_CANVAS // 2)
     inside[top_row:ry2, rx1:rx2] = mask[top_row:ry2, rx1:rx2]
     blurred = cv2.GaussianBlur(inside, (blur, blur), 0).astype(np.float32) / 255.0
-    patch = blurred[max(ry1, 0):ry2, max(rx1, 0):rx2]
+    patch = blurred[max(ry1, 0) : ry2, max(rx1, 0) : rx2]
     return cv2.resize(patch, (width, height), interpolation=cv2.INTER_LINEAR)[:, :, None]
 
 
@@ -361,14 +397,16 @@ def blend_mouth(frame: np.ndarray, face: np.ndarray, box: Box, mask: np.ndarray 
     return out
 
 
-def blend_on_device(frames: torch.Tensor, faces: torch.Tensor, regions: list[Box],
-                    masks: list[np.ndarray]) -> torch.Tensor:
+def blend_on_device(
+    frames: torch.Tensor, faces: torch.Tensor, regions: list[Box], masks: list[np.ndarray]
+) -> torch.Tensor:
     """`blend_mouth` as tensor ops on the frames' device, in place: frames uint8 [B, H, W, 3], re-drawn
     crops uint8 [B, 3, s, s] (on that device), each pasted into its region under its mask [h, w, 1]."""
     for frame, face, (x1, y1, x2, y2), mask in zip(frames, faces, regions, masks, strict=True):
         height, width = y2 - y1, x2 - x1
-        resized = torch.nn.functional.interpolate(face[None].float(), size=(height, width), mode="bilinear",
-                                                  align_corners=False)[0].permute(1, 2, 0)
+        resized = torch.nn.functional.interpolate(
+            face[None].float(), size=(height, width), mode="bilinear", align_corners=False
+        )[0].permute(1, 2, 0)
         weights = torch.tensor(mask, device=frames.device)  # a copy: cached masks are read-only arrays
         region = frame[y1:y2, x1:x2].float()
         frame[y1:y2, x1:x2] = torch.round(region + (resized.round().clamp_(0, 255) - region) * weights).to(torch.uint8)
@@ -472,15 +510,31 @@ def read_ahead(items: Iterator, depth: int = 2) -> Generator[Any, None, None]:
 class _Batch:
     """One batch's inputs, read and prepared on the CPU ahead of the model."""
 
-    def __init__(self, start: int, stop: int, sources: list[int], originals: list[np.ndarray],
-                 regions: list[Box], masks: list[np.ndarray]):
+    def __init__(
+        self,
+        start: int,
+        stop: int,
+        sources: list[int],
+        originals: list[np.ndarray],
+        regions: list[Box],
+        masks: list[np.ndarray],
+    ):
         self.start, self.stop, self.sources = start, stop, sources
         self.originals, self.regions, self.masks = originals, regions, masks
 
 
-def _batches(frames: FrameSequence, boxes: list[Box], landmarks: list[np.ndarray] | None, *, num_frames: int,
-             batch_size: int, extra_margin: int, fps: float | None, source_fps: float | None,
-             keep_masks: bool) -> Iterator[_Batch]:
+def _batches(
+    frames: FrameSequence,
+    boxes: list[Box],
+    landmarks: list[np.ndarray] | None,
+    *,
+    num_frames: int,
+    batch_size: int,
+    extra_margin: int,
+    fps: float | None,
+    source_fps: float | None,
+    keep_masks: bool,
+) -> Iterator[_Batch]:
     """The batches' source frames, crop regions and blend masks (a jaw mask per source frame is drawn once
     when the output shows source frames more than once)."""
     masks: dict[int, np.ndarray] = {}
@@ -513,20 +567,36 @@ def _copy_back(frames: torch.Tensor) -> Callable[[], Iterable[np.ndarray]]:
     def finish() -> list[np.ndarray]:
         copied.synchronize()
         return list(host.numpy())
+
     return finish
 
 
 def _blend_reference(batch: _Batch, faces: np.ndarray) -> Callable[[], Iterable[np.ndarray]]:
-    return lambda: (blend_mouth(frame, face, region, mask)
-                    for frame, face, region, mask in zip(batch.originals, faces, batch.regions, batch.masks, strict=True))
+    return lambda: (
+        blend_mouth(frame, face, region, mask)
+        for frame, face, region, mask in zip(batch.originals, faces, batch.regions, batch.masks, strict=True)
+    )
 
 
 @torch.inference_mode()
-def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box],
-                features: torch.Tensor | AudioWindows, *, num_frames: int, batch_size: int, extra_margin: int,
-                sink: FrameSink, control: StageControl, fps: float | None = None,
-                source_fps: float | None = None, landmarks: list[np.ndarray] | None = None,
-                path: str = "device", latents: SourceLatents | None = None, pad_batches: bool | None = None) -> int:
+def run_lipsync(
+    models: MuseTalkModels,
+    frames: FrameSequence,
+    boxes: list[Box],
+    features: torch.Tensor | AudioWindows,
+    *,
+    num_frames: int,
+    batch_size: int,
+    extra_margin: int,
+    sink: FrameSink,
+    control: StageControl,
+    fps: float | None = None,
+    source_fps: float | None = None,
+    landmarks: list[np.ndarray] | None = None,
+    path: str = "device",
+    latents: SourceLatents | None = None,
+    pad_batches: bool | None = None,
+) -> int:
     """Write `num_frames` lip-synced frames to `sink` in order; returns how many were written.
 
     `boxes` has one face box per source frame (gaps already filled); `features` comes from `audio_windows`
@@ -557,16 +627,27 @@ def run_lipsync(models: MuseTalkModels, frames: FrameSequence, boxes: list[Box],
     if latents is None:
         latents = SourceLatents(models, keep=repeats and len(frames) <= MAX_KEPT_SOURCE_FRAMES)
     pad_to = batch_size if (models.device.type == "cuda" if pad_batches is None else pad_batches) else 0
-    batches = read_ahead(_batches(frames, boxes, landmarks, num_frames=num_frames, batch_size=batch_size,
-                                  extra_margin=extra_margin, fps=fps, source_fps=source_fps,
-                                  keep_masks=repeats and len(frames) <= MAX_KEPT_SOURCE_FRAMES))
+    batches = read_ahead(
+        _batches(
+            frames,
+            boxes,
+            landmarks,
+            num_frames=num_frames,
+            batch_size=batch_size,
+            extra_margin=extra_margin,
+            fps=fps,
+            source_fps=source_fps,
+            keep_masks=repeats and len(frames) <= MAX_KEPT_SOURCE_FRAMES,
+        )
+    )
     with FrameWriter(sink) as writer:
         try:
             for batch in batches:
-                prompts = features[batch.start:batch.stop]
+                prompts = features[batch.start : batch.stop]
                 if path == "reference":
-                    faces = redraw_faces(models, latents(batch.sources, batch.originals, batch.regions), prompts,
-                                         pad_to=pad_to)
+                    faces = redraw_faces(
+                        models, latents(batch.sources, batch.originals, batch.regions), prompts, pad_to=pad_to
+                    )
                     writer.put(_blend_reference(batch, faces.permute(0, 2, 3, 1).cpu().numpy()))
                 else:
                     on_device = torch.from_numpy(np.stack(batch.originals)).to(models.device, non_blocking=True)

@@ -12,6 +12,7 @@
 `write_tiny_musetalk` writes random-weight models in exactly that layout so `load_musetalk` is the same code
 for tests and for the real checkpoints. Everything is read from local files; nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,19 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 # From diffusers.models, not diffusers: the top level's type-checking imports name the placeholder classes it
 # exports when torch is missing, which have none of the models' attributes.
 from diffusers.models import AutoencoderKL, UNet2DConditionModel
-from transformers import (WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration,
-                          WhisperModel)
+from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration, WhisperModel
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 from app.pipeline.profiles import LipsyncProfile
 
 WHISPER_SAMPLE_RATE = 16_000
 WHISPER_FEATURE_RATE = 50  # encoder frames per second of audio (20 ms each)
-WHISPER_WINDOW_S = 30      # whisper encodes fixed 30 s windows (3000 mel frames -> 1500 encoder frames)
-UNET_TIMESTEP = 0          # MuseTalk is single-step inpainting at t = 0
+WHISPER_WINDOW_S = 30  # whisper encodes fixed 30 s windows (3000 mel frames -> 1500 encoder frames)
+UNET_TIMESTEP = 0  # MuseTalk is single-step inpainting at t = 0
 
 
 @dataclass
@@ -90,7 +91,7 @@ def model_dtype(device: torch.device) -> torch.dtype:
 
 
 def precision_name(dtype: torch.dtype) -> str:
-    """"fp16" / "fp32" for a model dtype, as ENCORE_LIPSYNC_PRECISION spells it (recorded in stage info)."""
+    """ "fp16" / "fp32" for a model dtype, as ENCORE_LIPSYNC_PRECISION spells it (recorded in stage info)."""
     return next((name for name, known in PRECISIONS.items() if known == dtype), str(dtype))
 
 
@@ -108,8 +109,11 @@ def _half_kernels_error(device: torch.device) -> str | None:
         x = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
         tokens = torch.nn.functional.layer_norm(x.flatten(2).transpose(1, 2), (8,))
         tokens = torch.nn.functional.scaled_dot_product_attention(tokens, tokens, tokens)
-        tokens = torch.nn.functional.gelu(torch.nn.functional.conv1d(
-            tokens.transpose(1, 2), torch.randn(8, 8, 3, device=device, dtype=x.dtype), padding=1))
+        tokens = torch.nn.functional.gelu(
+            torch.nn.functional.conv1d(
+                tokens.transpose(1, 2), torch.randn(8, 8, 3, device=device, dtype=x.dtype), padding=1
+            )
+        )
         if not torch.isfinite(tokens).all():
             return "fp16 arithmetic gave non-finite values"
     except (RuntimeError, NotImplementedError) as error:
@@ -133,8 +137,10 @@ def resolve_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
     if precision == "fp16" and device.type != "cuda":
         error = _half_kernels_error(device)
         if error is not None:
-            raise PrecisionUnsupported(f"ENCORE_LIPSYNC_PRECISION=fp16 is not supported on {device} by torch "
-                                       f"{torch.__version__}: {error}; use fp32 or auto")
+            raise PrecisionUnsupported(
+                f"ENCORE_LIPSYNC_PRECISION=fp16 is not supported on {device} by torch "
+                f"{torch.__version__}: {error}; use fp32 or auto"
+            )
     return PRECISIONS[precision]
 
 
@@ -156,8 +162,9 @@ def load_vae(profile: LipsyncProfile, device: torch.device, dtype: torch.dtype) 
     return vae.to(device).eval().requires_grad_(False)
 
 
-def load_whisper(profile: LipsyncProfile, device: torch.device,
-                 dtype: torch.dtype) -> tuple[WhisperEncoder, WhisperFeatureExtractor]:
+def load_whisper(
+    profile: LipsyncProfile, device: torch.device, dtype: torch.dtype
+) -> tuple[WhisperEncoder, WhisperFeatureExtractor]:
     """Whisper encoder + its mel front end; the decoder is dropped because MuseTalk never runs it."""
     whisper = WhisperModel.from_pretrained(profile.whisper_dir, local_files_only=True)
     encoder = whisper.get_encoder()
@@ -186,50 +193,106 @@ def load_musetalk(profile: LipsyncProfile, device: str | torch.device, *, precis
     encoder, extractor = load_whisper(profile, device, dtype)
     unet = load_unet(profile, device, dtype)
     if unet.config["cross_attention_dim"] != encoder.config.d_model:
-        raise ValueError(f"UNet cross_attention_dim {unet.config['cross_attention_dim']} != whisper d_model "
-                         f"{encoder.config.d_model}")
-    return MuseTalkModels(unet=unet, vae=load_vae(profile, device, dtype), whisper=encoder,
-                          feature_extractor=extractor, device=device, dtype=dtype, crop_size=profile.crop_size)
+        raise ValueError(
+            f"UNet cross_attention_dim {unet.config['cross_attention_dim']} != whisper d_model {encoder.config.d_model}"
+        )
+    return MuseTalkModels(
+        unet=unet,
+        vae=load_vae(profile, device, dtype),
+        whisper=encoder,
+        feature_extractor=extractor,
+        device=device,
+        dtype=dtype,
+        crop_size=profile.crop_size,
+    )
 
 
 # -- tiny random-weight models in the real layout ---------------------------------------------------------
 
-TINY_WHISPER = dict(d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
-                    decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=128, num_mel_bins=80,
-                    max_source_positions=1500, max_target_positions=32, vocab_size=64, pad_token_id=63,
-                    bos_token_id=63, eos_token_id=63, decoder_start_token_id=63, suppress_tokens=[],
-                    begin_suppress_tokens=[])
+TINY_WHISPER = dict(
+    d_model=64,
+    encoder_layers=2,
+    encoder_attention_heads=4,
+    encoder_ffn_dim=128,
+    decoder_layers=1,
+    decoder_attention_heads=4,
+    decoder_ffn_dim=128,
+    num_mel_bins=80,
+    max_source_positions=1500,
+    max_target_positions=32,
+    vocab_size=64,
+    pad_token_id=63,
+    bos_token_id=63,
+    eos_token_id=63,
+    decoder_start_token_id=63,
+    suppress_tokens=[],
+    begin_suppress_tokens=[],
+)
 
 
 def tiny_unet_config(cross_attention_dim: int) -> dict:
     """musetalk.json's fields with small widths (real: block_out_channels [320, 640, 1280, 1280], 2 layers)."""
     return {
-        "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0.dev0", "act_fn": "silu",
-        "attention_head_dim": 8, "block_out_channels": [32, 64], "center_input_sample": False,
+        "_class_name": "UNet2DConditionModel",
+        "_diffusers_version": "0.6.0.dev0",
+        "act_fn": "silu",
+        "attention_head_dim": 8,
+        "block_out_channels": [32, 64],
+        "center_input_sample": False,
         "cross_attention_dim": cross_attention_dim,
-        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "downsample_padding": 1,
-        "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 8, "layers_per_block": 1,
-        "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4,
-        "sample_size": 32, "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "downsample_padding": 1,
+        "flip_sin_to_cos": True,
+        "freq_shift": 0,
+        "in_channels": 8,
+        "layers_per_block": 1,
+        "mid_block_scale_factor": 1,
+        "norm_eps": 1e-05,
+        "norm_num_groups": 32,
+        "out_channels": 4,
+        "sample_size": 32,
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
     }
 
 
 def tiny_vae() -> AutoencoderKL:
     """sd-vae-ft-mse's structure (4 blocks, 3 downsamples = 8x, 4 latent channels) with small widths."""
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-                         up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=(8, 8, 16, 16),
-                         layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=256)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=256,
+    )
 
 
 # MuseTalk v1.5's real sizes (musetalk.json; sd-vae-ft-mse; whisper-tiny), for random-weight checkpoints in
 # the real layout at full size: benchmarks (bench/gpu_lipsync.py) measure speed with them; their output is noise.
-REAL_UNET = dict(block_out_channels=[320, 640, 1280, 1280], layers_per_block=2, sample_size=64,
-                 down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-                 up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3)
+REAL_UNET = dict(
+    block_out_channels=[320, 640, 1280, 1280],
+    layers_per_block=2,
+    sample_size=64,
+    down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+)
 REAL_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
-WHISPER_TINY = dict(d_model=384, encoder_layers=4, encoder_attention_heads=6, encoder_ffn_dim=1536,
-                    decoder_layers=4, decoder_attention_heads=6, decoder_ffn_dim=1536, num_mel_bins=80,
-                    max_source_positions=1500, max_target_positions=448, vocab_size=51865)
+WHISPER_TINY = dict(
+    d_model=384,
+    encoder_layers=4,
+    encoder_attention_heads=6,
+    encoder_ffn_dim=1536,
+    decoder_layers=4,
+    decoder_attention_heads=6,
+    decoder_ffn_dim=1536,
+    num_mel_bins=80,
+    max_source_positions=1500,
+    max_target_positions=448,
+    vocab_size=51865,
+)
 
 
 def write_tiny_musetalk(profile: LipsyncProfile, seed: int = 0) -> Path:
@@ -237,8 +300,9 @@ def write_tiny_musetalk(profile: LipsyncProfile, seed: int = 0) -> Path:
     return write_random_musetalk(profile, seed=seed)
 
 
-def write_random_musetalk(profile: LipsyncProfile, seed: int = 0, *, real_size: bool = False,
-                          dtype: torch.dtype = torch.float32) -> Path:
+def write_random_musetalk(
+    profile: LipsyncProfile, seed: int = 0, *, real_size: bool = False, dtype: torch.dtype = torch.float32
+) -> Path:
     """Random-weight MuseTalk files in the real layout: the tiny sizes, or with `real_size` MuseTalk v1.5's
     (an 850 M-parameter UNet; stored in `dtype`, the loader casts to the run's precision)."""
     profile.unet_path.parent.mkdir(parents=True, exist_ok=True)
@@ -250,8 +314,9 @@ def write_random_musetalk(profile: LipsyncProfile, seed: int = 0, *, real_size: 
     profile.whisper_dir.mkdir(parents=True, exist_ok=True)
     whisper_config.save_pretrained(profile.whisper_dir)
     torch.save(whisper_state, profile.whisper_dir / "pytorch_model.bin")
-    WhisperFeatureExtractor(feature_size=whisper_config.num_mel_bins,
-                            sampling_rate=WHISPER_SAMPLE_RATE).save_pretrained(profile.whisper_dir)
+    WhisperFeatureExtractor(
+        feature_size=whisper_config.num_mel_bins, sampling_rate=WHISPER_SAMPLE_RATE
+    ).save_pretrained(profile.whisper_dir)
     del whisper, whisper_state
 
     torch.manual_seed(seed + 1)
@@ -262,9 +327,19 @@ def write_random_musetalk(profile: LipsyncProfile, seed: int = 0, *, real_size: 
     del unet
 
     torch.manual_seed(seed + 2)
-    vae = tiny_vae() if not real_size else AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4, latent_channels=4, sample_size=256, **REAL_VAE)
+    vae = (
+        tiny_vae()
+        if not real_size
+        else AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4,
+            latent_channels=4,
+            sample_size=256,
+            **REAL_VAE,
+        )
+    )
     # diffusers wraps ModelMixin.to with functools.wraps, which typeshed types as a callable attribute rather than
     # a method, so the checker takes `dtype` for `self`.
     vae.to(dtype).save_pretrained(profile.vae_dir, safe_serialization=False)  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """The choices the lip-sync pipeline offers, named where it implements them (no heavy imports here, so the
 settings module and the web can import them without torch): app/core/config.py validates its variables
 against these."""
+
 from __future__ import annotations
 
 LIPSYNC_PRECISIONS = ("auto", "fp16", "fp32")  # musetalk.resolve_dtype

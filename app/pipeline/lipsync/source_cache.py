@@ -10,6 +10,7 @@ Entries are single files under `root`, written atomically (temporary file, then 
 held under `max_bytes` by removing the least recently used entries (a hit refreshes the file's mtime).
 Several workers of a host may share the folder: a reader that loses a race with an eviction sees a miss.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -127,6 +128,11 @@ class SourceCache:
     def write_latents(self, key: str, latents: dict[int, torch.Tensor]) -> bool:
         indices = sorted(latents)
         buffer = io.BytesIO()
-        torch.save({"indices": torch.tensor(indices, dtype=torch.long),
-                    "latents": torch.stack([latents[i].detach().cpu() for i in indices])}, buffer)
+        torch.save(
+            {
+                "indices": torch.tensor(indices, dtype=torch.long),
+                "latents": torch.stack([latents[i].detach().cpu() for i in indices]),
+            },
+            buffer,
+        )
         return self.write(key, buffer.getvalue())

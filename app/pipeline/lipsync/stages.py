@@ -4,6 +4,7 @@ prepare (probe, 16 kHz audio, frames decoded once, faces) → lipsync (MuseTalk)
 The scratch folder is worker-local (every stage of a track runs on the same queue): decoded frames are too
 big for the artifact store. The source video is never looped or re-encoded before inference.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +15,12 @@ from typing import Any
 
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync import faces, inference, musetalk
-from app.pipeline.lipsync.frames import output_frame_count, shows_a_frame_twice, source_frames_shown, source_frames_to_decode
+from app.pipeline.lipsync.frames import (
+    output_frame_count,
+    shows_a_frame_twice,
+    source_frames_shown,
+    source_frames_to_decode,
+)
 from app.pipeline.lipsync.options import LIPSYNC_MASKS
 from app.pipeline.lipsync.source_cache import SourceCache, entry_key, file_digest
 from app.pipeline.media.decode import FrameCache, decode_frames, extract_audio
@@ -35,6 +41,7 @@ class LipsyncModels:
 
     def __init__(self, profile: LipsyncProfile, mode: str, device: str | None = None, precision: str = "auto"):
         import torch
+
         self.profile = profile
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.precision = precision
@@ -42,8 +49,9 @@ class LipsyncModels:
         self.cache = ModelCache(mode, frozenset({"musetalk"}))
 
     def musetalk(self, loaded: list[str] | None = None) -> musetalk.MuseTalkModels:
-        return self.cache.get("musetalk", lambda: musetalk.load_musetalk(self.profile, self.device,
-                                                                         precision=self.precision), loaded)
+        return self.cache.get(
+            "musetalk", lambda: musetalk.load_musetalk(self.profile, self.device, precision=self.precision), loaded
+        )
 
     def batch_size(self) -> int:
         """Frames per UNet batch when the request names none: the profile's measured size for the device."""
@@ -55,22 +63,37 @@ class LipsyncModels:
         import time
 
         import torch
+
         engine, size, started = self.musetalk(), self.batch_size(), time.perf_counter()
         with torch.inference_mode():
             inference.whisper_hidden_states(engine, inference.np.zeros(musetalk.WHISPER_SAMPLE_RATE, "float32"))
             pixels = torch.zeros(size, 3, engine.crop_size, engine.crop_size, device=engine.device)
             latents = inference.encode_pixels(engine, pixels)
-            prompts = torch.zeros(size, 2 * (self.profile.audio_padding_left + self.profile.audio_padding_right + 1)
-                                  * engine.audio_layers, engine.audio_dim, device=engine.device)
+            prompts = torch.zeros(
+                size,
+                2 * (self.profile.audio_padding_left + self.profile.audio_padding_right + 1) * engine.audio_layers,
+                engine.audio_dim,
+                device=engine.device,
+            )
             inference.redraw_faces(engine, latents, prompts)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
         return time.perf_counter() - started
 
 
-def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: StageControl,
-                timeout_s: float, *, cache: SourceCache | None = None, face_threads: int = 1,
-                tools: MediaTools = ON_PATH, max_scratch_bytes: int | None = None) -> dict[str, Any]:
+def run_prepare(
+    video: Path,
+    audio: Path,
+    fps: float,
+    scratch: Path,
+    control: StageControl,
+    timeout_s: float,
+    *,
+    cache: SourceCache | None = None,
+    face_threads: int = 1,
+    tools: MediaTools = ON_PATH,
+    max_scratch_bytes: int | None = None,
+) -> dict[str, Any]:
     """16 kHz mono audio for whisper, every source frame decoded once, one face per frame (landmarks and
     MuseTalk's box, faces.find_faces, on `face_threads` threads; from the source cache when this video was
     seen before), and the plan: the exact audio duration (from the decoded samples: container durations of
@@ -81,14 +104,29 @@ def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: St
     extract_audio(audio, scratch / AUDIO_16K, timeout_s=timeout_s, tools=tools)
     with wave.open(str(scratch / AUDIO_16K)) as decoded:
         audio_seconds = decoded.getnframes() / decoded.getframerate()
-    plan = {"audio_duration_s": audio_seconds, "fps": fps, "output_frames": output_frame_count(audio_seconds, fps),
-            "video_sha256": file_digest(video)}
+    plan = {
+        "audio_duration_s": audio_seconds,
+        "fps": fps,
+        "output_frames": output_frame_count(audio_seconds, fps),
+        "video_sha256": file_digest(video),
+    }
     (scratch / PLAN).write_text(json.dumps(plan))
     shown = source_frames_shown(plan["output_frames"], probe(video, tools=tools).fps, fps)
-    frames = decode_frames(video, scratch / FRAMES, control=control.part(0.0, 0.5, "decoding"), tools=tools,
-                           max_frames=source_frames_to_decode(shown), max_bytes=max_scratch_bytes)
-    key = entry_key("faces", video=plan["video_sha256"], frames=len(frames), version=faces.FACE_PIPELINE_VERSION,
-                    landmarks=faces.landmarks_available())
+    frames = decode_frames(
+        video,
+        scratch / FRAMES,
+        control=control.part(0.0, 0.5, "decoding"),
+        tools=tools,
+        max_frames=source_frames_to_decode(shown),
+        max_bytes=max_scratch_bytes,
+    )
+    key = entry_key(
+        "faces",
+        video=plan["video_sha256"],
+        frames=len(frames),
+        version=faces.FACE_PIPELINE_VERSION,
+        landmarks=faces.landmarks_available(),
+    )
     cached = cache.read_json(key) if cache is not None else None
     try:
         if cached is not None:
@@ -99,12 +137,18 @@ def run_prepare(video: Path, audio: Path, fps: float, scratch: Path, control: St
         frames.close()
     if cached is None and cache is not None:
         cache.write_json(key, track.to_json())
-    (scratch / FRAMES_META).write_text(json.dumps({"count": len(track.boxes), "height": frames.height,
-                                                    "width": frames.width, "fps": frames.fps}))
+    (scratch / FRAMES_META).write_text(
+        json.dumps({"count": len(track.boxes), "height": frames.height, "width": frames.width, "fps": frames.fps})
+    )
     (scratch / FACES).write_text(json.dumps(track.to_json()))
-    return {"source_frames": len(track.boxes), "frames_with_face": track.frames_with_face,
-            "faces": track.method, "shots": len(track.cuts), "cache": _cache_state(cache, cached is not None),
-            **{k: v for k, v in plan.items() if k != "video_sha256"}}
+    return {
+        "source_frames": len(track.boxes),
+        "frames_with_face": track.frames_with_face,
+        "faces": track.method,
+        "shots": len(track.cuts),
+        "cache": _cache_state(cache, cached is not None),
+        **{k: v for k, v in plan.items() if k != "video_sha256"},
+    }
 
 
 def _cache_state(cache: SourceCache | None, hit: bool, partly: bool = False) -> str:
@@ -118,9 +162,18 @@ def _open_frames(scratch: Path) -> FrameCache:
     return FrameCache(scratch / FRAMES, meta["count"], meta["height"], meta["width"], meta["fps"])
 
 
-def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Path, control: StageControl,
-                      loaded: list[str] | None = None, mask: str = "jaw", *, path: str = "device",
-                      cache: SourceCache | None = None, tools: MediaTools = ON_PATH) -> dict[str, Any]:
+def run_lipsync_stage(
+    models: LipsyncModels,
+    params: dict[str, Any],
+    scratch: Path,
+    control: StageControl,
+    loaded: list[str] | None = None,
+    mask: str = "jaw",
+    *,
+    path: str = "device",
+    cache: SourceCache | None = None,
+    tools: MediaTools = ON_PATH,
+) -> dict[str, Any]:
     """MuseTalk over floor(audio s x fps) frames into a picture-only MP4 at the output fps. The source is
     resampled from its own fps (frames.json, as decoded) to the output's, and cycled ping-pong when the audio
     is longer; the audio windows follow the output fps. Blended through the `mask` mode ("jaw" needs
@@ -132,46 +185,97 @@ def run_lipsync_stage(models: LipsyncModels, params: dict[str, Any], scratch: Pa
     engine = models.musetalk(loaded)
     profile, plan = models.profile, _plan(scratch)
     frames_out, batch_size = plan["output_frames"], int(params.get("batch_size") or models.batch_size())
-    features = inference.audio_windows(engine, scratch / AUDIO_16K, fps=params["fps"], num_frames=frames_out,
-                                       padding_left=profile.audio_padding_left,
-                                       padding_right=profile.audio_padding_right)
+    features = inference.audio_windows(
+        engine,
+        scratch / AUDIO_16K,
+        fps=params["fps"],
+        num_frames=frames_out,
+        padding_left=profile.audio_padding_left,
+        padding_right=profile.audio_padding_right,
+    )
     faces_json = (scratch / FACES).read_bytes()
     track = faces.FaceTrack.from_json(json.loads(faces_json))
     landmarks = track.landmarks if mask == "jaw" else None
-    key = entry_key("latents", video=plan.get("video_sha256"), faces=hashlib.sha256(faces_json).hexdigest(),
-                    margin=int(params["extra_margin"]), crop=engine.crop_size, vae=musetalk.vae_identity(profile),
-                    dtype=musetalk.precision_name(engine.dtype), path=path)
-    with _open_frames(scratch) as frames, VideoWriter(scratch / PICTURE, width=frames.width,
-                                                     height=frames.height, fps=params["fps"], tools=tools) as writer:
-        keep = (cache is not None or shows_a_frame_twice(frames_out, len(frames), frames.fps, params["fps"])) \
-            and len(frames) <= inference.MAX_KEPT_SOURCE_FRAMES
+    key = entry_key(
+        "latents",
+        video=plan.get("video_sha256"),
+        faces=hashlib.sha256(faces_json).hexdigest(),
+        margin=int(params["extra_margin"]),
+        crop=engine.crop_size,
+        vae=musetalk.vae_identity(profile),
+        dtype=musetalk.precision_name(engine.dtype),
+        path=path,
+    )
+    with (
+        _open_frames(scratch) as frames,
+        VideoWriter(
+            scratch / PICTURE, width=frames.width, height=frames.height, fps=params["fps"], tools=tools
+        ) as writer,
+    ):
+        keep = (cache is not None or shows_a_frame_twice(frames_out, len(frames), frames.fps, params["fps"])) and len(
+            frames
+        ) <= inference.MAX_KEPT_SOURCE_FRAMES
         kept = cache.read_latents(key) if cache is not None and keep else {}
         latents = inference.SourceLatents(engine, keep=keep, kept=kept)
-        written = inference.run_lipsync(engine, frames, track.boxes, features, num_frames=frames_out,
-                                        batch_size=batch_size, extra_margin=int(params["extra_margin"]),
-                                        sink=writer.write, control=control, fps=params["fps"],
-                                        source_fps=frames.fps, landmarks=landmarks, path=path, latents=latents)
+        written = inference.run_lipsync(
+            engine,
+            frames,
+            track.boxes,
+            features,
+            num_frames=frames_out,
+            batch_size=batch_size,
+            extra_margin=int(params["extra_margin"]),
+            sink=writer.write,
+            control=control,
+            fps=params["fps"],
+            source_fps=frames.fps,
+            landmarks=landmarks,
+            path=path,
+            latents=latents,
+        )
         source_frames, source_fps = len(frames), frames.fps
     if cache is not None and keep and latents.encoded:
         cache.write_latents(key, latents.kept)
-    return {"frames_generated": written, "source_frames": source_frames, "source_fps": source_fps,
-            "encoder": writer.encoder, "precision": musetalk.precision_name(engine.dtype),
-            "mask": "jaw" if landmarks is not None else "rectangle", "faces": track.method, "path": path,
-            "batch_size": batch_size, "latents_encoded": latents.encoded,
-            "cache": _cache_state(cache, bool(kept), partly=bool(kept) and latents.encoded > 0)}
+    return {
+        "frames_generated": written,
+        "source_frames": source_frames,
+        "source_fps": source_fps,
+        "encoder": writer.encoder,
+        "precision": musetalk.precision_name(engine.dtype),
+        "mask": "jaw" if landmarks is not None else "rectangle",
+        "faces": track.method,
+        "path": path,
+        "batch_size": batch_size,
+        "latents_encoded": latents.encoded,
+        "cache": _cache_state(cache, bool(kept), partly=bool(kept) and latents.encoded > 0),
+    }
 
 
 def _plan(scratch: Path) -> dict[str, Any]:
     return json.loads((scratch / PLAN).read_text())
 
 
-def run_mux(scratch: Path, driving_audio: Path, out: Path, control: StageControl,
-            timeout_s: float, *, tools: MediaTools = ON_PATH) -> dict[str, Any]:
+def run_mux(
+    scratch: Path,
+    driving_audio: Path,
+    out: Path,
+    control: StageControl,
+    timeout_s: float,
+    *,
+    tools: MediaTools = ON_PATH,
+) -> dict[str, Any]:
     """Picture from the lip-sync output, sound only from the driving audio."""
     plan = _plan(scratch)
     control.step(0, 1, "files")
-    mux(scratch / PICTURE, driving_audio, out, audio_duration_s=plan["audio_duration_s"],
-        picture_duration_s=plan["output_frames"] / plan["fps"], timeout_s=timeout_s, tools=tools)
+    mux(
+        scratch / PICTURE,
+        driving_audio,
+        out,
+        audio_duration_s=plan["audio_duration_s"],
+        picture_duration_s=plan["output_frames"] / plan["fps"],
+        timeout_s=timeout_s,
+        tools=tools,
+    )
     control.step(1, 1, "files")
     info = probe(out, tools=tools)
     return {"duration_s": info.duration_s, "frames": info.frame_count}

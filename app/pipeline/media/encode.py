@@ -1,6 +1,7 @@
 """Encoding the lip-synced picture: the H.264 encoder choice (NVENC when it works, else libx264) and the
 frame writer that pipes RGB frames into ffmpeg and yields an MP4 only when ffmpeg succeeded.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,10 +13,23 @@ from typing import IO, Optional
 
 import numpy as np
 
-from app.pipeline.media.ffmpeg import (BASE_ARGS, ON_PATH, FpsLike, MediaError, MediaTools, PathLike, Watchdog, kill,
-                                       popen, rate_arg, read_tail, run, temp_sibling)
+from app.pipeline.media.ffmpeg import (
+    BASE_ARGS,
+    ON_PATH,
+    FpsLike,
+    MediaError,
+    MediaTools,
+    PathLike,
+    Watchdog,
+    kill,
+    popen,
+    rate_arg,
+    read_tail,
+    run,
+    temp_sibling,
+)
 
-WRITER_STALL_TIMEOUT_S = 120.0   # one frame write may block this long before ffmpeg is presumed hung
+WRITER_STALL_TIMEOUT_S = 120.0  # one frame write may block this long before ffmpeg is presumed hung
 WRITER_FINISH_TIMEOUT_S = 600.0  # flushing + moov rewrite (+faststart) after the last frame
 AAC_BITRATE = "192k"  # the sound of every MP4 written here (the final mux, the demo's clips)
 
@@ -24,7 +38,7 @@ _encoder_lock = threading.Lock()
 
 
 def pick_h264_encoder(*, refresh: bool = False, tools: MediaTools = ON_PATH) -> str:
-    """"h264_nvenc" when a tiny test encode with it succeeds (driver + GPU present), else "libx264".
+    """ "h264_nvenc" when a tiny test encode with it succeeds (driver + GPU present), else "libx264".
 
     Listing in `ffmpeg -encoders` is not enough: nvenc is compiled into this ffmpeg but fails without a
     driver. The answer is cached for the process (for each ffmpeg binary)."""
@@ -32,9 +46,24 @@ def pick_h264_encoder(*, refresh: bool = False, tools: MediaTools = ON_PATH) -> 
         if tools.ffmpeg not in _encoder_choice or refresh:
             try:
                 # the exact settings the writer and the mux use, so a rejected option also means "no"
-                run([tools.ffmpeg, *BASE_ARGS, "-f", "lavfi", "-i", "testsrc2=s=256x256:r=25",
-                     "-frames:v", "3", *h264_args("h264_nvenc"), "-f", "null", "-"],
-                    timeout_s=30, what="probing h264_nvenc")
+                run(
+                    [
+                        tools.ffmpeg,
+                        *BASE_ARGS,
+                        "-f",
+                        "lavfi",
+                        "-i",
+                        "testsrc2=s=256x256:r=25",
+                        "-frames:v",
+                        "3",
+                        *h264_args("h264_nvenc"),
+                        "-f",
+                        "null",
+                        "-",
+                    ],
+                    timeout_s=30,
+                    what="probing h264_nvenc",
+                )
                 _encoder_choice[tools.ffmpeg] = "h264_nvenc"
             except MediaError:
                 _encoder_choice[tools.ffmpeg] = "libx264"
@@ -47,8 +76,22 @@ def h264_args(encoder: str) -> list[str]:
     No B-frames (`-bf 0`): ffmpeg's `-t` cuts a stream copy by decode timestamps, so a picture with B-frames
     would keep its reorder delay (2 frames with x264's default) past the audio's end in the copy mux."""
     if encoder == "h264_nvenc":
-        return ["-c:v", "h264_nvenc", "-preset", "p4", "-rc", "vbr", "-cq", "19", "-b:v", "0", "-bf", "0",
-                "-pix_fmt", "yuv420p"]
+        return [
+            "-c:v",
+            "h264_nvenc",
+            "-preset",
+            "p4",
+            "-rc",
+            "vbr",
+            "-cq",
+            "19",
+            "-b:v",
+            "0",
+            "-bf",
+            "0",
+            "-pix_fmt",
+            "yuv420p",
+        ]
     if encoder == "libx264":
         return ["-c:v", "libx264", "-preset", "veryfast", "-crf", "18", "-bf", "0", "-pix_fmt", "yuv420p"]
     return ["-c:v", encoder, "-bf", "0", "-pix_fmt", "yuv420p"]
@@ -61,9 +104,18 @@ class VideoWriter:
     ffmpeg exited 0; abort() (or an exception inside `with`) kills ffmpeg and removes the partial file.
     Odd sizes are cropped by one pixel row/column (yuv420p needs even sizes)."""
 
-    def __init__(self, path: PathLike, *, width: int, height: int, fps: FpsLike, encoder: Optional[str] = None,
-                 stall_timeout_s: float = WRITER_STALL_TIMEOUT_S, finish_timeout_s: float = WRITER_FINISH_TIMEOUT_S,
-                 tools: MediaTools = ON_PATH):
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        width: int,
+        height: int,
+        fps: FpsLike,
+        encoder: Optional[str] = None,
+        stall_timeout_s: float = WRITER_STALL_TIMEOUT_S,
+        finish_timeout_s: float = WRITER_FINISH_TIMEOUT_S,
+        tools: MediaTools = ON_PATH,
+    ):
         if width <= 1 or height <= 1:
             raise ValueError(f"bad frame size {width}x{height}")
         self.path = Path(path)
@@ -80,18 +132,43 @@ class VideoWriter:
 
     def _argv(self) -> list[str]:
         even = [] if self.width % 2 == 0 and self.height % 2 == 0 else ["-vf", "crop=trunc(iw/2)*2:trunc(ih/2)*2:0:0"]
-        return [self.tools.ffmpeg, *BASE_ARGS, "-f", "rawvideo", "-pix_fmt", "rgb24",
-                "-s", f"{self.width}x{self.height}", "-framerate", self.rate, "-i", "pipe:0", "-an", *even,
-                *h264_args(self.encoder),
-                "-fps_mode", "passthrough", "-movflags", "+faststart", "-f", "mp4", str(self._tmp)]
+        return [
+            self.tools.ffmpeg,
+            *BASE_ARGS,
+            "-f",
+            "rawvideo",
+            "-pix_fmt",
+            "rgb24",
+            "-s",
+            f"{self.width}x{self.height}",
+            "-framerate",
+            self.rate,
+            "-i",
+            "pipe:0",
+            "-an",
+            *even,
+            *h264_args(self.encoder),
+            "-fps_mode",
+            "passthrough",
+            "-movflags",
+            "+faststart",
+            "-f",
+            "mp4",
+            str(self._tmp),
+        ]
 
     def open(self) -> "VideoWriter":
         if self._proc is not None:
             raise RuntimeError("writer already open")
         self._errors = tempfile.TemporaryFile()
         try:
-            self._proc = popen(self._argv(), f"writing {self.path.name}", stdin=subprocess.PIPE,
-                               stdout=subprocess.DEVNULL, stderr=self._errors)
+            self._proc = popen(
+                self._argv(),
+                f"writing {self.path.name}",
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=self._errors,
+            )
         except MediaError:
             self._errors.close()
             self._errors = None

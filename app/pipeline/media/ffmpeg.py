@@ -7,6 +7,7 @@ the tool, with its last stderr lines, so a job record says *why* a file was refu
 the pipeline reads no settings; whoever runs it (the worker's stages, the web's upload probe, the demo) builds
 its MediaTools once from its own settings (ENCORE_FFMPEG / ENCORE_FFPROBE) and passes it in.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,6 +67,7 @@ def tail(text: Union[str, bytes], lines: int = STDERR_TAIL_LINES) -> str:
 # The shapes of a failure message, shared by this runner, the frame decoder and the music export through
 # pydub, so a job record reads the same way whichever of them failed.
 
+
 def not_found_message(what: str, binary: str) -> str:
     return f"{what}: {binary} not found"
 
@@ -107,8 +109,13 @@ def run(argv: Sequence[str], *, timeout_s: float, what: str, stdin: Optional[byt
 
     Returns stdout. The child gets its own session so a timeout kill also takes any grandchildren."""
     try:
-        proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
     except FileNotFoundError as exc:
         raise MediaError(not_found_message(what, argv[0])) from exc
     try:
@@ -166,8 +173,7 @@ class Watchdog:
                 kill(self._proc)
 
 
-def run_to_file(args: Sequence[str], path: Path, *, timeout_s: float, what: str,
-                tools: MediaTools = ON_PATH) -> Path:
+def run_to_file(args: Sequence[str], path: Path, *, timeout_s: float, what: str, tools: MediaTools = ON_PATH) -> Path:
     """ffmpeg <args> <path> (format from the extension), written atomically: `path` appears only on success."""
     tmp = temp_sibling(path)
     try:
@@ -199,4 +205,3 @@ def rate_arg(fps: FpsLike) -> str:
     if value <= 0:
         raise ValueError(f"fps must be positive, got {fps!r}")
     return f"{value.numerator}/{value.denominator}"
-

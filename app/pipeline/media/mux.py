@@ -3,6 +3,7 @@
 Never the source video's own audio track. The picture is stream-copied when it covers the audio and looped
 and re-encoded only when it is shorter (it is never looped before inference: that multiplied the frames).
 """
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,16 @@ from app.pipeline.media.ffmpeg import BASE_ARGS, ON_PATH, MediaError, MediaTools
 from app.pipeline.media.probe import effective_fps, probe
 
 
-def mux_command(picture: PathLike, audio: PathLike, out: PathLike, *, audio_duration_s: float, loop: bool,
-                encoder: str = "libx264", tools: MediaTools = ON_PATH) -> list[str]:
+def mux_command(
+    picture: PathLike,
+    audio: PathLike,
+    out: PathLike,
+    *,
+    audio_duration_s: float,
+    loop: bool,
+    encoder: str = "libx264",
+    tools: MediaTools = ON_PATH,
+) -> list[str]:
     """The ffmpeg command of the final mux. Picture only from input 0, sound only from input 1 (the driving
     audio) — never the source video's own track. Copy the picture when it covers the audio; loop and
     re-encode it only when it is shorter. Output is cut to the audio's duration."""
@@ -26,13 +35,40 @@ def mux_command(picture: PathLike, audio: PathLike, out: PathLike, *, audio_dura
     else:
         inputs = ["-i", str(picture), "-i", str(audio)]
         video = ["-c:v", "copy"]
-    return [tools.ffmpeg, *BASE_ARGS, *inputs, "-map", "0:v:0", "-map", "1:a:0", *video,
-            "-c:a", "aac", "-b:a", AAC_BITRATE, "-t", duration, "-movflags", "+faststart", "-f", "mp4", str(out)]
+    return [
+        tools.ffmpeg,
+        *BASE_ARGS,
+        *inputs,
+        "-map",
+        "0:v:0",
+        "-map",
+        "1:a:0",
+        *video,
+        "-c:a",
+        "aac",
+        "-b:a",
+        AAC_BITRATE,
+        "-t",
+        duration,
+        "-movflags",
+        "+faststart",
+        "-f",
+        "mp4",
+        str(out),
+    ]
 
 
-def mux(picture: PathLike, audio: PathLike, out: PathLike, *, audio_duration_s: Optional[float] = None,
-        picture_duration_s: Optional[float] = None, timeout_s: float, encoder: Optional[str] = None,
-        tools: MediaTools = ON_PATH) -> Path:
+def mux(
+    picture: PathLike,
+    audio: PathLike,
+    out: PathLike,
+    *,
+    audio_duration_s: Optional[float] = None,
+    picture_duration_s: Optional[float] = None,
+    timeout_s: float,
+    encoder: Optional[str] = None,
+    tools: MediaTools = ON_PATH,
+) -> Path:
     """Final MP4 = lip-synced picture + driving audio, duration == audio duration (± one frame).
 
     The picture "covers" the audio when it is at most one frame shorter (the lip-sync stage emits
@@ -51,8 +87,15 @@ def mux(picture: PathLike, audio: PathLike, out: PathLike, *, audio_duration_s: 
         raise MediaError(f"{audio.name}: audio duration unknown or zero")
     frame_s = 1.0 / effective_fps(info)
     loop = picture_duration_s + frame_s + 1e-6 < audio_duration_s
-    argv = mux_command(picture, audio, temp_sibling(out), audio_duration_s=audio_duration_s, loop=loop,
-                       encoder=(encoder or pick_h264_encoder(tools=tools)) if loop else "libx264", tools=tools)
+    argv = mux_command(
+        picture,
+        audio,
+        temp_sibling(out),
+        audio_duration_s=audio_duration_s,
+        loop=loop,
+        encoder=(encoder or pick_h264_encoder(tools=tools)) if loop else "libx264",
+        tools=tools,
+    )
     tmp = Path(argv[-1])
     try:
         run(argv, timeout_s=timeout_s, what=f"muxing {picture.name} + {audio.name}")

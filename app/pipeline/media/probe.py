@@ -3,6 +3,7 @@
 Uploads are checked with it (app/http/uploads.py) and every lip-sync stage sizes its work by it; anything ffprobe
 cannot parse is refused with a `MediaError` saying so.
 """
+
 from __future__ import annotations
 
 import json
@@ -97,12 +98,27 @@ def _rotation(stream: dict) -> int:
 
 def _count_frames(path: Path, timeout_s: float, tools: MediaTools) -> Optional[int]:
     """Count video packets (no decoding) when the container does not store nb_frames (mkv, webm)."""
-    out = run([tools.ffprobe, "-v", "error", "-select_streams", "v:0", "-count_packets",
-               "-show_entries", "stream=nb_read_packets", "-of", "json", str(path)],
-              timeout_s=timeout_s, what=f"counting frames of {path}")
+    out = run(
+        [
+            tools.ffprobe,
+            "-v",
+            "error",
+            "-select_streams",
+            "v:0",
+            "-count_packets",
+            "-show_entries",
+            "stream=nb_read_packets",
+            "-of",
+            "json",
+            str(path),
+        ],
+        timeout_s=timeout_s,
+        what=f"counting frames of {path}",
+    )
     streams = json.loads(out or b"{}").get("streams") or []
-    return int(streams[0]["nb_read_packets"]) if streams and str(streams[0].get("nb_read_packets", "")).isdigit() \
-        else None
+    return (
+        int(streams[0]["nb_read_packets"]) if streams and str(streams[0].get("nb_read_packets", "")).isdigit() else None
+    )
 
 
 def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaTools = ON_PATH) -> MediaInfo:
@@ -111,14 +127,19 @@ def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaToo
     if not path.is_file():
         raise MediaError(f"{path} does not exist")
     try:
-        out = run([tools.ffprobe, "-v", "error", "-print_format", "json", "-show_format", "-show_streams",
-                   str(path)], timeout_s=timeout_s, what=f"probing {path}")
+        out = run(
+            [tools.ffprobe, "-v", "error", "-print_format", "json", "-show_format", "-show_streams", str(path)],
+            timeout_s=timeout_s,
+            what=f"probing {path}",
+        )
         data = json.loads(out or b"{}")
     except (MediaError, ValueError) as exc:
         raise MediaError(f"{path.name} cannot be read as media: {exc}") from exc
     streams = data.get("streams") or []
-    video = next((s for s in streams if s.get("codec_type") == "video"
-                  and not (s.get("disposition") or {}).get("attached_pic")), None)  # cover art is no video
+    video = next(
+        (s for s in streams if s.get("codec_type") == "video" and not (s.get("disposition") or {}).get("attached_pic")),
+        None,
+    )  # cover art is no video
     audio = next((s for s in streams if s.get("codec_type") == "audio"), None)
     if video is None and audio is None:
         raise MediaError(f"{path.name} cannot be read as media: no audio or video stream")
@@ -138,17 +159,29 @@ def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaToo
             frames = _count_frames(path, timeout_s, tools)
         if not frames and fps:
             frames = int(round((video_duration or duration) * fps))
-        info.update(width=width, height=height, fps=fps, frame_count=frames or 0,
-                    video_codec=video.get("codec_name"), rotation=rotation,
-                    fps_exact=video.get("avg_frame_rate") if fps else None)
+        info.update(
+            width=width,
+            height=height,
+            fps=fps,
+            frame_count=frames or 0,
+            video_codec=video.get("codec_name"),
+            rotation=rotation,
+            fps_exact=video.get("avg_frame_rate") if fps else None,
+        )
     if audio is not None:
-        info.update(audio_codec=audio.get("codec_name"),
-                    audio_sample_rate=int(audio["sample_rate"]) if audio.get("sample_rate") else None,
-                    audio_channels=audio.get("channels"))
-    return MediaInfo(duration_s=duration, has_video=video is not None, has_audio=audio is not None,
-                     audio_duration_s=audio_duration if audio is not None else None,
-                     video_duration_s=video_duration if video is not None else None, **info)
-
+        info.update(
+            audio_codec=audio.get("codec_name"),
+            audio_sample_rate=int(audio["sample_rate"]) if audio.get("sample_rate") else None,
+            audio_channels=audio.get("channels"),
+        )
+    return MediaInfo(
+        duration_s=duration,
+        has_video=video is not None,
+        has_audio=audio is not None,
+        audio_duration_s=audio_duration if audio is not None else None,
+        video_duration_s=video_duration if video is not None else None,
+        **info,
+    )
 
 
 MEASURE_RATE = 8000  # Hz: audio is decoded at this rate, mono 16-bit, only to count its samples
@@ -159,13 +192,37 @@ def measured_video_frames(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S,
     return _count_frames(Path(path), timeout_s, tools) or 0
 
 
-def measured_audio_s(path: PathLike, *, limit_s: float, timeout_s: float = PROBE_TIMEOUT_S,
-                     tools: MediaTools = ON_PATH) -> float:
+def measured_audio_s(
+    path: PathLike, *, limit_s: float, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaTools = ON_PATH
+) -> float:
     """Seconds the first audio stream really decodes to, counted in samples rather than read from a header (which
     can say 5 s over two hours of audio, or timestamps that stand still); decoding stops one second past
     `limit_s`, so a longer stream costs no more than that to refuse."""
     path = Path(path)
-    samples = run([tools.ffmpeg, *BASE_ARGS, "-i", str(path), "-map", "0:a:0", "-vn", "-sn", "-dn",
-                   "-af", "asetpts=N/SR/TB", "-t", f"{limit_s + 1:.3f}", "-ac", "1", "-ar", str(MEASURE_RATE),
-                   "-f", "s16le", "pipe:1"], timeout_s=timeout_s, what=f"measuring the audio of {path.name}")
+    samples = run(
+        [
+            tools.ffmpeg,
+            *BASE_ARGS,
+            "-i",
+            str(path),
+            "-map",
+            "0:a:0",
+            "-vn",
+            "-sn",
+            "-dn",
+            "-af",
+            "asetpts=N/SR/TB",
+            "-t",
+            f"{limit_s + 1:.3f}",
+            "-ac",
+            "1",
+            "-ar",
+            str(MEASURE_RATE),
+            "-f",
+            "s16le",
+            "pipe:1",
+        ],
+        timeout_s=timeout_s,
+        what=f"measuring the audio of {path.name}",
+    )
     return len(samples) / (2 * MEASURE_RATE)

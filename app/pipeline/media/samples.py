@@ -1,6 +1,7 @@
 """Synthetic clips for the demo and the tests: a sine tone, a spoken line (espeak-ng, or a tone where it is
 missing), and a talking-head video made from a still image. Not used by the pipeline itself.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -18,13 +19,20 @@ ESPEAK = "espeak-ng"
 HELPER_TIMEOUT_S = 120.0
 
 
-def make_test_tone(path: PathLike, seconds: float, freq: float, sample_rate: int = 44100, *,
-                   amplitude: float = 0.5, timeout_s: float = HELPER_TIMEOUT_S, tools: MediaTools = ON_PATH) -> Path:
+def make_test_tone(
+    path: PathLike,
+    seconds: float,
+    freq: float,
+    sample_rate: int = 44100,
+    *,
+    amplitude: float = 0.5,
+    timeout_s: float = HELPER_TIMEOUT_S,
+    tools: MediaTools = ON_PATH,
+) -> Path:
     """A sine tone in whatever format the extension names (.wav, .mp3, .m4a ...)."""
     path = Path(path)
     source = f"aevalsrc={amplitude:g}*sin(2*PI*{freq:g}*t):s={sample_rate}:d={seconds:g}"
-    run_to_file(["-f", "lavfi", "-i", source], path, timeout_s=timeout_s, what=f"making tone {path.name}",
-                tools=tools)
+    run_to_file(["-f", "lavfi", "-i", source], path, timeout_s=timeout_s, what=f"making tone {path.name}", tools=tools)
     return path
 
 
@@ -38,11 +46,20 @@ def make_speech(path: PathLike, text: str, *, timeout_s: float = HELPER_TIMEOUT_
             raw = Path(tmp) / "speech.wav"
             try:
                 # text on stdin: a text starting with "-" must never be read as an option
-                run([binary, "--stdin", "-w", str(raw)], stdin=text.encode("utf-8"), timeout_s=timeout_s,
-                    what="espeak-ng")
+                run(
+                    [binary, "--stdin", "-w", str(raw)],
+                    stdin=text.encode("utf-8"),
+                    timeout_s=timeout_s,
+                    what="espeak-ng",
+                )
                 if raw.is_file() and raw.stat().st_size > 44:
-                    run_to_file(["-i", str(raw)], path, timeout_s=timeout_s,
-                                what=f"converting speech to {path.name}", tools=tools)
+                    run_to_file(
+                        ["-i", str(raw)],
+                        path,
+                        timeout_s=timeout_s,
+                        what=f"converting speech to {path.name}",
+                        tools=tools,
+                    )
                     return "espeak-ng"
             except MediaError:
                 pass
@@ -50,9 +67,17 @@ def make_speech(path: PathLike, text: str, *, timeout_s: float = HELPER_TIMEOUT_
     return "tone"
 
 
-def make_face_video(path: PathLike, image_rgb: np.ndarray, seconds: float, fps: FpsLike, *, motion: bool = True,
-                    audio: Optional[PathLike] = None, timeout_s: float = HELPER_TIMEOUT_S,
-                    tools: MediaTools = ON_PATH) -> Path:
+def make_face_video(
+    path: PathLike,
+    image_rgb: np.ndarray,
+    seconds: float,
+    fps: FpsLike,
+    *,
+    motion: bool = True,
+    audio: Optional[PathLike] = None,
+    timeout_s: float = HELPER_TIMEOUT_S,
+    tools: MediaTools = ON_PATH,
+) -> Path:
     """H.264 MP4 of a still RGB image (odd sizes cropped to even). motion=True: a slow pan across the image
     enlarged by 8%, so consecutive frames differ as in real footage; motion=False: every frame is the image.
     `audio` (any file) is muxed in as the clip's own sound track, cut to the clip's length."""
@@ -64,9 +89,11 @@ def make_face_video(path: PathLike, image_rgb: np.ndarray, seconds: float, fps: 
     height, width = (image_rgb.shape[0] // 2) * 2, (image_rgb.shape[1] // 2) * 2
     frames = max(1, int(round(seconds * float(Fraction(rate_arg(fps))))))
     if motion:
-        pan = (f"scale=trunc(iw*1.08/2)*2:-2,"
-               f"crop={width}:{height}:x='(iw-ow)/2*(1+sin(2*PI*t/{seconds:g}))':"
-               f"y='(ih-oh)/2*(1+sin(2*PI*t/{seconds:g}+PI/3))'")
+        pan = (
+            f"scale=trunc(iw*1.08/2)*2:-2,"
+            f"crop={width}:{height}:x='(iw-ow)/2*(1+sin(2*PI*t/{seconds:g}))':"
+            f"y='(ih-oh)/2*(1+sin(2*PI*t/{seconds:g}+PI/3))'"
+        )
     else:
         pan = f"crop={width}:{height}:0:0"
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,4 +111,3 @@ def make_face_video(path: PathLike, image_rgb: np.ndarray, seconds: float, fps: 
         args = [*inputs, *maps, "-vf", pan, *h264_args("libx264"), "-t", length, "-movflags", "+faststart"]
         run_to_file(args, path, timeout_s=timeout_s, what=f"making face video {path.name}", tools=tools)
     return path
-

@@ -8,6 +8,7 @@ well-formed [2, frames] grid, and the song ends where the model ends it (or at `
 `end_id` the length is fixed (num_frames): the tiny random-weight models, which would end at random.
 Sampling otherwise matches Megatron's sampler Khala uses: temperature, then top-k, then multinomial.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -21,24 +22,57 @@ from app.pipeline.music.engine import BatchedCausalLM, CausalLM, DeviceLoopLM, s
 from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 
 
-def generate_coarse(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile,
-                    num_frames: int, temperature: float, top_k: int, seed: int,
-                    control: StageControl, end_id: int | None = None, max_frames: int | None = None,
-                    min_frames: int = 1, loop: str = "auto") -> Tensor:
+def generate_coarse(
+    lm: CausalLM,
+    prompt_ids: Sequence[int],
+    *,
+    profile: MusicProfile,
+    num_frames: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+    control: StageControl,
+    end_id: int | None = None,
+    max_frames: int | None = None,
+    min_frames: int = 1,
+    loop: str = "auto",
+) -> Tensor:
     """Codes [2, frames] (int64, values 0..codebook_size-1) for q0 and q1, reproducible per seed.
 
     Reports "done/expected tokens" through `control` (per frame, or per block on a device loop), which
     raises Canceled to stop.
     """
-    return generate_coarse_tracks(lm, prompt_ids, profile=profile, num_frames=num_frames, temperature=temperature,
-                                  top_k=top_k, seeds=[seed], control=control, end_id=end_id,
-                                  max_frames=max_frames, min_frames=min_frames, loop=loop)[0]
+    return generate_coarse_tracks(
+        lm,
+        prompt_ids,
+        profile=profile,
+        num_frames=num_frames,
+        temperature=temperature,
+        top_k=top_k,
+        seeds=[seed],
+        control=control,
+        end_id=end_id,
+        max_frames=max_frames,
+        min_frames=min_frames,
+        loop=loop,
+    )[0]
 
 
-def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: MusicProfile, num_frames: int,
-                           temperature: float, top_k: int, seeds: Sequence[int], control: StageControl,
-                           end_id: int | None = None, max_frames: int | None = None,
-                           min_frames: int = 1, loop: str = "auto") -> list[Tensor]:
+def generate_coarse_tracks(
+    lm: CausalLM,
+    prompt_ids: Sequence[int],
+    *,
+    profile: MusicProfile,
+    num_frames: int,
+    temperature: float,
+    top_k: int,
+    seeds: Sequence[int],
+    control: StageControl,
+    end_id: int | None = None,
+    max_frames: int | None = None,
+    min_frames: int = 1,
+    loop: str = "auto",
+) -> list[Tensor]:
     """Coarse codes of several tracks of one song (same prompt, one seed each), in one batch when the engine
     batches (a track's codes are those it gets alone: each track samples from its own seeded generator), else
     one track after the other.
@@ -62,31 +96,61 @@ def generate_coarse_tracks(lm: CausalLM, prompt_ids: Sequence[int], *, profile: 
     if loop not in ("auto", "reference"):
         raise ValueError(f"loop must be 'auto' or 'reference', not {loop!r}")
     if len(seeds) > 1 and not isinstance(lm, BatchedCausalLM):
-        return [generate_coarse_tracks(lm, prompt_ids, profile=profile, num_frames=num_frames,
-                                       temperature=temperature, top_k=top_k, seeds=[seed],
-                                       control=control.part(i / len(seeds), (i + 1) / len(seeds), f"track {i + 1}"),
-                                       end_id=end_id, max_frames=max_frames, min_frames=min_frames,
-                                       loop=loop)[0]
-                for i, seed in enumerate(seeds)]
+        return [
+            generate_coarse_tracks(
+                lm,
+                prompt_ids,
+                profile=profile,
+                num_frames=num_frames,
+                temperature=temperature,
+                top_k=top_k,
+                seeds=[seed],
+                control=control.part(i / len(seeds), (i + 1) / len(seeds), f"track {i + 1}"),
+                end_id=end_id,
+                max_frames=max_frames,
+                min_frames=min_frames,
+                loop=loop,
+            )[0]
+            for i, seed in enumerate(seeds)
+        ]
     if loop == "auto" and isinstance(lm, DeviceLoopLM):
-        plan = SongPlan(window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
-                        codebook_size=profile.codebook_size, end_id=end_id, limit=limit, min_frames=min_frames,
-                        expected_frames=num_frames, top_k=top_k, temperature=temperature)
+        plan = SongPlan(
+            window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
+            codebook_size=profile.codebook_size,
+            end_id=end_id,
+            limit=limit,
+            min_frames=min_frames,
+            expected_frames=num_frames,
+            top_k=top_k,
+            temperature=temperature,
+        )
         open_ended = end_id is not None
         tracks = lm.device_decoder(prompt_ids, plan, seeds).run(
-            control, report=lambda c, done, expected: _report(c, done, expected, open_ended=open_ended))
+            control, report=lambda c, done, expected: _report(c, done, expected, open_ended=open_ended)
+        )
     else:
-        tracks = _reference_loop(lm, prompt_ids, profile, limit, num_frames, temperature, top_k, seeds, control,
-                                 end_id, min_frames)
+        tracks = _reference_loop(
+            lm, prompt_ids, profile, limit, num_frames, temperature, top_k, seeds, control, end_id, min_frames
+        )
     if end_id is not None:  # the song's length is known now: report it whole
         done = COARSE_CODEBOOKS * max(track.shape[1] for track in tracks)
         _report(control, done, done, open_ended=False)
     return tracks
 
 
-def _reference_loop(lm: CausalLM, prompt_ids: Sequence[int], profile: MusicProfile, limit: int, num_frames: int,
-                    temperature: float, top_k: int, seeds: Sequence[int], control: StageControl,
-                    end_id: int | None, min_frames: int) -> list[Tensor]:
+def _reference_loop(
+    lm: CausalLM,
+    prompt_ids: Sequence[int],
+    profile: MusicProfile,
+    limit: int,
+    num_frames: int,
+    temperature: float,
+    top_k: int,
+    seeds: Sequence[int],
+    control: StageControl,
+    end_id: int | None,
+    min_frames: int,
+) -> list[Tensor]:
     """Token by token on the host side of the engine protocol: what every engine can run."""
     batch = len(seeds)
     batched: BatchedCausalLM | None = None  # the engine when it runs several tracks at once, None for one track
@@ -95,8 +159,9 @@ def _reference_loop(lm: CausalLM, prompt_ids: Sequence[int], profile: MusicProfi
             raise TypeError(f"{type(lm).__name__} does not batch: generate {batch} tracks one at a time")
         batched = lm
     size = profile.codebook_size
-    windows = [slice(profile.audio_token_offset(q), profile.audio_token_offset(q) + size)
-               for q in range(COARSE_CODEBOOKS)]
+    windows = [
+        slice(profile.audio_token_offset(q), profile.audio_token_offset(q) + size) for q in range(COARSE_CODEBOOKS)
+    ]
     generators = [torch.Generator(device=lm.device).manual_seed(seed) for seed in seeds]
     codes = torch.zeros(batch, COARSE_CODEBOOKS, limit, dtype=torch.long)
     lengths: list[int | None] = [None] * batch  # frames of each track that has ended
@@ -117,8 +182,9 @@ def _reference_loop(lm: CausalLM, prompt_ids: Sequence[int], profile: MusicProfi
                         following.append(end_id)
                         continue
                     candidates = _candidates(logits[row], window, end_id if may_end else None)
-                    choice = int(sample_top_k(candidates, top_k=top_k, temperature=temperature,
-                                              generator=generators[row]))
+                    choice = int(
+                        sample_top_k(candidates, top_k=top_k, temperature=temperature, generator=generators[row])
+                    )
                     if choice == size:  # end-of-text
                         assert end_id is not None  # a candidate only when end_id is set
                         lengths[row] = frame
@@ -132,17 +198,19 @@ def _reference_loop(lm: CausalLM, prompt_ids: Sequence[int], profile: MusicProfi
                     logits = lm.decode(following[0])[None] if batched is None else batched.decode_batch(following)
             if all(length is not None for length in lengths):
                 break
-            _report(control, COARSE_CODEBOOKS * (frame + 1), COARSE_CODEBOOKS * num_frames, open_ended=end_id is not None)
+            _report(
+                control, COARSE_CODEBOOKS * (frame + 1), COARSE_CODEBOOKS * num_frames, open_ended=end_id is not None
+            )
     finally:
         lm.release()
-    return [codes[row, :, :limit if length is None else length] for row, length in enumerate(lengths)]
+    return [codes[row, :, : limit if length is None else length] for row, length in enumerate(lengths)]
 
 
 def _candidates(logits: Tensor, window: slice, end_id: int | None) -> Tensor:
     """The logits a position samples from: its codebook's window, then end-of-text when the song may end."""
     if end_id is None:
         return logits[window]
-    return torch.cat([logits[window], logits[end_id:end_id + 1]])
+    return torch.cat([logits[window], logits[end_id : end_id + 1]])
 
 
 def _report(control: StageControl, done: int, expected: int, *, open_ended: bool) -> None:

@@ -7,6 +7,7 @@ is a Lightning `.ckpt` whose `state_dict` keys carry a `generator.` prefix. Only
 here, so the checkpoint's `decoder.*` and `quantizer.embed_{i}` keys load strictly and the rest of it
 (encoder, per-layer EMA statistics, discriminator, optimizer) is dropped by name.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,8 @@ GENERATOR_PREFIX = "generator."
 # Generator keys the decode path does not need: the encoder, and each RVQ layer's codebook wrapper, which
 # holds EMA training statistics plus `embed`, the same tensor as `quantizer.embed_{i}` (checked on load).
 _UNUSED_GENERATOR_KEY = re.compile(
-    r"^(encoder\..*|quantizer\.vq_layer_\d+\._codebook\.(embed|embed_avg|cluster_size|inited))$")
+    r"^(encoder\..*|quantizer\.vq_layer_\d+\._codebook\.(embed|embed_avg|cluster_size|inited))$"
+)
 _LAYER_ALIAS = re.compile(r"^quantizer\.vq_layer_(\d+)\._codebook\.embed$")
 
 
@@ -83,22 +85,26 @@ class KhalaCodecDecoder(nn.Module):
     def __init__(self, spec: CodecSpec):
         super().__init__()
         if spec.decoder_channels % (2 ** len(spec.upsample_rates)):
-            raise ValueError(f"decoder_channels {spec.decoder_channels} must be divisible by "
-                             f"2**{len(spec.upsample_rates)} (channels halve at every upsampling block)")
+            raise ValueError(
+                f"decoder_channels {spec.decoder_channels} must be divisible by "
+                f"2**{len(spec.upsample_rates)} (channels halve at every upsampling block)"
+            )
         if any(rate % 2 for rate in spec.upsample_rates):
             raise ValueError(f"upsample rates {spec.upsample_rates} must be even to give exactly T*hop samples")
         self.spec = spec
         self.quantizer = CodebookSum(spec.num_codebooks, spec.codebook_size, spec.codebook_dim)
         with warnings.catch_warnings():  # dac's WNConv1d uses the old weight_norm: its weight_g/weight_v
             warnings.filterwarnings("ignore", message=r".*weight_norm.*deprecated", category=FutureWarning)
-            self.decoder = WaveDecoder(spec.codebook_dim, spec.decoder_channels, spec.upsample_rates,
-                                       spec.audio_channels)  # keys are the ones Khala's checkpoint has
+            self.decoder = WaveDecoder(
+                spec.codebook_dim, spec.decoder_channels, spec.upsample_rates, spec.audio_channels
+            )  # keys are the ones Khala's checkpoint has
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.quantizer(codes))[0]
 
 
 # ---------------------------------------------------------------------------------------------- loading
+
 
 def _read_checkpoint(path: Path) -> dict[str, Any]:
     """The checkpoint's contents, read without running anything it pickled (a .ckpt is untrusted input; a
@@ -117,10 +123,9 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
 
 def _decoder_state(raw: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
     """Keep `generator.` keys, strip the prefix, drop the encoder and the RVQ wrappers' copies."""
-    generator = {k[len(GENERATOR_PREFIX):]: v for k, v in raw.items() if k.startswith(GENERATOR_PREFIX)}
+    generator = {k[len(GENERATOR_PREFIX) :]: v for k, v in raw.items() if k.startswith(GENERATOR_PREFIX)}
     if not generator:
-        raise CodecLoadError(f"{path}: no '{GENERATOR_PREFIX}' keys in state_dict "
-                             f"(first keys: {sorted(raw)[:5]})")
+        raise CodecLoadError(f"{path}: no '{GENERATOR_PREFIX}' keys in state_dict (first keys: {sorted(raw)[:5]})")
     not_tensors = sorted(k for k, v in generator.items() if not isinstance(v, torch.Tensor))
     if not_tensors:
         raise CodecLoadError(f"{path}: state_dict entries that are not tensors: {_list(set(not_tensors))}")
@@ -147,16 +152,18 @@ def _check_keys(model: nn.Module, state: dict[str, torch.Tensor], path: Path) ->
         problems.append(f"missing keys: {_list(missing)}")
     if unexpected:
         problems.append(f"unexpected keys: {_list(unexpected)}")
-    wrong = [f"{GENERATOR_PREFIX}{k} {tuple(state[k].shape)} != {shape}"
-             for k, shape in sorted(expected.items()) if k in state and tuple(state[k].shape) != shape]
+    wrong = [
+        f"{GENERATOR_PREFIX}{k} {tuple(state[k].shape)} != {shape}"
+        for k, shape in sorted(expected.items())
+        if k in state and tuple(state[k].shape) != shape
+    ]
     if wrong:
         problems.append("shape mismatches (checkpoint != profile): " + "; ".join(wrong[:8]))
     if problems:
         raise CodecLoadError(f"{path} does not fit this codec profile: " + " | ".join(problems))
 
 
-def load_codec(spec: CodecSpec, path: str | os.PathLike, device: str | torch.device = "cpu"
-               ) -> KhalaCodecDecoder:
+def load_codec(spec: CodecSpec, path: str | os.PathLike, device: str | torch.device = "cpu") -> KhalaCodecDecoder:
     """Build the decoder for `spec` and fill it from a Lightning-style Khala codec .ckpt."""
     path = Path(path)
     state = _decoder_state(_read_checkpoint(path)["state_dict"], path)
@@ -169,6 +176,7 @@ def load_codec(spec: CodecSpec, path: str | os.PathLike, device: str | torch.dev
 
 
 # ---------------------------------------------------------------------------------------------- tiny
+
 
 def random_decoder(spec: CodecSpec, seed: int) -> KhalaCodecDecoder:
     """A decoder of `spec` with deterministic random weights (codebooks N(0, 1/64) so their sum stays ~1)."""
@@ -200,15 +208,28 @@ def write_tiny_codec(spec: CodecSpec, path: str | os.PathLike, seed: int = 0) ->
     state[GENERATOR_PREFIX + "encoder.block.0.weight_g"] = torch.ones(8, 1, 1)
     state[GENERATOR_PREFIX + "encoder.block.0.bias"] = torch.zeros(8)
     state["discriminator.convs.0.weight"] = torch.randn(4, 1, 3, generator=gen)
-    ckpt = {"epoch": 3, "global_step": 2_490_000, "pytorch-lightning_version": "2.4.0", "state_dict": state,
-            # what Lightning's trainer adds (plain types here; tests add pickled objects of other classes)
-            "hparams_name": "kwargs", "hyper_parameters": {"sample_rate": spec.sample_rate, "n_codebooks":
-                                                           spec.num_codebooks, "codebook_size": spec.codebook_size},
-            "callbacks": {"ModelCheckpoint{'monitor': None, 'mode': 'min'}": {
-                "best_model_score": torch.tensor(0.25), "best_model_path": "/ckpt/dac_rvq_2490000.ckpt"}},
-            "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 4, "completed": 3}}}},
-            "optimizer_states": [{"state": {}, "param_groups": [{"lr": 1e-4, "betas": (0.8, 0.99)}]}],
-            "lr_schedulers": [{"gamma": 0.999996, "last_epoch": 2_490_000}]}
+    ckpt = {
+        "epoch": 3,
+        "global_step": 2_490_000,
+        "pytorch-lightning_version": "2.4.0",
+        "state_dict": state,
+        # what Lightning's trainer adds (plain types here; tests add pickled objects of other classes)
+        "hparams_name": "kwargs",
+        "hyper_parameters": {
+            "sample_rate": spec.sample_rate,
+            "n_codebooks": spec.num_codebooks,
+            "codebook_size": spec.codebook_size,
+        },
+        "callbacks": {
+            "ModelCheckpoint{'monitor': None, 'mode': 'min'}": {
+                "best_model_score": torch.tensor(0.25),
+                "best_model_path": "/ckpt/dac_rvq_2490000.ckpt",
+            }
+        },
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 4, "completed": 3}}}},
+        "optimizer_states": [{"state": {}, "param_groups": [{"lr": 1e-4, "betas": (0.8, 0.99)}]}],
+        "lr_schedulers": [{"gamma": 0.999996, "last_epoch": 2_490_000}],
+    }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -218,6 +239,7 @@ def write_tiny_codec(spec: CodecSpec, path: str | os.PathLike, seed: int = 0) ->
 
 
 # ---------------------------------------------------------------------------------------------- decoding
+
 
 def plan_chunks(num_frames: int, chunk_frames: int, overlap_frames: int) -> list[tuple[int, int]]:
     """[start, end) frame ranges: full chunks `chunk - overlap` apart, the last one cut at the end.
@@ -251,8 +273,7 @@ def _check_codes(codes: torch.Tensor, spec: CodecSpec) -> torch.Tensor:
     return codes.long()
 
 
-def decode_codes(decoder: KhalaCodecDecoder, codes: torch.Tensor,
-                 control: StageControl | None = None) -> torch.Tensor:
+def decode_codes(decoder: KhalaCodecDecoder, codes: torch.Tensor, control: StageControl | None = None) -> torch.Tensor:
     """codes [num_codebooks, F] -> float32 CPU audio [audio_channels, F * hop].
 
     Decodes `chunk_frames` at a time so activation memory does not grow with the song, and blends the
@@ -274,8 +295,8 @@ def decode_codes(decoder: KhalaCodecDecoder, codes: torch.Tensor,
         blend = 0 if k == 0 else ramp.numel()  # the previous chunk wrote exactly these samples
         lo = start * hop
         if blend:
-            out[:, lo:lo + blend].lerp_(audio[:, :blend], ramp)
-        out[:, lo + blend:end * hop] = audio[:, blend:]
+            out[:, lo : lo + blend].lerp_(audio[:, :blend], ramp)
+        out[:, lo + blend : end * hop] = audio[:, blend:]
         del audio
         control.step(k + 1, len(chunks), "chunks")
     return out

@@ -16,6 +16,7 @@ graph can replay:
 On a CUDA device each phase's frame is captured once as a CUDA graph and replayed (`use_graphs`); on the CPU
 the same frame function runs eagerly. tests/test_decode_loop.py holds the parity and capture-safety tests.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,8 +67,16 @@ class DeviceDecoder:
     One instance per song: `run()` resets the engine's cache, prefills, then decodes block by block.
     """
 
-    def __init__(self, lm, prompt_ids: Sequence[int], plan: SongPlan, seeds: Sequence[int], *,
-                 check_every: int = DEFAULT_CHECK_EVERY, use_graphs: bool | None = None):
+    def __init__(
+        self,
+        lm,
+        prompt_ids: Sequence[int],
+        plan: SongPlan,
+        seeds: Sequence[int],
+        *,
+        check_every: int = DEFAULT_CHECK_EVERY,
+        use_graphs: bool | None = None,
+    ):
         self.lm, self.plan, self.prompt_ids = lm, plan, list(prompt_ids)
         self.device = lm.device
         self.batch = len(seeds)
@@ -105,7 +114,7 @@ class DeviceDecoder:
         """One code per track [B] from candidate logits [B, n]: temperature, top-k, then the exponential race
         with this step's noise (multinomial's own method, so the same code multinomial would draw)."""
         plan = self.plan
-        logits = logits[:, :plan.candidates(may_end)]
+        logits = logits[:, : plan.candidates(may_end)]
         if plan.top_k == 1:
             return logits.argmax(dim=-1)
         k = plan.drawn(may_end)
@@ -140,8 +149,9 @@ class DeviceDecoder:
         self.frame.add_(1)
 
     # -- the host loop ---------------------------------------------------------------------------------
-    def run(self, control: StageControl,
-            report: Callable[[StageControl, int, int], None] | None = None) -> list[Tensor]:
+    def run(
+        self, control: StageControl, report: Callable[[StageControl, int, int], None] | None = None
+    ) -> list[Tensor]:
         """Codes [2, frames] per track (frames <= plan.limit), reporting once per block."""
         plan, lm = self.plan, self.lm
         lm.reset(len(self.prompt_ids) + COARSE_CODEBOOKS * plan.limit, batch=self.batch)
@@ -177,7 +187,7 @@ class DeviceDecoder:
         if not drawn:
             return
         for row, generator in enumerate(self.generators):
-            self.noise[row, :COARSE_CODEBOOKS * frames, :drawn].exponential_(1, generator=generator)
+            self.noise[row, : COARSE_CODEBOOKS * frames, :drawn].exponential_(1, generator=generator)
 
     def _run_frame(self, may_end: bool) -> None:
         if not self.use_graphs:
@@ -191,8 +201,16 @@ class DeviceDecoder:
     def _capture(self, may_end: bool) -> "torch.cuda.CUDAGraph":
         """Capture one frame as a CUDA graph. Warm-up runs a real frame on a side stream, so the state it
         changes is put back before capturing (the KV entries it wrote are rewritten by the replay)."""
-        state = [self.logits, self.tokens, self.position, self.frame, self.noise_step, self.codes, self.ended,
-                 self.lengths]
+        state = [
+            self.logits,
+            self.tokens,
+            self.position,
+            self.frame,
+            self.noise_step,
+            self.codes,
+            self.ended,
+            self.lengths,
+        ]
         saved = [tensor.clone() for tensor in state]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

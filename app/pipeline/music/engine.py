@@ -4,6 +4,7 @@ Stage code (backbone.py, superres.py) talks only to these protocols, so the Mega
 (megatron_backend.py) and a plain-PyTorch engine loading the same weights are interchangeable.
 Logits come back as float32 on the engine's device; token ids are plain ints or LongTensors.
 """
+
 from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
@@ -80,8 +81,9 @@ class BidirectionalLM(Protocol):
         """Drop scratch memory; the weights stay with whoever holds the model."""
 
 
-def sample_top_k(logits: Tensor, *, top_k: int, temperature: float = 1.0,
-                 generator: torch.Generator | None = None) -> Tensor:
+def sample_top_k(
+    logits: Tensor, *, top_k: int, temperature: float = 1.0, generator: torch.Generator | None = None
+) -> Tensor:
     """Sample one index per row of `logits` [..., n] like Megatron's static sampler (Khala's).
 
     top_k == 1 is greedy; otherwise divide by temperature, keep the k largest, softmax, multinomial.

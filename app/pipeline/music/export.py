@@ -5,6 +5,7 @@ interrupted export never leaves a truncated or empty file under the final name. 
 `MediaTools` it is given (the worker's: ENCORE_FFMPEG), and its failures read like every other ffmpeg failure (app/pipeline/media/ffmpeg.py):
 what was being done, the tool, its exit code and the tail of its stderr.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,8 +95,9 @@ def _encode_failure(what: str, binary: str, error: CouldntEncodeError) -> str:
     return exit_message(what, binary, int(found.group(1)), found.group(2))
 
 
-def write_mp3(wav_path: str | os.PathLike, mp3_path: str | os.PathLike, bitrate: str = "320k", *,
-              tools: MediaTools = ON_PATH) -> Path:
+def write_mp3(
+    wav_path: str | os.PathLike, mp3_path: str | os.PathLike, bitrate: str = "320k", *, tools: MediaTools = ON_PATH
+) -> Path:
     """Encode a WAV to MP3 with `tools`' ffmpeg (through pydub) and check the result is a playable MP3 of the
     WAV's duration. pydub leaves an empty file when ffmpeg fails; here failure always raises."""
     ffmpeg = tools.ffmpeg

@@ -8,6 +8,7 @@ is never replaced again: `＾` gives `^`, not `'`), leaves everything else alone
 lines, trailing spaces: each newline later becomes a header token in the prompt, and `\r` a text token), and
 Encore does the same, character for character (tests/test_lyrics.py checks every BMP character).
 """
+
 from __future__ import annotations
 
 import re
@@ -18,35 +19,93 @@ _FULLWIDTH_SHIFT = 0xFEE0  # U+FF01 (full-width '!') minus ord('!')
 # Full-width forms the reference does not map to their ASCII twin.
 _FULLWIDTH_EXCEPTIONS: dict[str, str | None] = {
     "\uff40": "'",  # full-width grave accent -> apostrophe
-    "\uff5b": None, "\uff5c": None, "\uff5d": None,  # full-width { | } stay as they are
+    "\uff5b": None,
+    "\uff5c": None,
+    "\uff5d": None,  # full-width { | } stay as they are
 }
 
 _PUNCTUATION: dict[str, str] = {
     # CJK and typographic punctuation
-    "\u3002": ".", "\u3001": ",", "\u300c": '"', "\u300d": '"', "\u300e": "'", "\u300f": "'",
-    "\u300a": "<", "\u300b": ">", "\u3008": "<", "\u3009": ">", "\u3010": "[", "\u3011": "]",
-    "\u3016": "[", "\u3017": "]", "\u30fb": " ", "\ufe4f": "_", "\ufe63": "-", "\u060c": ",",
-    "\u201c": '"', "\u201d": '"', "\u2018": "'", "\u2019": "'", "\u2032": "'", "\u02bc": "'",
-    "\u00b4": "'", "\u00a8": '"', "\u2026": "...", "\u2013": "-", "\u2014": "-", "\u2015": "-",
-    "\u2236": ":", "\u00b7": ".", "\u00d7": "x", "\u00f7": "/",
+    "\u3002": ".",
+    "\u3001": ",",
+    "\u300c": '"',
+    "\u300d": '"',
+    "\u300e": "'",
+    "\u300f": "'",
+    "\u300a": "<",
+    "\u300b": ">",
+    "\u3008": "<",
+    "\u3009": ">",
+    "\u3010": "[",
+    "\u3011": "]",
+    "\u3016": "[",
+    "\u3017": "]",
+    "\u30fb": " ",
+    "\ufe4f": "_",
+    "\ufe63": "-",
+    "\u060c": ",",
+    "\u201c": '"',
+    "\u201d": '"',
+    "\u2018": "'",
+    "\u2019": "'",
+    "\u2032": "'",
+    "\u02bc": "'",
+    "\u00b4": "'",
+    "\u00a8": '"',
+    "\u2026": "...",
+    "\u2013": "-",
+    "\u2014": "-",
+    "\u2015": "-",
+    "\u2236": ":",
+    "\u00b7": ".",
+    "\u00d7": "x",
+    "\u00f7": "/",
     "\u2605": "",  # black star
     # ASCII characters the model should never see
-    "|": "-", "^": "'",
+    "|": "-",
+    "^": "'",
 }
 
 _LOOKALIKES: dict[str, str] = {
     # Cyrillic lower case
-    "\u0430": "a", "\u0435": "e", "\u043e": "o", "\u0440": "p", "\u0441": "c", "\u0443": "y", "\u0445": "x",
+    "\u0430": "a",
+    "\u0435": "e",
+    "\u043e": "o",
+    "\u0440": "p",
+    "\u0441": "c",
+    "\u0443": "y",
+    "\u0445": "x",
     # Greek capitals
-    "\u0391": "A", "\u0392": "B", "\u0395": "E", "\u0396": "Z", "\u0397": "H", "\u0399": "I", "\u039a": "K",
-    "\u039c": "M", "\u039d": "N", "\u039f": "O", "\u03a1": "P", "\u03a4": "T", "\u03a5": "Y", "\u03a7": "X",
+    "\u0391": "A",
+    "\u0392": "B",
+    "\u0395": "E",
+    "\u0396": "Z",
+    "\u0397": "H",
+    "\u0399": "I",
+    "\u039a": "K",
+    "\u039c": "M",
+    "\u039d": "N",
+    "\u039f": "O",
+    "\u03a1": "P",
+    "\u03a4": "T",
+    "\u03a5": "Y",
+    "\u03a7": "X",
 }
 
 _INVISIBLE: dict[str, str] = {
     # removed: zero-width space, BOM, bidi embedding marks, Mongolian vowel separator, a private-use glyph
-    "\u200b": "", "\ufeff": "", "\u202a": "", "\u202c": "", "\u180e": "", "\ue3ac": "",
+    "\u200b": "",
+    "\ufeff": "",
+    "\u202a": "",
+    "\u202c": "",
+    "\u180e": "",
+    "\ue3ac": "",
     # odd spaces become a plain space
-    "\u00a0": " ", "\u3000": " ", "\u2005": " ", "\u2006": " ", "\u2028": " ",
+    "\u00a0": " ",
+    "\u3000": " ",
+    "\u2005": " ",
+    "\u2006": " ",
+    "\u2028": " ",
 }
 
 # Multi-character sequences, matched before single characters (their outputs are not in any table, so

@@ -11,6 +11,7 @@ Checkpoint layout (Megatron training's, which `--load` reads):
                                                   common.pt (args, iteration), metadata.json
 with the model's sharded state dict under the top-level key "model".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,6 +94,7 @@ def _model_device(model: GPTModel) -> torch.device:
 
 # --- process group ---------------------------------------------------------------------------------
 
+
 def init_parallel_state(seed: int = 0) -> None:
     """Make this process a 1-rank Megatron world (TP=1, PP=1). Idempotent.
 
@@ -103,8 +105,10 @@ def init_parallel_state(seed: int = 0) -> None:
     global _init_pid
     if dist.is_initialized():
         if _init_pid is not None and _init_pid != os.getpid():
-            raise RuntimeError("torch.distributed was initialized before fork; call "
-                               "init_parallel_state() in the worker child, not in its parent")
+            raise RuntimeError(
+                "torch.distributed was initialized before fork; call "
+                "init_parallel_state() in the worker child, not in its parent"
+            )
     else:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -126,13 +130,15 @@ def release_scratch() -> None:
 
 # --- model -----------------------------------------------------------------------------------------
 
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """bf16 on GPU (as Khala serves), fp32 on CPU (bf16 matmuls are slow there)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def build_gpt(spec: TransformerSpec, *, causal: bool, device: torch.device | str,
-              dtype: torch.dtype | None = None) -> GPTModel:
+def build_gpt(
+    spec: TransformerSpec, *, causal: bool, device: torch.device | str, dtype: torch.dtype | None = None
+) -> GPTModel:
     """Khala's decoder: GQA, RoPE, RMSNorm, SwiGLU with linear bias, untied embeddings; uninitialized.
 
     `causal=False` gives the full-attention model of super-resolution (Khala switches its layers to
@@ -247,15 +253,18 @@ def _same(value: object, implemented: object) -> bool:
     return value == implemented
 
 
-def spec_from_args(saved: argparse.Namespace | None, base: TransformerSpec, *, source: str = "checkpoint"
-                   ) -> TransformerSpec:
+def spec_from_args(
+    saved: argparse.Namespace | None, base: TransformerSpec, *, source: str = "checkpoint"
+) -> TransformerSpec:
     """The model a checkpoint's saved args describe: its architecture, with the profile's vocabulary, norm
     epsilon and position limit. No args (not a Megatron training save): the profile's own architecture."""
     if saved is None:
         return base
-    wrong = [f"{name}={_saved(saved, name, default)!r} (Encore implements {name}={implemented!r})"
-             for name, (implemented, default) in IMPLEMENTED_ARGS.items()
-             if not _same(_saved(saved, name, default), implemented)]
+    wrong = [
+        f"{name}={_saved(saved, name, default)!r} (Encore implements {name}={implemented!r})"
+        for name, (implemented, default) in IMPLEMENTED_ARGS.items()
+        if not _same(_saved(saved, name, default), implemented)
+    ]
     if wrong:
         raise CheckpointArgsError(f"{source}: cannot run this architecture: " + "; ".join(wrong))
     missing = [name for name in ("num_layers", "hidden_size", "num_attention_heads") if _saved(saved, name) is None]
@@ -270,13 +279,19 @@ def spec_from_args(saved: argparse.Namespace | None, base: TransformerSpec, *, s
     if kv_channels is None and hidden % heads:
         raise CheckpointArgsError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
     if heads % groups:
-        raise CheckpointArgsError(f"{source}: num_attention_heads={heads} is not a multiple of "
-                                  f"num_query_groups={groups}")
+        raise CheckpointArgsError(
+            f"{source}: num_attention_heads={heads} is not a multiple of num_query_groups={groups}"
+        )
     return dataclasses.replace(
-        base, num_layers=int(_saved(saved, "num_layers")), hidden_size=hidden, num_attention_heads=heads,
-        num_query_groups=groups, ffn_hidden_size=int(ffn),
+        base,
+        num_layers=int(_saved(saved, "num_layers")),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=int(ffn),
         kv_channels=int(kv_channels) if kv_channels is not None else hidden // heads,
-        rotary_base=int(_saved(saved, "rotary_base", MEGATRON_ROTARY_BASE)))
+        rotary_base=int(_saved(saved, "rotary_base", MEGATRON_ROTARY_BASE)),
+    )
 
 
 def checkpoint_spec(directory: str | os.PathLike, base: TransformerSpec) -> TransformerSpec:
@@ -286,14 +301,18 @@ def checkpoint_spec(directory: str | os.PathLike, base: TransformerSpec) -> Tran
     path = str(resolve_checkpoint_dir(directory))
     common = dist_checkpointing.load_common_state_dict(path)
     spec = spec_from_args(common.get("args"), base, source=path)
-    shapes = {key: tuple(tensor.global_shape) for key, tensor in dist_checkpointing.load_tensors_metadata(path).items()
-              if hasattr(tensor, "global_shape")}
+    shapes = {
+        key: tuple(tensor.global_shape)
+        for key, tensor in dist_checkpointing.load_tensors_metadata(path).items()
+        if hasattr(tensor, "global_shape")
+    }
     for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
         expected = (spec.vocab_size, spec.hidden_size)
         if key in shapes and shapes[key] != expected:
             raise CheckpointArgsError(
                 f"{path}: {key} is {list(shapes[key])} in the checkpoint but the model needs {list(expected)} "
-                f"(vocabulary {spec.vocab_size}, as the reference builds it, by hidden size {spec.hidden_size})")
+                f"(vocabulary {spec.vocab_size}, as the reference builds it, by hidden size {spec.hidden_size})"
+            )
     return spec
 
 
@@ -301,10 +320,17 @@ def model_spec(model: GPTModel) -> TransformerSpec:
     """The TransformerSpec a built model has (what load_gpt read from its checkpoint)."""
     c = model.config
     return TransformerSpec(
-        num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_query_groups, ffn_hidden_size=c.ffn_hidden_size, vocab_size=model.vocab_size,
-        max_sequence_length=model.max_sequence_length, rotary_base=int(model.rotary_base),
-        norm_epsilon=c.layernorm_epsilon, kv_channels=c.kv_channels)
+        num_layers=c.num_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_query_groups,
+        ffn_hidden_size=c.ffn_hidden_size,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length,
+        rotary_base=int(model.rotary_base),
+        norm_epsilon=c.layernorm_epsilon,
+        kv_channels=c.kv_channels,
+    )
 
 
 def checkpoint_args(model: GPTModel) -> argparse.Namespace:
@@ -312,23 +338,59 @@ def checkpoint_args(model: GPTModel) -> argparse.Namespace:
     load_args_from_checkpoint reads, and the others a training run of this model would have set."""
     c = model.config
     return argparse.Namespace(
-        num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
-        seq_length=4096, num_attention_heads=c.num_attention_heads, group_query_attention=True,
-        num_query_groups=c.num_query_groups, kv_channels=c.kv_channels,
-        max_position_embeddings=model.max_sequence_length, position_embedding_type="rope",
-        add_position_embedding=True, use_rotary_position_embeddings=False, rotary_base=int(model.rotary_base),
-        rotary_percent=model.rotary_percent, rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
-        use_rope_scaling=False, add_bias_linear=True, add_qkv_bias=False, squared_relu=False, swiglu=True,
-        untie_embeddings_and_output_weights=True, apply_layernorm_1p=False, normalization="RMSNorm",
-        norm_epsilon=c.layernorm_epsilon, qk_layernorm=False, apply_query_key_layer_scaling=False,
-        attention_dropout=0.0, hidden_dropout=0.0, hybrid_override_pattern=None, spec=None,
-        hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0, num_experts=None, moe_layer_freq=1,
-        moe_ffn_hidden_size=None, moe_router_topk=2, is_hybrid_model=False,
-        heterogeneous_layers_config_path=None, heterogeneous_layers_config_encoded_json=None,
-        tokenizer_type="NullTokenizer", vocab_size=model.vocab_size, padded_vocab_size=model.vocab_size,
-        make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
-        ckpt_format="torch_dist", bf16=c.bf16, fp16=c.fp16, micro_batch_size=1, seed=1234,
+        num_layers=c.num_layers,
+        hidden_size=c.hidden_size,
+        ffn_hidden_size=c.ffn_hidden_size,
+        seq_length=4096,
+        num_attention_heads=c.num_attention_heads,
+        group_query_attention=True,
+        num_query_groups=c.num_query_groups,
+        kv_channels=c.kv_channels,
+        max_position_embeddings=model.max_sequence_length,
+        position_embedding_type="rope",
+        add_position_embedding=True,
+        use_rotary_position_embeddings=False,
+        rotary_base=int(model.rotary_base),
+        rotary_percent=model.rotary_percent,
+        rotary_interleaved=False,
+        rotary_seq_len_interpolation_factor=None,
+        use_rope_scaling=False,
+        add_bias_linear=True,
+        add_qkv_bias=False,
+        squared_relu=False,
+        swiglu=True,
+        untie_embeddings_and_output_weights=True,
+        apply_layernorm_1p=False,
+        normalization="RMSNorm",
+        norm_epsilon=c.layernorm_epsilon,
+        qk_layernorm=False,
+        apply_query_key_layer_scaling=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        hybrid_override_pattern=None,
+        spec=None,
+        hybrid_attention_ratio=0.0,
+        hybrid_mlp_ratio=0.0,
+        num_experts=None,
+        moe_layer_freq=1,
+        moe_ffn_hidden_size=None,
+        moe_router_topk=2,
+        is_hybrid_model=False,
+        heterogeneous_layers_config_path=None,
+        heterogeneous_layers_config_encoded_json=None,
+        tokenizer_type="NullTokenizer",
+        vocab_size=model.vocab_size,
+        padded_vocab_size=model.vocab_size,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1,
+        ckpt_format="torch_dist",
+        bf16=c.bf16,
+        fp16=c.fp16,
+        micro_batch_size=1,
+        seed=1234,
     )
 
 
@@ -385,16 +447,21 @@ def load_checkpoint(model: GPTModel, directory: str | os.PathLike) -> None:
     model.load_state_dict(loaded["model"], strict=True)
 
 
-def write_tiny_checkpoint(spec: TransformerSpec, directory: str | os.PathLike, *, causal: bool,
-                          seed: int) -> Path:
+def write_tiny_checkpoint(spec: TransformerSpec, directory: str | os.PathLike, *, causal: bool, seed: int) -> Path:
     """Random weights (same for the same seed) saved in the real checkpoint layout."""
     model = build_gpt(spec, causal=causal, device="cpu", dtype=torch.float32)
     init_random_weights(model, seed)
     return save_checkpoint(model, directory)
 
 
-def load_gpt(spec: TransformerSpec, directory: str | os.PathLike, *, causal: bool,
-             device: torch.device | str, dtype: torch.dtype | None = None) -> GPTModel:
+def load_gpt(
+    spec: TransformerSpec,
+    directory: str | os.PathLike,
+    *,
+    causal: bool,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+) -> GPTModel:
     """Build the model the checkpoint under `directory` records (its saved args; `spec` gives the vocabulary,
     norm epsilon and position limit, and the architecture of a checkpoint without args) and fill it."""
     model = build_gpt(checkpoint_spec(directory, spec), causal=causal, device=device, dtype=dtype)
@@ -402,20 +469,22 @@ def load_gpt(spec: TransformerSpec, directory: str | os.PathLike, *, causal: boo
     return model
 
 
-def load_causal_lm(spec: TransformerSpec, directory: str | os.PathLike, *, device: torch.device | str,
-                   dtype: torch.dtype | None = None) -> "MegatronCausalLM":
+def load_causal_lm(
+    spec: TransformerSpec, directory: str | os.PathLike, *, device: torch.device | str, dtype: torch.dtype | None = None
+) -> "MegatronCausalLM":
     """The backbone engine: a causal model loaded from `directory`."""
     return MegatronCausalLM(load_gpt(spec, directory, causal=True, device=device, dtype=dtype))
 
 
-def load_bidirectional_lm(spec: TransformerSpec, directory: str | os.PathLike, *,
-                          device: torch.device | str, dtype: torch.dtype | None = None
-                          ) -> "MegatronBidirectionalLM":
+def load_bidirectional_lm(
+    spec: TransformerSpec, directory: str | os.PathLike, *, device: torch.device | str, dtype: torch.dtype | None = None
+) -> "MegatronBidirectionalLM":
     """The super-resolution engine: a non-causal model loaded from `directory`."""
     return MegatronBidirectionalLM(load_gpt(spec, directory, causal=False, device=device, dtype=dtype))
 
 
 # --- engines ---------------------------------------------------------------------------------------
+
 
 def _causal_mask(length: int, device: torch.device) -> Tensor:
     """Megatron's convention: True marks a masked (future) position; shape [1, 1, T, T]."""
@@ -437,12 +506,10 @@ class MegatronCausalLM:
         self._context = None  # drop the old cache before allocating the new one
         self._context = StaticInferenceContext(max_batch_size=1, max_sequence_length=max_len)
 
-    def _forward(self, ids: Tensor, start: int, mask: Tensor | None,
-                 context: StaticInferenceContext | None) -> Tensor:
+    def _forward(self, ids: Tensor, start: int, mask: Tensor | None, context: StaticInferenceContext | None) -> Tensor:
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         with _device_shims(self.device):
-            return self.model(ids, positions, mask, inference_context=context,
-                              runtime_gather_output=True)
+            return self.model(ids, positions, mask, inference_context=context, runtime_gather_output=True)
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> Tensor:
@@ -502,8 +569,7 @@ class MegatronBidirectionalLM:
         hidden_states = embeddings.to(self.device, self.model.config.params_dtype)[:, None]
         with _device_shims(self.device):
             rotary = self.model.rotary_pos_emb(length)
-            hidden = self.model.decoder(hidden_states=hidden_states, attention_mask=None,
-                                        rotary_pos_emb=rotary)
+            hidden = self.model.decoder(hidden_states=hidden_states, attention_mask=None, rotary_pos_emb=rotary)
         weight = self.model.output_layer.weight
         if vocab is not None:
             weight = weight[vocab]

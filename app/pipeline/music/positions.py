@@ -6,6 +6,7 @@ can run: with no tokenizer at hand it bounds the prompt from above. Both tokeniz
 one) are byte-level BPE, so a text never takes more tokens than its UTF-8 bytes; a newline of the lyrics
 becomes one line-break token; and the prompt is cut at BACKBONE_MAX_PROMPT_TOKENS whatever its text.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,9 @@ def longest_song_s(profile: MusicProfile, prompt_tokens: int) -> float:
     return float(min(seconds, profile.max_duration_s))
 
 
-def longest_song_for(profile: MusicProfile, *, mode: str, tags: str | None, description: str | None,
-                     lyrics: str | None) -> float:
+def longest_song_for(
+    profile: MusicProfile, *, mode: str, tags: str | None, description: str | None, lyrics: str | None
+) -> float:
     """The longest song this request's prompt leaves room for (Khala conditions on the description, else
     the tags; only a vocal song carries lyrics)."""
     meta = (description or "").strip() or (tags or "").strip()

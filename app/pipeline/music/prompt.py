@@ -13,6 +13,7 @@ every newline of the lyrics becomes `<|end_header_id|>`; M is the song length in
 backbone's audio tokens follow `<|python_tag|>`. Ids come from the tokenizer, so the real Llama-3 tokenizer and
 the tiny one written here both work unchanged.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,12 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from app.pipeline.music.lyrics import clean_lyrics
-from app.pipeline.music.positions import (BACKBONE_MAX_PROMPT_TOKENS, INSTRUMENTAL_LANGUAGE, STRUCTURE_TOKENS,
-                                           VOCAL_STRUCTURE_TOKENS)
+from app.pipeline.music.positions import (
+    BACKBONE_MAX_PROMPT_TOKENS,
+    INSTRUMENTAL_LANGUAGE,
+    STRUCTURE_TOKENS,
+    VOCAL_STRUCTURE_TOKENS,
+)
 from app.pipeline.profiles import MusicProfile
 
 BOS = "<|begin_of_text|>"
@@ -44,9 +49,19 @@ BYTE_ALPHABET_SIZE = 256
 
 def llama3_special_tokens() -> list[str]:
     """The 256 Llama-3.1 special tokens in id order (the real ids are 128000 + index)."""
-    named = [BOS, EOS, "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-             "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", LYRICS_START, LINE_BREAK,
-             FIELD_END, PROMPT_END, AUDIO_START]
+    named = [
+        BOS,
+        EOS,
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|finetune_right_pad_id|>",
+        "<|reserved_special_token_2|>",
+        LYRICS_START,
+        LINE_BREAK,
+        FIELD_END,
+        PROMPT_END,
+        AUDIO_START,
+    ]
     reserved = [f"<|reserved_special_token_{i}|>" for i in range(3, LLAMA3_SPECIAL_TOKEN_COUNT - len(named) + 3)]
     return named + reserved
 
@@ -77,8 +92,11 @@ class PromptTokenIds:
 
 def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
     token_id = tokenizer.convert_tokens_to_ids(token)
-    if (not isinstance(token_id, int) or token_id == tokenizer.unk_token_id
-            or tokenizer.convert_ids_to_tokens(token_id) != token):
+    if (
+        not isinstance(token_id, int)
+        or token_id == tokenizer.unk_token_id
+        or tokenizer.convert_ids_to_tokens(token_id) != token
+    ):
         raise ValueError(f"tokenizer has no {token!r} token; is it a Llama-3 style tokenizer?")
     return token_id
 
@@ -86,9 +104,13 @@ def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
 def prompt_token_ids(tokenizer: PreTrainedTokenizerFast) -> PromptTokenIds:
     minutes = range(MIN_DURATION_MINUTES, MAX_DURATION_MINUTES + 1)
     return PromptTokenIds(
-        bos=_token_id(tokenizer, BOS), eos=_token_id(tokenizer, EOS), field_end=_token_id(tokenizer, FIELD_END),
-        lyrics_start=_token_id(tokenizer, LYRICS_START), line_break=_token_id(tokenizer, LINE_BREAK),
-        prompt_end=_token_id(tokenizer, PROMPT_END), audio_start=_token_id(tokenizer, AUDIO_START),
+        bos=_token_id(tokenizer, BOS),
+        eos=_token_id(tokenizer, EOS),
+        field_end=_token_id(tokenizer, FIELD_END),
+        lyrics_start=_token_id(tokenizer, LYRICS_START),
+        line_break=_token_id(tokenizer, LINE_BREAK),
+        prompt_end=_token_id(tokenizer, PROMPT_END),
+        audio_start=_token_id(tokenizer, AUDIO_START),
         durations={m: _token_id(tokenizer, duration_token(m)) for m in minutes},
     )
 
@@ -122,9 +144,17 @@ def _meta_text(tags: str | None, description: str | None) -> str:
     return (description or "").strip() or (tags or "").strip()
 
 
-def build_prompt(tokenizer: PreTrainedTokenizerFast, profile: MusicProfile, *, mode: str, tags: str | None,
-                 description: str | None, lyrics: str | None, duration_s: float,
-                 max_tokens: int = BACKBONE_MAX_PROMPT_TOKENS) -> list[int]:
+def build_prompt(
+    tokenizer: PreTrainedTokenizerFast,
+    profile: MusicProfile,
+    *,
+    mode: str,
+    tags: str | None,
+    description: str | None,
+    lyrics: str | None,
+    duration_s: float,
+    max_tokens: int = BACKBONE_MAX_PROMPT_TOKENS,
+) -> list[int]:
     """Backbone prompt ids, ending with the audio-start token. Lyrics are cleaned here (cleaning is idempotent).
 
     When the prompt would exceed `max_tokens`, the lyrics (then the meta text) are cut so that the closing
@@ -133,8 +163,9 @@ def build_prompt(tokenizer: PreTrainedTokenizerFast, profile: MusicProfile, *, m
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if len(tokenizer) != profile.text_vocab_size:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but profile {profile.name!r} expects "
-                         f"{profile.text_vocab_size}")
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but profile {profile.name!r} expects {profile.text_vocab_size}"
+        )
     special = prompt_token_ids(tokenizer)
     meta = _text_ids(tokenizer, _meta_text(tags, description))
     vocal = mode == "vocal"
@@ -146,7 +177,7 @@ def build_prompt(tokenizer: PreTrainedTokenizerFast, profile: MusicProfile, *, m
     if room < 0:
         raise ValueError(f"max_tokens={max_tokens} is shorter than the prompt structure ({fixed} tokens)")
     meta = meta[:room]
-    body = body[:room - len(meta)]
+    body = body[: room - len(meta)]
 
     ids = [special.bos, *meta, special.field_end, *language, special.field_end]
     if vocal:
@@ -155,15 +186,30 @@ def build_prompt(tokenizer: PreTrainedTokenizerFast, profile: MusicProfile, *, m
     return ids
 
 
-def build_superres_prompt(tokenizer: PreTrainedTokenizerFast, profile: MusicProfile, *, mode: str,
-                          tags: str | None, description: str | None, lyrics: str | None,
-                          duration_s: float) -> list[int]:
+def build_superres_prompt(
+    tokenizer: PreTrainedTokenizerFast,
+    profile: MusicProfile,
+    *,
+    mode: str,
+    tags: str | None,
+    description: str | None,
+    lyrics: str | None,
+    duration_s: float,
+) -> list[int]:
     """The super-resolution prompt, as Khala's API builds it (`same_as_backbone_no_description`): the backbone's
     prompt for a song given by tags; empty metadata for a song described in words (its tags are dropped too).
     At most `profile.superres_max_prompt_tokens` tokens, cut like the backbone's."""
     described = bool((description or "").strip())
-    return build_prompt(tokenizer, profile, mode=mode, tags=None if described else tags, description=None,
-                        lyrics=lyrics, duration_s=duration_s, max_tokens=profile.superres_max_prompt_tokens)
+    return build_prompt(
+        tokenizer,
+        profile,
+        mode=mode,
+        tags=None if described else tags,
+        description=None,
+        lyrics=lyrics,
+        duration_s=duration_s,
+        max_tokens=profile.superres_max_prompt_tokens,
+    )
 
 
 def _byte_alphabet() -> list[str]:
@@ -206,8 +252,9 @@ def build_tiny_tokenizer(text_vocab_size: int) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in llama3_special_tokens()])
     bos_id = tokenizer.token_to_id(BOS)
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
-                                                             special_tokens=[(BOS, bos_id)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size != text_vocab_size:
         raise AssertionError(f"tiny tokenizer has {size} tokens, expected {text_vocab_size}")
@@ -222,7 +269,8 @@ def write_tiny_tokenizer(profile: MusicProfile, directory: str | os.PathLike) ->
     """
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=build_tiny_tokenizer(profile.text_vocab_size),
-                                      bos_token=BOS, eos_token=EOS)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=build_tiny_tokenizer(profile.text_vocab_size), bos_token=BOS, eos_token=EOS
+    )
     wrapped.save_pretrained(str(target))
     return target

@@ -3,6 +3,7 @@
 Each function reads its inputs from paths, writes its outputs to paths, reports through StageControl and
 gets its models from a `MusicModels` cache, so it runs the same under Celery, in a test or in a notebook.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,14 @@ def load_engine(engine: str, spec: TransformerSpec, directory: Path, *, causal: 
 class MusicModels:
     """Lazily loaded models of one profile, held in a ModelCache under the worker's runtime mode."""
 
-    def __init__(self, profile: MusicProfile, mode: str, device: torch.device | None = None,
-                 engine: str = "torch", song_margin_s: float = 90.0):
+    def __init__(
+        self,
+        profile: MusicProfile,
+        mode: str,
+        device: torch.device | None = None,
+        engine: str = "torch",
+        song_margin_s: float = 90.0,
+    ):
         self.profile = profile
         self.song_margin_s = song_margin_s
         self.device = device or pick_device()
@@ -58,16 +65,27 @@ class MusicModels:
         return self.cache.get("tokenizer", lambda: prompt.load_tokenizer(self.profile.tokenizer_dir), loaded)
 
     def backbone(self, loaded: list[str] | None = None):
-        return self.cache.get("backbone", lambda: load_engine(
-            self.engine, self.profile.backbone, self.profile.backbone_dir, causal=True, device=self.device), loaded)
+        return self.cache.get(
+            "backbone",
+            lambda: load_engine(
+                self.engine, self.profile.backbone, self.profile.backbone_dir, causal=True, device=self.device
+            ),
+            loaded,
+        )
 
     def superres(self, loaded: list[str] | None = None):
-        return self.cache.get("superres", lambda: load_engine(
-            self.engine, self.profile.superres, self.profile.superres_dir, causal=False, device=self.device), loaded)
+        return self.cache.get(
+            "superres",
+            lambda: load_engine(
+                self.engine, self.profile.superres, self.profile.superres_dir, causal=False, device=self.device
+            ),
+            loaded,
+        )
 
     def codec(self, loaded: list[str] | None = None):
-        return self.cache.get("codec", lambda: codec.load_codec(
-            self.profile.codec, self.profile.codec_path, device=self.device), loaded)
+        return self.cache.get(
+            "codec", lambda: codec.load_codec(self.profile.codec, self.profile.codec_path, device=self.device), loaded
+        )
 
     def backbone_batches(self, loaded: list[str] | None = None) -> bool:
         """Whether the backbone engine generates several tracks in one batch."""
@@ -85,14 +103,26 @@ def _load_codes(path: Path) -> torch.Tensor:
     return torch.load(path, weights_only=True).long()
 
 
-def run_backbone(models: MusicModels, params: dict[str, Any], seed: int, out: Path,
-                 control: StageControl, loaded: list[str] | None = None) -> dict[str, Any]:
+def run_backbone(
+    models: MusicModels,
+    params: dict[str, Any],
+    seed: int,
+    out: Path,
+    control: StageControl,
+    loaded: list[str] | None = None,
+) -> dict[str, Any]:
     """Prompt → coarse codes [2, frames] (q0, q1), saved to `out`."""
     return run_backbone_tracks(models, params, [seed], [out], control, loaded)
 
 
-def run_backbone_tracks(models: MusicModels, params: dict[str, Any], seeds: list[int], outs: list[Path],
-                        control: StageControl, loaded: list[str] | None = None) -> dict[str, Any]:
+def run_backbone_tracks(
+    models: MusicModels,
+    params: dict[str, Any],
+    seeds: list[int],
+    outs: list[Path],
+    control: StageControl,
+    loaded: list[str] | None = None,
+) -> dict[str, Any]:
     """Coarse codes of several tracks of one song (one seed and one output path each), generated in one
     batch when the engine batches (`backbone_batches`). `songs` in the result says, per track, how long it
     came out and what ended it ("model": end-of-text; "length": the cap; "duration": a fixed length)."""
@@ -104,16 +134,30 @@ def run_backbone_tracks(models: MusicModels, params: dict[str, Any], seeds: list
     end_id = prompt.prompt_token_ids(tokenizer).eos if length.model_ends else None
     started = time.monotonic()
     tracks = backbone.generate_coarse_tracks(
-        lm, prompt_ids, profile=profile, num_frames=length.expected_frames, temperature=params["temperature"],
-        top_k=params["top_k"], seeds=seeds, control=control, end_id=end_id, max_frames=length.max_frames,
-        min_frames=length.min_frames)
+        lm,
+        prompt_ids,
+        profile=profile,
+        num_frames=length.expected_frames,
+        temperature=params["temperature"],
+        top_k=params["top_k"],
+        seeds=seeds,
+        control=control,
+        end_id=end_id,
+        max_frames=length.max_frames,
+        min_frames=length.min_frames,
+    )
     for coarse, out in zip(tracks, outs, strict=True):
         _save_codes(coarse, out)
     seconds = time.monotonic() - started
     tokens = sum(2 * int(coarse.shape[1]) for coarse in tracks)
     songs = [length.describe(int(coarse.shape[1]), profile) for coarse in tracks]
-    return {"prompt_tokens": len(prompt_ids), "frames": songs[0]["frames"], "tracks_together": len(seeds),
-            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "songs": songs}
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "frames": songs[0]["frames"],
+        "tracks_together": len(seeds),
+        "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+        "songs": songs,
+    }
 
 
 @dataclass(frozen=True)
@@ -139,34 +183,56 @@ def song_length(profile: MusicProfile, duration_s: float, prompt_tokens: int, ma
         return SongLength(expected, expected, expected, model_ends=False)
     cap = min(profile.frames_for(duration_s + margin_s), frames_room(profile, prompt_tokens))
     if cap < 1:
-        raise ValueError(f"a {prompt_tokens}-token prompt leaves no room for audio in the backbone's "
-                         f"{profile.backbone.max_sequence_length} positions")
+        raise ValueError(
+            f"a {prompt_tokens}-token prompt leaves no room for audio in the backbone's "
+            f"{profile.backbone.max_sequence_length} positions"
+        )
     return SongLength(min(expected, cap), cap, min(profile.frames_for(1.0), cap), model_ends=True)
 
 
 def _prompt_fields(params: dict[str, Any]) -> dict[str, Any]:
-    return {"mode": params["mode"], "tags": params.get("tags") or None, "description": params.get("prompt") or None,
-            "lyrics": params.get("lyrics") or None, "duration_s": params["duration_s"]}
+    return {
+        "mode": params["mode"],
+        "tags": params.get("tags") or None,
+        "description": params.get("prompt") or None,
+        "lyrics": params.get("lyrics") or None,
+        "duration_s": params["duration_s"],
+    }
 
 
 def _prompt_ids(tokenizer, profile: MusicProfile, params: dict[str, Any]) -> list[int]:
     return prompt.build_prompt(tokenizer, profile, **_prompt_fields(params))
 
 
-def run_superres(models: MusicModels, params: dict[str, Any], seed: int, coarse_path: Path, out: Path,
-                 control: StageControl, loaded: list[str] | None = None) -> dict[str, Any]:
+def run_superres(
+    models: MusicModels,
+    params: dict[str, Any],
+    seed: int,
+    coarse_path: Path,
+    out: Path,
+    control: StageControl,
+    loaded: list[str] | None = None,
+) -> dict[str, Any]:
     """Coarse codes → all 64 codebooks [64, frames], saved to `out`."""
     profile = models.profile
     prompt_ids = prompt.build_superres_prompt(models.tokenizer(loaded), profile, **_prompt_fields(params))
     lm = models.superres(loaded)
-    fine = superres.fill_fine(lm, _load_codes(coarse_path), profile=profile, top_k=profile.superres_top_k,
-                              seed=seed, control=control, prompt_ids=prompt_ids)
+    fine = superres.fill_fine(
+        lm,
+        _load_codes(coarse_path),
+        profile=profile,
+        top_k=profile.superres_top_k,
+        seed=seed,
+        control=control,
+        prompt_ids=prompt_ids,
+    )
     _save_codes(fine, out)
     return {"codebooks": int(fine.shape[0])}
 
 
-def run_decode(models: MusicModels, fine_path: Path, wav_out: Path, control: StageControl,
-               loaded: list[str] | None = None) -> dict[str, Any]:
+def run_decode(
+    models: MusicModels, fine_path: Path, wav_out: Path, control: StageControl, loaded: list[str] | None = None
+) -> dict[str, Any]:
     """All codebooks → 44.1 kHz stereo 16-bit WAV at `wav_out`."""
     decoder = models.codec(loaded)
     audio = codec.decode_codes(decoder, _load_codes(fine_path), control)
@@ -174,8 +240,15 @@ def run_decode(models: MusicModels, fine_path: Path, wav_out: Path, control: Sta
     return {"samples": int(audio.shape[-1]), "seconds": audio.shape[-1] / models.profile.codec.sample_rate}
 
 
-def run_export(wav_path: Path, mp3_out: Path, meta_out: Path, metadata: dict[str, Any],
-               control: StageControl, *, tools: MediaTools = ON_PATH) -> None:
+def run_export(
+    wav_path: Path,
+    mp3_out: Path,
+    meta_out: Path,
+    metadata: dict[str, Any],
+    control: StageControl,
+    *,
+    tools: MediaTools = ON_PATH,
+) -> None:
     """WAV → 320 kb/s MP3 (with `tools`' ffmpeg) plus a JSON metadata file."""
     control.step(0, 2, "files")
     export.write_mp3(wav_path, mp3_out, bitrate="320k", tools=tools)
@@ -184,10 +257,20 @@ def run_export(wav_path: Path, mp3_out: Path, meta_out: Path, metadata: dict[str
     control.step(2, 2, "files")
 
 
-def metadata_json(params: dict[str, Any], seed: int, profile: MusicProfile,
-                  song: dict[str, Any] | None = None) -> dict[str, Any]:
+def metadata_json(
+    params: dict[str, Any], seed: int, profile: MusicProfile, song: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The track's JSON file: the request, the seed, the profile, and the song as it came out (`song`:
     frames, duration_s, ended_by)."""
-    return json.loads(json.dumps({**params, "seed": seed, "profile": profile.name,
-                                  "sample_rate": profile.codec.sample_rate, "channels": 2,
-                                  **({"song": song} if song else {})}))
+    return json.loads(
+        json.dumps(
+            {
+                **params,
+                "seed": seed,
+                "profile": profile.name,
+                "sample_rate": profile.codec.sample_rate,
+                "channels": 2,
+                **({"song": song} if song else {}),
+            }
+        )
+    )

@@ -8,6 +8,7 @@ text_vocab_size - 1 - i). Pass i runs the whole sequence once with full (non-cau
 projects the audio positions onto layer i's id window only and samples top-k (no temperature).
 62 passes for 64 codebooks.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -26,8 +27,16 @@ def task_marker(profile: MusicProfile, layer: int) -> int:
 
 
 @torch.inference_mode()
-def fill_fine(lm: BidirectionalLM, coarse: Tensor, *, profile: MusicProfile, top_k: int | None = None,
-              seed: int, control: StageControl, prompt_ids: Sequence[int] = ()) -> Tensor:
+def fill_fine(
+    lm: BidirectionalLM,
+    coarse: Tensor,
+    *,
+    profile: MusicProfile,
+    top_k: int | None = None,
+    seed: int,
+    control: StageControl,
+    prompt_ids: Sequence[int] = (),
+) -> Tensor:
     """Codes [num_codebooks, F] (int64): rows 0-1 are `coarse` [2, F], the rest sampled layer by layer.
 
     `prompt_ids` is the super-resolution text prompt (Khala: the backbone's prompt); without one the
@@ -60,7 +69,7 @@ def fill_fine(lm: BidirectionalLM, coarse: Tensor, *, profile: MusicProfile, top
                 prompt[-1] = task_marker(profile, layer)
                 sequence = torch.cat([table[prompt], sequence])
             start = profile.audio_token_offset(layer)
-            logits = lm.logits(sequence, slice(start, start + size))[len(prompt):]
+            logits = lm.logits(sequence, slice(start, start + size))[len(prompt) :]
             sampled = sample_top_k(logits, top_k=top_k, generator=generator)
             codes[layer] = sampled.cpu()
             audio += table[start + sampled].float()

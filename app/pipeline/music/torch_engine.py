@@ -10,6 +10,7 @@ Megatron's layouts, converted once at load:
   linear_fc1   [gate | up] halves: silu(gate) * up      (gated_linear_unit with F.silu)  -> gate_up, as it is
   RoPE         non-interleaved halves, inv_freq = base^(-2i/d), the same table for every head
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,15 +39,25 @@ class Shape:
 
     @classmethod
     def of(cls, spec: TransformerSpec) -> "Shape":
-        return cls(spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_query_groups,
-                   spec.head_dim, spec.ffn_hidden_size, spec.vocab_size, spec.max_sequence_length,
-                   float(spec.rotary_base), spec.norm_epsilon)
+        return cls(
+            spec.num_layers,
+            spec.hidden_size,
+            spec.num_attention_heads,
+            spec.num_query_groups,
+            spec.head_dim,
+            spec.ffn_hidden_size,
+            spec.vocab_size,
+            spec.max_sequence_length,
+            float(spec.rotary_base),
+            spec.norm_epsilon,
+        )
 
 
 def rope_tables(shape: Shape, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """cos, sin [length, head_dim] in float32 for positions 0..length-1."""
-    inv_freq = 1.0 / shape.rotary_base ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32,
-                                                        device=device) / shape.head_dim)
+    inv_freq = 1.0 / shape.rotary_base ** (
+        torch.arange(0, shape.head_dim, 2, dtype=torch.float32, device=device) / shape.head_dim
+    )
     angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -67,8 +78,15 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(shape.hidden, (shape.heads + 2 * shape.groups) * shape.head_dim)
         self.out = nn.Linear(shape.heads * shape.head_dim, shape.hidden)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                cache: "KVCache | None" = None, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        cache: "KVCache | None" = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
         batch, length, _ = x.shape
         s = self.shape
         q, k, v = self.qkv(x).split([s.heads * s.head_dim, s.groups * s.head_dim, s.groups * s.head_dim], dim=-1)
@@ -110,8 +128,15 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(shape.hidden, eps=shape.eps)
         self.ffn = FeedForward(shape)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                cache: "KVCache | None" = None, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        cache: "KVCache | None" = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, positions)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -145,8 +170,15 @@ class KhalaTransformer(nn.Module):
         self.norm = nn.RMSNorm(shape.hidden, eps=shape.eps)
         self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
 
-    def hidden_states(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                      caches: Sequence[KVCache] | None = None, positions: Tensor | None = None) -> Tensor:
+    def hidden_states(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        caches: Sequence[KVCache] | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
         """Input embeddings [B, T, hidden] -> final-norm hidden states [B, T, hidden]."""
         for index, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, caches[index] if caches else None, positions)
@@ -155,11 +187,14 @@ class KhalaTransformer(nn.Module):
 
 # --- weights from Megatron --------------------------------------------------------------------------
 
+
 def megatron_to_plain(state: dict[str, Tensor], shape: Shape) -> dict[str, Tensor]:
     """A Megatron GPTModel state dict (local spec) as KhalaTransformer's state dict."""
-    plain = {"embedding.weight": state["embedding.word_embeddings.weight"],
-             "norm.weight": state["decoder.final_layernorm.weight"],
-             "output.weight": state["output_layer.weight"]}
+    plain = {
+        "embedding.weight": state["embedding.word_embeddings.weight"],
+        "norm.weight": state["decoder.final_layernorm.weight"],
+        "output.weight": state["output_layer.weight"],
+    }
     per_group = shape.heads // shape.groups
     for i in range(shape.num_layers):
         src, dst = f"decoder.layers.{i}.", f"blocks.{i}."
@@ -191,6 +226,7 @@ def from_megatron(megatron_model: nn.Module, spec: TransformerSpec) -> KhalaTran
 
 # --- engines ------------------------------------------------------------------------------------------
 
+
 class TorchCausalLM:
     """BatchedCausalLM (engine.py) over KhalaTransformer with a static KV cache: one sequence, or a batch of
     sequences that share a prompt (the tracks of one song) and decode in lockstep."""
@@ -213,8 +249,10 @@ class TorchCausalLM:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         self._caches = []  # drop the old cache before allocating the new one
-        self._caches = [KVCache(self.model.shape, max_len, self.device, self.dtype, batch)
-                        for _ in range(self.model.shape.num_layers)]
+        self._caches = [
+            KVCache(self.model.shape, max_len, self.device, self.dtype, batch)
+            for _ in range(self.model.shape.num_layers)
+        ]
         self._rope = rope_tables(self.model.shape, max_len, self.device)
         self._slots = torch.arange(max_len, device=self.device)
         self._length, self._max_len, self._batch = 0, max_len, batch
@@ -226,8 +264,9 @@ class TorchCausalLM:
             raise RuntimeError("call reset(max_len) first")
         cos, sin = (table[positions] for table in self._rope)
         visible = self._slots[None, :] <= positions[:, None]  # [T, max_len]
-        return self.model.hidden_states(self.model.embedding(ids), cos, sin, visible[None, None], self._caches,
-                                        positions)
+        return self.model.hidden_states(
+            self.model.embedding(ids), cos, sin, visible[None, None], self._caches, positions
+        )
 
     def _step(self, ids: Tensor, positions: Tensor) -> Tensor:
         """Run tokens [B, T] at `positions` [T] through the cache; logits [B, T, vocab] (float32)."""
@@ -281,8 +320,9 @@ class TorchCausalLM:
         hidden = self.model.hidden_states(self.model.embedding(tokens)[None], cos, sin, causal[None, None])
         return self.model.output(hidden[0]).float()
 
-    def device_decoder(self, prompt_ids: Sequence[int], plan: SongPlan, seeds: Sequence[int],
-                       **options) -> DeviceDecoder:
+    def device_decoder(
+        self, prompt_ids: Sequence[int], plan: SongPlan, seeds: Sequence[int], **options
+    ) -> DeviceDecoder:
         """The fast decode loop over this engine (decode_loop.py), for one song."""
         return DeviceDecoder(self, prompt_ids, plan, seeds, **options)
 
