@@ -48,8 +48,9 @@ def test_the_configuration_table_is_what_the_generator_prints():
 
 
 def test_the_table_names_every_variable_the_settings_module_reads():
-    """A check of the generator by other means: every variable name in the settings module's source (in a
-    `_env(...)` or `os.environ` read, or a dict of variable names) is in the table, and nothing else is."""
+    """A check of the generator by other means: every variable name in the settings module's source (in an
+    `_env`, `_int` or `_float` call, an `os.environ` read, or a dict of variable names) is in the table, and
+    nothing else is."""
     source = Path(config_table.settings_module().__file__).read_text(encoding="utf-8")
     read = set(re.findall(r'(?:_(?:env|int|float)\(|os\.environ(?:\.get)?[\[(])\s*"([A-Z][A-Z0-9_]*)"', source))
     read |= {v for v in config_table.settings_module().MODEL_PATH_VARIABLES.values()}
