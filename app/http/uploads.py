@@ -19,7 +19,7 @@ from werkzeug.datastructures import FileStorage
 from app.core.config import Settings
 from app.pipeline.lipsync.frames import output_frame_count, source_frames_shown, source_frames_to_decode
 from app.pipeline.media.ffmpeg import MediaError, MediaTools
-from app.pipeline.media.probe import MediaInfo, effective_fps, measured_audio_s, measured_video_frames, probe
+from app.pipeline.media.probe import MediaInfo, effective_fps, measured_audio_s, probe
 from app.pipeline.profiles import LipsyncProfile
 from app.core.priority import DEFAULT_PRIORITY, Priority
 from app.http.schemas import FieldError, describe_validation_error
@@ -145,7 +145,7 @@ def _stage(upload: FileStorage, staging: Path, field: str, limit_mb: float) -> P
 
 def _probe(path: Path, field: str, tools: MediaTools) -> MediaInfo:
     try:
-        return probe(path, tools=tools)
+        return probe(path, tools=tools, count_packets=field == "video")
     except MediaError:
         raise UploadError(400, field, "cannot be read as audio/video (ffprobe failed)") from None
 
@@ -153,16 +153,13 @@ def _probe(path: Path, field: str, tools: MediaTools) -> MediaInfo:
 def _measured(
     video: MediaInfo, audio: MediaInfo, files: dict[str, Path], settings: Settings, tools: MediaTools
 ) -> tuple[MediaInfo, MediaInfo]:
-    """The two probes with their lengths replaced by what the streams really hold: the video's frames counted
-    from its packets (its length = frames / frame rate), the audio's seconds counted in decoded samples (up to
-    the limit and one second). A header's durations and frame count are never trusted for a limit."""
+    """The two probes with their lengths replaced by what the streams really hold: the video's length is its
+    frames, counted from its packets by the probe (`count_packets`), over its frame rate; the audio's seconds are
+    counted in decoded samples (up to the limit and one second). A header's durations and frame count are never
+    trusted for a limit."""
     if video.has_video:
-        try:
-            frames = measured_video_frames(files["video"], tools=tools)
-        except MediaError:
-            raise UploadError(400, "video", "cannot be read as video (counting its frames failed)") from None
-        seconds = frames / effective_fps(video)
-        video = replace(video, frame_count=frames, video_duration_s=seconds, duration_s=seconds)
+        seconds = video.frame_count / effective_fps(video)
+        video = replace(video, video_duration_s=seconds, duration_s=seconds)
     if audio.has_audio:
         try:
             seconds = measured_audio_s(files["audio"], limit_s=settings.max_audio_s, tools=tools)

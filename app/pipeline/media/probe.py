@@ -121,8 +121,12 @@ def _count_frames(path: Path, timeout_s: float, tools: MediaTools) -> Optional[i
     )
 
 
-def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaTools = ON_PATH) -> MediaInfo:
-    """Describe a media file; MediaError("… cannot be read as media") for anything ffprobe cannot parse."""
+def probe(
+    path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaTools = ON_PATH, count_packets: bool = False
+) -> MediaInfo:
+    """Describe a media file; MediaError("… cannot be read as media") for anything ffprobe cannot parse.
+    `count_packets`: the frame count is always the video's packets (demuxed, not decoded), never the header's
+    nb_frames, which can say anything (what an upload's limits are checked on)."""
     path = Path(path)
     if not path.is_file():
         raise MediaError(f"{path} does not exist")
@@ -154,10 +158,10 @@ def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaToo
         if rotation in (90, 270):
             width, height = height, width
         fps = _ratio(video.get("avg_frame_rate"))
-        frames = int(video["nb_frames"]) if str(video.get("nb_frames", "")).isdigit() else None
+        frames = int(video["nb_frames"]) if str(video.get("nb_frames", "")).isdigit() and not count_packets else None
         if not frames:
             frames = _count_frames(path, timeout_s, tools)
-        if not frames and fps:
+        if not frames and fps and not count_packets:
             frames = int(round((video_duration or duration) * fps))
         info.update(
             width=width,
@@ -185,11 +189,6 @@ def probe(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaToo
 
 
 MEASURE_RATE = 8000  # Hz: audio is decoded at this rate, mono 16-bit, only to count its samples
-
-
-def measured_video_frames(path: PathLike, *, timeout_s: float = PROBE_TIMEOUT_S, tools: MediaTools = ON_PATH) -> int:
-    """The video stream's frames as its packets (demuxed, not decoded): a header's frame count can say anything."""
-    return _count_frames(Path(path), timeout_s, tools) or 0
 
 
 def measured_audio_s(
