@@ -111,7 +111,8 @@ def run_prepare(
         "video_sha256": file_digest(video),
     }
     (scratch / PLAN).write_text(json.dumps(plan))
-    shown = source_frames_shown(plan["output_frames"], probe(video, tools=tools).fps, fps)
+    info = probe(video, tools=tools)
+    shown = source_frames_shown(plan["output_frames"], info.fps, fps)
     frames = decode_frames(
         video,
         scratch / FRAMES,
@@ -119,6 +120,7 @@ def run_prepare(
         tools=tools,
         max_frames=source_frames_to_decode(shown),
         max_bytes=max_scratch_bytes,
+        info=info,
     )
     key = entry_key(
         "faces",

@@ -29,7 +29,7 @@ from app.pipeline.media.ffmpeg import (
     read_tail,
     run_to_file,
 )
-from app.pipeline.media.probe import probe
+from app.pipeline.media.probe import MediaInfo, probe
 
 EXTRACT_TIMEOUT_S = 300.0
 DECODE_TIMEOUT_S = 3600.0
@@ -107,6 +107,7 @@ def decode_frames(
     tools: MediaTools = ON_PATH,
     max_frames: int | None = None,
     max_bytes: int | None = None,
+    info: MediaInfo | None = None,
 ) -> FrameCache:
     """Decode every frame once (ffmpeg → rgb24 pipe, rotation applied by ffmpeg's autorotate) into
     `cache_path`. Frames are passed through as decoded (no fps conversion: no duplicates, no drops).
@@ -114,7 +115,7 @@ def decode_frames(
     shows); `max_bytes`: the most the cache may take, checked on the frames really decoded (a MediaError saying
     so when the video would pass it), not on the header's frame count."""
     video, cache = Path(video), Path(cache_path)
-    info = probe(video, tools=tools)
+    info = info or probe(video, tools=tools)  # `info`: the caller's probe of this same file
     if not info.has_video or info.width <= 0 or info.height <= 0:
         raise MediaError(f"{video.name} has no video stream")
     frame_bytes = info.width * info.height * 3
