@@ -4,6 +4,7 @@ restated here over a scan), and they come back to nothing when every track has e
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -187,16 +188,23 @@ def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_s
 
 
 def test_a_poll_reads_its_eta_in_the_same_round_trip_as_its_record(svc):
+    from app.http.jobs import JOBS_URL, PRIVATE_TRACK_FIELDS
+
     jobs = _fill(svc, seed=5)
+    eta.polled_record(svc, jobs[0], JOBS_URL, PRIVATE_TRACK_FIELDS)  # the script is loaded once per server
     calls = []
     original = svc.redis.execute_command
     svc.redis.execute_command = lambda *a, **k: calls.append(a[0]) or original(*a, **k)
     began = time.monotonic()
     try:
         polled = [eta.record_with_eta(svc, job_id) for job_id in jobs]
+        texts = [eta.polled_record(svc, job_id, JOBS_URL, PRIVATE_TRACK_FIELDS) for job_id in jobs]
     finally:
         svc.redis.execute_command = original
-    assert len(calls) == len(jobs), calls
+    assert len(calls) == 2 * len(jobs), calls
+    assert [json.loads(text)["eta_s"] for text in texts] == pytest.approx(
+        [None if value is None else round(value, 1) for _, value in polled], abs=time.monotonic() - began + 0.1
+    )
     by_records = eta.job_etas(svc, [record for record, _ in polled])
     ran = time.monotonic() - began  # running stages' estimates shrink as they run
     assert [value for _, value in polled] == pytest.approx(by_records, abs=ran + 0.1 + 1e-9)
@@ -327,3 +335,67 @@ def test_the_fleet_mean_counts_rates_learned_before_it_was_kept(svc):
     assert eta.new_track_seconds(svc, "gpu7", "music", 1.0) == pytest.approx((4.0 + 1.5) / 2 + shares)
     assert eta.new_track_seconds(svc, "gpu6", "music", 1.0) == pytest.approx(1.5 + shares)
     assert eta.learned(svc) == {("gpu5", "music", "decode"): 4.0, ("gpu6", "music", "decode"): 1.5}
+
+
+def _ordered(value):
+    """`value` with every dict as its list of (key, value) pairs: equal only when the key order is equal too."""
+    if isinstance(value, dict):
+        return [(key, _ordered(item)) for key, item in value.items()]
+    if isinstance(value, list):
+        return [_ordered(item) for item in value]
+    return value
+
+
+ARTIFACT_NAMES = (
+    "track0.mp3", "track0.wav", "track1.mp3", "codes.pt", "0.wav", "track007.mp3", "track1000.mp3",
+    "output.mp4", "track٠.mp3", "trackX.mp3", "track12.ogg", "track999.wav",
+)  # fmt: skip
+ODD_TEXT = ('said "no"', "back\\slash", "line\nbreak", "tab\tand \x01", "ünïcødé ✓", "</script>", "")
+
+
+def test_a_poll_answers_the_text_the_read_builds_equal_to_the_reference_record(svc):
+    """The poll's reply is built by the read script (read_job.lua's client view) and served as it is: for jobs
+    in every state, with odd texts, download names that do and do not make links, webhooks and workers live,
+    busy or gone, it equals app/http/jobs.public_record's, key order included; only the ETA moves with time."""
+    from app.http.jobs import JOBS_URL, PRIVATE_TRACK_FIELDS, public_record
+
+    rng = random.Random(11)
+    jobs = _fill(svc, seed=9)
+    svc.workers.heartbeat("gpu0@a", {"queue": "gpu0", "pid": 1})  # gpu1@a never beat: offline
+    for job_id in jobs:
+        job = svc.jobs.job(job_id)
+        for index in range(job["num_tracks"]):
+            key = svc.jobs.track_key(job_id, index)
+            if rng.random() < 0.6:
+                names = rng.sample(ARTIFACT_NAMES, rng.randint(0, 6))
+                svc.redis.hset(key, "artifacts", json.dumps(names))
+            if rng.random() < 0.4:
+                svc.redis.hset(key, mapping={"error": rng.choice(ODD_TEXT), "detail": rng.choice(ODD_TEXT)})
+        if rng.random() < 0.3:
+            svc.redis.hset(
+                svc.jobs.job_key(job_id),
+                mapping={"webhook": 'https://hooks.example/a?b=1&c="', "webhook_events": "done,failed"},
+            )
+            for n in range(rng.randint(0, 3)):
+                svc.redis.rpush(
+                    svc.jobs.keys.webhook_deliveries(job_id), json.dumps({"status": 200 + n, "at": 1.5, "error": ""})
+                )
+    seen_states = set()
+    for job_id in jobs:
+        text = eta.polled_record(svc, job_id, JOBS_URL, PRIVATE_TRACK_FIELDS)
+        began = time.monotonic()
+        record = svc.jobs.record(job_id)
+        [reference_eta] = eta.job_etas(svc, [record])
+        wanted = public_record(record, reference_eta)
+        got = json.loads(text)
+        seen_states.add(got["state"])
+        got_eta, wanted_eta = got.pop("eta_s"), wanted.pop("eta_s")
+        assert got == wanted, job_id
+        assert _ordered(got) == _ordered(wanted), job_id
+        assert (got_eta is None) == (wanted_eta is None)
+        if got_eta is not None:
+            assert got_eta == pytest.approx(wanted_eta, abs=time.monotonic() - began + 0.1 + 1e-9)
+            assert got_eta == round(got_eta, 1)
+    assert {"queued", "running", "done", "canceled", "partial"} <= seen_states, seen_states
+    assert eta.polled_record(svc, "0" * 32, JOBS_URL, PRIVATE_TRACK_FIELDS) is None
+    assert eta.polled_record(svc, "../x", JOBS_URL, PRIVATE_TRACK_FIELDS) is None

@@ -102,6 +102,12 @@ def record_with_eta(svc: Services, job_id: str) -> tuple[dict[str, Any] | None, 
     return record, _rounded(eta)
 
 
+def polled_record(svc: Services, job_id: str, url_base: str, hidden: tuple[str, ...]) -> str | None:
+    """What a poll answers, as JSON text, in one round trip: the record as clients see it (download links under
+    `url_base`, no `hidden` track fields) with its `eta_s`; None for an unknown job."""
+    return svc.jobs.public_record_text(job_id, time.time(), running_heads(svc), url_base, hidden)
+
+
 def _rounded(eta: float | None) -> float | None:
     return None if eta is None else round(eta, 1)
 

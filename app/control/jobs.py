@@ -178,6 +178,13 @@ class JobStore:
         raw = self.lifecycle.read_job(job_id, eta_at=now, heads=heads) if is_job_id(job_id) else None
         return (None, None) if raw is None else (self._record(job_id, raw), raw.get("eta_s"))
 
+    def public_record_text(
+        self, job_id: str, now: float, heads: int, url_base: str, hidden: tuple[str, ...]
+    ) -> str | None:
+        """The record as a client's poll answers it, with its ETA at `now`, as JSON text (Lifecycle.read_public);
+        None for an unknown job."""
+        return self.lifecycle.read_public(job_id, now, heads, url_base, hidden) if is_job_id(job_id) else None
+
     def _record(self, job_id: str, raw: dict[str, Any]) -> dict[str, Any]:
         job = _decode_job(job_id, raw["job"])
         tracks = raw["tracks"]  # decoded by the read

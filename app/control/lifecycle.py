@@ -323,6 +323,15 @@ class Lifecycle:
         reply = self._read_job(keys=[], args=args)
         return json.loads(reply) if reply else None
 
+    def read_public(self, job_id: str, eta_at: float, heads: int, url_base: str, hidden: tuple[str, ...]) -> str | None:
+        """The job's record exactly as a client's poll answers it, as JSON text: its tracks without the `hidden`
+        fields, each with its seed and download links under `url_base`, the overall state, queue position,
+        cancel flag, webhook deliveries and `eta_s` at `eta_at` (rounded to 0.1 s). One round trip and no parse:
+        the web serves the text as it is (app/http/jobs.public_record is the reference it is tested against)."""
+        args = [self.layout.prefix, job_id, ",".join(JSON_FIELDS), str(heads), repr(eta_at), url_base, ",".join(hidden)]
+        reply = self._read_job(keys=[], args=args)
+        return _text(reply) if reply else None
+
     def forget(self, queue: str, value: str) -> bool:
         """Take a track whose job expired off `queue`: its load set (and cost counter), its waiting set and
         its backlog (app/control/backlog.py). False when the load set did not hold it."""

@@ -9,7 +9,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, redirect, request, send_file
 from flask.typing import ResponseReturnValue
 
-from app.control.eta import job_etas, record_with_eta
+from app.control.eta import job_etas, polled_record
 from app.http.events import HEADERS as SSE_HEADERS, job_events, valid_event_id
 from app.http.context import context
 from app.http.replies import error
@@ -25,6 +25,8 @@ blueprint = Blueprint("jobs", __name__)
 TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched whole: no "000.mp3", no "٠.mp3"
 LIMIT = re.compile(r"[0-9]{1,6}", re.ASCII)
 MAX_LISTED = 500
+JOBS_URL = "/api/v1/jobs/"  # download links are under it
+PRIVATE_TRACK_FIELDS = ("task_ids", "cost", "seq", "params")  # internal bookkeeping: Celery ids, costs
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
 SSE_EVENT = {
     "type": "object",
@@ -77,11 +79,11 @@ def list_jobs() -> ResponseReturnValue:
 @documented("A job's record", responses={200: ("the record", JobReply), 404: "unknown job"})
 def get_job(job_id: str) -> ResponseReturnValue:
     """A job's record: state, queue position, per-track stages and progress, downloads."""
-    svc = context().services
-    record, eta_s = record_with_eta(svc, job_id)
-    if record is None:
+    body = polled_record(context().services, job_id, JOBS_URL, PRIVATE_TRACK_FIELDS)
+    if body is None:
         return error(404, f"job {job_id} not found")
-    return jsonify({**_public(record), "eta_s": eta_s})
+    # Built by the read itself (app/control/lua/read_job.lua), equal to public_record's: served as it is.
+    return Response(body, mimetype="application/json")
 
 
 @blueprint.get("/api/v1/jobs/<job_id>/events")
@@ -208,27 +210,28 @@ def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str)
 
 def _with_eta(svc: Services, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records as clients see them, each with its `eta_s` (one read of their queues for all of them)."""
-    return [{**_public(record), "eta_s": eta} for record, eta in zip(records, job_etas(svc, records), strict=True)]
+    return [public_record(record, eta) for record, eta in zip(records, job_etas(svc, records), strict=True)]
 
 
-def _public(record: dict[str, Any]) -> dict[str, Any]:
+def public_record(record: dict[str, Any], eta_s: float | None) -> dict[str, Any]:
     """The record as clients see it: internal bookkeeping (Celery ids, costs) left out; a track whose stage
     runs (or last ran) on a worker has that worker's status (read with the record), so a client sees
-    `offline` when it died."""
+    `offline` when it died. The reference for the poll's reply, which the read script builds itself."""
     tracks = []
     for track in record["tracks"]:
-        public = {k: v for k, v in track.items() if k not in ("task_ids", "cost", "seq", "params")}
+        public = {k: v for k, v in track.items() if k not in PRIVATE_TRACK_FIELDS}
         public["seed"] = track["params"].get("seed")
-        public["downloads"] = _download_urls(record["job_id"], track)
+        public["downloads"] = download_urls(record["job_id"], track)
         tracks.append(public)
-    return {**record, "tracks": tracks}
+    return {**record, "tracks": tracks, "eta_s": eta_s}
 
 
-def _download_urls(job_id: str, track: dict[str, Any]) -> dict[str, str]:
+def download_urls(job_id: str, track: dict[str, Any]) -> dict[str, str]:
+    """A track's download links, by format, from the files it has."""
     urls = {}
     for name in track["artifacts"]:
         if name == "output.mp4":
-            urls["mp4"] = f"/api/v1/jobs/{job_id}/video.mp4"
+            urls["mp4"] = f"{JOBS_URL}{job_id}/video.mp4"
         elif TRACK_FILE.fullmatch(name.removeprefix("track")):
-            urls[name.rsplit(".", 1)[1]] = f"/api/v1/jobs/{job_id}/tracks/{name.removeprefix('track')}"
+            urls[name.rsplit(".", 1)[1]] = f"{JOBS_URL}{job_id}/tracks/{name.removeprefix('track')}"
     return urls
