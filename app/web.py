@@ -73,8 +73,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     for exception, handler in errors.HANDLERS:
         app.register_error_handler(exception, handler)
     app.before_request(guards.arm_body_timeout)
-    if settings.api_tokens:
-        app.before_request(guards.check_token)
+    app.before_request(guards.authenticate)  # every request gets its tenant; protected routes need one
     install_rate_limits(app, settings)  # after the token check: an unauthenticated request counts against nobody
     khala.register(app, settings.compat_prefix)
     for blueprint in NATIVE_BLUEPRINTS:

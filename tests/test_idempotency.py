@@ -45,7 +45,7 @@ def test_same_key_same_job_other_body_409(make_stack):
     fixed = requests.post(url, json=MUSIC, headers={"Idempotency-Key": "order-3"}, timeout=10)
     assert fixed.status_code == 202 and job_count(stack) == 5
     # The claim expires with the jobs.
-    [key] = [k for k in stack.redis.scan_iter("encore:idempotency:anonymous:*")][:1]
+    [key] = [k for k in stack.redis.scan_iter("encore:idempotency:tenant-default:*")][:1]
     assert 0 < stack.redis.ttl(key) <= stack.settings.job_ttl_s
 
 

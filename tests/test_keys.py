@@ -30,6 +30,7 @@ SAMPLE_PARTS = {
     "scope": "tenant",
     "key_hash": "ab12",
     "worker": "webhooks@h",
+    "tenant": "acme",
 }
 
 

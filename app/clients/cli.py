@@ -26,6 +26,7 @@ from tqdm import tqdm
 from app.core.config import DEFAULT_WEB_URL
 from app.core.kinds import JOB_END_STATES, KINDS, QUEUED, TERMINAL_STATES
 from app.core.priority import PRIORITIES
+from app.core.tenants import token_digest
 
 EXIT_OK, EXIT_JOB_NOT_DONE, EXIT_ERROR = 0, 1, 2
 RETRY_WINDOW_S = 30.0  # while following a job, ride out a web restart or a network blip this long
@@ -632,7 +633,23 @@ def build_parser() -> argparse.ArgumentParser:
     resume = commands.add_parser("resume", parents=[common], help="route to a drained queue again")
     resume.add_argument("queue", help="e.g. gpu0")
     resume.set_defaults(handler=cmd_resume)
+    hash_token = commands.add_parser(
+        "hash-token",
+        parents=[common],
+        help="print the SHA-256 digest of a token read from standard input, for ENCORE_TENANTS_FILE",
+    )
+    hash_token.set_defaults(handler=cmd_hash_token)
     return parser
+
+
+def cmd_hash_token(client: Client, args: argparse.Namespace) -> int:
+    """The digest a tenants file stores for a token (app/core/tenants.py). The token is read from standard input,
+    never from the command line, where shell history and `ps` would keep it."""
+    token = sys.stdin.readline().strip()
+    if not token or any(c.isspace() for c in token):
+        raise UsageError("give the token on standard input: one line, no white space inside")
+    print(token_digest(token))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from typing import Any, Iterable
 from app.adapters.redis_conn import decoded
 from app.control.scripts import script
 from app.control.services import Services
+from app.core.tenants import OPEN_TENANT, Tenant
 from app.core.kinds import TERMINAL_STATES
 
 
@@ -102,10 +103,12 @@ def record_with_eta(svc: Services, job_id: str) -> tuple[dict[str, Any] | None, 
     return record, _rounded(eta)
 
 
-def polled_record(svc: Services, job_id: str, url_base: str, hidden: tuple[str, ...]) -> str | None:
+def polled_record(
+    svc: Services, job_id: str, url_base: str, hidden: tuple[str, ...], viewer: Tenant = OPEN_TENANT
+) -> str | None:
     """What a poll answers, as JSON text, in one round trip: the record as clients see it (download links under
-    `url_base`, no `hidden` track fields) with its `eta_s`; None for an unknown job."""
-    return svc.jobs.public_record_text(job_id, time.time(), running_heads(svc), url_base, hidden)
+    `url_base`, no `hidden` track fields) with its `eta_s`; None for an unknown job or one `viewer` may not see."""
+    return svc.jobs.public_record_text(job_id, time.time(), running_heads(svc), url_base, hidden, viewer)
 
 
 def _rounded(eta: float | None) -> float | None:

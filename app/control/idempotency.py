@@ -9,7 +9,6 @@ two concurrent retries can never both create a job: the loser reads the winner's
 from __future__ import annotations
 
 import hashlib
-import hmac
 import re
 import time
 from dataclasses import dataclass
@@ -50,15 +49,6 @@ class Claim:
     value: str  # "body hash|job id"
     job_id: str
     fresh: bool  # this request claimed it and must create `job_id` (or release the claim)
-
-
-def scope(authorization: str, tokens: tuple[str, ...]) -> str:
-    """Whose keys these are: a digest of the bearer token that authenticated the request, else anonymous."""
-    scheme, _, given = authorization.partition(" ")
-    offered = given.strip().encode("latin-1", "replace")
-    if tokens and scheme.lower() == "bearer" and any(hmac.compare_digest(offered, t.encode()) for t in tokens):
-        return "token-" + hashlib.sha256(offered).hexdigest()[:24]
-    return "anonymous"
 
 
 def checked_key(value: str) -> str:

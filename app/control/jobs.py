@@ -21,6 +21,7 @@ from app.control.lifecycle import JSON_FIELDS, Lifecycle, Outcome, is_open, lua_
 from app.control.scripts import script
 from app.core.keys import Layout
 from app.core.priority import DEFAULT_PRIORITY
+from app.core.tenants import DEFAULT_TENANT, Tenant
 
 JOB_STATES = ("queued", "running", "done", "failed", "canceled", "partial")
 _INTERNAL_JOB_FIELDS = ("n_waiting", "n_active", "n_done", "n_failed", "n_canceled")
@@ -102,8 +103,9 @@ class JobStore:
         job_id: str | None = None,
         webhook: dict[str, Any] | None = None,
         priority: str = DEFAULT_PRIORITY,
+        tenant: str = DEFAULT_TENANT,
     ) -> str:
-        """Write a job with one parked track per entry of `track_params` (one round trip); returns its
+        """Write a job owned by `tenant` with one parked track per entry of `track_params` (one round trip); returns its
         unguessable id (`job_id` when the caller drew it first: an idempotent submit claims it before). The
         caller routes it. `webhook` ({"url", "events"}, app/webhooks.check_target) is kept in the job hash,
         where the transitions read which events to send; so is `priority` (app/core/priority.py), which orders its
@@ -120,6 +122,7 @@ class JobStore:
                 "created_at": now,
                 "expires_at": now + self.ttl_s,
                 "priority": priority,
+                "tenant": tenant,
                 **{name: 0 for name in _INTERNAL_JOB_FIELDS},
                 **({"webhook": webhook["url"], "webhook_events": ",".join(webhook["events"])} if webhook else {}),
             },
@@ -135,6 +138,8 @@ class JobStore:
                 client=pipe,
             )
         pipe.zadd(self.jobs_key, {job_id: now})
+        pipe.zadd(self.keys.tenant_jobs(tenant), {job_id: now})
+        pipe.zremrangebyscore(self.keys.tenant_jobs(tenant), "-inf", now - self.ttl_s)  # its expired jobs
         for state in JOB_STATES:  # the gauges' sets lose the ids of expired jobs here
             pipe.zremrangebyscore(self.keys.jobs_in_state(kind, state), "-inf", now)
         replies = pipe.execute()
@@ -158,11 +163,31 @@ class JobStore:
             pipe.hgetall(self.track_key(job_id, index))
         return [_decode_track(raw) for raw in pipe.execute() if raw]
 
-    def record(self, job_id: str) -> dict[str, Any] | None:
+    def record(self, job_id: str, viewer: Tenant | None = None) -> dict[str, Any] | None:
         """The whole client-facing record in one round trip: job fields, tracks with queue positions (and
-        their worker's status while open), overall state, cancel flag."""
+        their worker's status while open), overall state, cancel flag. With a `viewer`: None, as for an unknown
+        job, when that tenant may not see the job (app/core/tenants.py)."""
         raw = self.lifecycle.read_job(job_id) if is_job_id(job_id) else None
-        return None if raw is None else self._record(job_id, raw)
+        if raw is None or (viewer is not None and not viewer.may_see(raw["job"].get("tenant") or DEFAULT_TENANT)):
+            return None
+        return self._record(job_id, raw)
+
+    def owner(self, job_id: str) -> str | None:
+        """The tenant that owns the job (`default` for a job older than tenants), or None for an unknown job."""
+        if not is_job_id(job_id):
+            return None
+        tenant, kind = self.redis.hmget(self.job_key(job_id), ["tenant", "kind"])
+        if kind is None:
+            return None
+        if not tenant:
+            return DEFAULT_TENANT
+        return tenant.decode() if isinstance(tenant, bytes) else str(tenant)
+
+    def visible(self, job_id: str, viewer: Tenant) -> bool:
+        """Whether the job exists and `viewer` may see it: what every route on a job id checks first, so that
+        another tenant's job answers exactly as one that does not exist."""
+        owner = self.owner(job_id)
+        return owner is not None and viewer.may_see(owner)
 
     def existing_record(self, job_id: str) -> dict[str, Any]:
         """The record of a job this request has just written or found; KeyError when it is gone after all
@@ -179,11 +204,13 @@ class JobStore:
         return (None, None) if raw is None else (self._record(job_id, raw), raw.get("eta_s"))
 
     def public_record_text(
-        self, job_id: str, now: float, heads: int, url_base: str, hidden: tuple[str, ...]
+        self, job_id: str, now: float, heads: int, url_base: str, hidden: tuple[str, ...], viewer: Tenant
     ) -> str | None:
         """The record as a client's poll answers it, with its ETA at `now`, as JSON text (Lifecycle.read_public);
-        None for an unknown job."""
-        return self.lifecycle.read_public(job_id, now, heads, url_base, hidden) if is_job_id(job_id) else None
+        None for an unknown job, or one `viewer` may not see."""
+        if not is_job_id(job_id):
+            return None
+        return self.lifecycle.read_public(job_id, now, heads, url_base, hidden, "" if viewer.is_admin else viewer.name)
 
     def _record(self, job_id: str, raw: dict[str, Any]) -> dict[str, Any]:
         job = _decode_job(job_id, raw["job"])
@@ -213,9 +240,11 @@ class JobStore:
         entries = cast(list[list[Any]], reply)[0][1] if reply else []
         return [(entry_id, json.loads(fields["data"])) for entry_id, fields in entries]
 
-    def recent_job_ids(self, limit: int = 100) -> list[str]:
-        """Newest first; ids whose record expired are dropped from the index on the way."""
-        ids = decoded_members(self.redis.zrevrange(self.jobs_key, 0, limit - 1))
+    def recent_job_ids(self, limit: int = 100, tenant: str | None = None) -> list[str]:
+        """Newest first, of every tenant or of `tenant` only; ids whose record expired are dropped from the index
+        on the way."""
+        index = self.jobs_key if tenant is None else self.keys.tenant_jobs(tenant)
+        ids = decoded_members(self.redis.zrevrange(index, 0, limit - 1))
         alive = []
         for chunk in _chunks(ids, PIPELINE_CHUNK):
             pipe = self.redis.pipeline(transaction=False)
@@ -224,7 +253,7 @@ class JobStore:
             alive += [job_id for job_id, exists in zip(chunk, pipe.execute(), strict=True) if exists]
         gone = set(ids) - set(alive)
         if gone:
-            self.redis.zrem(self.jobs_key, *gone)
+            self.redis.zrem(index, *gone)
         return alive
 
     def job_counts(self) -> dict[tuple[str, str], int]:

@@ -72,6 +72,7 @@ import redis
 
 from app.control.backlog import lua_backlog
 from app.control.scripts import script
+from app.core.tenants import DEFAULT_TENANT
 from app.core.keys import Layout
 from app.core.kinds import KINDS, TERMINAL_STATES
 from app.core.priority import DEFAULT_PRIORITY, RANK, RANK_SPAN
@@ -323,12 +324,25 @@ class Lifecycle:
         reply = self._read_job(keys=[], args=args)
         return json.loads(reply) if reply else None
 
-    def read_public(self, job_id: str, eta_at: float, heads: int, url_base: str, hidden: tuple[str, ...]) -> str | None:
+    def read_public(
+        self, job_id: str, eta_at: float, heads: int, url_base: str, hidden: tuple[str, ...], tenant: str = ""
+    ) -> str | None:
         """The job's record exactly as a client's poll answers it, as JSON text: its tracks without the `hidden`
         fields, each with its seed and download links under `url_base`, the overall state, queue position,
         cancel flag, webhook deliveries and `eta_s` at `eta_at` (rounded to 0.1 s). One round trip and no parse:
-        the web serves the text as it is (app/http/jobs.public_record is the reference it is tested against)."""
-        args = [self.layout.prefix, job_id, ",".join(JSON_FIELDS), str(heads), repr(eta_at), url_base, ",".join(hidden)]
+        the web serves the text as it is (app/http/jobs.public_record is the reference it is tested against).
+        With a `tenant`, None (as for an unknown job) when another tenant owns the job."""
+        args = [
+            self.layout.prefix,
+            job_id,
+            ",".join(JSON_FIELDS),
+            str(heads),
+            repr(eta_at),
+            url_base,
+            ",".join(hidden),
+            tenant,
+            DEFAULT_TENANT,
+        ]
         reply = self._read_job(keys=[], args=args)
         return _text(reply) if reply else None
 

@@ -10,9 +10,11 @@ import ipaddress
 import math
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app.core.tenants import TenantDirectory, tenant_directory
 from app.pipeline.lipsync.options import LIPSYNC_MASKS, LIPSYNC_PATHS, LIPSYNC_PRECISIONS  # the pipeline's own
 
 if TYPE_CHECKING:
@@ -81,20 +83,18 @@ def _sentinels(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(pairs)
 
 
-def _api_tokens(text: str) -> tuple[str, ...]:
-    """API_TOKEN "tok,tok2": unset or empty means no authentication, but a value that is set and holds an empty
-    entry (",", " ", "a,,b") or a token with white space in it is refused: it must never turn authentication
-    off, or drop a token, without a word."""
+def _api_tokens(text: str, variable: str = "API_TOKEN") -> tuple[str, ...]:
+    """API_TOKEN "tok,tok2" (or ENCORE_ADMIN_TOKENS): unset or empty means none, but a value that is set and holds
+    an empty entry (",", " ", "a,,b") or a token with white space in it is refused: it must never turn
+    authentication off, or drop a token, without a word."""
     if text == "":
         return ()
     tokens = tuple(part.strip() for part in text.split(","))
     for number, token in enumerate(tokens, 1):
         if not token:
-            raise ValueError(
-                f"API_TOKEN: entry {number} of {len(tokens)} is empty (unset API_TOKEN for no authentication)"
-            )
+            raise ValueError(f"{variable}: entry {number} of {len(tokens)} is empty (unset {variable} for no tokens)")
         if any(c.isspace() for c in token):
-            raise ValueError(f"API_TOKEN: entry {number} holds white space, which a bearer token cannot carry")
+            raise ValueError(f"{variable}: entry {number} holds white space, which a bearer token cannot carry")
     return tokens
 
 
@@ -277,6 +277,13 @@ class Settings:
     # A warm-up batch through MuseTalk when the worker preloads it (first-call kernel choices off the clock).
     lipsync_warmup: bool = field(default_factory=lambda: _env("ENCORE_LIPSYNC_WARMUP", "1") == "1")
     api_tokens: tuple[str, ...] = field(default_factory=lambda: _api_tokens(_env("API_TOKEN", "")), repr=False)
+    # Tenants (app/core/tenants.py): admin tokens beside API_TOKEN's, and the operator's file of tenants.
+    admin_tokens: tuple[str, ...] = field(
+        default_factory=lambda: _api_tokens(_env("ENCORE_ADMIN_TOKENS", ""), "ENCORE_ADMIN_TOKENS"), repr=False
+    )
+    tenants_file: Path | None = field(
+        default_factory=lambda: Path(_env("ENCORE_TENANTS_FILE", "")) if _env("ENCORE_TENANTS_FILE", "") else None
+    )
     compat_prefix: str = field(default_factory=lambda: _env("ENCORE_COMPAT_PREFIX", "").rstrip("/"))
     tags_file: Path | None = field(
         default_factory=lambda: Path(os.environ["ENCORE_TAGS_FILE"]) if os.environ.get("ENCORE_TAGS_FILE") else None
@@ -347,6 +354,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         self._check_bounds()
+        self.tenants  # noqa: B018 (read now: a bad tenants file or token list refuses to start)
         if self.min_audio_s > self.max_audio_s:
             raise ValueError(
                 f"ENCORE_MIN_AUDIO_S ({self.min_audio_s}) must not exceed ENCORE_MAX_AUDIO_S ({self.max_audio_s})"
@@ -401,6 +409,17 @@ class Settings:
                 raise ValueError(f"{variable} must be {'>=' if least_allowed else '>'} {least:g}, not {value}")
             if most is not None and value > most:
                 raise ValueError(f"{variable} must be <= {most:g}, not {value}")
+
+    @cached_property
+    def tenants(self) -> TenantDirectory:
+        """Every token's tenant and role (app/core/tenants.py), from API_TOKEN, ENCORE_ADMIN_TOKENS and
+        ENCORE_TENANTS_FILE."""
+        return tenant_directory(self.api_tokens, self.admin_tokens, self.tenants_file)
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether requests must name a token (any token, admin or tenants file configured)."""
+        return not self.tenants.open
 
     def music(self) -> "MusicProfile":
         """The music profile these settings select, with its files where the settings put them."""
@@ -510,6 +529,10 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "lipsync_warmup": "with `ENCORE_PRELOAD=1`, one warm-up batch through MuseTalk at preload",
     "api_tokens": "bearer token(s) required on `/api/*` and the Khala-compatible routes (a comma-separated "
     "list allowed); unset or empty: no auth; an empty entry (`,`, `a,,b`) refuses to start",
+    "admin_tokens": "bearer tokens of the `admin` tenant (operator routes, every tenant's jobs), beside "
+    "`API_TOKEN`'s client tenants ([security](security.md#tenants))",
+    "tenants_file": "a JSON file of tenants, their roles and their tokens' SHA-256 digests "
+    "([security](security.md#tenants)); unreadable or malformed: the web and the workers refuse to start",
     "compat_prefix": "URL prefix of the Khala-compatible routes (they are always under `/api` too)",
     "tags_file": "the tag catalogue served by `GET /tags` (unset: `app/http/khala_tags.json`)",
     "cuda_visible_devices": "set by `worker_entrypoint.sh`; shown as the worker's `pinned_to` in the registry "

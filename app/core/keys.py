@@ -26,6 +26,7 @@ KEYS: dict[str, str] = {
     # indexes over jobs and tracks
     "jobs": "jobs",  # zset: every job by creation time
     "jobs_in_state": "jobs:{kind}:{state}",  # zset: a kind's jobs in one client-facing state
+    "tenant_jobs": "tenant:{tenant}:jobs",  # zset: one tenant's jobs by creation time (app/core/tenants.py)
     "created": "created",  # zset: tracks written, not routed yet
     "unrouted": "unrouted",  # zset: parked tracks by priority, then submission
     "seq": "seq",  # counter: submission order
@@ -108,6 +109,9 @@ class Layout:
     @property
     def jobs(self) -> str:
         return self.key("jobs")
+
+    def tenant_jobs(self, tenant: str) -> str:
+        return self.key("tenant_jobs", tenant=tenant)
 
     def jobs_in_state(self, kind: str, state: str) -> str:
         return self.key("jobs_in_state", kind=kind, state=state)

@@ -12,6 +12,7 @@ from flask.typing import ResponseReturnValue
 from app.control.eta import job_etas, polled_record
 from app.http.events import HEADERS as SSE_HEADERS, job_events, valid_event_id
 from app.http.context import context
+from app.http.guards import tenant
 from app.http.replies import error
 from app.core.joblog import job_event
 from app.http.openapi import DOWNLOAD_REPLIES, documented
@@ -65,13 +66,16 @@ def download_video(job_id: str) -> ResponseReturnValue:
     query={"limit": {"type": "integer", "minimum": 1, "maximum": MAX_LISTED, "default": 50}},
 )
 def list_jobs() -> ResponseReturnValue:
-    """Recent jobs, newest first (?limit=50, at most 500): a limit out of range is refused, not clamped."""
+    """Recent jobs, newest first (?limit=50, at most 500): a limit out of range is refused, not clamped. A client
+    tenant lists its own jobs; an admin every tenant's."""
     svc = context().services
+    viewer = tenant()
     raw = request.args.get("limit", "50")
     if not LIMIT.fullmatch(raw) or not 1 <= int(raw) <= MAX_LISTED:
         return error(400, f"limit: must be a whole number from 1 to {MAX_LISTED}, not {raw[:20]!r}", "limit")
     limit = int(raw)
-    records = [svc.jobs.record(job_id) for job_id in svc.jobs.recent_job_ids(limit)]
+    ids = svc.jobs.recent_job_ids(limit, tenant=None if viewer.is_admin else viewer.name)
+    records = [svc.jobs.record(job_id, viewer=viewer) for job_id in ids]
     return jsonify({"jobs": _with_eta(svc, [r for r in records if r])})
 
 
@@ -79,7 +83,7 @@ def list_jobs() -> ResponseReturnValue:
 @documented("A job's record", responses={200: ("the record", JobReply), 404: "unknown job"})
 def get_job(job_id: str) -> ResponseReturnValue:
     """A job's record: state, queue position, per-track stages and progress, downloads."""
-    body = polled_record(context().services, job_id, JOBS_URL, PRIVATE_TRACK_FIELDS)
+    body = polled_record(context().services, job_id, JOBS_URL, PRIVATE_TRACK_FIELDS, tenant())
     if body is None:
         return error(404, f"job {job_id} not found")
     # Built by the read itself (app/control/lua/read_job.lua), equal to public_record's: served as it is.
@@ -107,7 +111,7 @@ def get_job(job_id: str) -> ResponseReturnValue:
 def job_events_stream(job_id: str) -> ResponseReturnValue:
     """Every transition of the job's tracks as SSE; a reconnect with Last-Event-ID replays what it missed."""
     shared = context()
-    record = shared.services.jobs.record(job_id)
+    record = shared.services.jobs.record(job_id, viewer=tenant())
     if record is None:
         return error(404, f"job {job_id} not found")
     after = request.headers.get("Last-Event-ID", "").strip()
@@ -130,7 +134,7 @@ def cancel_job(job_id: str) -> ResponseReturnValue:
     """Cancel a job: queued stages never start, a running stage stops within seconds."""
     shared = context()
     svc = shared.services
-    if svc.jobs.job(job_id) is None:
+    if not svc.jobs.visible(job_id, tenant()):
         return error(404, f"job {job_id} not found")
     task_ids = svc.jobs.request_cancel(job_id)
     if task_ids:
@@ -155,6 +159,8 @@ def cancel_job(job_id: str) -> ResponseReturnValue:
 def retry(job_id: str) -> ResponseReturnValue:
     """Queue a failed or canceled job's unfinished tracks again (the recovery module decides which)."""
     shared = context()
+    if not shared.services.jobs.visible(job_id, tenant()):
+        return error(404, f"job {job_id} not found")
     try:
         retried = retry_job(shared.services, shared.celery, job_id)
     except KeyError:
@@ -187,7 +193,7 @@ def download_track(job_id: str, file_name: str) -> ResponseReturnValue:
 
 def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str) -> ResponseReturnValue:
     """A finished track's file (Range requests honoured); 404 until the track is done."""
-    record = svc.jobs.record(job_id)
+    record = svc.jobs.record(job_id, viewer=tenant())
     if record is None:
         return error(404, f"job {job_id} not found")
     if index >= record["num_tracks"]:

@@ -20,6 +20,7 @@ from flask.typing import ResponseReturnValue
 from app.adapters.redis_conn import decoded_members
 from app.control import idempotency
 from app.http.context import context
+from app.http.guards import tenant
 from app.http.replies import KHALA_BLUEPRINTS
 from app.http.submit import IDEMPOTENCY_HEADER, idempotency_key, submit_once
 from app.http.http_input import BodyError, json_object
@@ -329,7 +330,9 @@ def generate() -> ResponseReturnValue:
         shared,
         idempotency_key(),
         lambda: idempotency.json_digest(body),
-        lambda new_id: submit_music(shared.services, shared.celery, req, shared.profile, job_id=new_id, api="khala"),
+        lambda new_id: submit_music(
+            shared.services, shared.celery, req, shared.profile, job_id=new_id, tenant=tenant().name, api="khala"
+        ),
     )
     record = shared.services.jobs.existing_record(job_id)  # just written
     return jsonify(
@@ -346,7 +349,7 @@ def generate() -> ResponseReturnValue:
 @documented("Khala: a job in the reference's shape", responses={200: ("the job", KhalaJob), 404: "unknown job"})
 def job(job_id: str) -> ResponseReturnValue:
     """A job in the reference's shape; both tracks are present from the first reply."""
-    record = context().services.jobs.record(job_id)
+    record = context().services.jobs.record(job_id, viewer=tenant())
     if record is None or record["kind"] != "music":
         return _error(404, f"Job {job_id} not found.")
     return jsonify(job_reply(record))
@@ -361,7 +364,7 @@ def job(job_id: str) -> ResponseReturnValue:
 def track_file(job_id: str, index: int, fmt: str) -> ResponseReturnValue:
     """mp3 inline (ranges honoured) or wav as an attachment."""
     svc = context().services
-    record = svc.jobs.record(job_id)
+    record = svc.jobs.record(job_id, viewer=tenant())
     if record is None or record["kind"] != "music":
         return _error(404, f"Job {job_id} not found.")
     if fmt not in ("mp3", "wav"):

@@ -13,6 +13,7 @@ from flask.typing import ResponseReturnValue
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.http.context import context
+from app.http.guards import admin_refusal
 from app.http.replies import error
 from app.http.openapi import documented
 from app.control.readiness import readiness
@@ -21,6 +22,7 @@ from app.http.schemas import DrainReply, HealthReply, ReadyReply, StatusReply
 from app.control.snapshot import take_snapshot
 
 log = logging.getLogger("encore.web")
+ADMIN_ONLY = "the token's tenant is not an admin (`field`: role)"
 blueprint = Blueprint("ops", __name__)
 
 
@@ -58,10 +60,15 @@ def readyz() -> ResponseReturnValue:
 
 
 @blueprint.post("/api/v1/queues/<queue>/drain")
-@documented("Drain a queue (GPU maintenance)", responses={200: ("drained", DrainReply), 404: "unknown queue"})
+@documented(
+    "Drain a queue (GPU maintenance; admin)",
+    responses={200: ("drained", DrainReply), 403: ADMIN_ONLY, 404: "unknown queue"},
+)
 def drain(queue: str) -> ResponseReturnValue:
     """Drain a queue (GPU maintenance): no new tracks go there and its tracks not started move to other
     queues; its running stage and started tracks finish there."""
+    if refused := admin_refusal():
+        return refused
     shared = context()
     if queue not in known_queues(shared.services):
         return error(404, f"queue {queue} not found", "queue")
@@ -71,9 +78,14 @@ def drain(queue: str) -> ResponseReturnValue:
 
 
 @blueprint.delete("/api/v1/queues/<queue>/drain")
-@documented("Route tracks to a drained queue again", responses={200: ("resumed", DrainReply), 404: "unknown queue"})
+@documented(
+    "Route tracks to a drained queue again (admin)",
+    responses={200: ("resumed", DrainReply), 403: ADMIN_ONLY, 404: "unknown queue"},
+)
 def resume(queue: str) -> ResponseReturnValue:
     """Route tracks to a drained queue again."""
+    if refused := admin_refusal():
+        return refused
     shared = context()
     if queue not in known_queues(shared.services):
         return error(404, f"queue {queue} not found", "queue")
@@ -83,9 +95,14 @@ def resume(queue: str) -> ResponseReturnValue:
 
 
 @blueprint.get("/api/v1/status")
-@documented("Every worker and every queue", responses={200: ("workers and queues", StatusReply)})
+@documented(
+    "Every worker and every queue (admin)", responses={200: ("workers and queues", StatusReply), 403: ADMIN_ONLY}
+)
 def status() -> ResponseReturnValue:
-    """Every worker (idle/busy/offline, current job and stage, device) and every queue's depth."""
+    """Every worker (idle/busy/offline, current job and stage, device) and every queue's depth: the operator's
+    table, which names the jobs running (of every tenant)."""
+    if refused := admin_refusal():
+        return refused
     shared = context()
     snapshot = take_snapshot(shared.services, shared.transport_options)
     return jsonify(

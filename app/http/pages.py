@@ -34,7 +34,7 @@ def openapi() -> Response:
 
 
 def _is_protected(endpoint: str) -> bool:
-    return bool(context().settings.api_tokens) and endpoint not in PUBLIC_ENDPOINTS
+    return context().settings.authenticated and endpoint not in PUBLIC_ENDPOINTS
 
 
 def operation_id(endpoint: str) -> str:

@@ -1,8 +1,8 @@
 """Per-token rate limits on the submit routes (POST /api/v1/music, /api/v1/lipsync and the Khala-compatible
 /generate): Flask-Limiter, its windows counted in Redis, so every web process shares them.
 
-One limit (ENCORE_SUBMIT_RATE_LIMIT, e.g. "10/minute;100/hour") is shared by all submit routes, per API token
-(per client address without one). It is checked before the body is read: a refused upload is never parsed. A
+One limit (ENCORE_SUBMIT_RATE_LIMIT, e.g. "10/minute;100/hour") is shared by all submit routes, per tenant
+(app/core/tenants.py; per client address when no token is configured). It is checked before the body is read: a refused upload is never parsed. A
 refusal is 429 with Retry-After and X-RateLimit-Limit/-Remaining/-Reset, which every rate-limited reply also
 carries. Unset: no limiter at all.
 """
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Flask, Response, request
+from flask import Flask, Response, g, request
 from flask_limiter import Limiter
 
 from app.core.config import Settings
-from app.control.idempotency import scope
 from app.core.keys import Layout
 from app.adapters.redis_conn import limits_storage
 
@@ -49,9 +48,11 @@ def storage(settings: Settings) -> tuple[str, dict[str, Any]]:
 
 
 def _client(settings: Settings) -> str:
-    """Whose window a request counts in: its API token (a digest of it), else its address."""
-    owner = scope(request.headers.get("Authorization", ""), settings.api_tokens)
-    return owner if owner != "anonymous" else f"addr-{request.remote_addr or 'unknown'}"
+    """Whose window a request counts in: its tenant's (every token of a tenant shares one), else, where no
+    token is configured and so nobody is told apart, its address."""
+    if settings.tenants.open or g.get("tenant") is None:
+        return f"addr-{request.remote_addr or 'unknown'}"
+    return "tenant-" + g.tenant.name
 
 
 def _retry_after_at_least_one_second(response: Response) -> Response:

@@ -16,6 +16,7 @@ from app.control.metrics import count_submission
 from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.profiles import MusicProfile
 from app.core.priority import DEFAULT_PRIORITY
+from app.core.tenants import DEFAULT_TENANT
 from app.control.quotas import admission
 from app.control.routing import route_job
 from app.pipeline.music.positions import longest_song_for
@@ -71,10 +72,12 @@ def submit_music(
     profile: MusicProfile,
     job_id: str | None = None,
     webhook: dict[str, Any] | None = None,
+    tenant: str = DEFAULT_TENANT,
     **extra: Any,
 ) -> str:
-    """Create the job record (one track per requested track, seeds seed+i) and route its tracks; `job_id` when
-    the caller drew it (an idempotent submit); `webhook` as app/webhooks.check_target gives it."""
+    """Create the job record (one track per requested track, seeds seed+i), owned by `tenant`, and route its
+    tracks; `job_id` when the caller drew it (an idempotent submit); `webhook` as app/webhooks.check_target gives
+    it."""
     if req.duration_s is None:  # validate_music sets it (the deployment's default when the body has none)
         raise ValueError("submit_music needs a validated MusicRequest: duration_s is unset")
     seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - req.num_tracks)
@@ -94,7 +97,15 @@ def submit_music(
     }
     tracks = [{"seed": (seed + i) % 2**31} for i in range(req.num_tracks)]
     job_id = create_job(
-        svc, "music", params, tracks, float(req.duration_s), job_id=job_id, webhook=webhook, duration_s=req.duration_s
+        svc,
+        "music",
+        params,
+        tracks,
+        float(req.duration_s),
+        job_id=job_id,
+        webhook=webhook,
+        tenant=tenant,
+        duration_s=req.duration_s,
     )
     route_job(svc, celery, job_id, req.num_tracks)
     return job_id
@@ -108,14 +119,17 @@ def create_job(
     cost: float,
     job_id: str | None = None,
     webhook: dict[str, Any] | None = None,
+    tenant: str = DEFAULT_TENANT,
     **log_fields: Any,
 ) -> str:
-    """Write the record, count the submission and log it; the caller routes once the job's inputs exist. The
+    """Write the record (owned by `tenant`), count the submission and log it; the caller routes once the job's inputs exist. The
     job's priority is the one its params record (normal, recorded there, when they name none)."""
     params = {**params, "priority": params.get("priority", DEFAULT_PRIORITY)}
     priority = params["priority"]
     with admission(svc, len(tracks)):  # QueueFull (429) when the job would pass a cap on open tracks
-        job_id = svc.jobs.create(kind, params, tracks, cost=cost, job_id=job_id, webhook=webhook, priority=priority)
+        job_id = svc.jobs.create(
+            kind, params, tracks, cost=cost, job_id=job_id, webhook=webhook, priority=priority, tenant=tenant
+        )
     count_submission(svc, kind)
-    job_event(log, "submitted", job_id, kind=kind, tracks=len(tracks), priority=priority, **log_fields)
+    job_event(log, "submitted", job_id, kind=kind, tracks=len(tracks), priority=priority, tenant=tenant, **log_fields)
     return job_id

@@ -11,6 +11,7 @@ from app.control import idempotency
 from app.control.eta import job_etas
 from app.core.kinds import JOB_END_STATES
 from app.http.context import WebContext, context
+from app.http.guards import tenant
 from app.http.replies import error
 from app.http.http_input import BodyError, json_object
 from app.http.openapi import TOO_MANY, documented
@@ -46,6 +47,7 @@ def submit_music() -> tuple[Response, int]:
     """A music job: the body checked against the profile's limits, one chain of stages per track."""
     shared = context()
     key = idempotency_key()
+    owner = tenant().name
     try:
         body = json_object(request)
         req = validate_music(body, shared.settings, shared.profile)
@@ -62,7 +64,7 @@ def submit_music() -> tuple[Response, int]:
         key,
         lambda: idempotency.json_digest(body),
         lambda new_id: submit_music_job(
-            shared.services, shared.celery, req, shared.profile, job_id=new_id, webhook=webhook
+            shared.services, shared.celery, req, shared.profile, job_id=new_id, webhook=webhook, tenant=owner
         ),
     )
     return accepted(shared, job_id, replayed)
@@ -85,6 +87,7 @@ def submit_lipsync() -> tuple[Response, int]:
     """A lip-sync job: the two files staged and probed, stored as the job's inputs, one stage routed."""
     shared = context()
     key = idempotency_key()
+    owner = tenant().name
     if not request.mimetype == "multipart/form-data":
         return error(400, "body: expected multipart/form-data with video and audio files", "body")
     try:
@@ -127,6 +130,7 @@ def submit_lipsync() -> tuple[Response, int]:
             float(upload.params["audio_duration_s"]),
             job_id=new_id,
             webhook=webhook,
+            tenant=owner,
             frames=upload.params["output_frames"],
             audio_s=round(upload.params["audio_duration_s"], 3),
         )
@@ -172,5 +176,5 @@ def submit_once(
     """(job id, replayed): `create` runs unless an earlier request with the same key (and owner) made the job."""
     if key is None:
         return create(None), False
-    owner = idempotency.scope(request.headers.get("Authorization", ""), shared.settings.api_tokens)
+    owner = "tenant-" + tenant().name  # a tenant's keys are its own, shared by its tokens
     return idempotency.submit_once(shared.services, owner, key, body_hash(), create)

@@ -1,5 +1,6 @@
 -- ARGV: prefix, job id, JSON field names (comma-separated); for the ETA too: running heads, now; for a client's
--- view: the download URL base and the track fields clients never see (comma-separated).
+-- view: the download URL base, the track fields clients never see (comma-separated), the tenant asking (empty: an
+-- admin, who sees every job) and the tenant of a job that names none (app/core/tenants.py).
 -- Without the last two: the job, its tracks with queue positions and their workers' status, the cancel flag (and
 -- the job's ETA): one JSON document, built here so that Python parses it once. With them: the record exactly as a
 -- poll answers it (app/http/jobs.public_record is the reference; a parity test holds them together), so the web
@@ -16,6 +17,7 @@ local job_key = K.job(job_id)
 local function to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end; return t end
 local job = to_table(redis.call('HGETALL', job_key))
 if not job.kind then return false end
+if public and ARGV[8] ~= '' and (job.tenant or ARGV[9]) ~= ARGV[8] then return false end  -- as if it did not exist
 
 -- A client's download links from a track's artifacts (app/http/jobs.download_urls): output.mp4, and
 -- [track]<n>.mp3|wav with n a plain number below 1000; a later name of the same format wins, in the first's place.

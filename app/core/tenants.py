@@ -1,0 +1,158 @@
+"""Who a request is: every API token belongs to a tenant, and every tenant has a role.
+
+A tenant owns the jobs it submits: it reads, lists, follows, downloads, cancels and retries only those, and its
+idempotency keys and rate-limit windows are its own. Another tenant's job answers exactly as a job that does not
+exist. `admin` tenants also see every tenant's jobs and run the operator routes (drain, resume, the worker table).
+
+Where tenants come from (app/core/config.py reads the variables; `tenant_directory` builds this from them):
+
+- `ENCORE_TENANTS_FILE`: a JSON file an operator edits, tokens kept as SHA-256 digests, never in clear
+  (`python -m app hash-token` prints one). Read at start; restart the web (or send gunicorn HUP) to apply a change.
+
+      {"tenants": {"acme":  {"role": "client", "token_sha256": ["9f86d0…"]},
+                   "ops":   {"role": "admin",  "token_sha256": ["60303a…"]}}}
+
+- `API_TOKEN=a,b`: each token is a `client` tenant of its own (named `token-` and the first 12 hex digits of its
+  digest); `ENCORE_ADMIN_TOKENS=x` names admin tokens (tenant `admin`). Both may be set beside the file.
+- One `API_TOKEN` and nothing else: that token is the one tenant, `default`, and administers the deployment, as
+  before tenants existed. No token at all (the demo): every request is `default`, an admin.
+
+Jobs written before tenants existed have no owner field: they belong to `default`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CLIENT, ADMIN = "client", "admin"
+ROLES = (CLIENT, ADMIN)
+DEFAULT_TENANT = "default"  # the implicit tenant: no authentication, one token, or a job older than tenants
+ADMIN_TENANT = "admin"  # the tenant of ENCORE_ADMIN_TOKENS
+TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}", re.ASCII)  # matched whole: safe in keys, labels and logs
+DIGEST = re.compile(r"[0-9a-f]{64}", re.ASCII)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant: its name (what owns jobs) and its role."""
+
+    name: str
+    role: str = CLIENT
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == ADMIN
+
+    def may_see(self, owner: str) -> bool:
+        """Whether this tenant may read or act on a job owned by `owner`."""
+        return self.is_admin or owner == self.name
+
+
+OPEN_TENANT = Tenant(DEFAULT_TENANT, ADMIN)  # every request of a deployment with no token (the demo)
+
+
+def token_digest(token: str | bytes) -> str:
+    """The SHA-256 hex digest a token is stored and looked up as."""
+    return hashlib.sha256(token.encode() if isinstance(token, str) else token).hexdigest()
+
+
+def token_tenant_name(token: str) -> str:
+    """The tenant name an `API_TOKEN` entry gets when several are listed."""
+    return "token-" + token_digest(token)[:12]
+
+
+@dataclass(frozen=True)
+class TenantDirectory:
+    """Every known token digest and its tenant. `open`: no token is configured, so no request authenticates and
+    every request is the implicit admin tenant `default` (the demo)."""
+
+    by_digest: dict[str, Tenant] = field(default_factory=dict)
+
+    @property
+    def open(self) -> bool:
+        return not self.by_digest
+
+    @property
+    def tenants(self) -> tuple[Tenant, ...]:
+        """Each tenant once, by name."""
+        return tuple(sorted(set(self.by_digest.values()), key=lambda t: t.name))
+
+    def for_token(self, token: str | bytes) -> Tenant | None:
+        """The tenant of a bearer token, or None. A dict lookup of the token's digest: what an attacker can time
+        is the lookup of a SHA-256 they cannot steer, never a comparison with a stored token."""
+        if self.open:
+            return OPEN_TENANT
+        return self.by_digest.get(token_digest(token))
+
+    def for_authorization(self, header: str) -> Tenant | None:
+        """The tenant of an `Authorization: Bearer <token>` header (its bytes as sent: non-ASCII never matches),
+        or None when it names no known token. With no token configured, every request is `default` (admin)."""
+        if self.open:
+            return OPEN_TENANT
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return None
+        return self.for_token(given.strip().encode("latin-1", "replace"))
+
+
+def tenant_directory(
+    api_tokens: tuple[str, ...], admin_tokens: tuple[str, ...] = (), tenants_file: Path | None = None
+) -> TenantDirectory:
+    """The directory from the settings (see the module docstring). ValueError naming the setting for an unreadable
+    or malformed file, an unknown role, a bad digest or name, or one token given to two tenants."""
+    entries: list[tuple[str, Tenant, str]] = []  # (digest, tenant, where it came from)
+    if tenants_file is not None:
+        entries += _from_file(tenants_file)
+    if len(api_tokens) == 1 and not admin_tokens and tenants_file is None:
+        entries.append((token_digest(api_tokens[0]), Tenant(DEFAULT_TENANT, ADMIN), "API_TOKEN"))
+    else:
+        entries += [(token_digest(t), Tenant(token_tenant_name(t), CLIENT), "API_TOKEN") for t in api_tokens]
+    entries += [(token_digest(t), Tenant(ADMIN_TENANT, ADMIN), "ENCORE_ADMIN_TOKENS") for t in admin_tokens]
+    by_digest: dict[str, Tenant] = {}
+    origin: dict[str, str] = {}
+    for digest, tenant, where in entries:
+        if digest in by_digest:
+            raise ValueError(
+                f"{where}: a token is given twice (also in {origin[digest]}, tenant {by_digest[digest].name!r})"
+            )
+        by_digest[digest], origin[digest] = tenant, where
+    return TenantDirectory(by_digest)
+
+
+def _from_file(path: Path) -> list[tuple[str, Tenant, str]]:
+    where = "ENCORE_TENANTS_FILE"
+    try:
+        document = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: {path} is not JSON: {exc}") from None
+    tenants = document.get("tenants") if isinstance(document, dict) else None
+    if not isinstance(tenants, dict) or not tenants:
+        raise ValueError(f'{where}: {path} must hold {{"tenants": {{name: {{"role", "token_sha256"}}}}}}')
+    entries = []
+    for name, spec in tenants.items():
+        if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+            raise ValueError(
+                f"{where}: tenant name {name!r}: 1 to 63 of a-z 0-9 _ . - (starting with a letter or digit)"
+            )
+        if not isinstance(spec, dict) or set(spec) - {"role", "token_sha256"}:
+            raise ValueError(f'{where}: tenant {name!r}: an object with "role" and "token_sha256" only')
+        role = spec.get("role", CLIENT)
+        if role not in ROLES:
+            raise ValueError(f"{where}: tenant {name!r}: role must be one of {', '.join(ROLES)}, not {role!r}")
+        digests = spec.get("token_sha256")
+        if not isinstance(digests, list) or not digests:
+            raise ValueError(f"{where}: tenant {name!r}: token_sha256 must be a non-empty list of digests")
+        for digest in digests:
+            if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
+                raise ValueError(
+                    f"{where}: tenant {name!r}: {str(digest)[:70]!r} is not a SHA-256 hex digest "
+                    "(64 lower-case hex digits; `python -m app hash-token` prints one)"
+                )
+            entries.append((digest, Tenant(name, role), where))
+    return entries
