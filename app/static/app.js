@@ -137,9 +137,11 @@ function refreshSoon(view, jobId, delay = REFRESH_MS) {
 
 async function poll() {
   try {
-    const [jobs, status] = await Promise.all([api("/api/v1/jobs?limit=100"), api("/api/v1/status")]);
+    // The worker table is for admin tenants: a client's token gets 403 there and sees its own jobs only.
+    const adminOnly = (err) => { if (err.status === 403) return null; throw err; };
+    const [jobs, status] = await Promise.all([api("/api/v1/jobs?limit=100"), api("/api/v1/status").catch(adminOnly)]);
     renderJobs(jobs.jobs || []);
-    renderStatus(status);
+    if (status) renderStatus(status);
     setConn("live", `live · ${new Date().toLocaleTimeString()}`);
   } catch (err) {
     setConn(err.status === 401 ? "token" : "error", err.status === 401 ? "API token needed" : `offline: ${err.message}`);
