@@ -262,3 +262,176 @@ def test_hash_token_prints_the_digest_a_tenants_file_stores():
         timeout=120,
     )
     assert printed.stdout.strip() == token_digest("s3cret")
+
+
+# -- per-tenant limits and usage (app/control/tenant_limits.py) ---------------------------------------------------
+
+
+def limited_stack(make_stack, tmp_path, acme_limits: dict, **env: str):
+    """acme (client, with `acme_limits`), beta (client, the defaults) and ops (admin)."""
+    path = tmp_path / "limited.json"
+    tenants = {
+        "acme": {"role": CLIENT, "token_sha256": [token_digest("acme-1")], "limits": acme_limits},
+        "beta": {"role": CLIENT, "token_sha256": [token_digest("beta-1")]},
+        "ops": {"role": ADMIN, "token_sha256": [token_digest("ops-1")]},
+    }
+    path.write_text(json.dumps({"tenants": tenants}))
+    return make_stack(ENCORE_TENANTS_FILE=str(path), **env)
+
+
+def post_music(stack, token: str, **fields):
+    return stack.client.post("/api/v1/music", json={**MUSIC, **fields}, headers=bearer(token))
+
+
+def test_a_tenants_open_tracks_are_capped_and_room_comes_back_as_they_end(make_stack, tmp_path):
+    stack = limited_stack(make_stack, tmp_path, {"max_open_tracks": 3})
+    first = post_music(stack, "acme-1", num_tracks=2).get_json()["job_id"]
+    assert post_music(stack, "acme-1").status_code == 202  # 3 open: at the cap
+    refused = post_music(stack, "acme-1")
+    assert refused.status_code == 429 and refused.get_json()["field"] == "tracks"
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert "has 3 tracks open and may have 3" in refused.get_json()["error"]
+    assert post_music(stack, "beta-1").status_code == 202  # another tenant's room is its own
+    assert call(stack, "DELETE", f"/api/v1/jobs/{first}", "acme-1").status_code == 200  # 2 tracks end
+    assert post_music(stack, "acme-1", num_tracks=2).status_code == 202  # 3 open again
+    full = post_music(stack, "acme-1")
+    assert full.status_code == 429
+    # a retry reopens tracks: it counts against the cap as a submit does
+    assert call(stack, "POST", f"/api/v1/jobs/{first}/retry", "acme-1").status_code == 429
+    usage = stack.client.get("/api/v1/usage", headers=bearer("acme-1")).get_json()["tenants"]
+    assert usage == [{"tenant": "acme", "jobs": 3, "tracks": 5, "gpu_seconds": 0.0, "open_tracks": 3}]
+
+
+def test_a_client_tenant_may_not_ask_for_more_priority_than_it_is_given(make_stack, tmp_path):
+    stack = limited_stack(make_stack, tmp_path, {"max_priority": "high"})
+    refused = post_music(stack, "beta-1", priority="high")  # clients: normal by default
+    assert refused.status_code == 403 and refused.get_json()["field"] == "priority"
+    assert post_music(stack, "beta-1", priority="normal").status_code == 202
+    assert post_music(stack, "acme-1", priority="high").status_code == 202  # its own limit allows it
+    assert post_music(stack, "ops-1", priority="high").status_code == 202  # admins may
+    low = make_stack(API_TOKEN="a,b", ENCORE_TENANT_MAX_PRIORITY="low")
+    assert post_music(low, "a", priority="normal").status_code == 403
+    assert post_music(low, "a", priority="low").status_code == 202
+
+
+def test_a_tenants_song_length_and_retries_are_its_own(make_stack, tmp_path):
+    stack = limited_stack(make_stack, tmp_path, {"max_song_s": 1.5, "max_retries": 1})
+    refused = post_music(stack, "acme-1", duration_s=2.0)
+    assert refused.status_code == 403 and refused.get_json()["field"] == "duration_s"
+    assert post_music(stack, "beta-1", duration_s=2.0).status_code == 202
+    job_id = post_music(stack, "acme-1", duration_s=1.0).get_json()["job_id"]
+    for attempt in range(2):
+        assert call(stack, "DELETE", f"/api/v1/jobs/{job_id}", "acme-1").status_code == 200
+        retried = call(stack, "POST", f"/api/v1/jobs/{job_id}/retry", "acme-1")
+        assert retried.status_code == (200 if attempt == 0 else 403), retried.get_json()
+    assert retried.get_json()["field"] == "retries"
+
+
+def test_a_tenants_face_video_length_is_its_own(make_stack, tmp_path):
+    from tests.support.media import face_video, tone
+
+    stack = limited_stack(make_stack, tmp_path, {"max_video_s": 3.5})
+    video, audio = face_video(tmp_path / "face.mp4", 4.0), tone(tmp_path / "voice.wav", 1.0)
+
+    def upload(token: str):
+        with open(video, "rb") as v, open(audio, "rb") as a:
+            return stack.client.post(
+                "/api/v1/lipsync",
+                data={"video": (v, video.name), "audio": (a, audio.name)},
+                content_type="multipart/form-data",
+                headers=bearer(token),
+            )
+
+    refused = upload("acme-1")
+    assert refused.status_code == 403 and refused.get_json()["field"] == "video", refused.get_json()
+    assert upload("beta-1").status_code == 202
+
+
+def test_each_tenant_has_its_own_submit_rate(make_stack, tmp_path):
+    stack = limited_stack(
+        make_stack, tmp_path, {"submit_rate_limit": "2/minute"}, ENCORE_RATE_LIMIT_STRATEGY="moving-window"
+    )
+    replies = [post_music(stack, "acme-1") for _ in range(3)]
+    assert [r.status_code for r in replies] == [202, 202, 429]
+    assert replies[2].headers["X-RateLimit-Limit"] == "2" and int(replies[2].headers["Retry-After"]) >= 1
+    beta = post_music(stack, "beta-1")  # the deployment's default rate, in a window of its own
+    assert beta.status_code == 202 and beta.headers["X-RateLimit-Limit"] != "2"
+
+
+def test_a_deployment_that_configures_nothing_has_a_rate_limit_and_a_cap():
+    settings = Settings()
+    assert settings.submit_rate_limit and settings.tenant_max_open_tracks > 0
+
+
+def test_the_default_rate_limit_applies_to_an_open_deployment(make_stack):
+    reply = make_stack().client.post("/api/v1/music", json=MUSIC)
+    assert reply.status_code == 202 and reply.headers["X-RateLimit-Limit"] == "10"  # 10/second, the first limit
+    off = make_stack(ENCORE_SUBMIT_RATE_LIMIT="off").client.post("/api/v1/music", json=MUSIC)
+    assert off.status_code == 202 and "X-RateLimit-Limit" not in off.headers
+    with pytest.raises(ValueError, match="ENCORE_SUBMIT_RATE_LIMIT is empty"):
+        make_stack(ENCORE_SUBMIT_RATE_LIMIT=" ")
+
+
+def test_usage_is_a_tenants_own_and_an_admins_for_all(make_stack, tmp_path):
+    stack = limited_stack(make_stack, tmp_path, {})
+    post_music(stack, "acme-1", num_tracks=2)
+    post_music(stack, "beta-1")
+    mine = stack.client.get("/api/v1/usage", headers=bearer("beta-1")).get_json()["tenants"]
+    assert [(r["tenant"], r["jobs"], r["tracks"]) for r in mine] == [("beta", 1, 1)]
+    refused = stack.client.get("/api/v1/usage?tenant=acme", headers=bearer("beta-1"))
+    assert refused.status_code == 403 and refused.get_json()["field"] == "role"
+    every = stack.client.get("/api/v1/usage?tenant=all", headers=bearer("ops-1")).get_json()["tenants"]
+    assert {r["tenant"]: r["tracks"] for r in every} == {"acme": 2, "beta": 1, "default": 0, "ops": 0}
+    assert stack.client.get("/api/v1/usage?tenant=nope", headers=bearer("ops-1")).status_code == 404
+    anonymous = stack.client.get("/metrics").get_data(as_text=True)
+    assert "encore_tenant" not in anonymous and "encore_jobs" in anonymous
+    client = stack.client.get("/metrics", headers=bearer("beta-1")).get_data(as_text=True)
+    assert "encore_tenant" not in client
+    admin = stack.client.get("/metrics", headers=bearer("ops-1")).get_data(as_text=True)
+    assert 'encore_tenant_tracks_submitted_total{tenant="acme"} 2.0' in admin
+    assert 'encore_tenant_open_tracks{tenant="beta"} 1.0' in admin
+
+
+@pytest.mark.parametrize(
+    "limits, message",
+    [
+        ({"max_open_tracks": -1}, "limits.max_open_tracks"),
+        ({"max_retries": 1.5}, "limits.max_retries"),
+        ({"max_priority": "urgent"}, "limits.max_priority"),
+        ({"submit_rate_limit": "lots"}, "limits.submit_rate_limit"),
+        ({"submit_rate_limit": ""}, "limits.submit_rate_limit"),
+        ({"max_song_s": 0}, "limits.max_song_s"),
+        ({"max_video_s": "long"}, "limits.max_video_s"),
+        ({"speed": 1}, "limits may hold"),
+    ],
+)
+def test_the_tenants_limits_are_checked_at_start(tmp_path, limits, message):
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": {"acme": {"token_sha256": ["a" * 64], "limits": limits}}}))
+    with pytest.raises(ValueError, match=f"ENCORE_TENANTS_FILE: tenant 'acme': {message}"):
+        Settings(tenants_file=path)
+    with pytest.raises(ValueError, match="ENCORE_TENANT_MAX_PRIORITY must be one of"):
+        Settings(tenant_max_priority="urgent")
+
+
+def test_the_priority_levels_are_the_services_own():
+    from app.core.priority import PRIORITIES
+    from app.core.tenants import PRIORITY_LEVELS
+
+    assert tuple(reversed(PRIORITY_LEVELS)) == PRIORITIES
+
+
+@pytest.mark.slow  # a real worker runs a tiny music job (~20 s)
+def test_a_tenants_gpu_seconds_are_the_stage_seconds_its_jobs_ran(make_stack, tmp_path):
+    stack = limited_stack(make_stack, tmp_path, {})
+    stack.auth = bearer("ops-1")  # the stack's helpers read the worker table: an admin's
+    stack.start_worker(0)
+    job_id = post_music(stack, "acme-1", duration_s=1.0).get_json()["job_id"]
+    record = stack.wait_job(job_id, timeout=300)
+    assert record["state"] == "done", record
+    ran = sum(stage["duration_s"] for stage in record["tracks"][0]["stages"].values())
+    [acme] = stack.client.get("/api/v1/usage", headers=bearer("acme-1")).get_json()["tenants"]
+    assert acme["gpu_seconds"] == pytest.approx(ran, abs=0.01 * len(record["tracks"][0]["stages"]))
+    assert acme["gpu_seconds"] > 0 and acme["open_tracks"] == 0
+    [beta] = stack.client.get("/api/v1/usage", headers=bearer("beta-1")).get_json()["tenants"]
+    assert beta["gpu_seconds"] == 0

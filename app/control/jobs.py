@@ -140,6 +140,8 @@ class JobStore:
         pipe.zadd(self.jobs_key, {job_id: now})
         pipe.zadd(self.keys.tenant_jobs(tenant), {job_id: now})
         pipe.zremrangebyscore(self.keys.tenant_jobs(tenant), "-inf", now - self.ttl_s)  # its expired jobs
+        pipe.hincrby(self.keys.tenant_usage(tenant), "jobs", 1)
+        pipe.hincrby(self.keys.tenant_usage(tenant), "tracks", len(track_params))
         for state in JOB_STATES:  # the gauges' sets lose the ids of expired jobs here
             pipe.zremrangebyscore(self.keys.jobs_in_state(kind, state), "-inf", now)
         replies = pipe.execute()

@@ -256,6 +256,7 @@ def lua_tables() -> str:
         f"local DISPLAY = {_lua_table(display)}\nlocal STRUCTURAL = {_lua_table({f: True for f in STRUCTURAL})}\n"
         f"local RANK = {_lua_table(ranks)}\nlocal RANK_SPAN = {RANK_SPAN}\n"
         f"local DEFAULT_RANK = {RANK[DEFAULT_PRIORITY]}\n"
+        f"local DEFAULT_TENANT = '{DEFAULT_TENANT}'\n"
     )
 
 

@@ -22,6 +22,7 @@ from app.control.eta import parse_rates
 from app.adapters.gpu import parse_readings
 from app.core.kinds import KINDS
 from app.control.scripts import script
+from app.control.tenant_limits import usage
 from app.control.services import Services
 from app.control.snapshot import Snapshot, take_snapshot
 
@@ -173,4 +174,34 @@ def _gpus(snapshot: Snapshot) -> Iterator[GaugeMetricFamily]:
 def make_registry(svc: Services, transport_options: dict[str, Any]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EncoreCollector(svc, transport_options))
+    return registry
+
+
+class TenantCollector(Collector):
+    """Each named tenant's usage (app/control/tenant_limits.py), read at scrape time in one round trip. Only admin
+    scrapes get it (app/http/ops.py), and only for tenants from the configuration: a bounded set of labels."""
+
+    def __init__(self, svc: Services, tenants: list[str]):
+        self.svc = svc
+        self.tenants = tenants
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        rows = usage(self.svc, self.tenants)
+        jobs = CounterMetricFamily("encore_tenant_jobs_submitted", "Jobs a tenant submitted", labels=["tenant"])
+        tracks = CounterMetricFamily("encore_tenant_tracks_submitted", "Tracks a tenant submitted", labels=["tenant"])
+        gpu = CounterMetricFamily(
+            "encore_tenant_gpu_seconds", "Wall seconds a tenant's stages ran on GPU queues", labels=["tenant"]
+        )
+        open_now = GaugeMetricFamily("encore_tenant_open_tracks", "A tenant's tracks not ended", labels=["tenant"])
+        for row in rows:
+            jobs.add_metric([row["tenant"]], row["jobs"])
+            tracks.add_metric([row["tenant"]], row["tracks"])
+            gpu.add_metric([row["tenant"]], row["gpu_seconds"])
+            open_now.add_metric([row["tenant"]], row["open_tracks"])
+        yield from (jobs, tracks, gpu, open_now)
+
+
+def tenant_registry(svc: Services, tenants: list[str]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TenantCollector(svc, tenants))
     return registry

@@ -100,11 +100,11 @@ class RetryLimit(RetryRefused):
     """A retry past ENCORE_MAX_RETRIES for one of the job's tracks: refused, not queued (each costs GPU time)."""
 
 
-def retry_job(svc: Services, celery: Celery, job_id: str) -> list[int]:
+def retry_job(svc: Services, celery: Celery, job_id: str, max_retries: int | None = None) -> list[int]:
     """Re-run every failed or canceled track of an ended job (the `retry` transition), with its own seed and
     parameters, from its first unfinished stage (music keeps its finished stages' artifacts; lip-sync starts
     over: its intermediates were in a worker's local scratch); routed now, or parked until a worker is live.
-    Returns the tracks retried."""
+    Returns the tracks retried. `max_retries`: the job's tenant's limit (default ENCORE_MAX_RETRIES)."""
     record = svc.jobs.record(job_id)
     if record is None:
         raise KeyError(job_id)
@@ -113,10 +113,12 @@ def retry_job(svc: Services, celery: Celery, job_id: str) -> list[int]:
     ended = [t for t in record["tracks"] if t["status"] in ("failed", "canceled")]
     if not ended:
         raise RetryRefused("nothing to retry: every track is done")
-    most = svc.settings.max_retries
+    most = svc.settings.max_retries if max_retries is None else max_retries
     spent = [t["track"] for t in ended if int(t.get("retries") or 0) >= most]
     if spent:
-        raise RetryLimit(f"track {spent[0]} was retried {most} times, the most this server allows (ENCORE_MAX_RETRIES)")
+        raise RetryLimit(
+            f"track {spent[0]} was retried {most} times, the most this tenant may (ENCORE_MAX_RETRIES, or its own limit)"
+        )
     retried = []
     for track in ended:
         kept = finished_stages(svc, job_id, track)

@@ -14,7 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.core.tenants import TenantDirectory, tenant_directory
+from app.core.tenants import PRIORITY_LEVELS, TenantDirectory, tenant_directory
 from app.pipeline.lipsync.options import LIPSYNC_MASKS, LIPSYNC_PATHS, LIPSYNC_PRECISIONS  # the pipeline's own
 
 if TYPE_CHECKING:
@@ -98,6 +98,18 @@ def _api_tokens(text: str, variable: str = "API_TOKEN") -> tuple[str, ...]:
     return tokens
 
 
+DEFAULT_SUBMIT_RATE_LIMIT = "10/second;300/minute"  # per tenant, or per address where no token is configured
+
+
+def _rate_limit(text: str) -> str:
+    """ENCORE_SUBMIT_RATE_LIMIT: a rate (checked in Settings), or `off` for none; empty is refused, so that no typo
+    turns the limit off."""
+    text = text.strip()
+    if not text:
+        raise ValueError("ENCORE_SUBMIT_RATE_LIMIT is empty: give a rate such as 10/minute, or `off` for none")
+    return "" if text.lower() == "off" else text
+
+
 # Every numeric setting's bounds: (least, whether the least itself is allowed, most or None). Zero is allowed only
 # where it means something (documented as "0: ..."); tests/test_settings.py checks that every numeric field of
 # Settings is here, so a new one cannot skip its check.
@@ -144,6 +156,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "webhook_history": (1, True, None),
     "webhook_progress_s": (0, True, None),  # 0: no least gap
     "max_queued_tracks": (0, True, None),  # 0: no cap
+    "tenant_max_open_tracks": (0, True, None),  # 0: no cap
     "max_queued_tracks_per_queue": (0, True, None),  # 0: no cap
     "eta_alpha": (0, False, 1),
 }
@@ -346,7 +359,13 @@ class Settings:
     max_queued_tracks_per_queue: int = field(default_factory=lambda: _int("ENCORE_MAX_QUEUED_TRACKS_PER_QUEUE", "0"))
     # Per-token rate limit of the submit routes (app/http/ratelimit.py), in Flask-Limiter's notation ("10/minute",
     # "5/second;100/hour"); empty: none. Its window strategy: fixed-window, moving-window or sliding-window-counter.
-    submit_rate_limit: str = field(default_factory=lambda: _env("ENCORE_SUBMIT_RATE_LIMIT", "").strip())
+    submit_rate_limit: str = field(
+        default_factory=lambda: _rate_limit(_env("ENCORE_SUBMIT_RATE_LIMIT", DEFAULT_SUBMIT_RATE_LIMIT))
+    )
+    # Per-tenant defaults (app/control/tenant_limits.py; a tenants file may set its own): open tracks at once
+    # (0: no cap), and the highest priority a client tenant's jobs may ask for (admins may always use "high").
+    tenant_max_open_tracks: int = field(default_factory=lambda: _int("ENCORE_TENANT_MAX_OPEN_TRACKS", "200"))
+    tenant_max_priority: str = field(default_factory=lambda: _env("ENCORE_TENANT_MAX_PRIORITY", "normal"))
     rate_limit_strategy: str = field(default_factory=lambda: _env("ENCORE_RATE_LIMIT_STRATEGY", "fixed-window"))
     # ETA (app/control/eta.py): the weight of a finished stage's seconds in its queue's learned rate (exponential mean), the
     # one average the ETAs, routing and /metrics' encore_stage_seconds_per_unit read.
@@ -397,6 +416,10 @@ class Settings:
                 parse_many(self.submit_rate_limit)
             except ValueError as exc:
                 raise ValueError(f"ENCORE_SUBMIT_RATE_LIMIT: {exc}") from None
+        if self.tenant_max_priority not in PRIORITY_LEVELS:
+            raise ValueError(
+                f"ENCORE_TENANT_MAX_PRIORITY must be one of {', '.join(PRIORITY_LEVELS)}, not {self.tenant_max_priority!r}"
+            )
         if self.lipsync_precision not in LIPSYNC_PRECISIONS:
             raise ValueError(f"ENCORE_LIPSYNC_PRECISION must be auto, fp16 or fp32, not {self.lipsync_precision!r}")
 
@@ -571,8 +594,13 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "`Retry-After` from the ETA, and not created",
     "max_queued_tracks_per_queue": "most open tracks on each live GPU queue (0: no cap; a full queue takes no "
     "new track; 429 when none has room)",
-    "submit_rate_limit": "per-token rate limit of the submit routes together, e.g. `10/minute;200/day` (429 "
-    "with `Retry-After`, `X-RateLimit-*`); unset: none",
+    "submit_rate_limit": "each tenant's rate limit of the submit routes together (per address where no token is "
+    "configured), e.g. `10/minute;200/day` (429 with Retry-After past it); `off`: none; a tenants file may set a "
+    "tenant's own",
+    "tenant_max_open_tracks": "most open (not ended) tracks of one tenant at once (0: no cap); a submit past it is "
+    "429 `tracks` with Retry-After; a tenants file may set a tenant's own",
+    "tenant_max_priority": "the highest priority a client tenant's jobs may ask for (`low`, `normal` or `high`; "
+    "admins may always use `high`); past it: 403 `priority`",
     "rate_limit_strategy": "the rate limit's window: `fixed-window`, `moving-window` or `sliding-window-counter`",
     "eta_alpha": "weight of a finished stage in its queue's learned seconds per cost unit (ETA, routing)",
 }

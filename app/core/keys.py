@@ -27,6 +27,8 @@ KEYS: dict[str, str] = {
     "jobs": "jobs",  # zset: every job by creation time
     "jobs_in_state": "jobs:{kind}:{state}",  # zset: a kind's jobs in one client-facing state
     "tenant_jobs": "tenant:{tenant}:jobs",  # zset: one tenant's jobs by creation time (app/core/tenants.py)
+    "tenant_open": "tenant:{tenant}:open",  # zset: its open tracks (job:track) by their job's expiry
+    "tenant_usage": "tenant:{tenant}:usage",  # hash: its jobs, tracks and GPU-seconds, counted since Redis began
     "created": "created",  # zset: tracks written, not routed yet
     "unrouted": "unrouted",  # zset: parked tracks by priority, then submission
     "seq": "seq",  # counter: submission order
@@ -112,6 +114,12 @@ class Layout:
 
     def tenant_jobs(self, tenant: str) -> str:
         return self.key("tenant_jobs", tenant=tenant)
+
+    def tenant_open(self, tenant: str) -> str:
+        return self.key("tenant_open", tenant=tenant)
+
+    def tenant_usage(self, tenant: str) -> str:
+        return self.key("tenant_usage", tenant=tenant)
 
     def jobs_in_state(self, kind: str, state: str) -> str:
         return self.key("jobs_in_state", kind=kind, state=state)

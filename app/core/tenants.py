@@ -36,12 +36,30 @@ TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}", re.ASCII)  # matched whol
 DIGEST = re.compile(r"[0-9a-f]{64}", re.ASCII)
 
 
+PRIORITY_LEVELS = ("low", "normal", "high")  # app/core/priority.PRIORITIES, least first (checked in a test)
+LIMIT_FIELDS = ("max_open_tracks", "max_priority", "max_retries", "max_song_s", "max_video_s", "submit_rate_limit")
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's own limits from the tenants file; None: the deployment's default (app/control/tenant_limits.py
+    resolves them against the settings)."""
+
+    max_open_tracks: int | None = None  # tracks not ended at once (0: no cap)
+    max_priority: str | None = None  # the highest priority its jobs may ask for
+    max_retries: int | None = None  # retries per track
+    max_song_s: float | None = None  # the longest song it may ask for
+    max_video_s: float | None = None  # the longest face video it may upload
+    submit_rate_limit: str | None = None  # its submit rate, in Flask-Limiter's notation ("10/minute")
+
+
 @dataclass(frozen=True)
 class Tenant:
-    """One tenant: its name (what owns jobs) and its role."""
+    """One tenant: its name (what owns jobs), its role and its own limits."""
 
     name: str
     role: str = CLIENT
+    limits: TenantLimits = field(default_factory=TenantLimits, compare=False)
 
     @property
     def is_admin(self) -> bool:
@@ -80,6 +98,13 @@ class TenantDirectory:
     def tenants(self) -> tuple[Tenant, ...]:
         """Each tenant once, by name."""
         return tuple(sorted(set(self.by_digest.values()), key=lambda t: t.name))
+
+    def named(self, name: str) -> Tenant:
+        """The tenant called `name` (a job's owner): as configured; with no token configured, the implicit admin;
+        otherwise a client with the deployment's default limits (an owner since removed from the configuration)."""
+        if self.open:
+            return OPEN_TENANT
+        return next((t for t in self.by_digest.values() if t.name == name), Tenant(name or DEFAULT_TENANT, CLIENT))
 
     def for_token(self, token: str | bytes) -> Tenant | None:
         """The tenant of a bearer token, or None. A dict lookup of the token's digest: what an attacker can time
@@ -140,8 +165,8 @@ def _from_file(path: Path) -> list[tuple[str, Tenant, str]]:
             raise ValueError(
                 f"{where}: tenant name {name!r}: 1 to 63 of a-z 0-9 _ . - (starting with a letter or digit)"
             )
-        if not isinstance(spec, dict) or set(spec) - {"role", "token_sha256"}:
-            raise ValueError(f'{where}: tenant {name!r}: an object with "role" and "token_sha256" only')
+        if not isinstance(spec, dict) or set(spec) - {"role", "token_sha256", "limits"}:
+            raise ValueError(f'{where}: tenant {name!r}: an object with "role", "token_sha256" and "limits" only')
         role = spec.get("role", CLIENT)
         if role not in ROLES:
             raise ValueError(f"{where}: tenant {name!r}: role must be one of {', '.join(ROLES)}, not {role!r}")
@@ -154,5 +179,35 @@ def _from_file(path: Path) -> list[tuple[str, Tenant, str]]:
                     f"{where}: tenant {name!r}: {str(digest)[:70]!r} is not a SHA-256 hex digest "
                     "(64 lower-case hex digits; `python -m app hash-token` prints one)"
                 )
-            entries.append((digest, Tenant(name, role), where))
+        limits = _limits(name, spec.get("limits", {}), where)
+        for digest in digests:
+            entries.append((digest, Tenant(name, role, limits), where))
     return entries
+
+
+def _limits(name: str, spec: object, where: str) -> TenantLimits:
+    """A tenant's "limits" object: each field checked for its type and range, naming it."""
+    if not isinstance(spec, dict) or set(spec) - set(LIMIT_FIELDS):
+        raise ValueError(f"{where}: tenant {name!r}: limits may hold {', '.join(LIMIT_FIELDS)} only")
+    for field_name in ("max_open_tracks", "max_retries"):
+        value = spec.get(field_name)
+        if value is not None and (type(value) is not int or value < 0):
+            raise ValueError(f"{where}: tenant {name!r}: limits.{field_name} must be a whole number >= 0")
+    for field_name in ("max_song_s", "max_video_s"):
+        value = spec.get(field_name)
+        if value is not None and (type(value) not in (int, float) or not 0 < value < 1e9):
+            raise ValueError(f"{where}: tenant {name!r}: limits.{field_name} must be a number of seconds above 0")
+    priority = spec.get("max_priority")
+    if priority is not None and priority not in PRIORITY_LEVELS:
+        raise ValueError(f"{where}: tenant {name!r}: limits.max_priority must be one of {', '.join(PRIORITY_LEVELS)}")
+    rate = spec.get("submit_rate_limit")
+    if rate is not None:
+        from limits import parse_many
+
+        if not isinstance(rate, str) or not rate.strip():
+            raise ValueError(f"{where}: tenant {name!r}: limits.submit_rate_limit must be a rate such as 10/minute")
+        try:
+            parse_many(rate)
+        except ValueError as exc:
+            raise ValueError(f"{where}: tenant {name!r}: limits.submit_rate_limit: {exc}") from None
+    return TenantLimits(**spec)

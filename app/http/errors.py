@@ -15,6 +15,7 @@ from app.control import idempotency
 from app.http.context import context
 from app.http.replies import error
 from app.control.quotas import QueueFull
+from app.control.tenant_limits import TenantLimitExceeded
 
 log = logging.getLogger("encore.web")
 
@@ -42,10 +43,17 @@ def queue_full(exc: QueueFull) -> Reply:
     return reply, status
 
 
+def tenant_limit(exc: TenantLimitExceeded) -> Reply:
+    reply, status = error(exc.status, str(exc), exc.field)
+    if exc.retry_after_s is not None:
+        reply.headers["Retry-After"] = str(exc.retry_after_s)
+    return reply, status
+
+
 def rate_limited(exc: RateLimitExceeded) -> Reply:
     return error(
         429,
-        f"rate limit: this token's submissions are limited to {exc.description}; retry after Retry-After seconds",
+        f"rate limit: this tenant's submissions are limited to {exc.description}; retry after Retry-After seconds",
         "authorization",
     )
 
@@ -69,6 +77,7 @@ HANDLERS: tuple[tuple[type[Exception], Callable[[Any], Reply]], ...] = (
     (HTTPException, http_error),
     (ClientDisconnected, body_stalled),
     (QueueFull, queue_full),
+    (TenantLimitExceeded, tenant_limit),
     (RateLimitExceeded, rate_limited),
     (idempotency.IdempotencyError, idempotency_refused),
     (redis.RedisError, redis_down),

@@ -13,6 +13,7 @@ from app.control.eta import job_etas, polled_record
 from app.http.events import HEADERS as SSE_HEADERS, job_events, valid_event_id
 from app.http.context import context
 from app.http.guards import tenant
+from app.control.tenant_limits import limits_for, tenant_admission
 from app.http.replies import error
 from app.core.joblog import job_event
 from app.http.openapi import DOWNLOAD_REPLIES, documented
@@ -151,18 +152,23 @@ def cancel_job(job_id: str) -> ResponseReturnValue:
     "Re-run a job's failed or canceled tracks from their first unfinished stage (same seed)",
     responses={
         200: ("the record, the tracks queued again (each counts it in `retries`)", RetryReply),
-        403: "a track was retried ENCORE_MAX_RETRIES times already (`field`: retries)",
+        403: "a track was retried ENCORE_MAX_RETRIES (or its tenant's limit) times already (`field`: retries)",
         404: "unknown job",
+        429: "its tenant has as many tracks open as it may (`field`: tracks; Retry-After)",
         409: "the job is still running, or no track failed or was canceled",
     },
 )
 def retry(job_id: str) -> ResponseReturnValue:
     """Queue a failed or canceled job's unfinished tracks again (the recovery module decides which)."""
     shared = context()
-    if not shared.services.jobs.visible(job_id, tenant()):
+    record = shared.services.jobs.record(job_id, viewer=tenant())
+    if record is None:
         return error(404, f"job {job_id} not found")
+    owner = shared.settings.tenants.named(shared.services.jobs.owner(job_id) or "")  # an admin's retry: the owner's
+    reopened = sum(t["status"] in ("failed", "canceled") for t in record["tracks"])
     try:
-        retried = retry_job(shared.services, shared.celery, job_id)
+        with tenant_admission(shared.services, owner, reopened):  # retried tracks count as open again
+            retried = retry_job(shared.services, shared.celery, job_id, limits_for(shared.settings, owner).max_retries)
     except KeyError:
         return error(404, f"job {job_id} not found")
     except RetryLimit as exc:

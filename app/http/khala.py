@@ -331,7 +331,7 @@ def generate() -> ResponseReturnValue:
         idempotency_key(),
         lambda: idempotency.json_digest(body),
         lambda new_id: submit_music(
-            shared.services, shared.celery, req, shared.profile, job_id=new_id, tenant=tenant().name, api="khala"
+            shared.services, shared.celery, req, shared.profile, job_id=new_id, tenant=tenant(), api="khala"
         ),
     )
     record = shared.services.jobs.existing_record(job_id)  # just written

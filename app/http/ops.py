@@ -8,17 +8,21 @@ import time
 from typing import Any
 
 import redis
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, g, jsonify, request
 from flask.typing import ResponseReturnValue
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.http.context import context
-from app.http.guards import admin_refusal
+from app.http.guards import admin_refusal, tenant
+from app.control.metrics import tenant_registry
+from app.control.tenant_limits import usage as tenant_usage
+from app.core.config import Settings
+from app.core.tenants import DEFAULT_TENANT
 from app.http.replies import error
 from app.http.openapi import documented
 from app.control.readiness import readiness
 from app.control.routing import drain_queue, known_queues, resume_queue
-from app.http.schemas import DrainReply, HealthReply, ReadyReply, StatusReply
+from app.http.schemas import DrainReply, HealthReply, ReadyReply, StatusReply, UsageReply
 from app.control.snapshot import take_snapshot
 
 log = logging.getLogger("encore.web")
@@ -33,8 +37,44 @@ blueprint = Blueprint("ops", __name__)
     media=("text/plain",),
 )
 def metrics() -> ResponseReturnValue:
-    """Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers (no auth)."""
-    return Response(generate_latest(context().metrics), content_type=CONTENT_TYPE_LATEST)  # it names its charset
+    """Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers (no auth). A scrape with
+    an admin token (or any, where no token is configured) also gets each tenant's usage, labelled by tenant
+    names from the configuration only (a bounded set)."""
+    shared = context()
+    text = generate_latest(shared.metrics)
+    viewer = g.get("tenant")
+    if viewer is not None and viewer.is_admin:
+        text += generate_latest(tenant_registry(shared.services, known_tenants(shared.settings)))
+    return Response(text, content_type=CONTENT_TYPE_LATEST)  # it names its charset
+
+
+@blueprint.get("/api/v1/usage")
+@documented(
+    "Usage per tenant: jobs, tracks, GPU-seconds, open tracks (a client: its own; an admin: any or all)",
+    responses={200: ("usage", UsageReply), 403: ADMIN_ONLY + " (another tenant's usage)", 404: "unknown tenant"},
+    query={"tenant": {"type": "string", "description": "admin: a tenant's name, or `all`"}},
+)
+def usage() -> ResponseReturnValue:
+    """What the request's tenant has used (`?tenant=`: for admins, another tenant's, or `all`)."""
+    shared = context()
+    viewer = tenant()
+    asked = request.args.get("tenant", viewer.name)
+    if asked != viewer.name:
+        if refused := admin_refusal():
+            return refused
+        names = known_tenants(shared.settings)
+        if asked != "all" and asked not in names:
+            return error(404, f"tenant {asked[:64]!r} not found", "tenant")
+        if asked != "all":
+            names = [asked]
+    else:
+        names = [viewer.name]
+    return jsonify({"tenants": tenant_usage(shared.services, names)})
+
+
+def known_tenants(settings: Settings) -> list[str]:
+    """Every configured tenant's name, and `default` (the implicit tenant, and owner of jobs older than tenants)."""
+    return sorted({DEFAULT_TENANT, *(t.name for t in settings.tenants.tenants)})
 
 
 @blueprint.get("/healthz")

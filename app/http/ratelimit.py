@@ -14,6 +14,7 @@ from typing import Any
 from flask import Flask, Response, g, request
 from flask_limiter import Limiter
 
+from app.control.tenant_limits import limits_for
 from app.core.config import Settings
 from app.core.keys import Layout
 from app.adapters.redis_conn import limits_storage
@@ -22,9 +23,10 @@ SUBMIT_ENDPOINTS = frozenset({"submit.submit_music", "submit.submit_lipsync", "k
 
 
 def install(app: Flask, settings: Settings) -> Limiter | None:
-    """The limiter on `app`'s submit routes, or None when ENCORE_SUBMIT_RATE_LIMIT is unset. Register it after
-    the token check, so that a request without a valid token is 401 and counts against nobody."""
-    if not settings.submit_rate_limit:
+    """The limiter on `app`'s submit routes, or None when neither ENCORE_SUBMIT_RATE_LIMIT nor any tenant sets a
+    rate. Each tenant's own rate (its tenants-file limit, else the deployment's) is read per request. Register it
+    after the token check, so that a request without a valid token is 401 and counts against nobody."""
+    if not settings.submit_rate_limit and not any(t.limits.submit_rate_limit for t in settings.tenants.tenants):
         return None
     app.after_request(_retry_after_at_least_one_second)  # registered first: runs after the limiter's own
     uri, options = storage(settings)
@@ -35,9 +37,18 @@ def install(app: Flask, settings: Settings) -> Limiter | None:
         storage_options=options,
         strategy=settings.rate_limit_strategy,
         headers_enabled=True,
-        application_limits=[settings.submit_rate_limit],
-        application_limits_exempt_when=lambda: request.endpoint not in SUBMIT_ENDPOINTS,
+        application_limits=[lambda: _rate(settings) or UNLIMITED],
+        application_limits_exempt_when=lambda: request.endpoint not in SUBMIT_ENDPOINTS or not _rate(settings),
     )
+
+
+UNLIMITED = "1000000/second"  # never applied: a request whose tenant has no rate is exempt
+
+
+def _rate(settings: Settings) -> str:
+    """The submit rate of the request's tenant ("" for none); the deployment's for a request with no tenant."""
+    found = g.get("tenant")
+    return limits_for(settings, found).submit_rate_limit if found is not None else settings.submit_rate_limit
 
 
 def storage(settings: Settings) -> tuple[str, dict[str, Any]]:

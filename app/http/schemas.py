@@ -272,6 +272,18 @@ class StatusReply(BaseModel):
     time: float
 
 
+class TenantUsage(BaseModel):
+    tenant: str
+    jobs: int = Field(description="jobs submitted")
+    tracks: int = Field(description="tracks submitted")
+    gpu_seconds: float = Field(description="wall seconds its stages ran on GPU queues")
+    open_tracks: int = Field(description="its tracks not ended now")
+
+
+class UsageReply(BaseModel):
+    tenants: list[TenantUsage]
+
+
 class DrainReply(BaseModel):
     queue: str
     draining: bool

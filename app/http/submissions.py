@@ -16,7 +16,8 @@ from app.control.metrics import count_submission
 from app.pipeline.music.lyrics import clean_lyrics
 from app.pipeline.profiles import MusicProfile
 from app.core.priority import DEFAULT_PRIORITY
-from app.core.tenants import DEFAULT_TENANT
+from app.core.tenants import OPEN_TENANT, Tenant
+from app.control.tenant_limits import check_request, tenant_admission
 from app.control.quotas import admission
 from app.control.routing import route_job
 from app.pipeline.music.positions import longest_song_for
@@ -72,7 +73,7 @@ def submit_music(
     profile: MusicProfile,
     job_id: str | None = None,
     webhook: dict[str, Any] | None = None,
-    tenant: str = DEFAULT_TENANT,
+    tenant: Tenant = OPEN_TENANT,
     **extra: Any,
 ) -> str:
     """Create the job record (one track per requested track, seeds seed+i), owned by `tenant`, and route its
@@ -119,17 +120,22 @@ def create_job(
     cost: float,
     job_id: str | None = None,
     webhook: dict[str, Any] | None = None,
-    tenant: str = DEFAULT_TENANT,
+    tenant: Tenant = OPEN_TENANT,
     **log_fields: Any,
 ) -> str:
-    """Write the record (owned by `tenant`), count the submission and log it; the caller routes once the job's inputs exist. The
+    """Write the record (owned by `tenant`, within its limits: app/control/tenant_limits.py, TenantLimitExceeded
+    past one), count the submission and log it; the caller routes once the job's inputs exist. The
     job's priority is the one its params record (normal, recorded there, when they name none)."""
     params = {**params, "priority": params.get("priority", DEFAULT_PRIORITY)}
     priority = params["priority"]
-    with admission(svc, len(tracks)):  # QueueFull (429) when the job would pass a cap on open tracks
+    check_request(svc.settings, tenant, kind, params)  # 403: a priority or length the tenant may never ask for
+    # 429 when the job would pass its tenant's cap on open tracks, or the service's (QueueFull)
+    with tenant_admission(svc, tenant, len(tracks)), admission(svc, len(tracks)):
         job_id = svc.jobs.create(
-            kind, params, tracks, cost=cost, job_id=job_id, webhook=webhook, priority=priority, tenant=tenant
+            kind, params, tracks, cost=cost, job_id=job_id, webhook=webhook, priority=priority, tenant=tenant.name
         )
     count_submission(svc, kind)
-    job_event(log, "submitted", job_id, kind=kind, tracks=len(tracks), priority=priority, tenant=tenant, **log_fields)
+    job_event(
+        log, "submitted", job_id, kind=kind, tracks=len(tracks), priority=priority, tenant=tenant.name, **log_fields
+    )
     return job_id

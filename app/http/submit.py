@@ -47,7 +47,7 @@ def submit_music() -> tuple[Response, int]:
     """A music job: the body checked against the profile's limits, one chain of stages per track."""
     shared = context()
     key = idempotency_key()
-    owner = tenant().name
+    owner = tenant()
     try:
         body = json_object(request)
         req = validate_music(body, shared.settings, shared.profile)
@@ -87,7 +87,7 @@ def submit_lipsync() -> tuple[Response, int]:
     """A lip-sync job: the two files staged and probed, stored as the job's inputs, one stage routed."""
     shared = context()
     key = idempotency_key()
-    owner = tenant().name
+    owner = tenant()
     if not request.mimetype == "multipart/form-data":
         return error(400, "body: expected multipart/form-data with video and audio files", "body")
     try:

@@ -39,6 +39,7 @@ from app.core.joblog import job_event
 from app.core.kinds import JobKind, Stage
 from app.control.lifecycle import is_open
 from app.control.metrics import observe_stage
+from app.control.tenant_limits import record_gpu_seconds
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.runtime import device_report, release_memory
 from app.control.services import Services, services
@@ -594,6 +595,7 @@ class StageTask(Task):
             **({"info": run.info} if run.info else {}),
         )
         observe_stage(svc, self.kind.name, self.stage.name, seconds, units)
+        record_gpu_seconds(svc, run.job_id, seconds)  # the owner's usage (app/control/tenant_limits.py)
         learn_stage(
             svc,
             run.queue,

@@ -181,6 +181,13 @@ if before_cat ~= after_cat then
   redis.call('HINCRBY', job_key, 'n_' .. after_cat, 1)
   local after = overall()
   job_before, job_after = before, after
+  local open_before = before_cat == 'waiting' or before_cat == 'active'
+  local open_after = after_cat == 'waiting' or after_cat == 'active'
+  if open_before ~= open_after then  -- the owner's open tracks (app/control/tenant_limits.py), scored by expiry
+    local owned = K.tenant_open(redis.call('HGET', job_key, 'tenant') or DEFAULT_TENANT)
+    if open_after then redis.call('ZADD', owned, redis.call('HGET', job_key, 'expires_at'), m)
+    else redis.call('ZREM', owned, m) end
+  end
   if before ~= after then
     local expires = redis.call('HGET', job_key, 'expires_at')
     if before then redis.call('ZREM', K.jobs_in_state(kind, before), job_id) end
