@@ -251,6 +251,11 @@ EXAMPLES = [
             r'"error":\s*"Idempotency-Key: already used with a different request body"',
         ),
     ),
+    Example(
+        "docs/api.md",
+        "curl -s $ENCORE_URL/api/v1/usage",
+        expect=(r'"tenant":\s*"default"', r'"jobs":\s*[1-9]', r'"gpu_seconds":\s*[0-9.]*[1-9]'),
+    ),
     Example("docs/api.md", '"webhook": "https://hooks.example.com/encore"', expect=(JSON_ID + r"[\s\S]*" + JSON_ID,)),
     Example(
         "docs/api.md", "celery -A app worker -Q webhooks", server="webhooks", expect=(r"\[queues\][\s\S]*webhooks",)

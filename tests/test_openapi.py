@@ -85,7 +85,7 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_reply(make_stack
         if rule.endpoint != "static"
         for method in rule.methods - {"HEAD", "OPTIONS"}
     ]
-    assert len(operations) == len(routes) == 27
+    assert len(operations) == len(routes) == 28
     assert all(
         op["security"] == ([] if path in ("/", "/healthz", "/readyz", "/metrics") else [{"bearer": []}])
         for path, item in spec["paths"].items()
