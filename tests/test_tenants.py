@@ -435,3 +435,21 @@ def test_a_tenants_gpu_seconds_are_the_stage_seconds_its_jobs_ran(make_stack, tm
     assert acme["gpu_seconds"] > 0 and acme["open_tracks"] == 0
     [beta] = stack.client.get("/api/v1/usage", headers=bearer("beta-1")).get_json()["tenants"]
     assert beta["gpu_seconds"] == 0
+
+
+def test_the_rate_limiter_runs_for_the_submit_routes_only(make_stack):
+    """Its hooks resolve limits on every request they see (~60 µs a poll): each is wrapped to run for submits only,
+    and the submits still carry its headers."""
+    from flask_limiter import Limiter
+
+    stack = make_stack()
+    app = stack.app
+    for table in (app.before_request_funcs, app.after_request_funcs, app.teardown_request_funcs):
+        for hook in table.get(None, []):
+            owner = getattr(hook, "__self__", None)
+            bound = getattr(hook, "args", ())
+            assert not isinstance(owner, Limiter) and not any(isinstance(a, Limiter) for a in bound), hook
+    submitted = stack.client.post("/api/v1/music", json=MUSIC)
+    assert submitted.status_code == 202 and "X-RateLimit-Limit" in submitted.headers
+    polled = stack.client.get(f"/api/v1/jobs/{submitted.get_json()['job_id']}")
+    assert polled.status_code == 200 and "X-RateLimit-Limit" not in polled.headers
