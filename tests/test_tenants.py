@@ -453,3 +453,11 @@ def test_the_rate_limiter_runs_for_the_submit_routes_only(make_stack):
     assert submitted.status_code == 202 and "X-RateLimit-Limit" in submitted.headers
     polled = stack.client.get(f"/api/v1/jobs/{submitted.get_json()['job_id']}")
     assert polled.status_code == 200 and "X-RateLimit-Limit" not in polled.headers
+
+
+def test_an_open_deployments_metrics_carry_no_tenant_series(make_stack):
+    """With no token configured the one implicit tenant's usage is the totals: a scrape does not pay for it."""
+    stack = make_stack()
+    assert stack.client.post("/api/v1/music", json=MUSIC).status_code == 202
+    text = stack.client.get("/metrics").get_data(as_text=True)
+    assert "encore_jobs_submitted_total" in text and "encore_tenant" not in text

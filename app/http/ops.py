@@ -37,13 +37,13 @@ blueprint = Blueprint("ops", __name__)
     media=("text/plain",),
 )
 def metrics() -> ResponseReturnValue:
-    """Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers (no auth). A scrape with
-    an admin token (or any, where no token is configured) also gets each tenant's usage, labelled by tenant
-    names from the configuration only (a bounded set)."""
+    """Prometheus exposition: jobs by kind/state, stage durations, queue depths, workers (no auth). Where tokens
+    are configured, a scrape with an admin token also gets each tenant's usage, labelled by tenant names from
+    the configuration only (a bounded set); with none configured the one implicit tenant's usage is the totals."""
     shared = context()
     text = generate_latest(shared.metrics)
     viewer = g.get("tenant")
-    if viewer is not None and viewer.is_admin:
+    if shared.settings.authenticated and viewer is not None and viewer.is_admin:
         text += generate_latest(tenant_registry(shared.services, known_tenants(shared.settings)))
     return Response(text, content_type=CONTENT_TYPE_LATEST)  # it names its charset
 
