@@ -17,6 +17,7 @@ from app.adapters.celery_app import make_celery
 from app.core.config import Settings, load_settings
 from app.http import errors, guards, jobs, khala, ops, pages, submit
 from app.http.context import WebContext, install
+from app.http.events import StreamGate
 from app.control.metrics import make_registry
 from app.pipeline.profiles import load_lipsync_profile
 from app.http.ratelimit import install as install_rate_limits
@@ -51,6 +52,7 @@ def build_context(settings: Settings) -> WebContext:
         transport_options=transport_options,
         metrics=make_registry(services, transport_options),
         tags=khala.load_catalogue(settings.tags_file),
+        streams=StreamGate.for_threads(settings.web_threads),
     )
 
 

@@ -16,6 +16,8 @@ from typing import Any, cast, overload
 from urllib.parse import quote, urlsplit
 
 import redis
+import redis.asyncio
+import redis.asyncio.sentinel
 from redis.sentinel import Sentinel
 from redis.typing import ZSetRangeResponse
 
@@ -51,6 +53,29 @@ def redis_client(settings: Settings, *, decode_responses: bool) -> redis.Redis:
         db=_database(settings),
         password=_password(settings),
         decode_responses=decode_responses,
+        socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
+        socket_keepalive=True,
+    )
+
+
+def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
+    """An asyncio text client of the same primary (the events server's): REDIS_URL's server, or the sentinels'."""
+    if not settings.redis_sentinels:
+        return redis.asyncio.Redis.from_url(settings.redis_url, decode_responses=True)
+    sentinel_auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
+    sentinel = redis.asyncio.sentinel.Sentinel(
+        list(settings.redis_sentinels),
+        sentinel_kwargs={
+            "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+            "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+            **sentinel_auth,
+        },
+    )
+    return sentinel.master_for(
+        settings.redis_sentinel_master,
+        db=_database(settings),
+        password=_password(settings),
+        decode_responses=True,
         socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
         socket_keepalive=True,
     )

@@ -27,6 +27,7 @@ KEYS: dict[str, str] = {
     "jobs": "jobs",  # zset: every job by creation time
     "jobs_in_state": "jobs:{kind}:{state}",  # zset: a kind's jobs in one client-facing state
     "tenant_jobs": "tenant:{tenant}:jobs",  # zset: one tenant's jobs by creation time (app/core/tenants.py)
+    "tenant_streams": "tenant:{tenant}:streams",  # zset: one tenant's open event streams by expiry (app/control/streams.py)
     "created": "created",  # zset: tracks written, not routed yet
     "unrouted": "unrouted",  # zset: parked tracks by priority, then submission
     "seq": "seq",  # counter: submission order
@@ -54,6 +55,7 @@ KEYS: dict[str, str] = {
     "webhook_seq": "webhooks:seq",  # counter: webhook message ids
     "webhook_in_flight": "webhooks:in-flight:{worker}",  # list: messages a webhook worker is handing out
     "metrics": "metrics",  # prefix of the metric counters (`metric(...)`)
+    "ticket_secret": "events:ticket-secret",  # string: the key of the event streams' tickets (app/control/streams.py)
 }
 
 _FIELD = re.compile(r"{(\w+)}")
@@ -112,6 +114,9 @@ class Layout:
 
     def tenant_jobs(self, tenant: str) -> str:
         return self.key("tenant_jobs", tenant=tenant)
+
+    def tenant_streams(self, tenant: str) -> str:
+        return self.key("tenant_streams", tenant=tenant)
 
     def jobs_in_state(self, kind: str, state: str) -> str:
         return self.key("jobs_in_state", kind=kind, state=state)
@@ -195,6 +200,10 @@ class Layout:
 
     def webhook_in_flight(self, worker: str) -> str:
         return self.key("webhook_in_flight", worker=worker)
+
+    @property
+    def ticket_secret(self) -> str:
+        return self.key("ticket_secret")
 
     def metric(self, *parts: str) -> str:
         """A metric counter: the metrics prefix and any number of parts (name, labels)."""

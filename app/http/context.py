@@ -13,6 +13,7 @@ from flask import Flask, current_app
 from prometheus_client import CollectorRegistry
 
 from app.core.config import Settings
+from app.http.events import StreamGate
 from app.pipeline.profiles import LipsyncProfile, MusicProfile
 from app.control.services import Services
 
@@ -31,6 +32,7 @@ class WebContext:
     transport_options: dict[str, Any]  # the broker's, for reading queue depths
     metrics: CollectorRegistry  # what GET /metrics exposes
     tags: dict[str, Any]  # the Khala tag catalogue (ENCORE_TAGS_FILE), read once
+    streams: StreamGate  # the event streams this process serves itself (none behind ENCORE_EVENTS_URL)
 
 
 def install(app: Flask, shared: WebContext) -> None:
