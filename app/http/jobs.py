@@ -107,7 +107,7 @@ def get_job(job_id: str) -> ResponseReturnValue:
             ),
             SSE_EVENT,
         ),
-        307: "to the events server (ENCORE_EVENTS_URL), with a ticket in the query",
+        307: ("to the events server (ENCORE_EVENTS_URL), with a ticket in the query", None),
         400: "Last-Event-ID is not an event id",
         404: "unknown job",
         429: "`streams`: this web process serves as many streams as it may (Retry-After)",
