@@ -35,10 +35,13 @@ def _password(settings: Settings) -> str | None:
     return urlsplit(settings.redis_url).password or None
 
 
-def redis_client(settings: Settings, *, decode_responses: bool) -> redis.Redis:
-    """A client of the primary: REDIS_URL's server, or the one the sentinels name now."""
+def redis_client(settings: Settings, *, decode_responses: bool, read_timeout_s: float | None = None) -> redis.Redis:
+    """A client of the primary: REDIS_URL's server, or the one the sentinels name now. `read_timeout_s`: its
+    sockets' read timeout instead of redis-py's (5 s), for a client whose blocking reads (XREAD BLOCK) wait longer:
+    redis-py would raise TimeoutError at 5 s."""
+    timeout = {} if read_timeout_s is None else {"socket_timeout": read_timeout_s}
     if not settings.redis_sentinels:
-        return redis.Redis.from_url(settings.redis_url, decode_responses=decode_responses)
+        return redis.Redis.from_url(settings.redis_url, decode_responses=decode_responses, **timeout)
     sentinel_auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
     sentinel = Sentinel(
         list(settings.redis_sentinels),
@@ -55,13 +58,18 @@ def redis_client(settings: Settings, *, decode_responses: bool) -> redis.Redis:
         decode_responses=decode_responses,
         socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
         socket_keepalive=True,
+        **timeout,
     )
 
 
-def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
-    """An asyncio text client of the same primary (the events server's): REDIS_URL's server, or the sentinels'."""
+def async_redis_client(settings: Settings, max_connections: int, read_timeout_s: float) -> redis.asyncio.Redis:
+    """An asyncio text client of the same primary (the events server's): REDIS_URL's server, or the sentinels'; its
+    pool opens at most `max_connections` (redis.asyncio's default, 100, would cap the blocked reads it serves), and
+    its reads time out after `read_timeout_s` (above its longest XREAD BLOCK; redis-py's default is 5 s)."""
     if not settings.redis_sentinels:
-        return redis.asyncio.Redis.from_url(settings.redis_url, decode_responses=True)
+        return redis.asyncio.Redis.from_url(
+            settings.redis_url, decode_responses=True, max_connections=max_connections, socket_timeout=read_timeout_s
+        )
     sentinel_auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
     sentinel = redis.asyncio.sentinel.Sentinel(
         list(settings.redis_sentinels),
@@ -76,6 +84,8 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
         db=_database(settings),
         password=_password(settings),
         decode_responses=True,
+        max_connections=max_connections,
+        socket_timeout=read_timeout_s,
         socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
         socket_keepalive=True,
     )

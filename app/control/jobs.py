@@ -227,11 +227,13 @@ class JobStore:
         return job
 
     def events_after(
-        self, job_id: str, after: str, block_ms: int | None = None, count: int = 500
+        self, job_id: str, after: str, block_ms: int | None = None, count: int = 500, client: redis.Redis | None = None
     ) -> list[tuple[str, dict[str, Any]]]:
         """The job's events after stream id `after` ("0-0": from the first kept), oldest first: at most
-        `count`, waiting up to `block_ms` for one when there are none (None: do not wait)."""
-        return stream_entries(self.redis.xread({self.keys.event_stream(job_id): after}, count=count, block=block_ms))
+        `count`, waiting up to `block_ms` for one when there are none (None: do not wait), read with `client` (one
+        whose read timeout outlasts the wait) or the store's own."""
+        reply = (client or self.redis).xread({self.keys.event_stream(job_id): after}, count=count, block=block_ms)
+        return stream_entries(reply)
 
     def recent_job_ids(self, limit: int = 100, tenant: str | None = None) -> list[str]:
         """Newest first, of every tenant or of `tenant` only; ids whose record expired are dropped from the index

@@ -62,6 +62,12 @@ class StreamGate:
             self.open -= 1
 
 
+def read_timeout_s(heartbeat_s: float) -> float:
+    """The read timeout of a Redis client that serves streams: a stream's XREAD blocks up to `heartbeat_s`, and
+    redis-py's default timeout (5 s) would end every stream quieter than that with a TimeoutError."""
+    return heartbeat_s + 5
+
+
 def valid_event_id(value: str) -> bool:
     return bool(EVENT_ID.fullmatch(value))
 
@@ -150,13 +156,15 @@ def job_events(
     heartbeat_s: float,
     max_s: float,
     clock: Callable[[], float] = time.monotonic,
+    reader: redis.Redis | None = None,
 ) -> Iterator[str]:
-    """The SSE body, read with the web's blocking client (see EventCursor for what it holds)."""
+    """The SSE body, read with the web's blocking client (see EventCursor for what it holds); `reader`: the client
+    of the blocking reads (one whose read timeout outlasts them, `read_timeout_s`), by default the store's."""
     yield OPENING
     cursor = EventCursor(job_id, after, job_state=job_state, heartbeat_s=heartbeat_s, max_s=max_s, clock=clock)
     try:
         while not cursor.over:
-            yield from cursor.take(jobs.events_after(job_id, cursor.last, block_ms=cursor.block_ms()))
+            yield from cursor.take(jobs.events_after(job_id, cursor.last, block_ms=cursor.block_ms(), client=reader))
             if cursor.needs_state:
                 yield from cursor.idle(_current_state(jobs, job_id))
     except redis.RedisError:

@@ -28,7 +28,7 @@ from aiohttp import web
 from app.adapters.redis_conn import async_redis_client
 from app.control.streams import AsyncStreams, async_ticket_secret, slot_ttl_s, ticket_tenant
 from app.core.config import Settings, load_settings
-from app.http.events import HEADERS, OPENING, STREAMS_RETRY_S, EventCursor, valid_event_id
+from app.http.events import HEADERS, OPENING, STREAMS_RETRY_S, EventCursor, read_timeout_s, valid_event_id
 
 log = logging.getLogger("encore.events")
 
@@ -44,6 +44,9 @@ PREFLIGHT = {
 }
 CONTENT_TYPE = "text/event-stream; charset=utf-8"  # what the web's Flask response says
 LISTEN_BACKLOG = 2048  # a thousand clients may connect at once
+# A stream's blocked XREAD holds a pooled Redis connection: one per open stream, and a few for the short commands.
+# Past this a new stream is answered 503 (its client retries); Redis' own default maxclients is 10,000.
+REDIS_CONNECTIONS = 8000
 SHUTDOWN_S = 5.0  # open streams are cut after this at a stop: their clients resume with Last-Event-ID
 
 
@@ -67,7 +70,11 @@ class EventsServer:
 
     def __init__(self, settings: Settings, client: redis.asyncio.Redis | None = None):
         self.settings = settings
-        self.redis = client if client is not None else async_redis_client(settings)
+        self.redis = (
+            client
+            if client is not None
+            else async_redis_client(settings, REDIS_CONNECTIONS, read_timeout_s(settings.sse_heartbeat_s))
+        )
         self.streams = AsyncStreams(self.redis, settings.key_prefix)
         self.process = secrets.token_hex(6)  # names this process's slots in the tenants' sets
         self.open = 0  # streams open in this process (logged at a stop)
@@ -185,8 +192,8 @@ class EventsServer:
                 if time.monotonic() - refreshed >= settings.sse_heartbeat_s:
                     await self._claim(tenant, member)  # keeps the slot alive (it may pass the cap: it is held)
                     refreshed = time.monotonic()
-        except redis.RedisError:
-            pass  # the client reconnects and resumes once Redis answers again
+        except redis.RedisError as exc:
+            log.warning("job %s: stream ended by a Redis error (its client resumes): %s", job_id, exc)
         except ConnectionError:
             pass  # the client went away
         finally:

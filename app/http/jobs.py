@@ -144,6 +144,7 @@ def job_events_stream(job_id: str) -> ResponseReturnValue:
         job_state=record["state"],
         heartbeat_s=shared.settings.sse_heartbeat_s,
         max_s=shared.settings.sse_max_s,
+        reader=shared.stream_redis,
     )
     response = Response(stream, mimetype="text/event-stream", headers=SSE_HEADERS)
     response.call_on_close(shared.streams.leave)  # the server closes the body when it ends or its client is gone
