@@ -7,6 +7,7 @@ after its expiry when its process was killed), and the web's own cap when it ser
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -276,3 +277,37 @@ def test_the_cap_script_counts_live_slots_only(redis_base_url):
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow  # waits for one 6 s heartbeat (~7 s)
+def test_a_stream_quieter_than_redis_pys_read_timeout_stays_open(deployment):
+    """redis-py's clients time a read out after 5 s: a stream's blocking read of up to one heartbeat (15 s by default)
+    must not end it. Both servers: the events server and the web serving the stream itself."""
+    stack, web, events_url = deployment(ENCORE_SSE_HEARTBEAT_S="6")
+    job_id = submit(stack, "acme-1")
+    alone = make_web_without_events_server(stack)
+    readers = [
+        Reader(f"{events_url}{events_path(job_id)}", bearer("acme-1")),
+        Reader(f"{alone}{events_path(job_id)}", bearer("acme-1")),
+    ]
+    for reader in readers:
+        assert reader.reply.status_code == 200
+        lines = []
+        for line in reader.lines:
+            lines.append(line)
+            if line == ": heartbeat":
+                break
+        assert ": heartbeat" in lines, lines  # the stream outlived 5 s of silence
+        reader.close()
+
+
+def make_web_without_events_server(stack) -> str:
+    """A second live web over the stack's Redis that serves streams itself (no ENCORE_EVENTS_URL)."""
+    from werkzeug.serving import make_server
+
+    from app.web import create_app
+
+    settings = dataclasses.replace(stack.settings, events_url="")
+    server = make_server("127.0.0.1", 0, create_app(settings), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_port}"
