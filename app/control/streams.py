@@ -30,7 +30,7 @@ from app.control.scripts import async_script
 from app.core.ids import is_job_id
 from app.core.keys import Layout
 
-TICKET_S = 60  # a ticket is good this long: the client follows the redirect at once
+TICKET_S = 60  # the least a ticket is good for: the client follows the redirect at once
 TICKET = re.compile(r"([0-9]{1,12})\.([a-z0-9][a-z0-9_.-]{0,62})\.([0-9a-f]{64})", re.ASCII)  # matched whole
 
 

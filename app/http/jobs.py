@@ -12,7 +12,7 @@ from flask import Blueprint, Response, jsonify, redirect, request, send_file
 from flask.typing import ResponseReturnValue
 
 from app.control.eta import job_etas, polled_record
-from app.control.streams import make_ticket, ticket_secret
+from app.control.streams import TICKET_S, make_ticket, ticket_secret
 from app.http.events import HEADERS as SSE_HEADERS, STREAMS_RETRY_S, job_events, valid_event_id
 from app.http.context import context
 from app.http.guards import tenant
@@ -153,10 +153,14 @@ def job_events_stream(job_id: str) -> ResponseReturnValue:
 
 def _to_events_server(events_url: str, job_id: str, tenant_name: str) -> ResponseReturnValue:
     """307 (the method and headers, Last-Event-ID among them, are kept) to the events server, with a ticket."""
-    svc = context().services
-    ticket = make_ticket(ticket_secret(svc.redis, svc.jobs.keys), job_id, tenant_name, time.time())
+    shared = context()
+    svc = shared.services
+    # A browser's EventSource reconnects to the redirected URL, not to this one (Chromium, tests/test_web_page.py),
+    # sending Last-Event-ID there: the ticket outlives the longest stream, so its reconnect is still admitted.
+    ttl_s = shared.settings.sse_max_s + TICKET_S
+    ticket = make_ticket(ticket_secret(svc.redis, svc.jobs.keys), job_id, tenant_name, time.time(), ttl_s)
     response = redirect(f"{events_url}/api/v1/jobs/{job_id}/events?{urlencode({'ticket': ticket})}", 307)
-    response.headers["Cache-Control"] = "no-store"  # a ticket is good for one minute: never cache the redirect
+    response.headers["Cache-Control"] = "no-store"  # a ticket is a credential: never cache the redirect
     return response
 
 
