@@ -50,16 +50,30 @@ class StreamGate:
         """At most half of a process's threads (and at least one stream)."""
         return cls(max(1, threads // 2))
 
-    def enter(self) -> bool:
+    def enter(self) -> Callable[[], None] | None:
+        """A place for one stream, or None when all are taken. The place is given back by the function returned,
+        which may be called any number of times (the body's end and the server's close both call it)."""
         with self._lock:
             if self.open >= self.limit:
-                return False
+                return None
             self.open += 1
-            return True
+        left = threading.Event()
 
-    def leave(self) -> None:
-        with self._lock:
-            self.open -= 1
+        def leave() -> None:
+            with self._lock:
+                if not left.is_set():
+                    left.set()
+                    self.open -= 1
+
+        return leave
+
+
+def released(body: Iterator[str], leave: Callable[[], None]) -> Iterator[str]:
+    """`body`, giving its place back when it ends or is closed (a test client may never close the response)."""
+    try:
+        yield from body
+    finally:
+        leave()
 
 
 def read_timeout_s(heartbeat_s: float) -> float:

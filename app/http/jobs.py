@@ -13,7 +13,7 @@ from flask.typing import ResponseReturnValue
 
 from app.control.eta import job_etas, polled_record
 from app.control.streams import TICKET_S, make_ticket, ticket_secret
-from app.http.events import HEADERS as SSE_HEADERS, STREAMS_RETRY_S, job_events, valid_event_id
+from app.http.events import HEADERS as SSE_HEADERS, STREAMS_RETRY_S, job_events, released, valid_event_id
 from app.http.context import context
 from app.http.guards import tenant
 from app.http.replies import error
@@ -128,7 +128,8 @@ def job_events_stream(job_id: str) -> ResponseReturnValue:
         return error(400, "Last-Event-ID: expected an event id such as 1700000000000-0", "Last-Event-ID")
     if shared.settings.events_url:
         return _to_events_server(shared.settings.events_url, job_id, viewer.name)
-    if not shared.streams.enter():
+    leave = shared.streams.enter()
+    if leave is None:
         reply, status = error(
             429,
             f"streams: this web process already serves {shared.streams.limit} event streams "
@@ -146,8 +147,8 @@ def job_events_stream(job_id: str) -> ResponseReturnValue:
         max_s=shared.settings.sse_max_s,
         reader=shared.stream_redis,
     )
-    response = Response(stream, mimetype="text/event-stream", headers=SSE_HEADERS)
-    response.call_on_close(shared.streams.leave)  # the server closes the body when it ends or its client is gone
+    response = Response(released(stream, leave), mimetype="text/event-stream", headers=SSE_HEADERS)
+    response.call_on_close(leave)  # the server closes the body when it ends or its client is gone
     return response
 
 
