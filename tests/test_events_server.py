@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,17 @@ def test_a_stream_follows_the_webs_307_to_event_end_and_resumes_after_the_last_i
     again = Reader(f"{web}{events_path(job_id)}", {**bearer("acme-1"), "Last-Event-ID": first[1][1]})
     replayed = list(again.messages())
     assert [m[2].get("event") for m in replayed] == ["cancel", None] and replayed[-1][0] == "end"
+
+
+def test_a_stream_sends_heartbeats_ends_after_its_bound_and_frees_its_slot(deployment):
+    stack, web, events_url = deployment(ENCORE_SSE_MAX_S="1.5")
+    job_id = submit(stack, "acme-1")
+    started = time.monotonic()
+    reader = Reader(f"{events_url}{events_path(job_id)}", bearer("acme-1"))
+    lines = list(reader.lines)  # returns when the server closes the stream
+    assert 1.4 < time.monotonic() - started < 10
+    assert ": heartbeat" in lines and "event: end" not in lines  # bounded, not ended: the client resumes
+    wait_until(lambda: stack.redis.zcard("encore:tenant:acme:streams") == 0, 10, 0.05, "the slot to be released")
 
 
 def test_the_cli_follows_a_job_through_the_redirect(deployment):
