@@ -238,7 +238,7 @@ EXAMPLES = [
     ),
     Example(
         "docs/api.md",
-        "curl -sN $ENCORE_URL/api/v1/jobs/$JOB_ID/events\n",
+        "curl -sNL $ENCORE_URL/api/v1/jobs/$JOB_ID/events\n",
         expect=(r'"event":\s*"submit"', r'"event":\s*"finish"', r"event: end\ndata: \{[^}]*\"state\":\s*\"done\""),
     ),
     Example(
