@@ -9,7 +9,8 @@ are open, --event-rate events per second are appended to the jobs' event streams
 progress), so the events server is sending, not only holding. The streams are held by a child process (an aiohttp
 client on one asyncio loop) so that its work does not share the measuring process's interpreter. Latency: p50,
 p99 and max over --requests sequential requests per path, on one keep-alive connection. Target: p99 <= 100 ms with
-the streams open. Prints JSON (and writes it to --out).
+the streams open. `--web-only` runs the same without the events server: the web serves the streams itself, as
+many as half its threads, and refuses the rest (429 `streams`). Prints JSON (and writes it to --out).
 
     python bench/streams.py [--streams 1000] [--requests 200] [--spread-s 20] [--event-rate 20]
                             [--out bench/results/streams_1000.json]
@@ -213,6 +214,11 @@ def main() -> None:
     parser.add_argument("--event-rate", type=float, default=20.0, help="events appended per second while measuring")
     parser.add_argument("--spread-s", type=float, default=20.0, help="each phase's requests paced over this long")
     parser.add_argument("--jobs-per-tenant", type=int, default=10)
+    parser.add_argument(
+        "--web-only",
+        action="store_true",
+        help="no events server: the web serves the streams itself (at most half its threads; the rest are 429)",
+    )
     parser.add_argument("--heartbeat-s", type=float, default=15.0, help="ENCORE_SSE_HEARTBEAT_S (the default)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("--logs", type=Path, help="keep the web's and the events server's logs in this folder")
@@ -236,7 +242,7 @@ def main() -> None:
                 **os.environ,
                 "REDIS_URL": url,
                 "ENCORE_TENANTS_FILE": str(tenants_path),
-                "ENCORE_EVENTS_URL": events,
+                **({} if args.web_only else {"ENCORE_EVENTS_URL": events}),
                 "ENCORE_SSE_HEARTBEAT_S": str(args.heartbeat_s),
                 "ENCORE_ARTIFACT_DIR": str(Path(scratch) / "artifacts"),
                 "ENCORE_UPLOAD_DIR": str(Path(scratch) / "uploads"),
@@ -246,8 +252,9 @@ def main() -> None:
             logs = args.logs or Path(scratch)
             logs.mkdir(parents=True, exist_ok=True)
             procs.append(serve([*gunicorn, "--log-level", "warning"], env, f"{web}/healthz", logs / "web.log"))
-            events_cmd = [sys.executable, "-m", "app", "events", "--bind", f"127.0.0.1:{events_port}"]
-            procs.append(serve(events_cmd, env, f"{events}/healthz", logs / "events.log"))
+            if not args.web_only:
+                events_cmd = [sys.executable, "-m", "app", "events", "--bind", f"127.0.0.1:{events_port}"]
+                procs.append(serve(events_cmd, env, f"{events}/healthz", logs / "events.log"))
             poll_token, poll_job = pairs[0][1], jobs[pairs[0][0]][0]
 
             idle = measure_web(web, poll_job, poll_token, args.requests, args.spread_s)
@@ -289,7 +296,8 @@ def main() -> None:
                     "zero_streams": idle,
                     "with_streams": loaded,
                     "target_p99_ms": TARGET_P99_MS,
-                    "meets_target": worst <= TARGET_P99_MS and opened["open"] == args.streams,
+                    "served_by": "the web itself (--web-only)" if args.web_only else "the events server",
+                    "meets_target": worst <= TARGET_P99_MS and (args.web_only or opened["open"] == args.streams),
                 },
                 indent=2,
             )
@@ -299,8 +307,12 @@ def main() -> None:
         finally:
             for proc in reversed(procs):
                 if proc.poll() is None:
-                    proc.terminate()
-                    proc.wait(20)
+                    proc.terminate()  # gunicorn waits for its open streams up to its graceful_timeout (30 s)
+                    try:
+                        proc.wait(40)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(10)
 
 
 if __name__ == "__main__":
