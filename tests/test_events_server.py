@@ -187,7 +187,7 @@ def test_the_events_server_refuses_as_the_web_does(deployment):
     bad_id = direct(other_job, **bearer("acme-1"), **{"Last-Event-ID": "nope"})
     assert bad_id.status_code == 400 and bad_id.json()["field"] == "Last-Event-ID"
     # Its own liveness, and the CORS preflight a page on the web's origin makes after the redirect.
-    assert requests.get(f"{events_url}/healthz", timeout=5).json() == {"events": "ok", "redis": "ok"}
+    assert requests.get(f"{events_url}/healthz", timeout=5).json() == {"events": "ok", "redis": "ok", "streams": 0}
     preflight = requests.options(f"{events_url}{events_path(job_id)}", timeout=5)
     assert preflight.status_code == 204 and "Last-Event-ID" in preflight.headers["Access-Control-Allow-Headers"]
 
@@ -198,6 +198,7 @@ def test_a_tenant_past_its_cap_gets_429_until_one_of_its_streams_closes(deployme
     url = f"{web}{events_path(job_id)}"
     open_streams = [Reader(url, bearer("acme-1")) for _ in range(2)]
     assert [r.reply.status_code for r in open_streams] == [200, 200]
+    assert requests.get(f"{events_url}/healthz", timeout=5).json()["streams"] == 2
     refused = requests.get(url, headers=bearer("acme-1"), timeout=5)
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) > 0
     assert refused.json()["field"] == "streams" and refused.json()["error"].startswith("streams: ")

@@ -77,7 +77,7 @@ class EventsServer:
         )
         self.streams = AsyncStreams(self.redis, settings.key_prefix)
         self.process = secrets.token_hex(6)  # names this process's slots in the tenants' sets
-        self.open = 0  # streams open in this process (logged at a stop)
+        self.open = 0  # streams open in this process (/healthz shows it)
 
     def application(self) -> web.Application:
         app = web.Application()
@@ -91,12 +91,13 @@ class EventsServer:
         await self.redis.aclose()
 
     async def healthz(self, request: web.Request) -> web.Response:
-        """Liveness of this server and its Redis (as the web's /healthz)."""
+        """Liveness of this server and its Redis (as the web's /healthz), and the streams it holds open."""
         try:
             await self.redis.ping()
         except redis.RedisError as exc:
-            return _json({"events": "ok", "redis": f"down: {exc}", "error": f"redis: down ({exc})"}, 503)
-        return _json({"events": "ok", "redis": "ok"})
+            body = {"events": "ok", "redis": f"down: {exc}", "streams": self.open, "error": f"redis: down ({exc})"}
+            return _json(body, 503)
+        return _json({"events": "ok", "redis": "ok", "streams": self.open})
 
     async def preflight(self, request: web.Request) -> web.Response:
         return web.Response(status=204, headers=PREFLIGHT)
