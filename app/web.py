@@ -17,6 +17,8 @@ from app.adapters.celery_app import make_celery
 from app.core.config import Settings, load_settings
 from app.http import errors, guards, jobs, khala, ops, pages, submit
 from app.http.context import WebContext, install
+from app.http.events import StreamGate, read_timeout_s
+from app.adapters.redis_conn import redis_client
 from app.control.metrics import make_registry
 from app.pipeline.profiles import load_lipsync_profile
 from app.http.ratelimit import install as install_rate_limits
@@ -51,6 +53,10 @@ def build_context(settings: Settings) -> WebContext:
         transport_options=transport_options,
         metrics=make_registry(services, transport_options),
         tags=khala.load_catalogue(settings.tags_file),
+        streams=StreamGate.for_threads(settings.web_threads),
+        stream_redis=redis_client(
+            settings, decode_responses=True, read_timeout_s=read_timeout_s(settings.sse_heartbeat_s)
+        ),
     )
 
 

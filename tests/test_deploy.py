@@ -38,14 +38,27 @@ def test_compose_file_is_valid_and_secure_by_default():
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     services = config["services"]
-    assert set(services) == {"redis", "web", "flower", "webhooks", "worker-gpu0", "worker-gpu1", "seaweedfs"}
+    assert set(services) == {
+        "redis",
+        "web",
+        "events",
+        "flower",
+        "webhooks",
+        "worker-gpu0",
+        "worker-gpu1",
+        "seaweedfs",
+    }
+    # Event streams go to the events service (a 307 from the web), which shares the web's Redis and tenants.
+    assert services["events"]["command"] == ["python", "-m", "app", "events", "--bind", "0.0.0.0:8001"]
+    assert services["web"]["environment"]["ENCORE_EVENTS_URL"] == "http://localhost:8001"
+    assert services["events"]["environment"]["API_TOKEN"] == services["web"]["environment"]["API_TOKEN"]
     assert services["seaweedfs"]["profiles"] == ["s3"]  # the object store only with --profile s3
     assert services["web"]["environment"]["ENCORE_ARTIFACT_BACKEND"] == "dir"  # unless s3 is asked for
     webhooks = services["webhooks"]["command"]
     assert webhooks[webhooks.index("-Q") + 1] == "webhooks" and "deploy" not in services["webhooks"]  # no GPU
     redis_cmd = services["redis"]["command"]
     assert "--appendonly" in redis_cmd and redis_cmd[redis_cmd.index("--requirepass") + 1] == "s3cret-redis"
-    for name in ("web", "flower", "webhooks", "worker-gpu0", "worker-gpu1"):
+    for name in ("web", "events", "flower", "webhooks", "worker-gpu0", "worker-gpu1"):
         env = services[name]["environment"]
         assert env["REDIS_URL"] == "redis://:s3cret-redis@redis:6379/0"
         assert any(

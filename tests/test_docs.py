@@ -238,7 +238,7 @@ EXAMPLES = [
     ),
     Example(
         "docs/api.md",
-        "curl -sN $ENCORE_URL/api/v1/jobs/$JOB_ID/events\n",
+        "curl -sNL $ENCORE_URL/api/v1/jobs/$JOB_ID/events\n",
         expect=(r'"event":\s*"submit"', r'"event":\s*"finish"', r"event: end\ndata: \{[^}]*\"state\":\s*\"done\""),
     ),
     Example(
@@ -348,6 +348,14 @@ NOT_RUN = {
     ("docs/deployment.md", "docker-compose --profile s3 up"): (
         "needs a Docker engine; tests/test_deploy.py validates the compose file, tests/test_s3_store.py the backend",
         None,
+    ),
+    ("docs/deployment.md", "python -m app events --bind 0.0.0.0:8001"): (
+        (
+            "binds the fixed ports 8000 and 8001, which another run on the machine may hold; "
+            "tests/test_events_server.py starts the same command on free ports (tests/support/stack.py) and the web "
+            "with ENCORE_EVENTS_URL"
+        ),
+        ("tests/support/stack.py", '"-m", "app", "events", "--bind"'),
     ),
     ("docs/models.md", "ENCORE_MUSIC_PROFILE=khala"): (
         "needs the real Khala checkpoints (not downloadable here)",

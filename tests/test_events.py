@@ -108,9 +108,10 @@ def test_a_job_streams_every_change_to_its_end_and_resumes_after_the_last_id(mak
 
 
 def test_a_stream_is_bounded_and_a_gone_client_frees_its_thread(make_stack):
-    """One gunicorn process with two threads: two open streams hold both; the stream ends by itself after
-    ENCORE_SSE_MAX_S (no `end`: the client would resume), and clients that disconnect are noticed at the next
-    heartbeats, so the threads serve other requests again."""
+    """One gunicorn process with two threads serves at most one stream itself (half its threads: the other stays
+    for /healthz and the polls, and a second stream is refused 429 `streams`); the stream ends by itself after
+    ENCORE_SSE_MAX_S (no `end`: the client would resume), and a client that disconnects is noticed at the next
+    heartbeat, so its place serves another stream again."""
     stack = make_stack(ENCORE_SSE_HEARTBEAT_S="0.3", ENCORE_SSE_MAX_S="4")
     url = stack.start_gunicorn(ENCORE_WEB_WORKERS="1", ENCORE_WEB_THREADS="2")
     job_id = requests.post(
@@ -126,19 +127,23 @@ def test_a_stream_is_bounded_and_a_gone_client_frees_its_thread(make_stack):
     assert ": heartbeat" in bounded.lines and "event: end" not in bounded.lines
 
     host, port = urlsplit(url).hostname, urlsplit(url).port
-    clients = []
-    for _ in range(2):  # raw sockets: closed without reading, as a browser tab that went away
+
+    def open_raw() -> tuple[socket.socket, bytes]:
+        """A raw client of the stream, to be closed without reading, as a browser tab that went away."""
         sock = socket.create_connection((host, port), timeout=5)
         sock.sendall(f"GET /api/v1/jobs/{job_id}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        assert b"200 OK" in sock.recv(200)
-        clients.append(sock)
-    for sock in clients:
+        return sock, sock.recv(200)
+
+    held, head = open_raw()
+    assert b"200 OK" in head
+    refused = requests.get(f"{url}/api/v1/jobs/{job_id}/events", timeout=5)
+    assert refused.status_code == 429 and refused.json()["field"] == "streams" and refused.headers["Retry-After"]
+    assert requests.get(f"{url}/healthz", timeout=1).ok  # the other thread still serves
+    held.close()
+
+    def admitted() -> bool:
+        sock, head = open_raw()
         sock.close()
+        return b"200 OK" in head
 
-    def healthz_answers() -> bool:
-        try:
-            return requests.get(f"{url}/healthz", timeout=1).ok
-        except requests.RequestException:
-            return False
-
-    wait_until(healthz_answers, 1.5, 0.1, "a thread freed by the gone clients (before their streams' 4 s bound)")
+    wait_until(admitted, 1.5, 0.1, "the place freed by the gone client (before its stream's 4 s bound)")

@@ -354,3 +354,37 @@ def test_page_with_api_token(make_stack, browser):
     wav.click()
     wait_until(lambda: wav.get_attribute("href").startswith("blob:"), 15, 0.1, "the WAV fetched with the token")
     assert console_errors(browser, ignore="401") == []
+
+
+def test_page_follows_a_stream_through_the_redirect_to_the_events_server(make_stack, browser):
+    """Behind the events server (ENCORE_EVENTS_URL) the page's EventSource follows the web's 307 to another origin
+    (CORS). When that server dies and comes back, Chromium reconnects to the redirected URL (not the web's), with
+    Last-Event-ID: its ticket is still good, and nothing is replayed twice."""
+    import os
+    import signal
+
+    from tests.support.processes import free_port
+
+    port = free_port()
+    events_url = f"http://127.0.0.1:{port}"
+    stack = make_stack(ENCORE_EVENTS_URL=events_url, ENCORE_SSE_HEARTBEAT_S="0.5")
+    stack.start_events_server(port)
+    job_id = stack.submit_music()  # no worker: it waits, open, until it is canceled
+    browser.get(stack.base_url + "/")
+    article = wait_until(lambda: css(browser, job_selector(job_id)), 15, 0.1, "the page to list the job")[0]
+    wait_until(lambda: article.get_attribute("data-events") == "live", 15, 0.1, "the stream to open")
+    wait_until(lambda: article.get_attribute("data-event-count") == "2", 15, 0.1, "submit and park")
+
+    tag = "streams.get(arguments[0]).encoreTag"
+    browser.execute_script(f"{tag} = 'first'", job_id)  # the same EventSource must come back, not a new one
+    first = stack.events_servers[events_url]
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(10)
+    wait_until(lambda: article.get_attribute("data-events") == "reconnecting", 15, 0.1, "the page to see it drop")
+    stack.start_events_server(port)
+    wait_until(lambda: article.get_attribute("data-events") == "live", 30, 0.1, "the page to reconnect")
+    assert browser.execute_script(f"return {tag}", job_id) == "first"
+    assert stack.client.delete(f"/api/v1/jobs/{job_id}").status_code == 200
+    wait_until(lambda: article.get_attribute("data-events") == "ended", 15, 0.1, "the page to see the stream end")
+    assert article.get_attribute("data-event-count") == "3"  # submit, park, then only the cancel: no replay
+    assert console_errors(browser, ignore="net::ERR_") == []  # no refusal on the way (a void ticket would be 401)

@@ -16,6 +16,8 @@ from typing import Any, cast, overload
 from urllib.parse import quote, urlsplit
 
 import redis
+import redis.asyncio
+import redis.asyncio.sentinel
 from redis.sentinel import Sentinel
 from redis.typing import ZSetRangeResponse
 
@@ -33,10 +35,13 @@ def _password(settings: Settings) -> str | None:
     return urlsplit(settings.redis_url).password or None
 
 
-def redis_client(settings: Settings, *, decode_responses: bool) -> redis.Redis:
-    """A client of the primary: REDIS_URL's server, or the one the sentinels name now."""
+def redis_client(settings: Settings, *, decode_responses: bool, read_timeout_s: float | None = None) -> redis.Redis:
+    """A client of the primary: REDIS_URL's server, or the one the sentinels name now. `read_timeout_s`: its
+    sockets' read timeout instead of redis-py's (5 s), for a client whose blocking reads (XREAD BLOCK) wait longer:
+    redis-py would raise TimeoutError at 5 s."""
+    timeout = {} if read_timeout_s is None else {"socket_timeout": read_timeout_s}
     if not settings.redis_sentinels:
-        return redis.Redis.from_url(settings.redis_url, decode_responses=decode_responses)
+        return redis.Redis.from_url(settings.redis_url, decode_responses=decode_responses, **timeout)
     sentinel_auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
     sentinel = Sentinel(
         list(settings.redis_sentinels),
@@ -51,6 +56,36 @@ def redis_client(settings: Settings, *, decode_responses: bool) -> redis.Redis:
         db=_database(settings),
         password=_password(settings),
         decode_responses=decode_responses,
+        socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
+        socket_keepalive=True,
+        **timeout,
+    )
+
+
+def async_redis_client(settings: Settings, max_connections: int, read_timeout_s: float) -> redis.asyncio.Redis:
+    """An asyncio text client of the same primary (the events server's): REDIS_URL's server, or the sentinels'; its
+    pool opens at most `max_connections` (redis.asyncio's default, 100, would cap the blocked reads it serves), and
+    its reads time out after `read_timeout_s` (above its longest XREAD BLOCK; redis-py's default is 5 s)."""
+    if not settings.redis_sentinels:
+        return redis.asyncio.Redis.from_url(
+            settings.redis_url, decode_responses=True, max_connections=max_connections, socket_timeout=read_timeout_s
+        )
+    sentinel_auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
+    sentinel = redis.asyncio.sentinel.Sentinel(
+        list(settings.redis_sentinels),
+        sentinel_kwargs={
+            "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+            "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
+            **sentinel_auth,
+        },
+    )
+    return sentinel.master_for(
+        settings.redis_sentinel_master,
+        db=_database(settings),
+        password=_password(settings),
+        decode_responses=True,
+        max_connections=max_connections,
+        socket_timeout=read_timeout_s,
         socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
         socket_keepalive=True,
     )

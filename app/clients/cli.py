@@ -639,7 +639,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the SHA-256 digest of a token read from standard input, for ENCORE_TENANTS_FILE",
     )
     hash_token.set_defaults(handler=cmd_hash_token)
+    events = commands.add_parser(
+        "events",
+        help="run the events server: jobs' event streams on one asyncio loop (ENCORE_EVENTS_BIND, :8001)",
+    )
+    events.add_argument("--bind", help="host:port (default: ENCORE_EVENTS_BIND)")
+    events.set_defaults(handler=cmd_events)
     return parser
+
+
+def cmd_events(client: Client, args: argparse.Namespace) -> int:
+    """The events server (app/http/events_server.py), imported here only: the client stays light."""
+    from app.http.events_server import main as serve_events
+
+    return serve_events(args.bind)
 
 
 def cmd_hash_token(client: Client, args: argparse.Namespace) -> int:

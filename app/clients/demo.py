@@ -1,4 +1,4 @@
-"""The demo behind README command 1: start whatever is not running (Redis, workers, web), submit a music
+"""The demo behind README command 1: start whatever is not running (Redis, workers, web and its events server), submit a music
 job and a lip-sync job over HTTP, show live progress, download the results (MP3/WAV, MP4), then stop what
 it started. The lip-sync clip is built here: scikit-image's astronaut photograph animated with ffmpeg,
 speaking a line from espeak-ng (a tone where espeak-ng is missing).
@@ -144,13 +144,18 @@ def ensure_workers(services: Services, env: dict[str, str], client: cli.Client) 
     wait_for(live, 120, "workers")
 
 
-def ensure_web(services: Services, env: dict[str, str], web: str) -> None:
+def ensure_web(services: Services, env: dict[str, str], web: str, events_bind: str) -> None:
+    """The web at `web`: one already running is used as it is; else the events server is made sure of first and
+    the web started with ENCORE_EVENTS_URL pointing at it (its streams then hold no web thread)."""
     try:
         requests.get(f"{web}/healthz", timeout=2).raise_for_status()
         print(f"[demo] using web at {web}")
         return
     except requests.RequestException:
         pass
+    events = ensure_events(services, env, urlparse(web).hostname or "127.0.0.1", events_bind)
+    if events:
+        env = {**env, "ENCORE_EVENTS_URL": events}
     bind = urlparse(web).netloc
     services.start(
         "web (gunicorn)",
@@ -159,6 +164,34 @@ def ensure_web(services: Services, env: dict[str, str], web: str) -> None:
         REPO / "logs" / "web.log",
     )
     wait_for(lambda: _healthy(web), 60, "web")
+
+
+def ensure_events(services: Services, env: dict[str, str], host: str, bind: str) -> str | None:
+    """The events server's URL (`python -m app events` on ENCORE_EVENTS_BIND's port, started unless one answers
+    there), or None when it does not come up: the web then serves the streams itself."""
+    port = bind.rpartition(":")[2]
+    url = f"http://{host}:{port}"
+    if _events_healthy(url):
+        print(f"[demo] using events server at {url}")
+        return url
+    proc = services.start(
+        "events server", [sys.executable, "-m", "app", "events", "--bind", bind], env, REPO / "logs" / "events.log"
+    )
+    deadline = time.monotonic() + 30
+    while not _events_healthy(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            print("[demo] the events server did not start (logs/events.log): the web serves event streams itself")
+            return None
+        time.sleep(0.3)
+    return url
+
+
+def _events_healthy(url: str) -> bool:
+    try:
+        reply = requests.get(f"{url}/healthz", timeout=2)
+        return reply.ok and reply.json().get("events") == "ok"
+    except (requests.RequestException, ValueError):
+        return False
 
 
 def _healthy(web: str) -> bool:
@@ -235,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "ENCORE_LIPSYNC_MODEL_DIR": settings.lipsync_model_dir or str(REPO / "models" / "lipsync-tiny"),
     }
     env["REDIS_URL"] = ensure_redis(services, env)
-    ensure_web(services, env, args.web)
+    ensure_web(services, env, args.web, settings.events_bind)
     # The token the web may require (API_TOKEN) is the one the demo sends.
     client = cli.Client(args.web, settings.client_token or next(iter(settings.api_tokens), None))
     ensure_workers(services, env, client)

@@ -178,12 +178,8 @@ class JobStore:
         """The tenant that owns the job (`default` for a job older than tenants), or None for an unknown job."""
         if not is_job_id(job_id):
             return None
-        tenant, kind = self.redis.hmget(self.job_key(job_id), ["tenant", "kind"])
-        if kind is None:
-            return None
-        if not tenant:
-            return DEFAULT_TENANT
-        return tenant.decode() if isinstance(tenant, bytes) else str(tenant)
+        tenant, kind = self.redis.hmget(self.job_key(job_id), OWNER_FIELDS)
+        return owner_of(tenant, kind)
 
     def visible(self, job_id: str, viewer: Tenant) -> bool:
         """Whether the job exists and `viewer` may see it: what every route on a job id checks first, so that
@@ -233,14 +229,13 @@ class JobStore:
         return job
 
     def events_after(
-        self, job_id: str, after: str, block_ms: int | None = None, count: int = 500
+        self, job_id: str, after: str, block_ms: int | None = None, count: int = 500, client: redis.Redis | None = None
     ) -> list[tuple[str, dict[str, Any]]]:
         """The job's events after stream id `after` ("0-0": from the first kept), oldest first: at most
-        `count`, waiting up to `block_ms` for one when there are none (None: do not wait)."""
-        reply = self.redis.xread({self.keys.event_stream(job_id): after}, count=count, block=block_ms)
-        # A text client's XREAD of one stream: [[stream, [(entry id, {field: value}), ...]]], or empty.
-        entries = cast(list[list[Any]], reply)[0][1] if reply else []
-        return [(entry_id, json.loads(fields["data"])) for entry_id, fields in entries]
+        `count`, waiting up to `block_ms` for one when there are none (None: do not wait), read with `client` (one
+        whose read timeout outlasts the wait) or the store's own."""
+        reply = (client or self.redis).xread({self.keys.event_stream(job_id): after}, count=count, block=block_ms)
+        return stream_entries(reply)
 
     def recent_job_ids(self, limit: int = 100, tenant: str | None = None) -> list[str]:
         """Newest first, of every tenant or of `tenant` only; ids whose record expired are dropped from the index
@@ -347,6 +342,26 @@ PIPELINE_CHUNK = 500
 
 def _chunks(items: list[str], size: int) -> list[list[str]]:
     return [items[start : start + size] for start in range(0, len(items), size)]
+
+
+OWNER_FIELDS = ["tenant", "kind"]  # what JobStore.owner reads of the job hash (the events server too)
+
+
+def owner_of(tenant: bytes | str | None, kind: bytes | str | None) -> str | None:
+    """The owner from the job hash's `tenant` and `kind` fields: None when the job does not exist (no kind), and
+    `default` for a job written before tenants existed."""
+    if kind is None:
+        return None
+    if not tenant:
+        return DEFAULT_TENANT
+    return tenant.decode() if isinstance(tenant, bytes) else str(tenant)
+
+
+def stream_entries(reply: Any) -> list[tuple[str, dict[str, Any]]]:
+    """A text client's XREAD of one job's event stream, [[stream, [(entry id, {field: value}), ...]]] or empty, as
+    (entry id, event) pairs."""
+    entries = cast(list[list[Any]], reply)[0][1] if reply else []
+    return [(entry_id, json.loads(fields["data"])) for entry_id, fields in entries]
 
 
 def overall_state(states: list[str]) -> str:

@@ -233,6 +233,19 @@ def _lua_table(value: Any) -> str:
     return "{" + ", ".join(f"[{json.dumps(k)}] = {_lua_table(v)}" for k, v in value.items()) + "}"
 
 
+READ_JOB_LIBRARIES = ("tracks", "estimate")
+
+
+def read_job_preludes() -> tuple[str, ...]:
+    """What lua/read_job.lua is composed with (also bound to the events server's asyncio client)."""
+    return (lua_stages(), lua_backlog())
+
+
+def read_job_args(prefix: str, job_id: str) -> list[str]:
+    """read_job's arguments for the plain record (no ETA)."""
+    return [prefix, job_id, ",".join(JSON_FIELDS)]
+
+
 def lua_stages() -> str:
     """Each kind's stage names as the Lua local STAGES and the terminal states as the set TERMINAL
     (app/core/kinds.TERMINAL_STATES; lua/tracks.lua's is_terminal reads it): all an estimate needs
@@ -283,7 +296,7 @@ class Lifecycle:
         self.webhook_progress_s = webhook_progress_s
         writes = (lua_tables(), lua_backlog())
         self._script = script(client, "transition", *writes, libraries=("tracks", "backlog_write"))
-        self._read_job = script(client, "read_job", lua_stages(), lua_backlog(), libraries=("tracks", "estimate"))
+        self._read_job = script(client, "read_job", *read_job_preludes(), libraries=READ_JOB_LIBRARIES)
         self._forget = script(client, "forget", *writes, libraries=("tracks", "backlog_write"))
         self._snapshot = script(client, "snapshot")
 
@@ -319,7 +332,7 @@ class Lifecycle:
         """The raw job hash, its track hashes (JSON fields decoded; with queue_position, and worker_status for
         open tracks with a worker) and the cancel flag, in one round trip and one parse. With `eta_at` (a time),
         also `eta_s`: the job's ETA then, reading `heads` running tracks per queue (app/control/backlog.py)."""
-        args = [self.layout.prefix, job_id, ",".join(JSON_FIELDS)]
+        args = read_job_args(self.layout.prefix, job_id)
         if eta_at is not None:
             args += [str(heads), repr(eta_at)]
         reply = self._read_job(keys=[], args=args)

@@ -14,13 +14,15 @@ from pathlib import Path
 from weakref import WeakKeyDictionary
 
 import redis
-from redis.commands.core import Script
+import redis.asyncio
+from redis.commands.core import AsyncScript, Script
 
 from app.core.keys import lua_keys
 
 LUA_DIR = Path(__file__).with_name("lua")
 
 _registered: WeakKeyDictionary[redis.Redis, dict[str, Script]] = WeakKeyDictionary()
+_registered_async: WeakKeyDictionary[redis.asyncio.Redis, dict[str, AsyncScript]] = WeakKeyDictionary()
 
 
 @cache
@@ -39,6 +41,17 @@ def script(client: redis.Redis, name: str, *preludes: str, libraries: tuple[str,
     """The script lua/<name>.lua (composed as `lua_source` says) bound to `client`, registered once per client."""
     source = lua_source(name, *preludes, libraries=libraries)
     scripts = _registered.setdefault(client, {})
+    if source not in scripts:
+        scripts[source] = client.register_script(source)
+    return scripts[source]
+
+
+def async_script(
+    client: redis.asyncio.Redis, name: str, *preludes: str, libraries: tuple[str, ...] = ()
+) -> AsyncScript:
+    """The same script bound to an asyncio client (the events server, app/http/events_server.py)."""
+    source = lua_source(name, *preludes, libraries=libraries)
+    scripts = _registered_async.setdefault(client, {})
     if source not in scripts:
         scripts[source] = client.register_script(source)
     return scripts[source]

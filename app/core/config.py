@@ -149,6 +149,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "sse_heartbeat_s": (0, False, None),
     "sse_max_s": (0, False, None),
     "events_maxlen": (1, True, None),
+    "max_streams_per_tenant": (1, True, None),
     "webhook_max_attempts": (1, True, None),
     "webhook_backoff_s": (0, False, None),
     "webhook_backoff_cap_s": (0, False, None),
@@ -325,6 +326,13 @@ class Settings:
     sse_heartbeat_s: float = field(default_factory=lambda: _float("ENCORE_SSE_HEARTBEAT_S", "15"))
     sse_max_s: float = field(default_factory=lambda: _float("ENCORE_SSE_MAX_S", "3600"))
     events_maxlen: int = field(default_factory=lambda: _int("ENCORE_EVENTS_MAXLEN", "1000"))
+    # The events server (app/http/events_server.py, `python -m app events`): event streams on one asyncio loop, where
+    # an open stream costs no thread. Where it listens; its public base URL, which turns the web's stream route into
+    # a 307 there (unset: the web serves streams itself, at most half its threads per process); and the most streams
+    # one tenant may hold open at once on the events servers (429 past it).
+    events_bind: str = field(default_factory=lambda: _env("ENCORE_EVENTS_BIND", "0.0.0.0:8001"))
+    events_url: str = field(default_factory=lambda: _env("ENCORE_EVENTS_URL", "").strip().rstrip("/"))
+    max_streams_per_tenant: int = field(default_factory=lambda: _int("ENCORE_MAX_STREAMS_PER_TENANT", "100"))
     # Webhooks (app/adapters/webhooks.py): the signing secret ("whsec_" + base64, Standard Webhooks; none: submits with a
     # webhook are refused), the hosts a webhook may name (comma list; ".example.com" takes its subdomains; empty:
     # any; "host:8443" also allows that port), the non-public addresses it may reach (comma list of addresses or
@@ -404,6 +412,8 @@ class Settings:
                 Webhook(self.webhook_secret)
             except (ValueError, EmptyWebhookSecretError) as exc:  # binascii.Error is a ValueError
                 raise ValueError(f"ENCORE_WEBHOOK_SECRET must be whsec_ + base64: {exc}") from None
+        if self.events_url and not self.events_url.startswith(("http://", "https://")):
+            raise ValueError(f"ENCORE_EVENTS_URL must be an http:// or https:// URL, not {self.events_url!r}")
         if self.rate_limit_strategy not in RATE_LIMIT_STRATEGIES:
             raise ValueError(
                 f"ENCORE_RATE_LIMIT_STRATEGY must be one of {', '.join(RATE_LIMIT_STRATEGIES)}, "
@@ -569,12 +579,18 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "demo_web_url": "where the demo looks for (or starts) the web server",
     "web_bind": "the web server's bind address (`gunicorn.conf.py`)",
     "web_workers": "gthread processes of the web server (compose runs 4)",
-    "web_threads": "threads per web process: size it for the event streams open at once",
+    "web_threads": "threads per web process (an event stream the web serves itself holds one: at most half of them)",
     "body_idle_s": "a request body that sends nothing this long is answered 408 and dropped",
     "sse_heartbeat_s": "a `: heartbeat` comment on an idle event stream this often (also when a gone client is "
     "noticed)",
     "sse_max_s": "the longest one event stream stays open (the client resumes with `Last-Event-ID`)",
     "events_maxlen": "events kept per job for replay (the stream `encore:job:<id>:events`, expiring with the job)",
+    "events_bind": "the events server's bind address (`python -m app events`: event streams on one asyncio loop)",
+    "events_url": "the events server's public base URL, e.g. `http://events.example.com:8001`: the web answers "
+    "`GET /api/v1/jobs/<id>/events` with a 307 there (a signed ticket in the query); unset: the web serves streams "
+    "itself, at most half of `ENCORE_WEB_THREADS` per process (429 `streams` past it)",
+    "max_streams_per_tenant": "most event streams one tenant holds open at once on the events servers (429 "
+    "`streams` with `Retry-After` past it)",
     "webhook_secret": "Standard Webhooks signing secret (`whsec_` + base64); unset: a submit with a webhook is "
     "refused (400)",
     "webhook_hosts": "comma list of hosts a webhook may name (`.example.com`: it and its subdomains; "

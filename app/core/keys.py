@@ -29,6 +29,7 @@ KEYS: dict[str, str] = {
     "tenant_jobs": "tenant:{tenant}:jobs",  # zset: one tenant's jobs by creation time (app/core/tenants.py)
     "tenant_open": "tenant:{tenant}:open",  # zset: its open tracks (job:track) by their job's expiry
     "tenant_usage": "tenant:{tenant}:usage",  # hash: its jobs, tracks and GPU-seconds, counted since Redis began
+    "tenant_streams": "tenant:{tenant}:streams",  # zset: one tenant's open event streams by expiry (app/control/streams.py)
     "created": "created",  # zset: tracks written, not routed yet
     "unrouted": "unrouted",  # zset: parked tracks by priority, then submission
     "seq": "seq",  # counter: submission order
@@ -56,6 +57,7 @@ KEYS: dict[str, str] = {
     "webhook_seq": "webhooks:seq",  # counter: webhook message ids
     "webhook_in_flight": "webhooks:in-flight:{worker}",  # list: messages a webhook worker is handing out
     "metrics": "metrics",  # prefix of the metric counters (`metric(...)`)
+    "ticket_secret": "events:ticket-secret",  # string: the key of the event streams' tickets (app/control/streams.py)
 }
 
 _FIELD = re.compile(r"{(\w+)}")
@@ -120,6 +122,9 @@ class Layout:
 
     def tenant_usage(self, tenant: str) -> str:
         return self.key("tenant_usage", tenant=tenant)
+
+    def tenant_streams(self, tenant: str) -> str:
+        return self.key("tenant_streams", tenant=tenant)
 
     def jobs_in_state(self, kind: str, state: str) -> str:
         return self.key("jobs_in_state", kind=kind, state=state)
@@ -203,6 +208,10 @@ class Layout:
 
     def webhook_in_flight(self, worker: str) -> str:
         return self.key("webhook_in_flight", worker=worker)
+
+    @property
+    def ticket_secret(self) -> str:
+        return self.key("ticket_secret")
 
     def metric(self, *parts: str) -> str:
         """A metric counter: the metrics prefix and any number of parts (name, labels)."""

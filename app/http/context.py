@@ -8,11 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from celery import Celery
 from flask import Flask, current_app
 from prometheus_client import CollectorRegistry
 
 from app.core.config import Settings
+from app.http.events import StreamGate
 from app.pipeline.profiles import LipsyncProfile, MusicProfile
 from app.control.services import Services
 
@@ -31,6 +33,8 @@ class WebContext:
     transport_options: dict[str, Any]  # the broker's, for reading queue depths
     metrics: CollectorRegistry  # what GET /metrics exposes
     tags: dict[str, Any]  # the Khala tag catalogue (ENCORE_TAGS_FILE), read once
+    streams: StreamGate  # the event streams this process serves itself (none behind ENCORE_EVENTS_URL)
+    stream_redis: redis.Redis  # their blocking reads, with a read timeout that outlasts them (events.read_timeout_s)
 
 
 def install(app: Flask, shared: WebContext) -> None:

@@ -2,16 +2,20 @@
 
 The lifecycle appends every transition to that stream in the same atomic step as it publishes it
 (app/control/lifecycle.py), so a client that reconnects with `Last-Event-ID` is replayed exactly what it missed; the
-pub/sub channel could not do that. Under gunicorn's gthread workers an open response holds one thread, so a
-stream is bounded: it ends when the job ends (`event: end`), after ENCORE_SSE_MAX_S (the client resumes with
-the last id it saw), or when a heartbeat comment finds its client gone (the write fails and the server closes
-the generator).
+pub/sub channel could not do that. A stream is bounded: it ends when the job ends (`event: end`), after
+ENCORE_SSE_MAX_S (the client resumes with the last id it saw), or when a heartbeat comment finds its client gone
+(the write fails and the server closes the stream).
+
+Two servers send the same body: the gunicorn web (`job_events`, one thread per open stream, capped per process) and
+the asyncio events server (app/http/events_server.py, where a stream costs a coroutine). Both drive one
+`EventCursor`, which holds every rule of the body and does no I/O, so they cannot drift apart.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -24,6 +28,58 @@ EVENT_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}", re.ASCII)  # a Redis Stream en
 RETRY_MS = 2000  # how long an EventSource waits before it reconnects (with Last-Event-ID)
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may buffer the stream
 FIRST = "0-0"
+OPENING = f"retry: {RETRY_MS}\n\n"
+HEARTBEAT = ": heartbeat\n\n"  # a gone client makes this write fail, which ends the stream
+
+
+STREAMS_RETRY_S = 5  # Retry-After of a 429 `streams`: streams end (and free their slots) all the time
+
+
+class StreamGate:
+    """The most event streams one web process serves at once: each holds a gthread thread for as long as it is
+    open, so past `limit` a stream is refused (429) rather than let streams take the threads /healthz and the
+    polls need. Not needed behind the events server (ENCORE_EVENTS_URL), where the web only redirects."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.open = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_threads(cls, threads: int) -> "StreamGate":
+        """At most half of a process's threads (and at least one stream)."""
+        return cls(max(1, threads // 2))
+
+    def enter(self) -> Callable[[], None] | None:
+        """A place for one stream, or None when all are taken. The place is given back by the function returned,
+        which may be called any number of times (the body's end and the server's close both call it)."""
+        with self._lock:
+            if self.open >= self.limit:
+                return None
+            self.open += 1
+        left = threading.Event()
+
+        def leave() -> None:
+            with self._lock:
+                if not left.is_set():
+                    left.set()
+                    self.open -= 1
+
+        return leave
+
+
+def released(body: Iterator[str], leave: Callable[[], None]) -> Iterator[str]:
+    """`body`, giving its place back when it ends or is closed (a test client may never close the response)."""
+    try:
+        yield from body
+    finally:
+        leave()
+
+
+def read_timeout_s(heartbeat_s: float) -> float:
+    """The read timeout of a Redis client that serves streams: a stream's XREAD blocks up to `heartbeat_s`, and
+    redis-py's default timeout (5 s) would end every stream quieter than that with a TimeoutError."""
+    return heartbeat_s + 5
 
 
 def valid_event_id(value: str) -> bool:
@@ -41,6 +97,70 @@ def end_frame(job_id: str, state: str) -> str:
     return frame({"job_id": job_id, "state": state}, event="end")
 
 
+class EventCursor:
+    """Where one stream stands, without I/O. Its driver loops while not `over`: reads the job's events after `last`
+    waiting up to `block_ms()` (None: do not wait), sends what `take` returns, and when `needs_state` sends what
+    `idle` returns for the job's current state (None: the job is gone). The rules: replay from `after`, every new
+    event as it is appended, a heartbeat comment every `heartbeat_s` while nothing happens, and `event: end` once
+    the job has ended (also when its last event was trimmed away, or the job expired); the body ends after
+    `max_s` without `end`, and the client resumes from the last id it saw."""
+
+    def __init__(
+        self,
+        job_id: str,
+        after: str,
+        *,
+        job_state: str,
+        heartbeat_s: float,
+        max_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.job_id = job_id
+        self.last = after
+        self.job_state = job_state
+        self.ended = job_state in JOB_END_STATES
+        self.heartbeat_s = heartbeat_s
+        self.clock = clock
+        self.deadline = clock() + max_s
+        self.done = False
+        self.needs_state = False
+
+    @property
+    def over(self) -> bool:
+        return self.done or self.clock() >= self.deadline
+
+    def block_ms(self) -> int | None:
+        """How long the next read may wait for an event: not at all once the job has ended (what is left is drained)."""
+        if self.ended:
+            return None
+        return max(1, int(min(self.heartbeat_s, self.deadline - self.clock()) * 1000))
+
+    def take(self, entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
+        """The frames of what one read returned (`end` after a drained ended job)."""
+        frames = []
+        for entry_id, event in entries:
+            self.last = entry_id
+            frames.append(frame(event, entry_id))
+            if event.get("job_state") in JOB_END_STATES:
+                self.ended, self.job_state = True, event["job_state"]
+        if self.ended and not entries:
+            frames.append(end_frame(self.job_id, self.job_state))
+            self.done = True
+        self.needs_state = not entries and not self.done
+        return frames
+
+    def idle(self, current: str | None) -> list[str]:
+        """After a read that waited in vain: the job's current state decides (gone: `end` as expired; ended with its
+        last event trimmed away: drained next round), and a heartbeat shows the stream is alive."""
+        self.needs_state = False
+        if current is None:
+            self.done = True
+            return [end_frame(self.job_id, "expired")]
+        self.job_state = current
+        self.ended = current in JOB_END_STATES
+        return [HEARTBEAT]
+
+
 def job_events(
     jobs: JobStore,
     job_id: str,
@@ -50,36 +170,17 @@ def job_events(
     heartbeat_s: float,
     max_s: float,
     clock: Callable[[], float] = time.monotonic,
+    reader: redis.Redis | None = None,
 ) -> Iterator[str]:
-    """The SSE body: the job's events after `after` (all kept ones from "0-0"), then every new one as it is
-    appended, a comment every `heartbeat_s`, and `event: end` once the job has ended."""
-    yield f"retry: {RETRY_MS}\n\n"
-    deadline = clock() + max_s
-    last = after
-    ended = job_state in JOB_END_STATES
+    """The SSE body, read with the web's blocking client (see EventCursor for what it holds); `reader`: the client
+    of the blocking reads (one whose read timeout outlasts them, `read_timeout_s`), by default the store's."""
+    yield OPENING
+    cursor = EventCursor(job_id, after, job_state=job_state, heartbeat_s=heartbeat_s, max_s=max_s, clock=clock)
     try:
-        while True:
-            remaining = deadline - clock()
-            if remaining <= 0:
-                return  # bounded: the client resumes from `last`
-            wait = None if ended else max(1, int(min(heartbeat_s, remaining) * 1000))
-            entries = jobs.events_after(job_id, last, block_ms=wait)
-            for entry_id, event in entries:
-                last = entry_id
-                yield frame(event, entry_id)
-                if event.get("job_state") in JOB_END_STATES:
-                    ended, job_state = True, event["job_state"]
-            if ended and not entries:
-                yield end_frame(job_id, job_state)
-                return
-            if not entries:
-                current = _current_state(jobs, job_id)
-                if current is None:
-                    yield end_frame(job_id, "expired")
-                    return
-                job_state = current
-                ended = job_state in JOB_END_STATES  # its last event was trimmed away: drained next round
-                yield ": heartbeat\n\n"  # a gone client makes this write fail, which ends the stream
+        while not cursor.over:
+            yield from cursor.take(jobs.events_after(job_id, cursor.last, block_ms=cursor.block_ms(), client=reader))
+            if cursor.needs_state:
+                yield from cursor.idle(_current_state(jobs, job_id))
     except redis.RedisError:
         return  # the client reconnects and resumes once Redis answers again
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import Any
+from urllib.parse import urlencode
 
 from flask import Blueprint, Response, jsonify, redirect, request, send_file
 from flask.typing import ResponseReturnValue
 
 from app.control.eta import job_etas, polled_record
-from app.http.events import HEADERS as SSE_HEADERS, job_events, valid_event_id
+from app.control.streams import TICKET_S, make_ticket, ticket_secret
+from app.http.events import HEADERS as SSE_HEADERS, STREAMS_RETRY_S, job_events, released, valid_event_id
 from app.http.context import context
 from app.http.guards import tenant
 from app.control.tenant_limits import limits_for, tenant_admission
@@ -105,19 +108,37 @@ def get_job(job_id: str) -> ResponseReturnValue:
             ),
             SSE_EVENT,
         ),
+        307: ("to the events server (ENCORE_EVENTS_URL), with a ticket in the query", None),
         400: "Last-Event-ID is not an event id",
         404: "unknown job",
+        429: "`streams`: this web process serves as many streams as it may (Retry-After)",
     },
 )
 def job_events_stream(job_id: str) -> ResponseReturnValue:
-    """Every transition of the job's tracks as SSE; a reconnect with Last-Event-ID replays what it missed."""
+    """Every transition of the job's tracks as SSE; a reconnect with Last-Event-ID replays what it missed. Behind
+    the events server (ENCORE_EVENTS_URL) the checks are made here and the stream is a 307 there, with a ticket
+    that stands for the token (a redirect to another origin drops the Authorization header); otherwise this
+    process serves it, at most half its threads' worth of streams at once (429 `streams` past that)."""
     shared = context()
-    record = shared.services.jobs.record(job_id, viewer=tenant())
+    viewer = tenant()
+    record = shared.services.jobs.record(job_id, viewer=viewer)
     if record is None:
         return error(404, f"job {job_id} not found")
     after = request.headers.get("Last-Event-ID", "").strip()
     if after and not valid_event_id(after):
         return error(400, "Last-Event-ID: expected an event id such as 1700000000000-0", "Last-Event-ID")
+    if shared.settings.events_url:
+        return _to_events_server(shared.settings.events_url, job_id, viewer.name)
+    leave = shared.streams.enter()
+    if leave is None:
+        reply, status = error(
+            429,
+            f"streams: this web process already serves {shared.streams.limit} event streams "
+            "(half its threads); retry later, or poll the job",
+            "streams",
+        )
+        reply.headers["Retry-After"] = str(STREAMS_RETRY_S)
+        return reply, status
     stream = job_events(
         shared.services.jobs,
         job_id,
@@ -125,8 +146,24 @@ def job_events_stream(job_id: str) -> ResponseReturnValue:
         job_state=record["state"],
         heartbeat_s=shared.settings.sse_heartbeat_s,
         max_s=shared.settings.sse_max_s,
+        reader=shared.stream_redis,
     )
-    return Response(stream, mimetype="text/event-stream", headers=SSE_HEADERS)
+    response = Response(released(stream, leave), mimetype="text/event-stream", headers=SSE_HEADERS)
+    response.call_on_close(leave)  # the server closes the body when it ends or its client is gone
+    return response
+
+
+def _to_events_server(events_url: str, job_id: str, tenant_name: str) -> ResponseReturnValue:
+    """307 (the method and headers, Last-Event-ID among them, are kept) to the events server, with a ticket."""
+    shared = context()
+    svc = shared.services
+    # A browser's EventSource reconnects to the redirected URL, not to this one (Chromium, tests/test_web_page.py),
+    # sending Last-Event-ID there: the ticket outlives the longest stream, so its reconnect is still admitted.
+    ttl_s = shared.settings.sse_max_s + TICKET_S
+    ticket = make_ticket(ticket_secret(svc.redis, svc.jobs.keys), job_id, tenant_name, time.time(), ttl_s)
+    response = redirect(f"{events_url}/api/v1/jobs/{job_id}/events?{urlencode({'ticket': ticket})}", 307)
+    response.headers["Cache-Control"] = "no-store"  # a ticket is a credential: never cache the redirect
+    return response
 
 
 @blueprint.delete("/api/v1/jobs/<job_id>")

@@ -96,6 +96,7 @@ class Stack:
         self.redis.flushdb()
         self._server = None
         self._gunicorns: list[subprocess.Popen] = []
+        self.events_servers: dict[str, subprocess.Popen] = {}
         self.app = self._make_app()
         self.client = self.app.test_client()
         token = self.env.get("API_TOKEN", "").split(",")[0].strip()
@@ -237,6 +238,36 @@ class Stack:
         wait_until(healthy, 60, 0.2, "gunicorn")
         return url
 
+    def start_events_server(self, port: int | None = None, **env: str) -> str:
+        """The events server as deployed (`python -m app events`) on `port` (a free one by default), logging to
+        logs/events-<port>.log; its base URL once its /healthz answers (its process: `events_servers[url]`)."""
+        port = port or free_port()
+        log = self.root / "logs" / f"events-{port}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [PYTHON, "-m", "app", "events", "--bind", f"127.0.0.1:{port}"],
+                cwd=REPO,
+                env={**os.environ, **self.env, **env},
+                start_new_session=True,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self._gunicorns.append(proc)  # stopped with the stack, as the web servers are
+        url = f"http://127.0.0.1:{port}"
+        self.events_servers[url] = proc
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"the events server exited: {log.read_text(errors='replace')[-3000:]}")
+            try:
+                return requests.get(f"{url}/healthz", timeout=2).ok
+            except requests.RequestException:
+                return False
+
+        wait_until(healthy, 60, 0.1, "the events server")
+        return url
+
     def submit_music(self, **fields: Any) -> str:
         body = {"mode": "instrumental", "tags": "lo-fi, piano", "duration_s": 2.0, "num_tracks": 1, "seed": 7, **fields}
         reply = self.client.post("/api/v1/music", json=body, headers=self.auth)
@@ -264,6 +295,8 @@ class Stack:
         if self._server is not None:
             self._server.shutdown()
         for proc in self._gunicorns:
+            if proc.poll() is not None:
+                continue  # a test killed it
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(30)

@@ -1,0 +1,230 @@
+"""The events server (`python -m app events`, on ENCORE_EVENTS_BIND): GET /api/v1/jobs/<id>/events and /healthz on
+one asyncio loop (aiohttp, redis.asyncio).
+
+Why a server of its own: under gunicorn's gthread workers an open event stream holds a thread for as long as it is
+open, and 200 streams froze /healthz and the polls of a 2 x 32-thread web for 105 s. Here a stream is a coroutine
+and a pooled Redis connection blocked in XREAD: thousands cost memory, not threads, and the web keeps its threads for
+short requests. The body is the web's, built by the same `EventCursor` (app/http/events.py).
+
+Who may follow a job: a ticket the web signed when it redirected the client here (`?ticket=`, app/control/streams.py),
+or a bearer token checked here as the web checks it, with the same rule for the job's owner (another tenant's job
+answers 404 exactly as a job that does not exist). Each tenant holds at most ENCORE_MAX_STREAMS_PER_TENANT streams
+open across every events-server process (429 `streams` past it), counted in Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from typing import Any
+
+import redis
+import redis.asyncio
+from aiohttp import web
+
+from app.adapters.redis_conn import async_redis_client
+from app.control.streams import AsyncStreams, async_ticket_secret, slot_ttl_s, ticket_tenant
+from app.core.config import Settings, load_settings
+from app.http.events import HEADERS, OPENING, STREAMS_RETRY_S, EventCursor, read_timeout_s, valid_event_id
+
+log = logging.getLogger("encore.events")
+
+ROUTE = "/api/v1/jobs/{job_id}/events"
+# A page on the web's origin follows the 307 here, to another origin: its EventSource needs CORS. `*` is safe: no
+# cookie is ever read here, and a stream needs a ticket or a token.
+CORS = {"Access-Control-Allow-Origin": "*"}
+PREFLIGHT = {
+    **CORS,
+    "Access-Control-Allow-Methods": "GET",
+    "Access-Control-Allow-Headers": "Authorization, Last-Event-ID, Cache-Control, Accept",
+    "Access-Control-Max-Age": "600",
+}
+CONTENT_TYPE = "text/event-stream; charset=utf-8"  # what the web's Flask response says
+LISTEN_BACKLOG = 2048  # a thousand clients may connect at once
+# A stream's blocked XREAD holds a pooled Redis connection: one per open stream, and a few for the short commands.
+# Past this a new stream is answered 503 (its client retries); Redis' own default maxclients is 10,000.
+REDIS_CONNECTIONS = 8000
+SHUTDOWN_S = 5.0  # open streams are cut after this at a stop: their clients resume with Last-Event-ID
+
+
+def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON reply written as the web's Flask writes it (compact, keys in order, a final newline), so an error here
+    is byte-equal to the web's."""
+    text = json.dumps(body, separators=(",", ":")) + "\n"
+    return web.Response(text=text, status=status, content_type="application/json", headers={**CORS, **(headers or {})})
+
+
+def _error(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    return _json({"error": message, **({"field": field} if field else {})}, status, headers)
+
+
+def _not_found(job_id: str) -> web.Response:
+    return _error(404, f"job {job_id} not found")
+
+
+class EventsServer:
+    """One process's handlers, over its asyncio Redis client."""
+
+    def __init__(self, settings: Settings, client: redis.asyncio.Redis | None = None):
+        self.settings = settings
+        self.redis = (
+            client
+            if client is not None
+            else async_redis_client(settings, REDIS_CONNECTIONS, read_timeout_s(settings.sse_heartbeat_s))
+        )
+        self.streams = AsyncStreams(self.redis, settings.key_prefix)
+        self.process = secrets.token_hex(6)  # names this process's slots in the tenants' sets
+        self.open = 0  # streams open in this process (/healthz shows it)
+
+    def application(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get(ROUTE, self.events)
+        app.router.add_route("OPTIONS", ROUTE, self.preflight)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, app: web.Application) -> None:
+        await self.redis.aclose()
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        """Liveness of this server and its Redis (as the web's /healthz), and the streams it holds open."""
+        try:
+            await self.redis.ping()
+        except redis.RedisError as exc:
+            body = {"events": "ok", "redis": f"down: {exc}", "streams": self.open, "error": f"redis: down ({exc})"}
+            return _json(body, 503)
+        return _json({"events": "ok", "redis": "ok", "streams": self.open})
+
+    async def preflight(self, request: web.Request) -> web.Response:
+        return web.Response(status=204, headers=PREFLIGHT)
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """The checks the web makes (who, whose job, Last-Event-ID), the tenant's slot, then the stream."""
+        job_id = request.match_info["job_id"]
+        try:
+            tenant = await self._tenant(request, job_id)
+            if isinstance(tenant, web.Response):
+                return tenant
+            after = request.headers.get("Last-Event-ID", "").strip()
+            if after and not valid_event_id(after):
+                return _error(400, "Last-Event-ID: expected an event id such as 1700000000000-0", "Last-Event-ID")
+            state = await self.streams.state(job_id)
+            if state is None:
+                return _not_found(job_id)
+            member = f"{self.process}:{secrets.token_hex(8)}"
+            if not await self._claim(tenant, member):
+                cap = self.settings.max_streams_per_tenant
+                return _error(
+                    429,
+                    f"streams: tenant {tenant} already has {cap} event streams open "
+                    "(ENCORE_MAX_STREAMS_PER_TENANT); close one, retry later, or poll the job",
+                    "streams",
+                    {"Retry-After": str(STREAMS_RETRY_S)},
+                )
+        except redis.RedisError as exc:
+            return _error(503, f"redis: down ({exc})")
+        try:
+            return await self._stream(request, job_id, after or "0-0", state, tenant, member)
+        finally:
+            await asyncio.shield(self._release(tenant, member))
+
+    async def _tenant(self, request: web.Request, job_id: str) -> str | web.Response:
+        """The tenant the stream counts against, or the refusal: 401 for a bad ticket or token, 404 for a job this
+        tenant may not see (as for an unknown one)."""
+        ticket = request.query.get("ticket")
+        if ticket is not None:
+            secret = await async_ticket_secret(self.redis, self.streams.layout)
+            name = ticket_tenant(secret, ticket, job_id, time.time())
+            if name is None:
+                return _error(
+                    401, "ticket: not valid for this job, or expired; open the stream at the web server again", "ticket"
+                )
+            return name if await self.streams.owner(job_id) is not None else _not_found(job_id)
+        found = self.settings.tenants.for_authorization(request.headers.get("Authorization", ""))
+        if found is None:
+            return _error(
+                401,
+                "authorization: a valid 'Authorization: Bearer <token>' header is required",
+                "authorization",
+                {"WWW-Authenticate": 'Bearer realm="encore"'},
+            )
+        owner = await self.streams.owner(job_id)
+        if owner is None or not found.may_see(owner):
+            return _not_found(job_id)
+        return found.name
+
+    def _slot_ttl_s(self) -> float:
+        return slot_ttl_s(self.settings.sse_heartbeat_s)
+
+    async def _claim(self, tenant: str, member: str) -> bool:
+        now = time.time()
+        return await self.streams.claim(tenant, member, now, self._slot_ttl_s(), self.settings.max_streams_per_tenant)
+
+    async def _release(self, tenant: str, member: str) -> None:
+        try:
+            await self.streams.release(tenant, member)
+        except redis.RedisError:
+            pass  # the slot expires by itself
+
+    async def _stream(
+        self, request: web.Request, job_id: str, after: str, state: str, tenant: str, member: str
+    ) -> web.StreamResponse:
+        """The SSE body (EventCursor), its slot refreshed about every heartbeat; ends as the web's does."""
+        response = web.StreamResponse(headers={**HEADERS, **CORS, "Content-Type": CONTENT_TYPE})
+        settings = self.settings
+        cursor = EventCursor(
+            job_id, after, job_state=state, heartbeat_s=settings.sse_heartbeat_s, max_s=settings.sse_max_s
+        )
+        self.open += 1
+        try:
+            await response.prepare(request)
+            await response.write(OPENING.encode())
+            refreshed = time.monotonic()
+            while not cursor.over:
+                frames = cursor.take(await self.streams.events_after(job_id, cursor.last, block_ms=cursor.block_ms()))
+                if cursor.needs_state:
+                    frames += cursor.idle(await self.streams.state(job_id))
+                if frames:
+                    await response.write("".join(frames).encode())  # a gone client makes this fail
+                if time.monotonic() - refreshed >= settings.sse_heartbeat_s:
+                    await self._claim(tenant, member)  # keeps the slot alive (it may pass the cap: it is held)
+                    refreshed = time.monotonic()
+        except redis.RedisError as exc:
+            log.warning("job %s: stream ended by a Redis error (its client resumes): %s", job_id, exc)
+        except ConnectionError:
+            pass  # the client went away
+        finally:
+            self.open -= 1
+        return response
+
+
+def bind_address(bind: str) -> tuple[str, int]:
+    """ENCORE_EVENTS_BIND "host:port" (an IPv6 host bracketed) as (host, port)."""
+    host, _, port = bind.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"ENCORE_EVENTS_BIND: {bind!r} is not host:port")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def main(bind: str | None = None) -> int:
+    """Serve until SIGINT or SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = load_settings()
+    host, port = bind_address(bind or settings.events_bind)
+    server = EventsServer(settings)
+    log.info("events server on %s:%d (at most %d streams per tenant)", host, port, settings.max_streams_per_tenant)
+    web.run_app(
+        server.application(),
+        host=host,
+        port=port,
+        backlog=LISTEN_BACKLOG,
+        handler_cancellation=True,  # a client that goes away frees its stream and slot at once
+        shutdown_timeout=SHUTDOWN_S,
+        access_log=None,  # a thousand open streams would each log on close; errors still log
+        print=None,
+    )
+    return 0
