@@ -21,7 +21,7 @@ def test_create_app_only_wires_views_defined_in_the_http_layer(make_stack):
         for rule in stack.app.url_map.iter_rules()
         if rule.endpoint != "static"
     }  # Flask's own
-    assert len(views) == 17 + 2 * 5  # the native views, and the Khala contract's at its prefix and under /api
+    assert len(views) == 18 + 2 * 5  # the native views (usage included), and the Khala contract's twice
     for endpoint, view in views.items():
         assert view.__module__.startswith("app.http."), (endpoint, view.__module__)
         assert view.__closure__ is None and view.__qualname__ == view.__name__, f"{endpoint} is not module-level"
