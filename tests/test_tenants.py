@@ -365,7 +365,7 @@ def test_a_deployment_that_configures_nothing_has_a_rate_limit_and_a_cap():
 
 def test_the_default_rate_limit_applies_to_an_open_deployment(make_stack):
     reply = make_stack().client.post("/api/v1/music", json=MUSIC)
-    assert reply.status_code == 202 and reply.headers["X-RateLimit-Limit"] == "10"  # 10/second, the first limit
+    assert reply.status_code == 202 and reply.headers["X-RateLimit-Limit"] == "300"  # 300/minute
     off = make_stack(ENCORE_SUBMIT_RATE_LIMIT="off").client.post("/api/v1/music", json=MUSIC)
     assert off.status_code == 202 and "X-RateLimit-Limit" not in off.headers
     with pytest.raises(ValueError, match="ENCORE_SUBMIT_RATE_LIMIT is empty"):

@@ -98,7 +98,8 @@ def _api_tokens(text: str, variable: str = "API_TOKEN") -> tuple[str, ...]:
     return tokens
 
 
-DEFAULT_SUBMIT_RATE_LIMIT = "10/second;300/minute"  # per tenant, or per address where no token is configured
+DEFAULT_SUBMIT_RATE_LIMIT = "300/minute"  # per tenant (per address where no token is configured): a batch of jobs
+# passes, a flood does not (and ENCORE_TENANT_MAX_OPEN_TRACKS bounds what a tenant has open at once)
 
 
 def _rate_limit(text: str) -> str:
