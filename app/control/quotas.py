@@ -59,12 +59,26 @@ def admission(svc: Services, num_tracks: int) -> Iterator[None]:
     if not caps_enabled(svc):
         yield
         return
-    token = _lock(svc)
-    try:
+    with short_lock(svc, "admission", QueueFull("busy: other submissions are being admitted; retry", 1)):
         check(svc, num_tracks)
         yield
+
+
+@contextmanager
+def short_lock(svc: Services, name: str, busy: Exception) -> Iterator[None]:
+    """Hold the lock `name` (it expires after LOCK_S, should its holder die) while the block runs; `busy` is raised
+    when another holds it for longer than LOCK_WAIT_S."""
+    key = svc.jobs.keys.lock(name)
+    token = secrets.token_hex(8)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while not svc.redis.set(key, token, nx=True, px=int(LOCK_S * 1000)):
+        if time.monotonic() > deadline:
+            raise busy
+        time.sleep(0.005)
+    try:
+        yield
     finally:
-        script(svc.redis, "release_lock")(keys=[svc.jobs.keys.lock("admission")], args=[token])
+        script(svc.redis, "release_lock")(keys=[key], args=[token])
 
 
 def count_open(svc: Services) -> OpenTracks:
@@ -116,14 +130,3 @@ def _wait(svc: Services, on_queue: dict[str, int], need: int, skip) -> int:
     if need <= 0 or len(frees) < need:
         return UNKNOWN_WAIT_S
     return max(1, math.ceil(frees[need - 1]))
-
-
-def _lock(svc: Services) -> str:
-    token = secrets.token_hex(8)
-    key = svc.jobs.keys.lock("admission")
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while not svc.redis.set(key, token, nx=True, px=int(LOCK_S * 1000)):
-        if time.monotonic() > deadline:
-            raise QueueFull("busy: other submissions are being admitted; retry", 1)
-        time.sleep(0.005)
-    return token

@@ -8,7 +8,7 @@ open tracks at once (ENCORE_TENANT_MAX_OPEN_TRACKS; 429 `tracks` with Retry-Afte
 
 Open tracks are counted from a per-tenant sorted set the transition script keeps (a track enters it when it is
 submitted or retried and leaves when it ends), scored by its job's expiry, so a job that expires open stops
-counting by itself. The count and the job's write happen under the tenant's own short lock, so two submits of
+counting by itself. The count and the job's write happen under the tenant's own short lock (quotas.short_lock), so two submits of
 one tenant cannot both take its last room.
 
 Usage: per tenant, the jobs and tracks it submitted (counted when the job is written) and the GPU-seconds its
@@ -17,20 +17,17 @@ stages ran (wall seconds of every finished stage run: every stage runs on a GPU 
 
 from __future__ import annotations
 
-import secrets
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from app.control.scripts import script
+from app.control.quotas import short_lock
 from app.control.services import Services
 from app.core.config import Settings
 from app.core.priority import PRIORITIES
 from app.core.tenants import ADMIN, PRIORITY_LEVELS, Tenant
 
-LOCK_S = 5.0  # the tenant lock's expiry (a web process that dies holding it delays that tenant's submits this long)
-LOCK_WAIT_S = 5.0
 OPEN_TRACKS_RETRY_S = 30  # Retry-After when a tenant's open tracks are at its cap: its tracks end at GPU pace
 USAGE_FIELDS = ("jobs", "tracks", "gpu_seconds")
 
@@ -108,14 +105,8 @@ def tenant_admission(svc: Services, tenant: Tenant, num_tracks: int) -> Iterator
     if not cap:
         yield
         return
-    lock = svc.jobs.keys.lock(f"tenant:{tenant.name}")
-    token = secrets.token_hex(8)
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while not svc.redis.set(lock, token, nx=True, px=int(LOCK_S * 1000)):
-        if time.monotonic() > deadline:
-            raise TenantLimitExceeded(429, "tracks", "other submissions of this tenant are being admitted; retry", 1)
-        time.sleep(0.005)
-    try:
+    busy = TenantLimitExceeded(429, "tracks", "other submissions of this tenant are being admitted; retry", 1)
+    with short_lock(svc, f"tenant:{tenant.name}", busy):
         svc.redis.zremrangebyscore(svc.jobs.keys.tenant_open(tenant.name), "-inf", time.time())
         held = open_tracks(svc, tenant.name)
         if held + num_tracks > cap:
@@ -126,8 +117,6 @@ def tenant_admission(svc: Services, tenant: Tenant, num_tracks: int) -> Iterator
                 OPEN_TRACKS_RETRY_S,
             )
         yield
-    finally:
-        script(svc.redis, "release_lock")(keys=[lock], args=[token])
 
 
 def record_gpu_seconds(svc: Services, job_id: str, seconds: float) -> None:
