@@ -42,15 +42,7 @@ def redis_client(settings: Settings, *, decode_responses: bool, read_timeout_s: 
     timeout = {} if read_timeout_s is None else {"socket_timeout": read_timeout_s}
     if not settings.redis_sentinels:
         return redis.Redis.from_url(settings.redis_url, decode_responses=decode_responses, **timeout)
-    sentinel_auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
-    sentinel = Sentinel(
-        list(settings.redis_sentinels),
-        sentinel_kwargs={
-            "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
-            "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
-            **sentinel_auth,
-        },
-    )
+    sentinel = Sentinel(list(settings.redis_sentinels), sentinel_kwargs=_sentinel_kwargs(settings))
     return sentinel.master_for(
         settings.redis_sentinel_master,
         db=_database(settings),
@@ -62,6 +54,12 @@ def redis_client(settings: Settings, *, decode_responses: bool, read_timeout_s: 
     )
 
 
+def _sentinel_kwargs(settings: Settings) -> dict[str, Any]:
+    """How a client talks to the sentinels themselves: short timeouts, and their own password (never the primary's)."""
+    auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
+    return {"socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S, "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S, **auth}
+
+
 def async_redis_client(settings: Settings, max_connections: int, read_timeout_s: float) -> redis.asyncio.Redis:
     """An asyncio text client of the same primary (the events server's): REDIS_URL's server, or the sentinels'; its
     pool opens at most `max_connections` (redis.asyncio's default, 100, would cap the blocked reads it serves), and
@@ -70,14 +68,8 @@ def async_redis_client(settings: Settings, max_connections: int, read_timeout_s:
         return redis.asyncio.Redis.from_url(
             settings.redis_url, decode_responses=True, max_connections=max_connections, socket_timeout=read_timeout_s
         )
-    sentinel_auth = {"password": settings.redis_sentinel_password} if settings.redis_sentinel_password else {}
     sentinel = redis.asyncio.sentinel.Sentinel(
-        list(settings.redis_sentinels),
-        sentinel_kwargs={
-            "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
-            "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S,
-            **sentinel_auth,
-        },
+        list(settings.redis_sentinels), sentinel_kwargs=_sentinel_kwargs(settings)
     )
     return sentinel.master_for(
         settings.redis_sentinel_master,
