@@ -22,27 +22,17 @@ import requests
 from app.clients import cli
 from app.clients.cli import sse_messages
 from app.control.streams import AsyncStreams, make_ticket, ticket_tenant
-from app.core.tenants import ADMIN, CLIENT, token_digest
 from tests.support.processes import free_port, wait_until
+from tests.support.tenants import bearer, write_tenants_file
 
 TOKENS = {"acme-1": "acme", "beta-1": "beta", "ops-1": "ops"}
 MUSIC = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3}
 UNKNOWN = "f" * 32
 
 
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
 @pytest.fixture
 def tenants_file(tmp_path) -> Path:
-    path = tmp_path / "tenants.json"
-    tenants: dict[str, dict] = {}
-    for token, name in TOKENS.items():
-        spec = tenants.setdefault(name, {"role": ADMIN if name == "ops" else CLIENT, "token_sha256": []})
-        spec["token_sha256"].append(token_digest(token))
-    path.write_text(json.dumps({"tenants": tenants}))
-    return path
+    return write_tenants_file(tmp_path / "tenants.json", TOKENS)
 
 
 @pytest.fixture

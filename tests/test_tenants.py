@@ -16,25 +16,17 @@ import pytest
 from app.core.config import Settings, load_settings
 from app.core.tenants import ADMIN, CLIENT, DEFAULT_TENANT, Tenant, tenant_directory, token_digest, token_tenant_name
 
+from tests.support.tenants import bearer, write_tenants_file
+
 REPO = Path(__file__).resolve().parents[1]
 MUSIC = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3}
 KHALA = {"mode": "instrumental", "prompt_mode": "tags", "tags": "lo-fi", "duration": 1}
 TOKENS = {"acme-1": "acme", "acme-2": "acme", "beta-1": "beta", "ops-1": "ops"}
 
 
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
 @pytest.fixture
 def tenants_file(tmp_path) -> Path:
-    path = tmp_path / "tenants.json"
-    tenants: dict[str, dict] = {}
-    for token, name in TOKENS.items():
-        spec = tenants.setdefault(name, {"role": ADMIN if name == "ops" else CLIENT, "token_sha256": []})
-        spec["token_sha256"].append(token_digest(token))
-    path.write_text(json.dumps({"tenants": tenants}))
-    return path
+    return write_tenants_file(tmp_path / "tenants.json", TOKENS)
 
 
 @pytest.fixture
@@ -269,13 +261,8 @@ def test_hash_token_prints_the_digest_a_tenants_file_stores():
 
 def limited_stack(make_stack, tmp_path, acme_limits: dict, **env: str):
     """acme (client, with `acme_limits`), beta (client, the defaults) and ops (admin)."""
-    path = tmp_path / "limited.json"
-    tenants = {
-        "acme": {"role": CLIENT, "token_sha256": [token_digest("acme-1")], "limits": acme_limits},
-        "beta": {"role": CLIENT, "token_sha256": [token_digest("beta-1")]},
-        "ops": {"role": ADMIN, "token_sha256": [token_digest("ops-1")]},
-    }
-    path.write_text(json.dumps({"tenants": tenants}))
+    tokens = {"acme-1": "acme", "beta-1": "beta", "ops-1": "ops"}
+    path = write_tenants_file(tmp_path / "limited.json", tokens, limits={"acme": acme_limits})
     return make_stack(ENCORE_TENANTS_FILE=str(path), **env)
 
 
