@@ -5,30 +5,23 @@ are noise here and are not checked; its parity flags, cache states and job state
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.support.processes import LONGEST_WAIT_S, REPO
+from bench.carry_check import run_as_on_device
+from tests.support.processes import LONGEST_WAIT_S
 
 pytestmark = pytest.mark.slow  # the whole lip-sync bench at tiny size (~170 s here)
 
 
 def test_gpu_lipsync_bench_runs_every_section_at_tiny_size():
-    run = subprocess.run(
-        [sys.executable, "bench/gpu_lipsync.py", "--tiny"],
-        cwd=REPO,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=LONGEST_WAIT_S,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    # Under a Python holding only the GPU machine's packages and the carried wheels (bench/carry_check.py): what
+    # would stop at an import on the device stops here.
+    run, missing = run_as_on_device(["python", "bench/gpu_lipsync.py", "--tiny"], timeout_s=LONGEST_WAIT_S)
+    assert run.returncode == 0, (missing, run.stderr[-3000:])
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     sections = {name: value for line in lines[:-1] for name, value in line.items()}
     assert set(sections) == {"bare", "phases", "stage", "cached", "parity", "job"}
-    assert not [name for name, value in sections.items() if "error" in value], sections
+    assert not [name for name, value in sections.items() if "error" in value], (missing, sections)
     phases = sections["phases"]
     assert all(phases[path]["total_ms_per_frame"] > 0 for path in ("reference", "device"))
     assert {"unet", "vae_decode", "crops_encode", "blend", "write"} <= set(phases["device"])

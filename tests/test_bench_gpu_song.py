@@ -5,30 +5,23 @@ they are noise on a CPU at tiny size; the parity flags are."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.support.processes import LONGEST_WAIT_S, REPO
+from bench.carry_check import run_as_on_device
+from tests.support.processes import LONGEST_WAIT_S
 
 pytestmark = pytest.mark.slow  # the whole song bench at tiny size (~45 s here)
 
 
 def test_gpu_song_bench_runs_every_section_at_tiny_size():
-    run = subprocess.run(
-        [sys.executable, "bench/gpu_song.py", "--tiny"],
-        cwd=REPO,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=LONGEST_WAIT_S,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    # Under a Python holding only the GPU machine's packages and the carried wheels (bench/carry_check.py): what
+    # would stop at an import on the device stops here.
+    run, missing = run_as_on_device(["python", "bench/gpu_song.py", "--tiny"], timeout_s=LONGEST_WAIT_S)
+    assert run.returncode == 0, (missing, run.stderr[-3000:])
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     sections = {name: value for line in lines[:-1] for name, value in line.items()}
     assert set(sections) == {"decode", "parity", "superres", "codec", "song_inprocess", "song_worker"}
-    assert not [name for name, value in sections.items() if "error" in value], sections
+    assert not [name for name, value in sections.items() if "error" in value], (missing, sections)
     decode = sections["decode"]
     assert all(
         decode[name]["ms_per_step_early"] > 0 and decode[name]["ms_per_step_late"] > 0
