@@ -1,0 +1,268 @@
+"""Songs and videos per GPU-hour under an offered load, through real workers in the README's one-host shape.
+
+N music jobs and M lip-sync jobs are submitted at once over the HTTP API (the Flask app in this process, Redis and
+one real prefork worker per "GPU" started by worker_entrypoint.sh, as the README deploys them); the bench waits
+for every job to end and reads what happened from the job records (each stage's start, end and worker). Printed
+as one JSON object:
+
+  songs_per_hour, videos_per_hour      jobs done / makespan (submission of the first to the end of the last)
+  tracks_per_hour                      music tracks done / makespan
+  backbone_tracks_per_hour             backbone stages finished / the wall time the worker spent in backbone
+                                       (the union of its backbone intervals: a batched pass counts once)
+  job_latency_s p50 / p95              submission to the job's last stage's end, per kind
+  gpu_stage_occupancy                  the share of the wall time, from the first submission until the last GPU
+                                       stage ends (GPU work waits all along under this load), that the worker
+                                       spends in GPU stages (backbone, superres, decode, lipsync) rather than in
+                                       CPU stages (export, prepare, mux) or idle
+  stage_seconds                        total seconds per stage, to see where the time goes
+
+Modes: `today` (the worker as it runs now: one job's tracks per backbone pass, CPU stages in the GPU child) is
+the in-run baseline that issue 23's in-flight batching and CPU-stage worker will be measured against; they
+are not built yet, so it is the only mode. `--tiny` (3 songs, 1 video, short lengths, the tiny models) runs in
+the test suite; its numbers are noise.
+
+    python bench/throughput.py [--tiny] [--music 16] [--lipsync 4] [--song-s 10] [--clip-s 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.common import start_redis  # noqa: E402
+
+GPU_STAGES = frozenset({"backbone", "superres", "decode", "lipsync"})
+ENDED = ("done", "failed", "canceled", "partial")
+MODES = ("today",)
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of [start, end] intervals (a batched pass's shared interval counts once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def stage_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every finished stage of every track: kind, stage, worker, start, end."""
+    runs = []
+    for record in records:
+        for track in record["tracks"]:
+            for name, stage in (track.get("stages") or {}).items():
+                if stage.get("started_at") is not None and stage.get("finished_at") is not None:
+                    runs.append(
+                        {
+                            "kind": record["kind"],
+                            "stage": name,
+                            "worker": stage.get("worker", ""),
+                            "start": float(stage["started_at"]),
+                            "end": float(stage["finished_at"]),
+                        }
+                    )
+    return runs
+
+
+def percentile(values: list[float], fraction: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 2)
+
+
+def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> dict[str, Any]:
+    """The figures above, from the ended jobs' records and when each was submitted."""
+    runs = stage_runs(records)
+    first = min(submitted_at.values())
+    last = max((run["end"] for run in runs), default=first)
+    makespan = max(last - first, 1e-9)
+    done = [r for r in records if r["state"] == "done"]
+    music = [r for r in done if r["kind"] == "music"]
+    videos = [r for r in done if r["kind"] == "lipsync"]
+    latency: dict[str, list[float]] = {"music": [], "lipsync": []}
+    for record in done:
+        ends = [run["end"] for run in stage_runs([record])]
+        latency[record["kind"]].append(max(ends) - submitted_at[record["job_id"]])
+    gpu_runs = [(run["start"], run["end"]) for run in runs if run["stage"] in GPU_STAGES]
+    gpu_window = max((end for _, end in gpu_runs), default=first) - first
+    backbone = [(run["start"], run["end"]) for run in runs if run["stage"] == "backbone"]
+    stage_seconds: dict[str, float] = {}
+    for run in runs:
+        stage_seconds[run["stage"]] = round(stage_seconds.get(run["stage"], 0.0) + run["end"] - run["start"], 2)
+    return {
+        "jobs": len(records),
+        "jobs_done": len(done),
+        "makespan_s": round(makespan, 2),
+        "songs_per_hour": round(len(music) * 3600 / makespan, 1),
+        "videos_per_hour": round(len(videos) * 3600 / makespan, 1),
+        "tracks_per_hour": round(sum(len(r["tracks"]) for r in music) * 3600 / makespan, 1),
+        "backbone_tracks_per_hour": round(len(backbone) * 3600 / max(union_seconds(backbone), 1e-9), 1)
+        if backbone
+        else None,
+        "job_latency_s": {
+            kind: {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95)} for kind, values in latency.items()
+        },
+        "gpu_stage_occupancy": round(union_seconds(gpu_runs) / gpu_window, 3) if gpu_window > 0 else None,
+        "stage_seconds": stage_seconds,
+    }
+
+
+class Deployment:
+    """Redis, the web app (in this process) and one worker, as the README's one-host shape runs them."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.redis, url = start_redis(root)
+        self.env = {
+            "REDIS_URL": url,
+            "ENCORE_MODEL_DIR": str(REPO / "models" / "tiny"),
+            "ENCORE_LIPSYNC_MODEL_DIR": str(REPO / "models" / "lipsync-tiny"),
+            "ENCORE_ARTIFACT_DIR": str(root / "artifacts"),
+            "ENCORE_UPLOAD_DIR": str(root / "uploads"),
+            "ENCORE_LOG_DIR": str(root / "logs"),
+            "ENCORE_WORKER_CACHE_DIR": str(root / "cache"),
+            "ENCORE_HEARTBEAT_S": "0.5",
+            "ENCORE_PYTHON": sys.executable,
+            "ENCORE_PRELOAD": "1",
+            "ENCORE_SONG_END": "duration",
+            "ENCORE_SUBMIT_RATE_LIMIT": "off",
+            "ENCORE_MIN_VIDEO_S": "1",
+        }
+        os.environ.update(self.env)
+        from app.core.config import load_settings
+        from app.web import create_app
+
+        self.client = create_app(load_settings()).test_client()
+        self.worker = subprocess.Popen(
+            ["bash", str(REPO / "worker_entrypoint.sh"), "0"],
+            cwd=REPO,
+            env={**os.environ, **self.env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def wait_for_worker(self, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while not any(w.get("status") == "idle" for w in self.client.get("/api/v1/status").get_json()["workers"]):
+            if time.monotonic() > deadline or self.worker.poll() is not None:
+                log = self.root / "logs" / "worker_0.log"
+                raise SystemExit("worker did not come up: " + (log.read_text()[-2000:] if log.exists() else ""))
+            time.sleep(0.2)
+
+    def submit_music(self, song_s: float, seed: int) -> str:
+        reply = self.client.post(
+            "/api/v1/music",
+            json={"mode": "instrumental", "tags": "ambient", "duration_s": song_s, "num_tracks": 2, "seed": seed},
+        )
+        if reply.status_code != 202:
+            raise SystemExit(f"music submit answered {reply.status_code}: {reply.get_json()}")
+        return reply.get_json()["job_id"]
+
+    def submit_lipsync(self, video: Path, audio: Path) -> str:
+        with open(video, "rb") as v, open(audio, "rb") as a:
+            reply = self.client.post(
+                "/api/v1/lipsync",
+                data={"video": (v, "face.mp4"), "audio": (a, "voice.wav")},
+                content_type="multipart/form-data",
+            )
+        if reply.status_code != 202:
+            raise SystemExit(f"lipsync submit answered {reply.status_code}: {reply.get_json()}")
+        return reply.get_json()["job_id"]
+
+    def wait_all(self, job_ids: list[str], limit_s: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + limit_s
+        pending, records = set(job_ids), {}
+        while pending and time.monotonic() < deadline:
+            for job_id in list(pending):
+                record = self.client.get(f"/api/v1/jobs/{job_id}").get_json()
+                if record["state"] in ENDED:
+                    records[job_id] = record
+                    pending.discard(job_id)
+            time.sleep(0.2)
+        if pending:
+            raise SystemExit(f"{len(pending)} jobs had not ended after {limit_s} s")
+        return [records[job_id] for job_id in job_ids]
+
+    def close(self) -> None:
+        os.killpg(self.worker.pid, 9)
+        self.redis.terminate()
+
+
+def media(root: Path, clip_s: float) -> tuple[Path, Path]:
+    """A face clip and a driving voice of `clip_s` seconds (the GPU lip-sync bench's own synthetic inputs)."""
+    from bench.gpu_lipsync import write_clip, write_voice
+
+    return write_clip(root / "face.mp4", clip_s), write_voice(root / "voice.wav", clip_s)
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix=f"encore-throughput-{mode}-"))
+    deployment = Deployment(root)
+    try:
+        deployment.wait_for_worker(180)
+        video, audio = media(root, args.clip_s)
+        warm = [deployment.submit_music(1.0, 0)] + ([deployment.submit_lipsync(video, audio)] if args.lipsync else [])
+        deployment.wait_all(warm, args.limit_s)  # models loaded, kernels warm: not counted
+        submitted: dict[str, float] = {}
+        for index in range(max(args.music, args.lipsync)):  # interleaved: a mixed load from the start
+            if index < args.music:
+                submitted[deployment.submit_music(args.song_s, 100 + index)] = time.time()
+            if index < args.lipsync:
+                submitted[deployment.submit_lipsync(video, audio)] = time.time()
+        records = deployment.wait_all(list(submitted), args.limit_s)
+        return {"mode": mode, **summarize(records, submitted)}
+    finally:
+        deployment.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="3 songs, 1 video, short lengths (the suite's smoke run)")
+    parser.add_argument("--music", type=int, default=16, help="concurrent music jobs (2 tracks each)")
+    parser.add_argument("--lipsync", type=int, default=4, help="concurrent lip-sync jobs")
+    parser.add_argument("--song-s", type=float, default=10.0)
+    parser.add_argument("--clip-s", type=float, default=2.0)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--limit-s", type=float, default=1800.0, help="give up when the jobs have not ended by then")
+    args = parser.parse_args()
+    if args.tiny:
+        args.music, args.lipsync, args.song_s, args.clip_s = min(args.music, 3), min(args.lipsync, 1), 2.0, 1.2
+    modes = [mode for mode in args.modes.split(",") if mode]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; built: {list(MODES)}")
+    started = time.time()
+    results = [run_mode(mode, args) for mode in modes]
+    print(
+        json.dumps(
+            {
+                "benchmark": "throughput",
+                "profile": "tiny",
+                "music_jobs": args.music,
+                "lipsync_jobs": args.lipsync,
+                "song_s": args.song_s,
+                "clip_s": args.clip_s,
+                "load_average": [round(x, 2) for x in os.getloadavg()],
+                "wall_s": round(time.time() - started, 1),
+                "results": results,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

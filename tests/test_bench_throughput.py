@@ -1,0 +1,54 @@
+"""bench/throughput.py: the offered-load bench through a real worker (issue 23's in-run baseline), at tiny size,
+and its arithmetic on intervals. Speeds are noise here and not checked; what the figures are made of is."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.throughput import summarize, union_seconds
+from tests.support.processes import LONGEST_WAIT_S, REPO
+
+
+def test_union_counts_a_shared_interval_once_and_gaps_not_at_all():
+    assert union_seconds([(0, 2), (0, 2), (1, 3), (5, 6)]) == pytest.approx(4.0)
+    assert union_seconds([]) == 0.0
+
+
+def _record(job_id: str, kind: str, stages: dict[str, tuple[float, float]], tracks: int = 1) -> dict:
+    run = {name: {"started_at": a, "finished_at": b, "worker": "gpu0@h"} for name, (a, b) in stages.items()}
+    return {"job_id": job_id, "kind": kind, "state": "done", "tracks": [{"stages": run} for _ in range(tracks)]}
+
+
+def test_occupancy_is_gpu_time_over_the_window_gpu_work_waits_in():
+    records = [
+        _record("a", "music", {"backbone": (0, 4), "superres": (4, 6), "decode": (6, 7), "export": (7, 10)}),
+        _record("b", "lipsync", {"prepare": (10, 12), "lipsync": (12, 20), "mux": (20, 21)}),
+    ]
+    figures = summarize(records, {"a": 0.0, "b": 0.0})
+    assert figures["gpu_stage_occupancy"] == pytest.approx(15 / 20)  # 5 s of CPU stages inside the 20 s window
+    assert figures["makespan_s"] == 21
+    assert figures["job_latency_s"]["lipsync"]["p50"] == 21
+
+
+@pytest.mark.slow  # a real worker, 3 songs and a video at tiny size (~2.5 min here)
+def test_throughput_bench_runs_every_job_through_a_real_worker():
+    run = subprocess.run(
+        [sys.executable, "bench/throughput.py", "--tiny"],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=LONGEST_WAIT_S,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    (today,) = report["results"]
+    assert today["mode"] == "today"
+    assert today["jobs"] == today["jobs_done"] == 4
+    assert 0 < today["gpu_stage_occupancy"] <= 1
+    assert set(today["stage_seconds"]) == {"backbone", "superres", "decode", "export", "prepare", "lipsync", "mux"}
+    assert today["songs_per_hour"] > 0 and today["videos_per_hour"] > 0
