@@ -1,0 +1,572 @@
+"""In-flight (continuous) batching of the backbone's decode: a fixed number of slots, tracks join and leave.
+
+decode_loop.DeviceDecoder decodes the tracks of ONE song: one prompt, all starting and ending together. A
+SlotDecoder holds up to N tracks of any songs at once, each at its own place: its own prompt (of its own
+length), seed, sampler, frame limit and end id (its own SongPlan), its own positions and RNG generator. A
+worker drives it block by block:
+
+    decoder = SlotDecoder(lm, slots=8, max_len=...)
+    slot = decoder.admit(TrackRequest(prompt_ids, plan, seed))   # at a block boundary; prefills that slot only
+    for update in decoder.step_block():                         # up to check_every frames for every slot
+        if update.finished: save(update.codes)                   # the slot is free again: admit the next track
+    decoder.cancel(slot)                                         # drop one track; the others go on
+
+**A seed still means a song.** A track's codes are bitwise those it gets alone (a SlotDecoder of one slot,
+DeviceDecoder, or backbone.generate_coarse_tracks' reference loop), whatever it is batched with. That holds by
+construction, not by luck:
+  - each slot draws its sampling noise from its own generator, the same values in the same order as alone (a
+    block never straddles a slot's phase change, so every token draws as many values as it does alone);
+  - each slot attends only to its own cache row, with its own mask, over exactly the key length it has alone;
+  - no value of one row ever enters a reduction of another row.
+Each kernel either is batch-invariant (computes a row from that row alone, the same way at any batch size) or is
+called once per row with the shapes the track has alone. What this CPU's kernels do (measured, torch 2.13, MKL,
+AVX-512; tests/test_slots.py checks the result end to end):
+  - nn.Linear's matmul is NOT batch-invariant: MKL computes a 1-row product (what a track alone runs) with a
+    gemv-like kernel whose summation order differs from the gemm it uses for 2+ rows, so a batched row differs
+    from the same row alone in the last bits, for every layer shape here (and F.linear's x @ W^T differs even
+    between 2 and 3+ rows for half of them). A `bmm` over a broadcast weight matches the 1-row product for most
+    shapes but not all (1024 -> 33). So, by default, every linear layer and the output head run once per
+    occupied row, each exactly the call the track makes alone (`_linear`);
+  - scaled_dot_product_attention is batch-invariant across its batch, but its result depends on the key length
+    (the CPU flash kernel splits keys in blocks of up to 512, and the last block's size changes the summation
+    order, masked keys or not), and on the strides of q (a transposed projection output reads differently).
+    Alone, a track's cache holds len(prompt) + 2 x limit positions, so each slot attends over exactly that
+    many keys of its row, once per row, with projections laid out as nn.Linear lays them out;
+  - F.silu's vectorized and scalar paths differ in the last bit, so which elements of a row fall in the
+    scalar tail must not depend on the batch: SiLU runs once per row (with batched_matmul: x / (1 + exp(-x)),
+    whose paths agree, for all rows at once);
+  - RMSNorm, RoPE (multiplications and additions of tables whose values do not depend on the table's length),
+    the embedding, residual additions, cache writes, topk, softmax and argmax are batch-invariant and run
+    batched over all slots (sampling batched per group of slots with the same sampler and phase).
+
+The price of the per-row matmuls: each row reads every weight again, so on a CPU the batch only saves the
+per-op cost of the rest (bench/slots.py). `batched_matmul=True` trades the engine's exact bits for speed: one
+product for all slots, written (W @ x^T)^T over at least two rows, and SiLU batched, which MKL computes row by row the same way
+whatever the row count (measured: every layer shape of the tiny, small and medium sizes, 1 and 2 threads). A
+track's codes are then bitwise the same whatever it is batched with and in a decoder of one slot, but that is
+not the 1-row product of DeviceDecoder and the reference loop: their logits differ in the last bits, so their
+codes may differ where the sampler meets a near-tie (none seen in the tests). A deployment picks one mode for
+every track, so that a retry of a seed gives the same song.
+
+Shapes: the state of every slot lives in [N, ...] tensors allocated once (the KV cache for N x max_len
+positions); an empty slot keeps running through the batched ops on its zeros (its row is masked out of the
+per-row kernels and of sampling) so the batched part of a step has one shape whatever the occupancy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from app.pipeline.music.decode_loop import DEFAULT_CHECK_EVERY, SongPlan
+from app.pipeline.music.torch_engine import Attention, Block, FeedForward, TorchCausalLM, apply_rope, rope_tables
+from app.pipeline.profiles import COARSE_CODEBOOKS
+
+DEFAULT_SLOT_CAP = 16  # slots at most by default: the issue's target concurrency
+
+
+@dataclass(frozen=True)
+class TrackRequest:
+    """One track to decode: its prompt, what to generate (its SongPlan), its seed; `tag` is the caller's."""
+
+    prompt_ids: tuple[int, ...]
+    plan: SongPlan
+    seed: int
+    tag: object = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("a track needs a non-empty prompt")
+        if self.plan.limit < 1:
+            raise ValueError(f"a track needs a frame limit >= 1, got {self.plan.limit}")
+
+    @property
+    def positions(self) -> int:
+        """The cache positions this track uses, and the key length it attends over, alone: the prompt, then
+        two tokens per frame (what DeviceDecoder and the reference loop reset the engine's cache to)."""
+        return len(self.prompt_ids) + COARSE_CODEBOOKS * self.plan.limit
+
+
+@dataclass(frozen=True)
+class SlotUpdate:
+    """What one block did to one slot: frames written so far, and the codes [2, frames] once it finished."""
+
+    slot: int
+    request: TrackRequest
+    frames: int
+    finished: bool
+    codes: Tensor | None = None
+
+
+@dataclass
+class _Occupant:
+    """Host-side bookkeeping of an occupied slot (its device state lives in the decoder's [N, ...] tensors)."""
+
+    request: TrackRequest
+    generator: torch.Generator
+    heads: tuple[Tensor, ...]  # per codebook, the output rows its tokens are sampled from
+    frame: int = 0
+
+    def may_end(self) -> bool:
+        return self.request.plan.may_end(self.frame)
+
+    def frames_to_next_phase(self) -> int:
+        """Frames until this track's sampling changes (end-of-text becomes a candidate) or it hits its limit."""
+        plan = self.request.plan
+        stop = plan.limit
+        if plan.end_id is not None and not self.may_end():
+            stop = min(stop, plan.min_frames)
+        return stop - self.frame
+
+
+@dataclass(frozen=True)
+class _SamplingGroup:
+    """Occupied slots that sample alike during a block (same top-k, temperature, candidate count): one batched
+    topk/softmax/argmax for all of them."""
+
+    rows: Tensor
+    top_k: int
+    temperature: float
+    candidates: int
+    drawn: int
+
+
+class SlotDecoder:
+    """Up to `slots` tracks decoding together on a TorchCausalLM's model, each joining and leaving on its own.
+
+    `max_len` bounds the positions of one track (prompt + 2 x frame limit); the KV cache holds slots x max_len.
+    The engine's own cache is not used (a DeviceDecoder on the same engine may run before or after).
+    `batched_matmul`: one batch-invariant matmul for all slots instead of the engine's own per-row call (module
+    docstring: faster, bitwise equal across batches, but not bitwise the engine's alone logits).
+    """
+
+    def __init__(
+        self,
+        lm: TorchCausalLM,
+        slots: int,
+        max_len: int,
+        *,
+        check_every: int = DEFAULT_CHECK_EVERY,
+        batched_matmul: bool = False,
+    ):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        shape = lm.model.shape
+        if not 1 <= max_len <= shape.max_len:
+            raise ValueError(f"max_len must be in 1..{shape.max_len} (the model's positions), got {max_len}")
+        self.lm, self.model, self.shape = lm, lm.model, shape
+        self.slots, self.max_len = slots, max_len
+        self.check_every = max(1, check_every)
+        self.batched_matmul = batched_matmul
+        self.device, self.dtype = lm.device, lm.dtype
+        self._occupants: dict[int, _Occupant] = {}
+        self._head_cache: dict[tuple[int, ...], Tensor] = {}
+        self._views: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
+        self._masks: dict[tuple[int, int], Tensor] = {}
+        self._allocate()
+
+    # -- state, allocated once ------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        n, s, device = self.slots, self.shape, self.device
+        cache = (n, s.groups, self.max_len, s.head_dim)
+        self.keys = [torch.zeros(cache, device=device, dtype=self.dtype) for _ in range(s.num_layers)]
+        self.values = [torch.zeros(cache, device=device, dtype=self.dtype) for _ in range(s.num_layers)]
+        # which cache positions each slot's next token sees, already repeated per query head of a group (the
+        # layout Attention gives its mask)
+        self.visible = torch.zeros(n, 1, s.heads // s.groups, self.max_len, dtype=torch.bool, device=device)
+        self.cos, self.sin = rope_tables(s, self.max_len, device)
+        self.rows = torch.arange(n, device=device)
+        self.occupied = self._longs(n)  # 1 where a track sits: positions and frames advance by it
+        self.tokens = self._longs(n, 1)
+        self.position = self._longs(n)
+        self.frame = self._longs(n)
+        self.choice = self._longs(n)
+        self.ended = torch.zeros(n, dtype=torch.bool, device=device)
+        self.lengths = self._longs(n)
+        self.codes = self._longs(n, COARSE_CODEBOOKS, self.max_len // COARSE_CODEBOOKS)
+        self.window_start = self._longs(n, COARSE_CODEBOOKS)
+        self.end_token = self._longs(n)  # what an ended track feeds: its end id
+        self.end_choice = self._longs(n).fill_(-1)  # the choice that ends a track this block (-1: none)
+        self.logits = torch.zeros(n, 1, device=device)  # widened on admission to the largest candidate count
+        self.noise = torch.ones(n, COARSE_CODEBOOKS * self.check_every, 1, device=device)
+        self.noise_step = self._longs(1)
+
+    def _longs(self, *size: int) -> Tensor:
+        return torch.zeros(*size, dtype=torch.long, device=self.device)
+
+    def _widen(self, candidates: int, drawn: int) -> None:
+        """Grow the logits and noise buffers to a newcomer's needs (their contents are rewritten before use)."""
+        n = self.slots
+        if candidates > self.logits.shape[1]:
+            wider = torch.zeros(n, candidates, device=self.device)
+            wider[:, : self.logits.shape[1]] = self.logits
+            self.logits = wider
+        if drawn > self.noise.shape[2]:
+            self.noise = torch.ones(n, COARSE_CODEBOOKS * self.check_every, drawn, device=self.device)
+
+    # -- occupancy --------------------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> list[int]:
+        return [slot for slot in range(self.slots) if slot not in self._occupants]
+
+    @property
+    def occupants(self) -> dict[int, TrackRequest]:
+        return {slot: occupant.request for slot, occupant in self._occupants.items()}
+
+    def admit(self, request: TrackRequest) -> int:
+        """Put a track in a free slot (between blocks) and prefill its prompt there; returns the slot.
+
+        Only that slot's cache row and state change: the prefill runs on its row alone, with the shapes the
+        track has alone, so the running slots and the newcomer's own codes are as if each were alone."""
+        if request.positions > self.max_len:
+            raise ValueError(f"a track of {request.positions} positions does not fit in slots of {self.max_len}")
+        free = self.free_slots
+        if not free:
+            raise RuntimeError("no free slot: wait for a track to finish")
+        slot, plan = free[0], request.plan
+        occupant = _Occupant(
+            request,
+            torch.Generator(device=self.device).manual_seed(request.seed),
+            tuple(self._head(plan, q) for q in range(COARSE_CODEBOOKS)),
+        )
+        self._widen(len(plan.candidate_ids(0)), max(plan.drawn(False), plan.drawn(True), 1))
+        with torch.inference_mode():
+            self._reset_row(slot, request)
+            first = self._prefill(slot, request)
+            self.logits[slot, : first.shape[0]] = first
+        self._occupants[slot] = occupant
+        return slot
+
+    def cancel(self, slot: int) -> TrackRequest:
+        """Drop a track (canceled, or failed elsewhere) and free its slot; the other slots go on unchanged."""
+        occupant = self._occupants.pop(slot, None)
+        if occupant is None:
+            raise KeyError(f"slot {slot} is empty")
+        self.occupied[slot] = 0
+        self.position[slot] = 0  # an empty row keeps running on position 0 and frame 0 of its own row
+        self.frame[slot] = 0
+        self.ended[slot] = False
+        return occupant.request
+
+    def close(self) -> None:
+        """Free the cache; the decoder is unusable after this."""
+        self._occupants.clear()
+        self._views.clear()
+        self._masks.clear()
+        self.keys, self.values = [], []
+
+    def _reset_row(self, slot: int, request: TrackRequest) -> None:
+        """A clean row for a newcomer: zeros in its cache (as alone: a fresh cache), its plan's constants."""
+        plan, prompt = request.plan, len(request.prompt_ids)
+        for keys, values in zip(self.keys, self.values, strict=True):
+            keys[slot].zero_()
+            values[slot].zero_()
+        self._views = {key: view for key, view in self._views.items() if key[1] != slot}  # views of its old length
+        self._masks = {key: mask for key, mask in self._masks.items() if key[0] != slot}
+        self.visible[slot] = False
+        self.visible[slot, ..., :prompt] = True
+        self.position[slot] = prompt
+        self.frame[slot] = 0
+        self.tokens[slot] = 0
+        self.choice[slot] = 0
+        self.ended[slot] = False
+        self.lengths[slot] = plan.limit
+        self.codes[slot] = 0
+        self.window_start[slot] = torch.tensor(plan.window_starts, device=self.device)
+        self.end_token[slot] = plan.end_id if plan.end_id is not None else 0
+        self.end_choice[slot] = -1
+        self.logits[slot] = 0
+        self.occupied[slot] = 1
+
+    def _decode_mask(self, slot: int, seen: int) -> Tensor:
+        """A slot's mask [1, 1, heads per group, seen] for its next token: a view of `visible`, made once."""
+        mask = self._masks.get((slot, seen))
+        if mask is None:
+            mask = self._masks[(slot, seen)] = self.visible[slot : slot + 1, :, :, :seen]
+        return mask
+
+    def _head(self, plan: SongPlan, q: int) -> Tensor:
+        """The output rows codebook q's tokens are sampled from (as DeviceDecoder builds them), shared by slots."""
+        ids = tuple(plan.candidate_ids(q))
+        head = self._head_cache.get(ids)
+        if head is None:
+            rows = torch.tensor(ids, device=self.device)
+            head = self._head_cache[ids] = self.model.output.weight.index_select(0, rows).contiguous()
+        return head
+
+    # -- the model, per row where a kernel is not batch-invariant (module docstring) -----------------
+    def _prefill(self, slot: int, request: TrackRequest) -> Tensor:
+        """Run the prompt through slot `slot`'s cache row, as the engine's prefill does for a track alone; the
+        candidate logits of codebook 0 for its first token."""
+        ids = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(ids.numel(), device=self.device)
+        keys = torch.arange(request.positions, device=self.device)
+        visible = (keys[None, :] <= positions[:, None])[None, None]  # [1, 1, T, keys], as TorchCausalLM builds it
+        per_group = self.shape.heads // self.shape.groups
+        masks = {0: visible.repeat(1, 1, per_group, 1)}
+        hidden = self._hidden(self.model.embedding(ids[None]), [slot], [0], positions[None], masks)
+        full = self.model.output(hidden).float()[:, -1]  # the full head over the prompt, as the engine's prefill
+        return full[0].index_select(0, torch.tensor(request.plan.candidate_ids(0), device=self.device))
+
+    def _hidden(
+        self,
+        x: Tensor,
+        slot_of_row: Sequence[int],
+        live: Sequence[int],
+        positions: Tensor,
+        masks: dict[int, Tensor],
+    ) -> Tensor:
+        """Final-norm hidden states [R, T, hidden] of input embeddings x [R, T, hidden]: row r is slot
+        slot_of_row[r] at positions[r]; the per-row kernels run for the rows in `live` only (the others are
+        empty slots: zeros). `masks[r]` is row r's attention mask [1, 1, heads per group x T, its key length]."""
+        slots = torch.tensor(list(slot_of_row), device=self.device)
+        for layer, block in enumerate(self.model.blocks):
+            assert isinstance(block, Block)
+            h = block.attention_norm(x)
+            x = x + self._attention(block.attention, h, layer, slot_of_row, slots, live, positions, masks)
+            x = x + self._feed_forward(block.ffn, block.ffn_norm(x), live)
+        return self.model.norm(x)
+
+    def _attention(
+        self,
+        attention: Attention,
+        x: Tensor,
+        layer: int,
+        slot_of_row: Sequence[int],
+        slots: Tensor,
+        live: Sequence[int],
+        positions: Tensor,
+        masks: dict[int, Tensor],
+    ) -> Tensor:
+        """Attention.forward with per-row positions and cache rows: projections per row, RoPE and the cache
+        write batched, then each live row attends over its own cache row's first `key length` positions."""
+        s = self.shape
+        rows, length, _ = x.shape
+        qkv = self._linear(attention.qkv, x, live)
+        q, k, v = qkv.split([s.heads * s.head_dim, s.groups * s.head_dim, s.groups * s.head_dim], dim=-1)
+        q = q.view(rows, length, s.heads, s.head_dim).transpose(1, 2)
+        k = k.view(rows, length, s.groups, s.head_dim).transpose(1, 2)
+        v = v.view(rows, length, s.groups, s.head_dim).transpose(1, 2)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [R, 1, T, head_dim]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = self.keys[layer], self.values[layer]
+        keys[slots[:, None], :, positions] = k.transpose(1, 2)  # [R, T, groups, head_dim] into each row's own positions
+        values[slots[:, None], :, positions] = v.transpose(1, 2)
+        q = q.reshape(rows, s.groups, (s.heads // s.groups) * length, s.head_dim)
+        outs: dict[int, Tensor] = {}
+        for r in live:
+            mask = masks[r]
+            keys_r, values_r = self._cache_row(layer, slot_of_row[r], mask.shape[-1])
+            outs[r] = F.scaled_dot_product_attention(q[r : r + 1], keys_r, values_r, attn_mask=mask)
+        y = self._stack(outs, rows).view(rows, s.heads, length, s.head_dim)
+        return self._linear(attention.out, y.transpose(1, 2).reshape(rows, length, s.heads * s.head_dim), live)
+
+    def _cache_row(self, layer: int, slot: int, seen: int) -> tuple[Tensor, Tensor]:
+        """Keys and values [1, groups, seen, head_dim] of one slot's cache row: views, made once."""
+        key = (layer, slot, seen)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = (
+                self.keys[layer][slot : slot + 1, :, :seen],
+                self.values[layer][slot : slot + 1, :, :seen],
+            )
+        return view
+
+    def _feed_forward(self, ffn: FeedForward, x: Tensor, live: Sequence[int]) -> Tensor:
+        """FeedForward.forward. F.silu's vectorized and scalar paths differ in the last bit, so which elements
+        of a row take which path must not depend on the batch: it runs once per row, as alone. With
+        batched_matmul, SiLU is x / (1 + exp(-x)) for all rows at once instead: exp and the arithmetic give the
+        same bits on both paths (measured), so the result of an element does not depend on where it lies."""
+        gate, up = self._linear(ffn.gate_up, x, live).split(ffn.ffn, dim=-1)
+        if self.batched_matmul:
+            act = gate / (1 + torch.exp(-gate)) * up
+        else:
+            act = self._stack({r: F.silu(gate[r : r + 1]) * up[r : r + 1] for r in live}, x.shape[0])
+        return self._linear(ffn.down, act, live)
+
+    def _linear(self, layer: nn.Linear, x: Tensor, live: Sequence[int]) -> Tensor:
+        """`layer`(x) for x [R, T, in]. Default: once per live row, the very call a track alone makes ([1, T, in]:
+        MKL's 1-row product), zeros for empty slots. `batched_matmul`: one product for all rows, written
+        (W @ x^T)^T with at least two rows, which MKL computes row by row the same way whatever the row count
+        (measured on every layer shape of the tiny, small and medium sizes): batch-invariant, but not the bits
+        of the 1-row product the engine alone computes."""
+        if not self.batched_matmul:
+            return self._stack({r: layer(x[r : r + 1]) for r in live}, x.shape[0])
+        rows, length, width = x.shape
+        flat = x.reshape(rows * length, width)
+        if flat.shape[0] == 1:  # one row would take MKL's 1-row (gemv) path: pad it to two
+            flat = torch.cat([flat, torch.zeros_like(flat)])
+        bias = layer.bias[:, None] if layer.bias is not None else torch.zeros(1, 1, device=x.device, dtype=x.dtype)
+        # contiguous [rows, out] as nn.Linear returns it: the strides of a transposed result would change how
+        # attention's kernel reads q, and with it the last bits
+        out = torch.addmm(bias, layer.weight, flat.t()).t().contiguous()
+        return out[: rows * length].view(rows, length, layer.out_features)
+
+    @staticmethod
+    def _stack(outs: dict[int, Tensor], rows: int) -> Tensor:
+        """Rows [1, T, width] (at least one) back into one [rows, T, width] tensor, zeros for the rows not
+        computed (empty slots)."""
+        if len(outs) == rows:
+            return torch.cat([outs[r] for r in range(rows)])
+        zeros = torch.zeros_like(next(iter(outs.values())))
+        return torch.cat([outs.get(r, zeros) for r in range(rows)])
+
+    # -- one block ----------------------------------------------------------------------------------------
+    def step_block(self) -> list[SlotUpdate]:
+        """Decode up to check_every frames for every occupied slot; what happened to each. A finished slot is
+        free when this returns (its codes are in its update). The block is cut short where a slot's sampling
+        changes phase or it reaches its limit, so each slot draws its noise as it does alone."""
+        live = sorted(self._occupants)
+        if not live:
+            return []
+        frames = min(self.check_every, *(self._occupants[slot].frames_to_next_phase() for slot in live))
+        groups = self._sampling_groups(live)
+        with torch.inference_mode():
+            self._draw_noise(live, frames)
+            for slot in live:  # the choice that ends a track this block: end-of-text, once it is a candidate
+                occupant = self._occupants[slot]
+                self.end_choice[slot] = occupant.request.plan.codebook_size if occupant.may_end() else -1
+            for _ in range(frames):
+                for q in range(COARSE_CODEBOOKS):
+                    self._token(q, live, groups)
+                self.frame.add_(self.occupied)
+            ended, lengths = self.ended.tolist(), self.lengths.tolist()  # the one host read per block
+        return [self._after_block(slot, frames, ended[slot], lengths[slot]) for slot in live]
+
+    def _after_block(self, slot: int, frames: int, ended: bool, length: int) -> SlotUpdate:
+        occupant = self._occupants[slot]
+        occupant.frame += frames
+        request = occupant.request
+        if not (ended or occupant.frame >= request.plan.limit):
+            return SlotUpdate(slot, request, occupant.frame, finished=False)
+        codes = self.codes[slot, :, :length].cpu().clone()
+        self.cancel(slot)
+        return SlotUpdate(slot, request, length, finished=True, codes=codes)
+
+    def _sampling_groups(self, live: Iterable[int]) -> list[_SamplingGroup]:
+        by_sampler: dict[tuple[int, float, int, int], list[int]] = {}
+        for slot in live:
+            occupant = self._occupants[slot]
+            plan, may_end = occupant.request.plan, occupant.may_end()
+            key = (plan.top_k, plan.temperature, plan.candidates(may_end), plan.drawn(may_end))
+            by_sampler.setdefault(key, []).append(slot)
+        return [
+            _SamplingGroup(torch.tensor(slots, device=self.device), top_k, temperature, candidates, drawn)
+            for (top_k, temperature, candidates, drawn), slots in by_sampler.items()
+        ]
+
+    def _draw_noise(self, live: Iterable[int], frames: int) -> None:
+        """Each slot's Exp(1) noise for the next `frames` frames from its own generator: the values its track
+        draws alone for these tokens, in the same order (the generator is a stream; block sizes do not matter)."""
+        self.noise_step.zero_()
+        for slot in live:
+            occupant = self._occupants[slot]
+            drawn = occupant.request.plan.drawn(occupant.may_end())
+            if drawn:
+                self.noise[slot, : COARSE_CODEBOOKS * frames, :drawn].exponential_(1, generator=occupant.generator)
+
+    def _sample(self, groups: Sequence[_SamplingGroup]) -> None:
+        """One code per occupied slot into self.choice: DeviceDecoder's sampler (temperature, top-k, the
+        exponential race with the slot's own noise), batched over the slots of each group."""
+        for group in groups:
+            logits = self.logits.index_select(0, group.rows)[:, : group.candidates]
+            if group.top_k == 1:
+                choice = logits.argmax(dim=-1)
+            else:
+                values, indices = torch.topk(logits / group.temperature, group.drawn, dim=-1)
+                probs = torch.softmax(values, dim=-1)
+                noise = self.noise.index_select(0, group.rows).index_select(1, self.noise_step)[:, 0, : group.drawn]
+                choice = indices.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).view(-1)
+            self.choice.index_copy_(0, group.rows, choice)
+        self.noise_step.add_(1)
+
+    def _token(self, q: int, live: Sequence[int], groups: Sequence[_SamplingGroup]) -> None:
+        """Codebook q for every slot: sample, record, feed, and leave the next token's candidate logits."""
+        self._sample(groups)
+        ending = (self.choice == self.end_choice) & ~self.ended
+        self.lengths.copy_(torch.where(ending, self.frame, self.lengths))
+        self.ended.logical_or_(ending)
+        self.codes[self.rows, q, self.frame] = self.choice
+        fed = torch.where(self.ended, self.end_token, self.window_start[:, q] + self.choice)
+        self.tokens.copy_(fed.view(-1, 1))
+        self.visible[self.rows, 0, :, self.position] = True  # each slot now sees its new position
+        masks = {slot: self._decode_mask(slot, self._occupants[slot].request.positions) for slot in live}
+        rows = range(self.slots)
+        hidden = self._hidden(self.model.embedding(self.tokens), rows, live, self.position[:, None], masks)
+        for slot in live:
+            head = self._occupants[slot].heads[(q + 1) % COARSE_CODEBOOKS]
+            self.logits[slot, : head.shape[0]] = (hidden[slot : slot + 1, 0] @ head.t()).float()[0]
+        self.position.add_(self.occupied)
+
+
+# -- sizing ---------------------------------------------------------------------------------------------
+
+
+def kv_bytes_per_track(lm: TorchCausalLM, max_len: int) -> int:
+    """Bytes of KV cache one slot of `max_len` positions takes (keys and values, every layer)."""
+    s = lm.model.shape
+    return 2 * s.num_layers * s.groups * s.head_dim * max_len * torch.empty(0, dtype=lm.dtype).element_size()
+
+
+def default_slots(
+    free_memory_bytes: int, kv_bytes_per_track: int, cap: int = DEFAULT_SLOT_CAP, *, usable: float = 0.8
+) -> int:
+    """How many slots fit: `usable` of the free device memory over one track's KV cache at max length, at most
+    `cap`; 0 when not even one fits (the caller then decodes alone or waits). The rest of free memory is left
+    for activations and the allocator's slack."""
+    if kv_bytes_per_track < 1:
+        raise ValueError(f"kv_bytes_per_track must be >= 1, got {kv_bytes_per_track}")
+    return max(0, min(cap, int(free_memory_bytes * usable) // kv_bytes_per_track))
+
+
+def open_slot_decoder(
+    lm: TorchCausalLM,
+    max_len: int,
+    slots: int,
+    *,
+    memory_bytes: int | None = None,
+    check_every: int = DEFAULT_CHECK_EVERY,
+) -> SlotDecoder:
+    """A SlotDecoder of `slots` slots, or fewer (halving) when its cache does not fit: on a real out-of-memory
+    error, or, when `memory_bytes` is given, when the cache would take more than that (a budget: e.g. what the
+    worker leaves the backbone once the other stages' models are loaded). Raises when one slot does not fit."""
+    per_track = kv_bytes_per_track(lm, max_len)
+    while True:
+        try:
+            if memory_bytes is not None and slots * per_track > memory_bytes:
+                raise torch.OutOfMemoryError(
+                    f"{slots} slots need {slots * per_track} bytes of KV cache; the budget is {memory_bytes}"
+                )
+            return SlotDecoder(lm, slots, max_len, check_every=check_every)
+        except torch.OutOfMemoryError:
+            if slots <= 1:
+                raise
+            slots //= 2
+            if lm.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def decode_queue(
+    decoder: SlotDecoder, requests: Iterable[TrackRequest], on_update: Callable[[SlotUpdate], None] | None = None
+) -> list[Tensor]:
+    """Decode every request through `decoder`, admitting the next one whenever a slot frees (what a worker's
+    loop does); codes [2, frames] per request, in request order."""
+    pending = list(enumerate(requests))
+    pending.reverse()
+    order: dict[int, int] = {}  # slot -> index of the request in it
+    codes: dict[int, Tensor] = {}
+    while pending or decoder.occupants:
+        while pending and decoder.free_slots:
+            index, request = pending.pop()
+            order[decoder.admit(request)] = index
+        for update in decoder.step_block():
+            if on_update is not None:
+                on_update(update)
+            if update.finished:
+                assert update.codes is not None
+                codes[order.pop(update.slot)] = update.codes
+    return [codes[index] for index in range(len(codes))]

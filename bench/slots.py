@@ -1,0 +1,173 @@
+"""In-flight batching of the backbone's decode (app/pipeline/music/slots.py): tracks per hour at 1..16 slots.
+
+One queue of tracks (different seeds, prompt lengths and lengths, so they join and leave at different blocks)
+goes through a SlotDecoder of 1, 2, 4, 8 and 16 slots (`slots_N`: linears once per row, the engine's own
+bits; `batched_matmul_slots_N`: one batch-invariant matmul for all slots), and one track after the other
+through today's DeviceDecoder (`one_after_the_other`), interleaved round by round in one run, so that drift on
+a noisy machine hits every configuration; the medians are what to read, the ratios against one slot above all
+(`cpu_vs_one_slot`: the same from this process's CPU time, steadier when other work loads the machine). Every
+track must get the codes it gets alone: `codes_equal_alone` says, per configuration, whether it did (against
+DeviceDecoder for `slots_N`, against one batched_matmul slot for `batched_matmul_slots_N`).
+
+    python bench/slots.py --tiny                   # the tiny profile's backbone: a few seconds
+    python bench/slots.py --profile small          # bench/music_engines.py's sizes: small, medium
+    python bench/slots.py --profile small --tracks 16 --frames 64 --repeats 3
+
+JSON on stdout. The model has random weights (fixed seed) in fp32, on the CPU unless CUDA is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from app.pipeline.control import StageControl  # noqa: E402
+from app.pipeline.music import megatron_backend as mb  # noqa: E402
+from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan  # noqa: E402
+from app.pipeline.music.slots import SlotDecoder, TrackRequest, decode_queue  # noqa: E402
+from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron  # noqa: E402
+from app.pipeline.profiles import MusicProfile, TransformerSpec, load_profile  # noqa: E402
+from bench.music_engines import SIZES, spec_for  # noqa: E402
+
+SLOT_COUNTS = (1, 2, 4, 8, 16)
+
+
+def build_engine(size: str, profile: MusicProfile, max_len: int, device: torch.device) -> TorchCausalLM:
+    spec: TransformerSpec = profile.backbone if size == "tiny" else spec_for(size, profile)
+    model = mb.build_gpt(spec, causal=True, device=device, dtype=torch.float32)
+    mb.init_random_weights(model, seed=0)
+    return TorchCausalLM(from_megatron(model, spec))
+
+
+def make_queue(profile: MusicProfile, tracks: int, frames: int) -> list[TrackRequest]:
+    """Tracks of 24..40-token prompts and 75..125 % of `frames` frames, the sampler Khala uses (top-k 80)."""
+    queue = []
+    for index in range(tracks):
+        limit = max(1, frames * (75 + (index * 37) % 51) // 100)
+        plan = SongPlan(
+            window_starts=(profile.audio_token_offset(0), profile.audio_token_offset(1)),
+            codebook_size=profile.codebook_size,
+            end_id=None,
+            limit=limit,
+            min_frames=limit,
+            expected_frames=limit,
+            top_k=80,
+            temperature=1.0,
+        )
+        prompt = tuple(range(1 + index, 25 + index + (index * 5) % 17))
+        queue.append(TrackRequest(prompt, plan, seed=1000 + index))
+    return queue
+
+
+def timed(run, device: torch.device) -> tuple[list[torch.Tensor], float, float]:
+    """The run's codes, its wall seconds and this process's CPU seconds (less sensitive to other load)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started, cpu_started = time.perf_counter(), time.process_time()
+    codes = run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return codes, time.perf_counter() - started, time.process_time() - cpu_started
+
+
+def same(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
+    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny profile's backbone (a few seconds)")
+    parser.add_argument("--profile", choices=sorted(s for s in SIZES if SIZES[s] is not None), default="small")
+    parser.add_argument("--tracks", type=int, default=16)
+    parser.add_argument("--frames", type=int, default=None, help="mean frames per track (default: 48, tiny 64)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--check-every", type=int, default=32)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: OpenMP's spinning barriers make 2 unsteady under load)",
+    )
+    parser.add_argument("--exact-only", action="store_true", help="skip the batched_matmul configurations")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    size = "tiny" if args.tiny else args.profile
+    frames = args.frames or (64 if args.tiny else 48)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    profile = load_profile("tiny", "/nonexistent")  # shapes and token layout only; no files are read
+    queue = make_queue(profile, args.tracks, frames)
+    max_len = max(request.positions for request in queue)
+    lm = build_engine(size, profile, max_len, device)
+
+    def one_after_the_other() -> list[torch.Tensor]:
+        return [
+            DeviceDecoder(lm, list(r.prompt_ids), r.plan, [r.seed], check_every=args.check_every).run(StageControl())[0]
+            for r in queue
+        ]
+
+    def through_slots(slots: int, batched_matmul: bool):
+        return lambda: decode_queue(
+            SlotDecoder(lm, slots, max_len, check_every=args.check_every, batched_matmul=batched_matmul), queue
+        )
+
+    runs = {"one_after_the_other": one_after_the_other}
+    runs |= {f"slots_{n}": through_slots(n, False) for n in SLOT_COUNTS}
+    if not args.exact_only:
+        runs |= {f"batched_matmul_slots_{n}": through_slots(n, True) for n in SLOT_COUNTS}
+    for warm_up in (through_slots(2, False), through_slots(2, True)):
+        timed(warm_up, device)
+    timed(lambda: DeviceDecoder(lm, list(queue[0].prompt_ids), queue[0].plan, [1]).run(StageControl()), device)
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in runs}
+    codes: dict[str, list[torch.Tensor]] = {}
+    for _ in range(args.repeats):  # interleaved: drift on a noisy machine hits every configuration alike
+        for name, run in runs.items():
+            codes[name], elapsed, cpu = timed(run, device)
+            seconds[name].append(elapsed)
+            cpu_seconds[name].append(cpu)
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    cpu_median = {name: statistics.median(values) for name, values in cpu_seconds.items()}
+    per_hour = {name: round(len(queue) * 3600 / value, 1) for name, value in median.items()}
+    reference = codes["one_after_the_other"]
+    batched_reference = codes.get("batched_matmul_slots_1", reference)
+    print(
+        json.dumps(
+            {
+                "device": str(device),
+                "size": size,
+                "params_m": round(sum(p.numel() for p in lm.model.parameters()) / 1e6, 2),
+                "threads": torch.get_num_threads(),
+                "load_average": [round(load, 2) for load in os.getloadavg()],
+                "tracks": len(queue),
+                "frames_per_track": [request.plan.limit for request in queue],
+                "tracks_per_hour": per_hour,
+                "vs_one_slot": {name: round(median["slots_1"] / value, 2) for name, value in median.items()},
+                "vs_one_after_the_other": {
+                    name: round(median["one_after_the_other"] / value, 2) for name, value in median.items()
+                },
+                "cpu_vs_one_slot": {
+                    name: round(cpu_median["slots_1"] / value, 2) for name, value in cpu_median.items()
+                },
+                "codes_equal_alone": {
+                    name: same(got, batched_reference if name.startswith("batched") else reference)
+                    for name, got in codes.items()
+                },
+                "batched_matmul_codes_equal_alone_engine": same(batched_reference, reference),
+                "seconds": seconds,
+                "cpu_seconds": cpu_seconds,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

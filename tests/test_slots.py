@@ -1,0 +1,268 @@
+"""In-flight batching of the backbone's decode (slots.py) on the tiny profile's real model code, fp32, no mocks.
+
+A seed still means a song: every track's codes, batched with others of other prompts, lengths, seeds, samplers,
+joining and leaving at other blocks, are bitwise the codes it gets alone (DeviceDecoder, the reference loop, a
+one-slot decoder); its candidate logits are bitwise the same at every frame too (equal by construction, not by
+luck of the sampler). A canceled slot frees its place and disturbs no one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.pipeline.control import StageControl
+from app.pipeline.music.backbone import generate_coarse_tracks
+from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
+from app.pipeline.music.slots import (
+    SlotDecoder,
+    TrackRequest,
+    decode_queue,
+    default_slots,
+    kv_bytes_per_track,
+    open_slot_decoder,
+)
+
+torch.set_num_threads(2)
+MAX_LEN = 160  # positions per slot: the longest request below (prompt + 2 x limit) fits
+
+
+@pytest.fixture(scope="module")
+def lm(ending):
+    """The plain-PyTorch engine over a tiny backbone that ends a song on cue (conftest.ending)."""
+    return ending["torch"]
+
+
+@pytest.fixture(scope="module")
+def make_request(tiny_profile, end_id):
+    def make(
+        prompt: range | tuple[int, ...],
+        seed: int,
+        *,
+        limit: int = 20,
+        top_k: int = 50,
+        temperature: float = 1.0,
+        ends: bool = False,
+        min_frames: int = 2,
+    ) -> TrackRequest:
+        plan = SongPlan(
+            window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
+            codebook_size=tiny_profile.codebook_size,
+            end_id=end_id if ends else None,
+            limit=limit,
+            min_frames=min_frames if ends else limit,
+            expected_frames=limit,
+            top_k=top_k,
+            temperature=temperature,
+        )
+        return TrackRequest(tuple(prompt), plan, seed)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def mix(make_request):
+    """Tracks that differ in everything a track has: prompt length, seed, top-k (1 included), temperature,
+    length, fixed-length or ended by the model (then with its own first frame that may end)."""
+    return [
+        make_request(range(1, 7), 5),
+        make_request(range(3, 20), 6, limit=27, top_k=9, temperature=0.7),
+        make_request(range(2, 5), 7, limit=13, top_k=1),
+        make_request(range(9, 40), 8, limit=50, top_k=80, temperature=1.3, ends=True, min_frames=3),
+        make_request(range(1, 11), 9, limit=60, ends=True),
+        make_request((5,), 10, limit=9, temperature=0.9),
+        make_request(range(40, 51), 11, limit=40, top_k=20, ends=True, min_frames=11),
+        make_request(range(7, 9), 12, limit=70, top_k=1, ends=True),
+    ]
+
+
+def alone(lm, request: TrackRequest) -> torch.Tensor:
+    """The track's codes decoded alone by today's device loop."""
+    return DeviceDecoder(lm, list(request.prompt_ids), request.plan, [request.seed]).run(StageControl())[0]
+
+
+@pytest.fixture(scope="module")
+def alone_codes(lm, mix):
+    return [alone(lm, request) for request in mix]
+
+
+def equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
+    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_the_mix_covers_what_it_claims(alone_codes, mix):
+    ended_by_model = [codes.shape[1] < request.plan.limit for codes, request in zip(alone_codes, mix, strict=True)]
+    assert any(ended_by_model) and not all(ended_by_model)
+    assert len({len(request.prompt_ids) for request in mix}) == len(mix)
+    assert all(codes.shape[0] == 2 for codes in alone_codes)
+
+
+@pytest.mark.parametrize(("slots", "check_every"), [(1, 32), (3, 4), (5, 5)])
+def test_codes_batched_equal_codes_alone(lm, mix, alone_codes, slots, check_every):
+    """Fewer slots than tracks: later tracks join at later blocks, into slots others left, beside tracks at
+    other frames; every track's codes are its alone codes."""
+    decoder = SlotDecoder(lm, slots, MAX_LEN, check_every=check_every)
+    finished_while_others_ran = []
+
+    def note(update) -> None:
+        if update.finished:
+            finished_while_others_ran.append(len(decoder.occupants) > 0)
+
+    assert equal(decode_queue(decoder, mix, on_update=note), alone_codes)
+    assert decoder.free_slots == list(range(slots))
+    if slots > 1:
+        assert any(finished_while_others_ran)
+
+
+def test_one_slot_equals_device_decoder_and_the_reference_loop(lm, tiny_profile, mix, alone_codes):
+    for index in (0, 3):  # a fixed-length track and one the model ends
+        request = mix[index]
+        plan = request.plan
+        (reference,) = generate_coarse_tracks(
+            lm,
+            list(request.prompt_ids),
+            profile=tiny_profile,
+            num_frames=plan.expected_frames,
+            temperature=plan.temperature,
+            top_k=plan.top_k,
+            seeds=[request.seed],
+            control=StageControl(),
+            end_id=plan.end_id,
+            max_frames=plan.limit,
+            min_frames=plan.min_frames,
+            loop="reference",
+        )
+        (codes,) = decode_queue(SlotDecoder(lm, 1, MAX_LEN), [request])
+        assert torch.equal(codes, alone_codes[index]) and torch.equal(codes, reference)
+
+
+def alone_logits(lm, request: TrackRequest, frames: int) -> list[torch.Tensor]:
+    """The candidate logits DeviceDecoder holds before each of a fixed-length track's first frames."""
+    decoder = DeviceDecoder(lm, list(request.prompt_ids), request.plan, [request.seed], use_graphs=False)
+    lm.reset(request.positions)
+    trace = []
+    with torch.inference_mode():
+        decoder._allocate(lm.prefill_batch(list(request.prompt_ids)).index_select(1, decoder._candidate_rows(0)))
+        for _ in range(frames):
+            trace.append(decoder.logits[0].clone())
+            decoder._draw_noise(1, may_end=False)
+            decoder.frame_step(False)
+    lm.release()
+    return trace
+
+
+def test_logits_are_bitwise_those_alone_at_every_frame(lm, make_request):
+    """Not only the codes: every slot's candidate logits are bitwise the alone ones, frame by frame, while a
+    neighbour joins (prefilling its own row) and another leaves."""
+    requests = [
+        make_request(range(1, 30), 1, limit=12, top_k=9, temperature=0.8),
+        make_request(range(4, 8), 2, limit=30, top_k=1),
+        make_request(range(100, 160), 3, limit=30),
+    ]
+    traces = [alone_logits(lm, request, 12) for request in requests]
+    decoder = SlotDecoder(lm, 3, MAX_LEN, check_every=1)
+    slots = [decoder.admit(requests[0]), decoder.admit(requests[1])]
+    frames = [0, 0, 0]
+    for block in range(12):
+        if block == 5:  # a newcomer joins mid-song of the others
+            slots.append(decoder.admit(requests[2]))
+        for index, slot in enumerate(slots):
+            if frames[index] < 12 and slot in decoder.occupants:
+                width = traces[index][frames[index]].shape[0]
+                assert torch.equal(decoder.logits[slot, :width], traces[index][frames[index]]), (index, block)
+                frames[index] += 1
+        decoder.step_block()
+    assert frames == [12, 12, 7]
+
+
+@pytest.fixture(scope="module")
+def batched_alone_codes(lm, mix):
+    """Each track decoded by a one-slot decoder in batched_matmul mode: what it must get batched in that mode."""
+    return [decode_queue(SlotDecoder(lm, 1, MAX_LEN, batched_matmul=True), [request])[0] for request in mix]
+
+
+@pytest.mark.parametrize(("slots", "check_every"), [(4, 3), (8, 5)])
+def test_batched_matmul_codes_equal_one_slot(lm, mix, batched_alone_codes, alone_codes, slots, check_every):
+    """One matmul for all slots: the codes of a track do not depend on its company either."""
+    decoder = SlotDecoder(lm, slots, MAX_LEN, check_every=check_every, batched_matmul=True)
+    assert equal(decode_queue(decoder, mix), batched_alone_codes)
+    assert equal(batched_alone_codes, alone_codes)  # not promised (last bits of the logits differ), but here so
+
+
+def test_batched_matmul_logits_are_bitwise_those_of_one_slot(lm, make_request):
+    requests = [
+        make_request(range(1, 30), 1, limit=12, top_k=9, temperature=0.8),
+        make_request(range(4, 8), 2, limit=30, top_k=1),
+        make_request(range(100, 160), 3, limit=30),
+    ]
+    one = SlotDecoder(lm, 1, MAX_LEN, check_every=2, batched_matmul=True)
+    many = SlotDecoder(lm, 4, MAX_LEN, check_every=2, batched_matmul=True)
+    one.admit(requests[0])
+    slot = many.admit(requests[0])
+    for block in range(6):
+        if block in (1, 3):
+            many.admit(requests[block // 2 + 1])  # neighbours join mid-song
+        assert torch.equal(one.logits[0], many.logits[slot, : one.logits.shape[1]]), block
+        one.step_block()
+        many.step_block()
+
+
+def test_a_canceled_slot_frees_its_place_and_disturbs_no_one(lm, mix, alone_codes, make_request):
+    decoder = SlotDecoder(lm, 3, MAX_LEN, check_every=4)
+    slots = {decoder.admit(mix[i]): i for i in (0, 1, 3)}
+    decoder.step_block()
+    canceled = next(slot for slot, index in slots.items() if index == 1)
+    assert decoder.cancel(canceled) == mix[1]
+    assert decoder.free_slots == [canceled]
+    with pytest.raises(KeyError):
+        decoder.cancel(canceled)
+    decoder.step_block()
+    newcomer = make_request(range(20, 33), 99, limit=15, top_k=5)
+    assert decoder.admit(newcomer) == canceled  # at the next block boundary, into the freed slot
+    slots[canceled] = -1
+    codes: dict[int, torch.Tensor] = {}
+    while decoder.occupants:
+        for update in decoder.step_block():
+            if update.finished:
+                assert update.codes is not None
+                codes[slots[update.slot]] = update.codes
+    assert torch.equal(codes[0], alone_codes[0]) and torch.equal(codes[3], alone_codes[3])
+    assert torch.equal(codes[-1], alone(lm, newcomer))
+
+
+def test_updates_report_progress_then_the_codes(lm, make_request):
+    decoder = SlotDecoder(lm, 2, MAX_LEN, check_every=8)
+    slot = decoder.admit(make_request(range(1, 5), 1, limit=20))
+    updates = [decoder.step_block() for _ in range(3)]
+    assert [(u.slot, u.frames, u.finished) for (u,) in updates] == [
+        (slot, 8, False),
+        (slot, 16, False),
+        (slot, 20, True),
+    ]
+    assert updates[-1][0].codes is not None and updates[-1][0].codes.shape == (2, 20)
+    assert decoder.step_block() == [] and decoder.free_slots == [0, 1]
+
+
+def test_admission_checks(lm, make_request):
+    decoder = SlotDecoder(lm, 1, 40)
+    with pytest.raises(ValueError, match="does not fit"):
+        decoder.admit(make_request(range(1, 5), 1, limit=20))  # 4 + 40 positions > 40
+    decoder.admit(make_request(range(1, 5), 1, limit=10))
+    with pytest.raises(RuntimeError, match="no free slot"):
+        decoder.admit(make_request(range(1, 5), 2, limit=10))
+
+
+def test_slot_count_from_memory_and_fewer_slots_when_it_does_not_fit(lm, tiny_profile):
+    shape = tiny_profile.backbone
+    per_track = kv_bytes_per_track(lm, 1000)
+    assert per_track == 2 * shape.num_layers * shape.num_query_groups * shape.head_dim * 1000 * 4  # fp32
+    assert default_slots(100 * per_track, per_track, cap=16) == 16
+    assert default_slots(int(6.25 * per_track), per_track, cap=16) == 5  # 80 % of it usable
+    assert default_slots(per_track // 2, per_track) == 0
+    with pytest.raises(ValueError):
+        default_slots(10**9, 0)
+    decoder = open_slot_decoder(lm, 1000, 16, memory_bytes=3 * per_track)
+    assert decoder.slots == 2  # 16, 8 and 4 do not fit the budget; halving stops at 2
+    assert decoder.keys[0].shape[0] == 2
+    with pytest.raises(torch.OutOfMemoryError):
+        open_slot_decoder(lm, 1000, 4, memory_bytes=per_track // 2)
