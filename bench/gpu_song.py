@@ -145,16 +145,7 @@ def section_decode(args) -> dict:
     result: dict = {"device": str(device), "song_frames": frames, "window_frames": window}
 
     def plan(limit: int) -> SongPlan:
-        return SongPlan(
-            window_starts=(profile.audio_token_offset(0), profile.audio_token_offset(1)),
-            codebook_size=profile.codebook_size,
-            end_id=None,
-            limit=limit,
-            min_frames=limit,
-            expected_frames=limit,
-            top_k=profile.backbone_top_k,
-            temperature=1.0,
-        )
+        return SongPlan.fixed_length(profile, limit, top_k=profile.backbone_top_k)
 
     def device_loop(prompt, limit, clock, graphs):
         decoder = DeviceDecoder(plain, prompt, plan(limit), [1, 2], use_graphs=graphs, check_every=8)

@@ -53,16 +53,7 @@ def make_queue(profile: MusicProfile, tracks: int, frames: int) -> list[TrackReq
     queue = []
     for index in range(tracks):
         limit = max(1, frames * (75 + (index * 37) % 51) // 100)
-        plan = SongPlan(
-            window_starts=(profile.audio_token_offset(0), profile.audio_token_offset(1)),
-            codebook_size=profile.codebook_size,
-            end_id=None,
-            limit=limit,
-            min_frames=limit,
-            expected_frames=limit,
-            top_k=80,
-            temperature=1.0,
-        )
+        plan = SongPlan.fixed_length(profile, limit, top_k=80)
         prompt = tuple(range(1 + index, 25 + index + (index * 5) % 17))
         queue.append(TrackRequest(prompt, plan, seed=1000 + index))
     return queue

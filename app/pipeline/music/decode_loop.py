@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from app.pipeline.control import StageControl
-from app.pipeline.profiles import COARSE_CODEBOOKS
+from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 
 DEFAULT_CHECK_EVERY = 32  # frames between host reads: ~1.5 s of audio, well under a second of GPU time
 
@@ -44,6 +44,21 @@ class SongPlan:
     expected_frames: int
     top_k: int
     temperature: float
+
+    @classmethod
+    def fixed_length(cls, profile: MusicProfile, frames: int, top_k: int, temperature: float = 1.0) -> SongPlan:
+        """A song of exactly `frames` frames (no end-of-text) in `profile`'s two coarse windows: what the
+        benches and the parity tests decode."""
+        return cls(
+            window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
+            codebook_size=profile.codebook_size,
+            end_id=None,
+            limit=frames,
+            min_frames=frames,
+            expected_frames=frames,
+            top_k=top_k,
+            temperature=temperature,
+        )
 
     def may_end(self, frame: int) -> bool:
         return self.end_id is not None and frame >= self.min_frames

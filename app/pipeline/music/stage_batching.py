@@ -29,7 +29,7 @@ from torch import Tensor
 from app.pipeline.control import StageControl
 from app.pipeline.music.codec import KhalaCodecDecoder, _check_codes, fade_in, plan_chunks
 from app.pipeline.music.engine import BidirectionalLM, sample_top_k
-from app.pipeline.music.superres import task_marker
+from app.pipeline.music.superres import check_coarse, task_marker
 from app.pipeline.music.torch_engine import TorchBidirectionalLM, rope_tables
 from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 
@@ -88,10 +88,7 @@ def fill_fine_tracks(
     num_codebooks, size = profile.codec.num_codebooks, profile.codebook_size
     top_k = profile.superres_top_k if top_k is None else top_k
     for track in coarse:
-        if track.dim() != 2 or track.shape[0] != COARSE_CODEBOOKS:
-            raise ValueError(f"coarse codes must be [{COARSE_CODEBOOKS}, frames], got {tuple(track.shape)}")
-        if track.min() < 0 or track.max() >= size:
-            raise ValueError(f"coarse codes must lie in 0..{size - 1}")
+        check_coarse(track, size)
 
     table = lm.input_embeddings
     device = table.device

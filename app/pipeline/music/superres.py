@@ -27,6 +27,14 @@ def task_marker(profile: MusicProfile, layer: int) -> int:
 
 
 @torch.inference_mode()
+def check_coarse(coarse: Tensor, codebook_size: int) -> None:
+    """ValueError unless `coarse` is [2, frames] codes within the codebook: what super-resolution takes."""
+    if coarse.dim() != 2 or coarse.shape[0] != COARSE_CODEBOOKS:
+        raise ValueError(f"coarse codes must be [{COARSE_CODEBOOKS}, frames], got {tuple(coarse.shape)}")
+    if coarse.min() < 0 or coarse.max() >= codebook_size:
+        raise ValueError(f"coarse codes must lie in 0..{codebook_size - 1}")
+
+
 def fill_fine(
     lm: BidirectionalLM,
     coarse: Tensor,
@@ -45,10 +53,7 @@ def fill_fine(
     num_codebooks = profile.codec.num_codebooks
     size = profile.codebook_size
     top_k = profile.superres_top_k if top_k is None else top_k
-    if coarse.dim() != 2 or coarse.shape[0] != COARSE_CODEBOOKS:
-        raise ValueError(f"coarse codes must be [{COARSE_CODEBOOKS}, frames], got {tuple(coarse.shape)}")
-    if coarse.min() < 0 or coarse.max() >= size:
-        raise ValueError(f"coarse codes must lie in 0..{size - 1}")
+    check_coarse(coarse, size)
 
     table = lm.input_embeddings
     device = table.device
