@@ -41,9 +41,11 @@ from bench.music_engines import SIZES, spec_for  # noqa: E402
 SLOT_COUNTS = (1, 2, 4, 8, 16)
 
 
-def build_engine(size: str, profile: MusicProfile, max_len: int, device: torch.device) -> TorchCausalLM:
+def build_engine(
+    size: str, profile: MusicProfile, max_len: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> TorchCausalLM:
     spec: TransformerSpec = profile.backbone if size == "tiny" else spec_for(size, profile)
-    model = mb.build_gpt(spec, causal=True, device=device, dtype=torch.float32)
+    model = mb.build_gpt(spec, causal=True, device=device, dtype=dtype)
     mb.init_random_weights(model, seed=0)
     return TorchCausalLM(from_megatron(model, spec))
 
@@ -74,10 +76,35 @@ def same(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
     return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+def agreement(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    """The share of code positions equal in both (a track that came out another length counts what it shares):
+    where a platform's kernels are not batch-invariant (bf16 on a GPU) codes can part after a near-tie."""
+    equal = total = 0
+    for a, b in zip(first, second, strict=True):
+        shared = min(a.shape[-1], b.shape[-1])
+        equal += int((a[..., :shared] == b[..., :shared]).sum())
+        total += max(a.numel(), b.numel())
+    return round(equal / max(total, 1), 6)
+
+
+def step_ms(lm: TorchCausalLM, request: TrackRequest, slots: int, max_len: int, batched: bool, device) -> float:
+    """Milliseconds per decode step (one frame: two tokens for every slot) with `slots` slots all busy: the
+    first block warms up (and on a GPU allocates), the next two are timed."""
+    decoder = SlotDecoder(lm, slots, max_len, check_every=16, batched_matmul=batched)
+    for _ in range(slots):
+        decoder.admit(request)
+    decoder.step_block()
+    _, elapsed, _ = timed(lambda: [decoder.step_block(), decoder.step_block()], device)
+    decoder.close()
+    return round(1000 * elapsed / 32, 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny profile's backbone (a few seconds)")
-    parser.add_argument("--profile", choices=sorted(s for s in SIZES if SIZES[s] is not None), default="small")
+    parser.add_argument("--profile", choices=sorted(SIZES), default="small", help="khala: the real backbone (GPU)")
+    parser.add_argument("--slots", default=",".join(map(str, SLOT_COUNTS)), help="slot counts, comma-separated")
+    parser.add_argument("--batched-only", action="store_true", help="skip the exact (per-row) configurations")
     parser.add_argument("--tracks", type=int, default=16)
     parser.add_argument("--frames", type=int, default=None, help="mean frames per track (default: 48, tiny 64)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -94,10 +121,15 @@ def main() -> None:
     size = "tiny" if args.tiny else args.profile
     frames = args.frames or (64 if args.tiny else 48)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    profile = load_profile("tiny", "/nonexistent")  # shapes and token layout only; no files are read
+    if size == "khala" and device.type != "cuda":
+        parser.error("--profile khala needs a CUDA device")
+    # shapes and token layout only; no files are read
+    profile = load_profile("khala" if size == "khala" else "tiny", "/nonexistent")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    counts = [int(n) for n in args.slots.split(",") if n]
     queue = make_queue(profile, args.tracks, frames)
     max_len = max(request.positions for request in queue)
-    lm = build_engine(size, profile, max_len, device)
+    lm = build_engine(size, profile, max_len, device, dtype)
 
     def one_after_the_other() -> list[torch.Tensor]:
         return [
@@ -111,10 +143,11 @@ def main() -> None:
         )
 
     runs = {"one_after_the_other": one_after_the_other}
-    runs |= {f"slots_{n}": through_slots(n, False) for n in SLOT_COUNTS}
+    if not args.batched_only:
+        runs |= {f"slots_{n}": through_slots(n, False) for n in counts}
     if not args.exact_only:
-        runs |= {f"batched_matmul_slots_{n}": through_slots(n, True) for n in SLOT_COUNTS}
-    for warm_up in (through_slots(2, False), through_slots(2, True)):
+        runs |= {f"batched_matmul_slots_{n}": through_slots(n, True) for n in counts}
+    for warm_up in [through_slots(2, batched) for batched in (False, True) if runs.keys() - {"one_after_the_other"}]:
         timed(warm_up, device)
     timed(lambda: DeviceDecoder(lm, list(queue[0].prompt_ids), queue[0].plan, [1]).run(StageControl()), device)
     seconds: dict[str, list[float]] = {name: [] for name in runs}
@@ -129,7 +162,16 @@ def main() -> None:
     cpu_median = {name: statistics.median(values) for name, values in cpu_seconds.items()}
     per_hour = {name: round(len(queue) * 3600 / value, 1) for name, value in median.items()}
     reference = codes["one_after_the_other"]
-    batched_reference = codes.get("batched_matmul_slots_1", reference)
+    batched_reference = codes.get(f"batched_matmul_slots_{counts[0]}", reference)
+    one = f"batched_matmul_slots_{counts[0]}" if args.batched_only else f"slots_{counts[0]}"  # the ratios' base
+    modes = [("exact", False)] if not args.batched_only else []
+    modes += [("batched", True)] if not args.exact_only else []
+    steps = {
+        f"{mode}_slots_{n}": step_ms(lm, queue[-1], n, max_len, batched, device)
+        for mode, batched in modes
+        for n in counts
+    }
+    song_frames = profile.frames_for(180.0)
     print(
         json.dumps(
             {
@@ -141,18 +183,31 @@ def main() -> None:
                 "tracks": len(queue),
                 "frames_per_track": [request.plan.limit for request in queue],
                 "tracks_per_hour": per_hour,
-                "vs_one_slot": {name: round(median["slots_1"] / value, 2) for name, value in median.items()},
+                "dtype": str(dtype),
+                "vs_one_slot": {name: round(median[one] / value, 2) for name, value in median.items()},
                 "vs_one_after_the_other": {
                     name: round(median["one_after_the_other"] / value, 2) for name, value in median.items()
                 },
-                "cpu_vs_one_slot": {
-                    name: round(cpu_median["slots_1"] / value, 2) for name, value in cpu_median.items()
-                },
+                "cpu_vs_one_slot": {name: round(cpu_median[one] / value, 2) for name, value in cpu_median.items()},
                 "codes_equal_alone": {
                     name: same(got, batched_reference if name.startswith("batched") else reference)
                     for name, got in codes.items()
                 },
+                "code_agreement_with_alone": {
+                    name: agreement(got, batched_reference if name.startswith("batched") else reference)
+                    for name, got in codes.items()
+                },
                 "batched_matmul_codes_equal_alone_engine": same(batched_reference, reference),
+                # issue 23's GPU targets: a step at 16 slots <= 2x the step at 1; 16 concurrent 3-minute songs
+                "step_ms": steps,
+                "step_ratio_to_one_slot": {
+                    name: round(value / steps[name.rsplit("_", 1)[0] + "_" + str(counts[0])], 2)
+                    for name, value in steps.items()
+                },
+                "projected_tracks_per_hour_3min_songs": {
+                    name: round(int(name.rsplit("_", 1)[1]) * 3600 / (value / 1000 * song_frames), 1)
+                    for name, value in steps.items()
+                },
                 "seconds": seconds,
                 "cpu_seconds": cpu_seconds,
             }

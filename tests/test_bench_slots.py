@@ -1,0 +1,30 @@
+"""bench/slots.py --tiny: the in-flight batching bench runs end to end (so that the device call it is made for
+does not fail on a typo), and every configuration's codes are those alone. Speeds are noise here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support.processes import LONGEST_WAIT_S, REPO
+
+
+def test_slots_bench_runs_and_every_configuration_decodes_each_track_as_alone():
+    run = subprocess.run(
+        [sys.executable, "bench/slots.py", "--tiny", "--repeats", "1", "--slots", "1,4", "--tracks", "5"],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=LONGEST_WAIT_S,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    expected = {"one_after_the_other", "slots_1", "slots_4", "batched_matmul_slots_1", "batched_matmul_slots_4"}
+    assert set(report["tracks_per_hour"]) == expected
+    assert all(report["codes_equal_alone"].values()), report["codes_equal_alone"]
+    assert set(report["code_agreement_with_alone"].values()) == {1.0}
+    assert set(report["step_ms"]) == {"exact_slots_1", "exact_slots_4", "batched_slots_1", "batched_slots_4"}
+    assert report["step_ratio_to_one_slot"]["batched_slots_1"] == 1.0
+    assert all(value > 0 for value in report["projected_tracks_per_hour_3min_songs"].values())
