@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,8 +18,10 @@ from app.pipeline.music import backbone, codec, export, megatron_backend, prompt
 from app.pipeline.control import StageControl
 from app.pipeline.media.ffmpeg import ON_PATH, MediaTools
 from app.pipeline.music.engine import BatchedCausalLM
+from app.pipeline.music.decode_loop import SongPlan
 from app.pipeline.music.positions import frames_room
-from app.pipeline.profiles import MusicProfile, TransformerSpec
+from app.pipeline.music.slots import SlotDecoder, SlotUpdate, TrackRequest, decode_queue
+from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile, TransformerSpec
 from app.pipeline.runtime import ModelCache
 
 # Models freed after each stage in one_shot mode (tokenizer and backbone stay, like the reference backend).
@@ -158,6 +160,74 @@ def run_backbone_tracks(
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         "songs": songs,
     }
+
+
+@dataclass(frozen=True)
+class BackboneTrack:
+    """One track for an in-flight batch: its job's parameters, its seed, where its coarse codes go."""
+
+    params: dict[str, Any]
+    seed: int
+    out: Path
+
+
+def backbone_request(
+    models: MusicModels, track: BackboneTrack, loaded: list[str] | None = None, tag: object = None
+) -> tuple[TrackRequest, SongLength]:
+    """The SlotDecoder request that decodes `track` as run_backbone_tracks decodes it alone (its prompt, and the
+    plan generate_coarse_tracks' device loop builds: windows, end id, frame limit and floor, sampler), with the
+    song length it was planned from."""
+    profile = models.profile
+    tokenizer = models.tokenizer(loaded)
+    prompt_ids = _prompt_ids(tokenizer, profile, track.params)
+    length = song_length(profile, track.params["duration_s"], len(prompt_ids), models.song_margin_s)
+    end_id = prompt.prompt_token_ids(tokenizer).eos if length.model_ends else None
+    plan = SongPlan(
+        window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
+        codebook_size=profile.codebook_size,
+        end_id=end_id,
+        limit=length.expected_frames if end_id is None else length.max_frames,
+        min_frames=length.min_frames,
+        expected_frames=length.expected_frames,
+        top_k=track.params["top_k"],
+        temperature=track.params["temperature"],
+    )
+    return TrackRequest(tuple(prompt_ids), plan, track.seed, tag=tag), length
+
+
+def run_backbone_slots(
+    models: MusicModels,
+    tracks: list[BackboneTrack],
+    slots: int,
+    on_finished: Callable[[BackboneTrack, dict[str, Any]], None] | None = None,
+    loaded: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Coarse codes of tracks of any songs through one SlotDecoder of `slots` slots (app/pipeline/music/slots.py),
+    each joining when a slot frees: each track's codes are those run_backbone_tracks gives it alone. Saves each
+    to its `out` as it finishes and calls `on_finished(track, song)` then (the worker frees it at once);
+    returns each track's song description, in order."""
+    lm = models.backbone(loaded)
+    planned = [backbone_request(models, track, loaded, tag=index) for index, track in enumerate(tracks)]
+    requests = [request for request, _ in planned]
+    max_len = max(request.positions for request in requests)
+    songs: dict[int, dict[str, Any]] = {}
+
+    def finished(update: SlotUpdate) -> None:
+        if not update.finished or update.codes is None:
+            return
+        index = update.request.tag
+        assert isinstance(index, int)
+        _save_codes(update.codes, tracks[index].out)
+        songs[index] = planned[index][1].describe(int(update.codes.shape[1]), models.profile)
+        if on_finished is not None:
+            on_finished(tracks[index], songs[index])
+
+    decoder = SlotDecoder(lm, min(slots, len(requests)), max_len)
+    try:
+        decode_queue(decoder, requests, on_update=finished)
+    finally:
+        decoder.close()
+    return [songs[index] for index in range(len(tracks))]
 
 
 @dataclass(frozen=True)
