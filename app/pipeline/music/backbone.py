@@ -90,7 +90,7 @@ def generate_coarse_tracks(
         raise ValueError(f"num_frames must be >= 1, got {num_frames}")
     if not seeds:
         raise ValueError("no seeds: nothing to generate")
-    limit = num_frames if end_id is None else (max_frames or num_frames)
+    limit = SongPlan.frame_limit(num_frames, end_id, max_frames)
     if limit < 1:
         raise ValueError(f"max_frames must be >= 1, got {limit}")
     if loop not in ("auto", "reference"):
@@ -114,13 +114,12 @@ def generate_coarse_tracks(
             for i, seed in enumerate(seeds)
         ]
     if loop == "auto" and isinstance(lm, DeviceLoopLM):
-        plan = SongPlan(
-            window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
-            codebook_size=profile.codebook_size,
+        plan = SongPlan.for_song(
+            profile,
+            num_frames=num_frames,
             end_id=end_id,
-            limit=limit,
+            max_frames=max_frames,
             min_frames=min_frames,
-            expected_frames=num_frames,
             top_k=top_k,
             temperature=temperature,
         )

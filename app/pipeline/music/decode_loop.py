@@ -45,17 +45,47 @@ class SongPlan:
     top_k: int
     temperature: float
 
+    @staticmethod
+    def frame_limit(num_frames: int, end_id: int | None, max_frames: int | None) -> int:
+        """The most frames a song may take: exactly `num_frames` without an end id, else `max_frames` (or
+        `num_frames` when there is no cap)."""
+        return num_frames if end_id is None else (max_frames or num_frames)
+
     @classmethod
-    def fixed_length(cls, profile: MusicProfile, frames: int, top_k: int, temperature: float = 1.0) -> SongPlan:
-        """A song of exactly `frames` frames (no end-of-text) in `profile`'s two coarse windows: what the
-        benches and the parity tests decode."""
+    def for_song(
+        cls,
+        profile: MusicProfile,
+        *,
+        num_frames: int,
+        end_id: int | None,
+        max_frames: int | None,
+        min_frames: int,
+        top_k: int,
+        temperature: float,
+    ) -> SongPlan:
+        """The plan of one song in `profile`'s two coarse windows: `num_frames` expected, ended by `end_id` (once
+        `min_frames` are written) or at `frame_limit`; what generate_coarse_tracks and the slot decoder's
+        requests decode."""
         return cls(
             window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
             codebook_size=profile.codebook_size,
+            end_id=end_id,
+            limit=cls.frame_limit(num_frames, end_id, max_frames),
+            min_frames=min_frames,
+            expected_frames=num_frames,
+            top_k=top_k,
+            temperature=temperature,
+        )
+
+    @classmethod
+    def fixed_length(cls, profile: MusicProfile, frames: int, top_k: int, temperature: float = 1.0) -> SongPlan:
+        """A song of exactly `frames` frames (no end-of-text): what the benches and the parity tests decode."""
+        return cls.for_song(
+            profile,
+            num_frames=frames,
             end_id=None,
-            limit=frames,
+            max_frames=None,
             min_frames=frames,
-            expected_frames=frames,
             top_k=top_k,
             temperature=temperature,
         )

@@ -21,7 +21,7 @@ from app.pipeline.music.engine import BatchedCausalLM
 from app.pipeline.music.decode_loop import SongPlan
 from app.pipeline.music.positions import frames_room
 from app.pipeline.music.slots import SlotDecoder, SlotUpdate, TrackRequest, decode_queue
-from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile, TransformerSpec
+from app.pipeline.profiles import MusicProfile, TransformerSpec
 from app.pipeline.runtime import ModelCache
 
 # Models freed after each stage in one_shot mode (tokenizer and backbone stay, like the reference backend).
@@ -117,6 +117,17 @@ def run_backbone(
     return run_backbone_tracks(models, params, [seed], [out], control, loaded)
 
 
+def _song_setup(
+    models: MusicModels, params: dict[str, Any], loaded: list[str] | None
+) -> tuple[list[int], SongLength, int | None]:
+    """A song's prompt ids, its length (song_length) and its end id (None: a fixed length), from its params."""
+    tokenizer = models.tokenizer(loaded)
+    prompt_ids = _prompt_ids(tokenizer, models.profile, params)
+    length = song_length(models.profile, params["duration_s"], len(prompt_ids), models.song_margin_s)
+    end_id = prompt.prompt_token_ids(tokenizer).eos if length.model_ends else None
+    return prompt_ids, length, end_id
+
+
 def run_backbone_tracks(
     models: MusicModels,
     params: dict[str, Any],
@@ -129,11 +140,8 @@ def run_backbone_tracks(
     batch when the engine batches (`backbone_batches`). `songs` in the result says, per track, how long it
     came out and what ended it ("model": end-of-text; "length": the cap; "duration": a fixed length)."""
     profile = models.profile
-    tokenizer = models.tokenizer(loaded)
     lm = models.backbone(loaded)
-    prompt_ids = _prompt_ids(tokenizer, profile, params)
-    length = song_length(profile, params["duration_s"], len(prompt_ids), models.song_margin_s)
-    end_id = prompt.prompt_token_ids(tokenizer).eos if length.model_ends else None
+    prompt_ids, length, end_id = _song_setup(models, params, loaded)
     started = time.monotonic()
     tracks = backbone.generate_coarse_tracks(
         lm,
@@ -177,18 +185,13 @@ def backbone_request(
     """The SlotDecoder request that decodes `track` as run_backbone_tracks decodes it alone (its prompt, and the
     plan generate_coarse_tracks' device loop builds: windows, end id, frame limit and floor, sampler), with the
     song length it was planned from."""
-    profile = models.profile
-    tokenizer = models.tokenizer(loaded)
-    prompt_ids = _prompt_ids(tokenizer, profile, track.params)
-    length = song_length(profile, track.params["duration_s"], len(prompt_ids), models.song_margin_s)
-    end_id = prompt.prompt_token_ids(tokenizer).eos if length.model_ends else None
-    plan = SongPlan(
-        window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
-        codebook_size=profile.codebook_size,
+    prompt_ids, length, end_id = _song_setup(models, track.params, loaded)
+    plan = SongPlan.for_song(
+        models.profile,
+        num_frames=length.expected_frames,
         end_id=end_id,
-        limit=length.expected_frames if end_id is None else length.max_frames,
+        max_frames=length.max_frames,
         min_frames=length.min_frames,
-        expected_frames=length.expected_frames,
         top_k=track.params["top_k"],
         temperature=track.params["temperature"],
     )
