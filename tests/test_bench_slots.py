@@ -4,21 +4,12 @@ does not fail on a typo), and every configuration's codes are those alone. Speed
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.support.processes import LONGEST_WAIT_S, REPO
+from tests.support.processes import run_bench
 
 
 def test_slots_bench_runs_and_every_configuration_decodes_each_track_as_alone():
-    run = subprocess.run(
-        [sys.executable, "bench/slots.py", "--tiny", "--repeats", "1", "--slots", "1,4", "--tracks", "5"],
-        cwd=REPO,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=LONGEST_WAIT_S,
-    )
+    run = run_bench("slots.py", "--tiny", "--repeats", "1", "--slots", "1,4", "--tracks", "5")
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     expected = {"one_after_the_other", "slots_1", "slots_4", "batched_matmul_slots_1", "batched_matmul_slots_4"}

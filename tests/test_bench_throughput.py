@@ -4,13 +4,11 @@ and its arithmetic on intervals. Speeds are noise here and not checked; what the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from bench.throughput import summarize, union_seconds
-from tests.support.processes import LONGEST_WAIT_S, REPO
+from tests.support.processes import run_bench
 
 
 def test_union_counts_a_shared_interval_once_and_gaps_not_at_all():
@@ -36,14 +34,7 @@ def test_occupancy_is_gpu_time_over_the_window_gpu_work_waits_in():
 
 @pytest.mark.slow  # a real worker, 3 songs and a video at tiny size (~2.5 min here)
 def test_throughput_bench_runs_every_job_through_a_real_worker():
-    run = subprocess.run(
-        [sys.executable, "bench/throughput.py", "--tiny"],
-        cwd=REPO,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=LONGEST_WAIT_S,
-    )
+    run = run_bench("throughput.py", "--tiny")
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     (today,) = report["results"]

@@ -103,3 +103,15 @@ class RedisServer:
 
     def answers(self) -> bool:
         return redis_answers(self.port)
+
+
+def run_bench(script: str, *args: str, timeout_s: float = LONGEST_WAIT_S) -> subprocess.CompletedProcess:
+    """`bench/<script>` with `args`, run by this Python from the repository, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, f"bench/{script}", *args],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
