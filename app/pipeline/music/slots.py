@@ -41,8 +41,9 @@ AVX-512; tests/test_slots.py checks the result end to end):
 
 The price of the per-row matmuls: each row reads every weight again, so on a CPU the batch only saves the
 per-op cost of the rest (bench/slots.py). `batched_matmul=True` trades the engine's exact bits for speed: one
-product for all slots, written (W @ x^T)^T over at least two rows, and SiLU batched, which MKL computes row by row the same way
-whatever the row count (measured: every layer shape of the tiny, small and medium sizes, 1 and 2 threads). A
+product per tile of ROW_TILE rows over all slots, written (W @ x^T)^T, and SiLU batched: the kernel sees one shape
+whatever the row count, and computes a row the same way wherever it lies (tests/test_slots.py on Intel and AMD EPYC
+CPUs; one bare product of all rows, which an earlier version used, was batch-invariant on Intel, not on the AMD). A
 track's codes are then bitwise the same whatever it is batched with and in a decoder of one slot, but that is
 not the 1-row product of DeviceDecoder and the reference loop: their logits differ in the last bits, so their
 codes may differ where the sampler meets a near-tie (none seen in the tests). A deployment picks one mode for
@@ -133,6 +134,9 @@ class _SamplingGroup:
     temperature: float
     candidates: int
     drawn: int
+
+
+ROW_TILE = 16  # rows per product in batched_matmul mode (see _linear)
 
 
 class SlotDecoder:
@@ -390,20 +394,23 @@ class SlotDecoder:
 
     def _linear(self, layer: nn.Linear, x: Tensor, live: Sequence[int]) -> Tensor:
         """`layer`(x) for x [R, T, in]. Default: once per live row, the very call a track alone makes ([1, T, in]:
-        MKL's 1-row product), zeros for empty slots. `batched_matmul`: one product for all rows, written
-        (W @ x^T)^T with at least two rows, which MKL computes row by row the same way whatever the row count
-        (measured on every layer shape of the tiny, small and medium sizes): batch-invariant, but not the bits
-        of the 1-row product the engine alone computes."""
+        MKL's 1-row product), zeros for empty slots. `batched_matmul`: products (W @ x^T)^T over tiles of
+        exactly ROW_TILE rows (zeros pad the last), so the BLAS kernel and its blocking are the same whatever the
+        row count; a row's bits then do not depend on its neighbours (tests/test_slots.py, on Intel and AMD
+        EPYC CPUs; with one bare product of all rows they did on the AMD EPYC): batch-invariant, but not the
+        bits of the 1-row product the engine alone computes."""
         if not self.batched_matmul:
             return self._stack({r: layer(x[r : r + 1]) for r in live}, x.shape[0])
         rows, length, width = x.shape
         flat = x.reshape(rows * length, width)
-        if flat.shape[0] == 1:  # one row would take MKL's 1-row (gemv) path: pad it to two
-            flat = torch.cat([flat, torch.zeros_like(flat)])
+        pad = -flat.shape[0] % ROW_TILE
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad, width)])
         bias = layer.bias[:, None] if layer.bias is not None else torch.zeros(1, 1, device=x.device, dtype=x.dtype)
-        # contiguous [rows, out] as nn.Linear returns it: the strides of a transposed result would change how
-        # attention's kernel reads q, and with it the last bits
-        out = torch.addmm(bias, layer.weight, flat.t()).t().contiguous()
+        # one product per tile of ROW_TILE rows: the kernel sees one shape whatever the number of slots. torch.cat
+        # gives a contiguous [rows, out] as nn.Linear returns it: the strides of a transposed result would change
+        # how attention's kernel reads q, and with it the last bits
+        out = torch.cat([torch.addmm(bias, layer.weight, tile.t()).t() for tile in flat.split(ROW_TILE)])
         return out[: rows * length].view(rows, length, layer.out_features)
 
     @staticmethod
