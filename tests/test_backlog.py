@@ -188,17 +188,15 @@ def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_s
 
 
 def test_a_poll_reads_its_eta_in_the_same_round_trip_as_its_record(svc):
-    from app.http.jobs import JOBS_URL, PRIVATE_TRACK_FIELDS
-
     jobs = _fill(svc, seed=5)
-    eta.polled_record(svc, jobs[0], JOBS_URL, PRIVATE_TRACK_FIELDS)  # the script is loaded once per server
+    eta.polled_record(svc, jobs[0])  # the script is loaded once per server
     calls = []
     original = svc.redis.execute_command
     svc.redis.execute_command = lambda *a, **k: calls.append(a[0]) or original(*a, **k)
     began = time.monotonic()
     try:
         polled = [eta.record_with_eta(svc, job_id) for job_id in jobs]
-        texts = [eta.polled_record(svc, job_id, JOBS_URL, PRIVATE_TRACK_FIELDS) for job_id in jobs]
+        texts = [eta.polled_record(svc, job_id) for job_id in jobs]
     finally:
         svc.redis.execute_command = original
     assert len(calls) == 2 * len(jobs), calls
@@ -354,10 +352,10 @@ ODD_TEXT = ('said "no"', "back\\slash", "line\nbreak", "tab\tand \x01", "ünïc�
 
 
 def test_a_poll_answers_the_text_the_read_builds_equal_to_the_reference_record(svc):
-    """The poll's reply is built by the read script (read_job.lua's client view) and served as it is: for jobs
-    in every state, with odd texts, download names that do and do not make links, webhooks and workers live,
+    """The poll's reply is built by the read script (read_job.lua's client view, from the job's view) and served
+    as it is: for jobs in every state, with odd texts, download names that do and do not make links, webhooks and workers live,
     busy or gone, it equals app/http/jobs.public_record's, key order included; only the ETA moves with time."""
-    from app.http.jobs import JOBS_URL, PRIVATE_TRACK_FIELDS, public_record
+    from app.http.jobs import public_record
 
     rng = random.Random(11)
     jobs = _fill(svc, seed=9)
@@ -380,9 +378,12 @@ def test_a_poll_answers_the_text_the_read_builds_equal_to_the_reference_record(s
                 svc.redis.rpush(
                     svc.jobs.keys.webhook_deliveries(job_id), json.dumps({"status": 200 + n, "at": 1.5, "error": ""})
                 )
+        # Written behind the state machine's back, which renders the view with each write: the view goes, and
+        # the first poll renders it anew (as for a job written before views existed).
+        svc.redis.delete(svc.jobs.keys.job_view(job_id))
     seen_states = set()
     for job_id in jobs:
-        text = eta.polled_record(svc, job_id, JOBS_URL, PRIVATE_TRACK_FIELDS)
+        text = eta.polled_record(svc, job_id)
         began = time.monotonic()
         record = svc.jobs.record(job_id)
         [reference_eta] = eta.job_etas(svc, [record])
@@ -397,5 +398,87 @@ def test_a_poll_answers_the_text_the_read_builds_equal_to_the_reference_record(s
             assert got_eta == pytest.approx(wanted_eta, abs=time.monotonic() - began + 0.1 + 1e-9)
             assert got_eta == round(got_eta, 1)
     assert {"queued", "running", "done", "canceled", "partial"} <= seen_states, seen_states
-    assert eta.polled_record(svc, "0" * 32, JOBS_URL, PRIVATE_TRACK_FIELDS) is None
-    assert eta.polled_record(svc, "../x", JOBS_URL, PRIVATE_TRACK_FIELDS) is None
+    assert eta.polled_record(svc, "0" * 32) is None
+    assert eta.polled_record(svc, "../x") is None
+
+
+def _poll_is_the_reference(svc, job_id: str) -> None:
+    """The job's poll equals the reference record read from its hashes, and its ETA (read from the view's cache)
+    the uncached estimate at the same instant."""
+    from app.http.jobs import public_record
+
+    now, heads = time.time(), eta.running_heads(svc)
+    text = svc.jobs.lifecycle.read_public(job_id, now, heads)
+    raw = svc.jobs.lifecycle.read_job(job_id, eta_at=now, heads=heads)
+    record = svc.jobs.record(job_id)
+    got, wanted = json.loads(text), public_record(record, None)
+    uncached = raw["eta_s"] if "eta_s" in raw else None
+    assert got.pop("eta_s") == (None if uncached is None else round(uncached, 1)), job_id
+    wanted.pop("eta_s")
+    assert got == wanted and _ordered(got) == _ordered(wanted), job_id
+
+
+def test_every_write_keeps_the_poll_equal_to_the_reference_and_its_eta_to_the_uncached_one(svc):
+    """The transitions render each job's view as they write, and a poll caches its ETA's inputs while its queues'
+    members and the learned rates stay as they were. Through a random run of what happens to jobs (routed,
+    started, reporting progress, finishing stages with files, failing, canceled, retried, rates learned, a
+    webhook's deliveries recorded), after every step every job's poll equals the record read from its hashes,
+    and its ETA the one computed without the cache at the same instant."""
+    rng = random.Random(23)
+    jobs = _fill(svc, seed=21)
+    hooked = svc.jobs.create(
+        "music", {"title": 'a "b"'}, [{"seed": 1}, {"seed": None}], cost=6.0,
+        webhook={"url": "https://hooks.example/x", "events": ["completed", "failed"]},
+    )  # fmt: skip
+    jobs.append(hooked)
+    for job_id in jobs:  # every poll from here on reads a view and, where it can, the ETA's cache
+        _poll_is_the_reference(svc, job_id)
+    cached = sum(1 for job_id in jobs if svc.redis.hget(svc.jobs.keys.job_view(job_id), "eta"))
+    assert cached > len(jobs) // 2
+    actions = []
+    for _ in range(120):
+        job_id = rng.choice(jobs)
+        record = svc.jobs.record(job_id)
+        names = [stage.name for stage in KINDS[record["kind"]].stages]
+        track = rng.choice(record["tracks"])
+        index, status = track["track"], track["status"]
+        roll = rng.random()
+        if roll < 0.1:
+            eta.learn(svc, rng.choice(QUEUES), record["kind"], rng.choice(names), rng.uniform(1, 20), rng.uniform(1, 9))
+            actions.append("learn")
+        elif roll < 0.15:
+            svc.redis.rpush(svc.jobs.keys.webhook_deliveries(hooked), json.dumps({"status": 503, "error": "x"}))
+            actions.append("delivery")
+        elif status in ("parked", "created"):
+            _route(svc, job_id, index, rng.choice(QUEUES))
+            actions.append("route")
+        elif status == "queued":
+            finished = [n for n in names if track["stages"].get(n, {}).get("finished_at")]
+            _start(svc, job_id, index, names[min(len(finished), len(names) - 1)], track["queue"], rng.uniform(0, 9))
+            actions.append("start")
+        elif status.startswith("waiting:"):
+            _start(svc, job_id, index, status.split(":", 1)[1], track["queue"])
+            actions.append("start")
+        elif status.startswith("running:"):
+            stage, owner = status.split(":", 1)[1], _owner(job_id, index)
+            if roll < 0.4:
+                assert svc.jobs.report(job_id, index, owner, progress=rng.uniform(0, 1), detail=rng.choice(ODD_TEXT))
+                actions.append("progress")
+            elif roll < 0.5:
+                assert svc.jobs.transition("fail", job_id, index, {"error": rng.choice(ODD_TEXT)}, owner=owner)
+                actions.append("fail")
+            else:
+                files = rng.sample(ARTIFACT_NAMES, 2)
+                svc.jobs.report(job_id, index, owner, artifacts=files)
+                _finish(svc, job_id, index, stage)
+                actions.append("finish")
+        elif status in ("failed", "canceled") and roll < 0.6:
+            assert svc.jobs.transition("retry", job_id, index)
+            _route(svc, job_id, index, rng.choice(QUEUES))
+            actions.append("retry")
+        else:
+            svc.jobs.request_cancel(job_id)
+            actions.append("cancel")
+        for polled in jobs:
+            _poll_is_the_reference(svc, polled)
+    assert {"learn", "delivery", "route", "start", "progress", "fail", "finish", "retry", "cancel"} <= set(actions)

@@ -52,7 +52,7 @@ def learn(
         return None
     weight = svc.settings.eta_alpha if alpha is None else alpha
     args = [field_name(queue, kind, stage), repr(seconds / cost), repr(weight), "1" if cold else "0"]
-    reply = script(svc.redis, "learn")(keys=[svc.jobs.keys.throughput], args=args)
+    reply = script(svc.redis, "learn")(keys=[svc.jobs.keys.throughput, svc.jobs.keys.estimate_versions], args=args)
     return float(reply)
 
 
@@ -103,12 +103,10 @@ def record_with_eta(svc: Services, job_id: str) -> tuple[dict[str, Any] | None, 
     return record, _rounded(eta)
 
 
-def polled_record(
-    svc: Services, job_id: str, url_base: str, hidden: tuple[str, ...], viewer: Tenant = OPEN_TENANT
-) -> str | None:
-    """What a poll answers, as JSON text, in one round trip: the record as clients see it (download links under
-    `url_base`, no `hidden` track fields) with its `eta_s`; None for an unknown job or one `viewer` may not see."""
-    return svc.jobs.public_record_text(job_id, time.time(), running_heads(svc), url_base, hidden, viewer)
+def polled_record(svc: Services, job_id: str, viewer: Tenant = OPEN_TENANT) -> str | None:
+    """What a poll answers, as JSON text, in one round trip: the record as clients see it (app/control/views.py)
+    with its `eta_s`; None for an unknown job or one `viewer` may not see."""
+    return svc.jobs.public_record_text(job_id, time.time(), running_heads(svc), viewer)
 
 
 def _rounded(eta: float | None) -> float | None:

@@ -201,14 +201,12 @@ class JobStore:
         raw = self.lifecycle.read_job(job_id, eta_at=now, heads=heads) if is_job_id(job_id) else None
         return (None, None) if raw is None else (self._record(job_id, raw), raw.get("eta_s"))
 
-    def public_record_text(
-        self, job_id: str, now: float, heads: int, url_base: str, hidden: tuple[str, ...], viewer: Tenant
-    ) -> str | None:
+    def public_record_text(self, job_id: str, now: float, heads: int, viewer: Tenant) -> str | None:
         """The record as a client's poll answers it, with its ETA at `now`, as JSON text (Lifecycle.read_public);
         None for an unknown job, or one `viewer` may not see."""
         if not is_job_id(job_id):
             return None
-        return self.lifecycle.read_public(job_id, now, heads, url_base, hidden, "" if viewer.is_admin else viewer.name)
+        return self.lifecycle.read_public(job_id, now, heads, "" if viewer.is_admin else viewer.name)
 
     def _record(self, job_id: str, raw: dict[str, Any]) -> dict[str, Any]:
         job = _decode_job(job_id, raw["job"])

@@ -7,7 +7,8 @@ lua/backlog_write.lua) that, atomically: checks the track's current status again
 transition table below, checks who may make it (the holder of the running stage's lease, or anyone when no
 lease is live), honours a pending cancel, moves the track between the bookkeeping sets its status implies
 (its queue's backlog index among them, app/control/backlog.py), keeps the job-level gauges, bumps the track's
-version, appends the change to the job's event stream and publishes it on the job's events channel.
+version, renders the track's part of the job's view (what a poll answers, app/control/views.py), appends the
+change to the job's event stream and publishes it on the job's events channel.
 
 Statuses (the `status` field of a track hash; clients see `state`, derived from it, as before):
   created       written, not routed yet (the submitter routes it once its inputs exist): in {p}:created
@@ -24,6 +25,8 @@ Layout (prefix `encore` by default; job keys expire with the job):
                                transition)
   {p}:job:{id}:track:{i}       hash: status, state, stage, queue, worker, progress, detail, error, task_ids,
                                stages, artifacts, seq, cost, attempts, restarts, version, updated_at, ...
+  {p}:job:{id}:view            hash: what a poll answers of the job, rendered by the transitions, and its
+                               cached ETA inputs (app/control/views.py, lua/job_view.lua)
   {p}:cancel:{id}              set once the job was canceled
   {p}:lease:{id}:{i}           the running stage's owner "worker|delivery|pid", expiring unless renewed
   {p}:deliveries:{task id}     how many times a stage message was delivered
@@ -53,6 +56,8 @@ Layout (prefix `encore` by default; job keys expire with the job):
   {p}:metrics:*                stage-duration histograms, submission counters
   {p}:throughput               hash "queue|kind|stage" -> learned seconds per cost unit (+ "|n" samples, "|cold"
                                when it came from a stage that loaded models): the ETA and routing (app/control/eta.py)
+  {p}:estimate:versions        hash: a counter per queue of its backlog's member changes, and one of learned
+                               rates: a poll's cached ETA holds while they stay (lua/estimate.lua)
   {p}:ratelimit*               the submit routes' per-token rate-limit windows (Flask-Limiter, app/http/ratelimit.py)
   {p}:artifact(s):*            artifacts in the Redis store (app/adapters/artifacts.py)
   {p}:lock:*                   short locks (the reaper; admission under the open-track caps, app/control/quotas.py)
@@ -72,6 +77,7 @@ import redis
 
 from app.control.backlog import lua_backlog
 from app.control.scripts import script
+from app.control.views import lua_view
 from app.core.tenants import DEFAULT_TENANT
 from app.core.keys import Layout
 from app.core.kinds import KINDS, TERMINAL_STATES
@@ -233,12 +239,12 @@ def _lua_table(value: Any) -> str:
     return "{" + ", ".join(f"[{json.dumps(k)}] = {_lua_table(v)}" for k, v in value.items()) + "}"
 
 
-READ_JOB_LIBRARIES = ("tracks", "estimate")
+READ_JOB_LIBRARIES = ("tracks", "estimate", "job_view")
 
 
 def read_job_preludes() -> tuple[str, ...]:
     """What lua/read_job.lua is composed with (also bound to the events server's asyncio client)."""
-    return (lua_stages(), lua_backlog())
+    return (lua_stages(), lua_backlog(), lua_view(JSON_FIELDS))
 
 
 def read_job_args(prefix: str, job_id: str) -> list[str]:
@@ -295,7 +301,9 @@ class Lifecycle:
         self.events_maxlen = events_maxlen
         self.webhook_progress_s = webhook_progress_s
         writes = (lua_tables(), lua_backlog())
-        self._script = script(client, "transition", *writes, libraries=("tracks", "backlog_write"))
+        self._script = script(
+            client, "transition", *writes, lua_view(JSON_FIELDS), libraries=("tracks", "backlog_write", "job_view")
+        )
         self._read_job = script(client, "read_job", *read_job_preludes(), libraries=READ_JOB_LIBRARIES)
         self._forget = script(client, "forget", *writes, libraries=("tracks", "backlog_write"))
         self._snapshot = script(client, "snapshot")
@@ -338,25 +346,13 @@ class Lifecycle:
         reply = self._read_job(keys=[], args=args)
         return json.loads(reply) if reply else None
 
-    def read_public(
-        self, job_id: str, eta_at: float, heads: int, url_base: str, hidden: tuple[str, ...], tenant: str = ""
-    ) -> str | None:
-        """The job's record exactly as a client's poll answers it, as JSON text: its tracks without the `hidden`
-        fields, each with its seed and download links under `url_base`, the overall state, queue position,
-        cancel flag, webhook deliveries and `eta_s` at `eta_at` (rounded to 0.1 s). One round trip and no parse:
-        the web serves the text as it is (app/http/jobs.public_record is the reference it is tested against).
-        With a `tenant`, None (as for an unknown job) when another tenant owns the job."""
-        args = [
-            self.layout.prefix,
-            job_id,
-            ",".join(JSON_FIELDS),
-            str(heads),
-            repr(eta_at),
-            url_base,
-            ",".join(hidden),
-            tenant,
-            DEFAULT_TENANT,
-        ]
+    def read_public(self, job_id: str, eta_at: float, heads: int, tenant: str = "") -> str | None:
+        """The job's record exactly as a client's poll answers it, as JSON text (app/control/views.py): its tracks
+        without the fields clients never see, each with its seed and download links, the overall state, queue
+        position, cancel flag, webhook deliveries and `eta_s` at `eta_at` (rounded to 0.1 s). One round trip and
+        no parse: the web serves the text as it is (app/http/jobs.public_record is the reference it is tested
+        against). With a `tenant`, None (as for an unknown job) when another tenant owns the job."""
+        args = [self.layout.prefix, job_id, "", str(heads), repr(eta_at), "1", tenant, DEFAULT_TENANT]
         reply = self._read_job(keys=[], args=args)
         return _text(reply) if reply else None
 

@@ -9,6 +9,7 @@ local functions shared by several scripts), then its own body."""
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 from weakref import WeakKeyDictionary
@@ -20,6 +21,7 @@ from redis.commands.core import AsyncScript, Script
 from app.core.keys import lua_keys
 
 LUA_DIR = Path(__file__).with_name("lua")
+_USED_KEY = re.compile(r"\bK\.(\w+)\(")  # the keys a script builds (only those are defined: see lua_keys)
 
 _registered: WeakKeyDictionary[redis.Redis, dict[str, Script]] = WeakKeyDictionary()
 _registered_async: WeakKeyDictionary[redis.asyncio.Redis, dict[str, AsyncScript]] = WeakKeyDictionary()
@@ -32,9 +34,11 @@ def _read(name: str) -> str:
 
 @cache
 def lua_source(name: str, *preludes: str, libraries: tuple[str, ...] = ()) -> str:
-    """The text of lua/<name>.lua after the generated `keys_under`, any other preludes (Lua definitions generated
-    from Python tables, such as the lifecycle's transition table) and the library chunks lua/<library>.lua."""
-    return "".join((lua_keys(), *preludes, *(_read(library) for library in libraries), _read(name)))
+    """The text of lua/<name>.lua after the generated `keys_under` (defining the keys the text uses), any other
+    preludes (Lua definitions generated from Python tables, such as the lifecycle's transition table) and the
+    library chunks lua/<library>.lua."""
+    text = "".join((*preludes, *(_read(library) for library in libraries), _read(name)))
+    return lua_keys(_USED_KEY.findall(text)) + text
 
 
 def script(client: redis.Redis, name: str, *preludes: str, libraries: tuple[str, ...] = ()) -> Script:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import re
 import string
+from typing import Iterable
 
 KEYS: dict[str, str] = {
     # a job and its tracks
     "job": "job:{job_id}",  # hash: the job record
     "track": "job:{job_id}:track:{track}",  # hash: one track's record
     "event_stream": "job:{job_id}:events",  # stream: the job's events, replayed to a client
+    "job_view": "job:{job_id}:view",  # hash: the poll's reply, rendered by the writes (app/control/lua/job_view.lua)
     "webhook_deliveries": "job:{job_id}:webhooks",  # list: its webhook delivery attempts (JSON each)
     "events": "events:{job_id}",  # pub/sub channel: the same events, live
     "cancel": "cancel:{job_id}",  # flag: a cancel was asked for
@@ -52,6 +54,7 @@ KEYS: dict[str, str] = {
     "lock": "lock:{name}",  # string: a short mutual-exclusion lock
     "idempotency": "idempotency:{scope}:{key_hash}",  # hash: a submit's Idempotency-Key claim
     "throughput": "throughput",  # hash: learned seconds per cost unit per stage
+    "estimate_versions": "estimate:versions",  # hash: a counter per queue's backlog members, one for the rates
     "rate_limits": "ratelimit",  # prefix of the submit routes' rate-limit counters
     "webhook_outbox": "webhooks:outbox",  # list: webhook messages not yet handed out
     "webhook_seq": "webhooks:seq",  # counter: webhook message ids
@@ -88,6 +91,9 @@ class Layout:
 
     def event_stream(self, job_id: str) -> str:
         return self.key("event_stream", job_id=job_id)
+
+    def job_view(self, job_id: str) -> str:
+        return self.key("job_view", job_id=job_id)
 
     def webhook_deliveries(self, job_id: str) -> str:
         return self.key("webhook_deliveries", job_id=job_id)
@@ -195,6 +201,10 @@ class Layout:
         return self.key("throughput")
 
     @property
+    def estimate_versions(self) -> str:
+        return self.key("estimate_versions")
+
+    @property
     def rate_limits(self) -> str:
         return self.key("rate_limits")
 
@@ -218,11 +228,15 @@ class Layout:
         return ":".join((self.key("metrics"), *parts))
 
 
-def lua_keys() -> str:
-    """Lua source defining `keys_under(P)`: a table of functions, one per `KEYS` entry, taking the pattern's parts
-    in order (`K.track(job_id, track)`), each giving the same key `Layout` gives for prefix P."""
+def lua_keys(names: Iterable[str] | None = None) -> str:
+    """Lua source defining `keys_under(P)`: a table of functions, one per `KEYS` entry (or per entry of `names`
+    only: a script builds this table on every call), taking the pattern's parts in order (`K.track(job_id,
+    track)`), each giving the same key `Layout` gives for prefix P."""
+    wanted = KEYS if names is None else set(names)
     lines = ["local function keys_under(P)", "  local K = {}"]
     for name, pattern in KEYS.items():
+        if name not in wanted:
+            continue
         params = fields_of(name)
         pieces = [f"'{literal}'" if literal else "" for literal in _FIELD.split(pattern)[::2]]
         body = ["P", "':'"]

@@ -12,6 +12,7 @@ from flask import Blueprint, Response, jsonify, redirect, request, send_file
 from flask.typing import ResponseReturnValue
 
 from app.control.eta import job_etas, polled_record
+from app.control.views import JOBS_URL, PRIVATE_TRACK_FIELDS
 from app.control.streams import TICKET_S, make_ticket, ticket_secret
 from app.http.events import HEADERS as SSE_HEADERS, STREAMS_RETRY_S, job_events, released, valid_event_id
 from app.http.context import context
@@ -30,8 +31,6 @@ blueprint = Blueprint("jobs", __name__)
 TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched whole: no "000.mp3", no "٠.mp3"
 LIMIT = re.compile(r"[0-9]{1,6}", re.ASCII)
 MAX_LISTED = 500
-JOBS_URL = "/api/v1/jobs/"  # download links are under it
-PRIVATE_TRACK_FIELDS = ("task_ids", "cost", "seq", "params")  # internal bookkeeping: Celery ids, costs
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
 SSE_EVENT = {
     "type": "object",
@@ -87,7 +86,7 @@ def list_jobs() -> ResponseReturnValue:
 @documented("A job's record", responses={200: ("the record", JobReply), 404: "unknown job"})
 def get_job(job_id: str) -> ResponseReturnValue:
     """A job's record: state, queue position, per-track stages and progress, downloads."""
-    body = polled_record(context().services, job_id, JOBS_URL, PRIVATE_TRACK_FIELDS, tenant())
+    body = polled_record(context().services, job_id, tenant())
     if body is None:
         return error(404, f"job {job_id} not found")
     # Built by the read itself (app/control/lua/read_job.lua), equal to public_record's: served as it is.

@@ -29,8 +29,12 @@ local function running_extras(stages, stage, progress)
   if type(run) == 'table' and type(run.started_at) == 'number' then began = string.format('%.17g', run.started_at) end
   return '|' .. began .. '|' .. (progress or '0')
 end
+-- Every change of q's members (not of a running track's progress) counts in K.estimate_versions: the poll's cached
+-- ETA (lua/estimate.lua's cached_job_eta) holds while the count does.
+local function backlog_changed(K, q) redis.call('HINCRBY', K.estimate_versions(), 'q:' .. q, 1) end
 local function backlog_add(K, q, m, group, cls, milli, seq, extras)
   local base = K.backlog(q)
+  backlog_changed(K, q)
   redis.call('HSET', base, m, group .. '|' .. cls .. '|' .. string.format('%.0f', milli) .. '|' ..
              string.format('%.0f', seq) .. extras)
   if milli ~= 0 then
@@ -44,6 +48,7 @@ local function backlog_leave(K, q, m)
   local base = K.backlog(q)
   local entry = redis.call('HGET', base, m)
   if not entry then return end
+  backlog_changed(K, q)
   local group, cls, milli, seq = string.match(entry, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)')
   milli, seq = tonumber(milli), tonumber(seq)
   if milli ~= 0 then

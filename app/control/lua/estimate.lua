@@ -7,6 +7,15 @@ local function parse_entry(value)
   return e
 end
 
+local function seconds_text(value) return value and string.format('%.17g', value) or false end
+
+-- what a running track's elapsed time at `now` (or its progress) takes off its stage's whole `estimate` (<= 0)
+local function elapsed_correction(estimate, e, now)
+  local elapsed = e.started ~= '' and math.max(0, now - tonumber(e.started)) or 0
+  local progress = math.min(math.max(tonumber(e.progress) or 0, 0), 1)
+  return math.max(estimate - elapsed, estimate * (1 - progress)) - estimate
+end
+
 -- An estimator at time `now` reading the first `heads` running tracks of each queue (K: the script's key table).
 local function estimator(K, now, heads)
   local E = {}
@@ -46,17 +55,22 @@ local function estimator(K, now, heads)
     if not STAGES[kind or ''] then return 0 end
     return E.seconds_from(q, kind, tonumber(index)) * milli / 1000
   end
-  -- what a running track's elapsed time (or progress) takes off its stage's whole estimate (<= 0)
-  function E.correction(q, e)
+  -- a running track's whole estimate for its stage (false for a track that does not run)
+  function E.head_estimate(q, e)
     local kind, index = string.match(e.cls, '^(.*):(%d+)$')
     local names = STAGES[kind or '']
-    if e.group ~= 'r' or not names then return 0 end
-    local estimate = E.per_unit(q, kind, names[tonumber(index) + 1]) * (e.milli / 1000)
-    local elapsed = e.started ~= '' and math.max(0, now - tonumber(e.started)) or 0
-    local progress = math.min(math.max(tonumber(e.progress) or 0, 0), 1)
-    return math.max(estimate - elapsed, estimate * (1 - progress)) - estimate
+    if e.group ~= 'r' or not names then return false end
+    return E.per_unit(q, kind, names[tonumber(index) + 1]) * (e.milli / 1000)
   end
-  -- q's sums and its heads (seq, member, correction), read once
+  function E.correction(q, e)
+    local estimate = E.head_estimate(q, e)
+    return estimate and elapsed_correction(estimate, e, now) or 0
+  end
+  function E.head_correction(q, head)  -- head: {seq, member, entry}, its correction kept as head[4]
+    if head[4] == nil then head[4] = E.correction(q, head[3]) end
+    return head[4]
+  end
+  -- q's sums and its heads ({seq, member, entry}), read once
   function E.queue(q)
     if queues[q] then return queues[q] end
     local base = K.backlog(q)
@@ -68,7 +82,7 @@ local function estimator(K, now, heads)
       for n, value in ipairs(redis.call('HMGET', base, unpack(running))) do
         if value then
           local e = parse_entry(value)
-          Q.heads[#Q.heads + 1] = {e.seq, running[n], E.correction(q, e)}
+          Q.heads[#Q.heads + 1] = {e.seq, running[n], e}
         end
       end
     end
@@ -78,11 +92,13 @@ local function estimator(K, now, heads)
   function E.queue_seconds(q)
     local Q, total = E.queue(q), 0
     for field, milli in pairs(Q.sums) do total = total + E.class_seconds(q, string.match(field, '|(.*)$'), milli) end
-    for _, head in ipairs(Q.heads) do total = total + head[3] end
+    for _, head in ipairs(Q.heads) do total = total + E.head_correction(q, head) end
     return math.max(total, 0)
   end
-  -- seconds until track m of q is done (false when it is not in q's backlog)
-  function E.finish(q, m)
+  -- track m of q's finish in two parts: the seconds of the work it waits for (and its own) as if no running
+  -- track had started yet, and the running heads it comes after (itself, when it is one), whose elapsed time
+  -- comes off; false when it is not in q's backlog
+  function E.finish_parts(q, m)
     local Q = E.queue(q)
     local value = redis.call('HGET', Q.base, m)
     if not value then return false end
@@ -108,9 +124,17 @@ local function estimator(K, now, heads)
         total = total + E.class_seconds(q, cls, ahead)
       end
     end
-    for _, head in ipairs(Q.heads) do  -- the running heads it comes after (itself, when it is one)
-      if e.group ~= 'r' or head[1] <= e.seq then total = total + head[3] end
+    local after = {}
+    for _, head in ipairs(Q.heads) do
+      if e.group ~= 'r' or head[1] <= e.seq then after[#after + 1] = head end
     end
+    return total, after
+  end
+  -- seconds until track m of q is done (false when it is not in q's backlog)
+  function E.finish(q, m)
+    local total, after = E.finish_parts(q, m)
+    if not total then return false end
+    for _, head in ipairs(after) do total = total + E.head_correction(q, head) end
     return math.max(total, 0)
   end
   -- a job's ETA from its tracks ({index, status, queue}): its last open track's finish; 0 when every track
@@ -127,6 +151,24 @@ local function estimator(K, now, heads)
     end
     return eta
   end
+  -- job_eta's parts: per open track {queue, finish_parts' seconds, {{member, estimate}, ...} of the heads it
+  -- comes after} (numbers as exact text); false where job_eta is false
+  function E.job_eta_parts(job_id, tracks)
+    local parts = {}
+    for _, t in ipairs(tracks) do
+      if is_open(t[2]) then
+        if t[3] == '' then return false end
+        local total, after = E.finish_parts(t[3], job_id .. ':' .. t[1])
+        if not total then return false end
+        local heads_after = {}
+        for n, head in ipairs(after) do
+          heads_after[n] = {head[2], seconds_text(E.head_estimate(t[3], head[3])) or ''}
+        end
+        parts[#parts + 1] = {t[3], seconds_text(total), heads_after}
+      end
+    end
+    return parts
+  end
   -- {member, finish} of every track of q, in the worker's order (reads every entry)
   function E.schedule(q)
     local Q, rows, clock, out = E.queue(q), {}, 0, {}
@@ -137,7 +179,7 @@ local function estimator(K, now, heads)
     end
     table.sort(rows, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
     local corrections = {}
-    for _, head in ipairs(Q.heads) do corrections[head[2]] = head[3] end
+    for _, head in ipairs(Q.heads) do corrections[head[2]] = E.head_correction(q, head) end
     for _, row in ipairs(rows) do
       clock = clock + math.max(E.class_seconds(q, row[4].cls, row[4].milli) + (corrections[row[3]] or 0), 0)
       out[#out + 1] = {row[3], string.format('%.17g', clock)}
@@ -146,4 +188,53 @@ local function estimator(K, now, heads)
   end
   return E
 end
-local function seconds_text(value) return value and string.format('%.17g', value) or false end
+-- An estimator's job_eta at `now` (the same number) from `cache` (the text this last returned for the job, or
+-- nil) while nothing it was built from changed: the members of its queues' backlogs and the learned rates (counted in
+-- K.estimate_versions by lua/backlog_write.lua and lua/learn.lua), its open tracks, `heads`. Only the heads'
+-- elapsed time and progress are read anew: a poll's ETA costs one read per queue. Returns the ETA and the
+-- cache text to keep (nil while `cache` holds). Builds an estimator only when the cache does not hold.
+local function cached_job_eta(K, now, heads, job_id, tracks, cache)
+  local fields, signature = {'rates'}, {}
+  for _, t in ipairs(tracks) do
+    if is_open(t[2]) then
+      signature[#signature + 1] = t[1] .. '@' .. t[3]
+      if t[3] ~= '' then fields[#fields + 1] = 'q:' .. t[3] end
+    end
+  end
+  local versions = redis.call('HMGET', K.estimate_versions(), unpack(fields))
+  for n = 1, #fields do versions[n] = versions[n] or '0' end
+  local stamp = heads .. '|' .. table.concat(signature, ',') .. '|' .. table.concat(versions, ',')
+  local kept = cache and cjson.decode(cache)
+  local fresh = nil
+  if not (kept and kept[1] == stamp) then
+    kept = {stamp, estimator(K, now, heads).job_eta_parts(job_id, tracks)}
+    fresh = cjson.encode(kept)
+  end
+  if not kept[2] then return false, fresh end
+  local members = {}  -- per queue, the heads to read
+  for _, part in ipairs(kept[2]) do
+    local list = members[part[1]] or {}
+    for _, head in ipairs(part[3]) do list[#list + 1] = head[1] end
+    members[part[1]] = list
+  end
+  local entries = {}
+  for q, list in pairs(members) do
+    if #list > 0 then
+      local values = redis.call('HMGET', K.backlog(q), unpack(list))
+      for n, member in ipairs(list) do entries[q .. '\n' .. member] = values[n] end
+    end
+  end
+  local eta = 0
+  for _, part in ipairs(kept[2]) do
+    local total = tonumber(part[2])
+    for _, head in ipairs(part[3]) do
+      local value = entries[part[1] .. '\n' .. head[1]]
+      if not value then  -- cannot be while the stamp holds
+        return estimator(K, now, heads).job_eta(job_id, tracks), nil
+      end
+      if head[2] ~= '' then total = total + elapsed_correction(tonumber(head[2]), parse_entry(value), now) end
+    end
+    eta = math.max(eta, math.max(total, 0))
+  end
+  return eta, fresh
+end

@@ -1,4 +1,4 @@
--- KEYS[1]: the throughput hash. ARGV: field (queue|kind|stage), seconds per cost unit, weight of the new sample,
+-- KEYS[1]: the throughput hash; KEYS[2]: the estimates' versions (a new rate ends every cached ETA). ARGV: field (queue|kind|stage), seconds per cost unit, weight of the new sample,
 -- cold (1: the stage also loaded models, a one-off that only stands in until a sample without loads comes).
 -- Also keeps the fleet's sum and count of the (kind, stage) rates ("*|kind|stage|sum" and "|queues"), so an
 -- estimate reads the mean a queue borrows without reading every queue's rates.
@@ -25,4 +25,5 @@ redis.call('HINCRBYFLOAT', KEYS[1], fleet .. '|sum', string.format('%.17g', new 
 if not old then redis.call('HINCRBY', KEYS[1], fleet .. '|queues', 1) end
 redis.call('HSET', KEYS[1], ARGV[1], string.format('%.17g', new), ARGV[1] .. '|cold', cold and '1' or '0')
 redis.call('HINCRBY', KEYS[1], ARGV[1] .. '|n', 1)
+redis.call('HINCRBY', KEYS[2], 'rates', 1)
 return tostring(new)

@@ -214,6 +214,8 @@ elseif tk == 'running' and (event == 'start' or event == 'adopt' or fields.progr
   backlog_touch(K, new_queue, m)  -- started again where it ran, or reported progress
 end
 local version = redis.call('HINCRBY', key, 'version', 1)
+-- the poll's view of the track (lua/job_view.lua), rendered with the write; a job without a view gets it whole
+if redis.call('HEXISTS', K.job_view(job_id), 'head') == 1 then view_track(K, job_id, track) else view_render(K, job_id) end
 
 -- the event: appended to the job's stream (replayed to a client that resumes) and published, in this step
 local h = redis.call('HMGET', key, 'progress', 'detail', 'error')
