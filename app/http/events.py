@@ -102,8 +102,9 @@ class EventCursor:
     waiting up to `block_ms()` (None: do not wait), sends what `take` returns, and when `needs_state` sends what
     `idle` returns for the job's current state (None: the job is gone). The rules: replay from `after`, every new
     event as it is appended, a heartbeat comment every `heartbeat_s` while nothing happens, and `event: end` once
-    the job has ended (also when its last event was trimmed away, or the job expired); the body ends after
-    `max_s` without `end`, and the client resumes from the last id it saw."""
+    the job has ended (also when its last event was trimmed away, or the job expired) and nothing came after:
+    an end that a later event undoes (a retry replayed after the cancel it follows) ends nothing; the body ends
+    after `max_s` without `end`, and the client resumes from the last id it saw."""
 
     def __init__(
         self,
@@ -141,8 +142,9 @@ class EventCursor:
         for entry_id, event in entries:
             self.last = entry_id
             frames.append(frame(event, entry_id))
-            if event.get("job_state") in JOB_END_STATES:
-                self.ended, self.job_state = True, event["job_state"]
+            if event.get("job_state"):  # the latest event decides: a retry opens an ended job again
+                self.job_state = event["job_state"]
+                self.ended = self.job_state in JOB_END_STATES
         if self.ended and not entries:
             frames.append(end_frame(self.job_id, self.job_state))
             self.done = True
