@@ -1,5 +1,6 @@
 """A job's event stream follows it across a cancel and a retry (issue 24, item 1): a stream ends only when the
-job's current run has ended. Replaying a cancel that a retry undid, or resuming with Last-Event-ID from before the
+job's current run has ended, and a client folding a replayed stream into the record it fetched first (the CLI's
+`with_event`) only moves forward. Replaying a cancel that a retry undid, or resuming with Last-Event-ID from before the
 retry, must not send `event: end`; the web's stream (EventCursor, which the events server shares) against a
 real Redis, and the cursor's own rule without I/O."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from app.clients.cli import sse_messages
+from app.clients.cli import sse_messages, with_event
 from app.http.events import EventCursor, end_frame
 
 
@@ -51,3 +52,20 @@ def test_a_retried_jobs_stream_does_not_end_on_the_cancel_it_replays(make_stack)
     resumed = _stream(stack, job_id, last_id=last_seen)  # a client that saw the end, back after the retry
     assert [data["event"] for event, _, data in resumed if event == "message"] == ["retry", "retry"]
     assert all(event != "end" for event, _, _ in resumed) and stack.job(job_id)["state"] == "queued"
+
+
+def test_a_client_folding_a_replayed_stream_into_its_record_only_moves_forward():
+    states = ["queued", "backbone", "backbone", "superres", "decoding", "exporting", "done"]
+    events = [
+        {"track": 0, "version": n, "state": state, "progress": n / 10, "job_state": "running"}
+        for n, state in enumerate(states, start=1)
+    ]
+    events[-1]["job_state"] = "done"
+    record = {"state": "running", "tracks": [{"track": 0, "version": 4, "state": "superres", "progress": 0.4}]}
+    seen = []
+    for event in [*events, {"track": 7, "version": 99, "state": "failed"}]:  # replayed from the start
+        record = with_event(record, event)
+        seen.append((record["tracks"][0]["state"], record["state"]))
+    assert seen[:4] == [("superres", "running")] * 4  # the history before what it had: nothing moves back
+    assert seen[4:] == [("decoding", "running"), ("exporting", "running"), ("done", "done"), ("done", "done")]
+    assert record["tracks"][0]["version"] == 7 and record["tracks"][0]["progress"] == 0.7

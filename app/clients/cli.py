@@ -313,13 +313,14 @@ def follow_events(client: Client, job_id: str, reporter: Reporter, interval_s: f
 
 
 def with_event(record: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
-    """The record with one track event applied (its state, progress, detail, error), and the job's state."""
-    tracks = [
-        dict(t, **{k: event[k] for k in ("state", "status", "stage", "progress", "detail", "error") if k in event})
-        if t["track"] == event.get("track")
-        else t
-        for t in record["tracks"]
-    ]
+    """The record with one track event applied (its state, progress, detail, error, version), and the job's
+    state. An event no newer than what the record shows of its track (the track's `version`) changes nothing: a
+    stream opened from its start replays the job's history, and what a client shows only moves forward."""
+    track = next((t for t in record["tracks"] if t["track"] == event.get("track")), None)
+    if track is None or int(event.get("version") or 0) <= int(track.get("version") or 0):
+        return record
+    fields = ("state", "status", "stage", "progress", "detail", "error", "version")
+    tracks = [dict(t, **{k: event[k] for k in fields if k in event}) if t is track else t for t in record["tracks"]]
     return {**record, "tracks": tracks, "state": event.get("job_state", record["state"])}
 
 
