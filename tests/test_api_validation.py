@@ -104,6 +104,34 @@ def test_unknown_job_and_bad_ids_are_404(stack):
     assert stack.client.get("/api/v1/jobs/nope/tracks/0.mp3").status_code == 404
 
 
+def test_every_404_names_its_field(stack):
+    """An unknown job is `job_id` on every route that takes one (the retry route's named nothing), a file or a
+    track that is not there names `file` or `track`; the Khala-compatible routes name theirs too."""
+    unknown = "0" * 32
+    for method, path in [
+        ("get", f"/api/v1/jobs/{unknown}"),
+        ("get", f"/api/v1/jobs/{unknown}/events"),
+        ("delete", f"/api/v1/jobs/{unknown}"),
+        ("post", f"/api/v1/jobs/{unknown}/retry"),
+        ("get", f"/api/v1/jobs/{unknown}/video.mp4"),
+        ("get", f"/api/v1/jobs/{unknown}/tracks/0.mp3"),
+        ("get", f"/job/{unknown}"),
+        ("get", f"/job/{unknown}/track/0/mp3"),
+    ]:
+        reply = getattr(stack.client, method)(path)
+        assert reply.status_code == 404 and reply.get_json()["field"] == "job_id", (method, path, reply.get_json())
+    job_id = stack.submit_music(duration_s=2.0, num_tracks=2)  # no worker: it waits
+    for path, field in [
+        (f"/api/v1/jobs/{job_id}/tracks/0.mp3", "track"),  # not done
+        (f"/api/v1/jobs/{job_id}/tracks/5.mp3", "track"),
+        (f"/api/v1/jobs/{job_id}/tracks/x.mp3", "file"),
+        (f"/job/{job_id}/track/0/ogg", "format"),
+        (f"/job/{job_id}/track/0/mp3", "index"),  # not ready
+    ]:
+        reply = stack.client.get(path)
+        assert reply.status_code == 404 and reply.get_json()["field"] == field, (path, reply.get_json())
+
+
 def test_job_waits_without_workers_and_status_says_so(stack):
     job_id = stack.submit_music(num_tracks=2)
     record = stack.job(job_id)

@@ -172,7 +172,7 @@ def test_the_events_server_refuses_as_the_web_does(deployment):
     # A good ticket for a job gone since: 404, as the web.
     stack.redis.delete(f"encore:job:{job_id}")
     gone = requests.get(f"{events_url}{events_path(job_id)}", params={"ticket": ticket}, timeout=5)
-    assert gone.status_code == 404 and gone.json() == {"error": f"job {job_id} not found"}
+    assert gone.status_code == 404 and gone.json() == {"error": f"job {job_id} not found", "field": "job_id"}
     # A bad Last-Event-ID: the web's 400.
     bad_id = direct(other_job, **bearer("acme-1"), **{"Last-Event-ID": "nope"})
     assert bad_id.status_code == 400 and bad_id.json()["field"] == "Last-Event-ID"

@@ -145,6 +145,7 @@ def test_rejections_and_queued_jobs(make_stack):
     assert missing.status_code == 404 and missing.get_json() == {
         "status": "error",
         "error": f"Job {'0' * 32} not found.",
+        "field": "job_id",
     }
 
     longest = client.post("/generate", json={**SONG, "duration": 10}).get_json()

@@ -62,7 +62,7 @@ def _error(status: int, message: str, field: str | None = None, headers: dict[st
 
 
 def _not_found(job_id: str) -> web.Response:
-    return _error(404, f"job {job_id} not found")
+    return _error(404, f"job {job_id} not found", "job_id")
 
 
 class EventsServer:

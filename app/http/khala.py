@@ -351,7 +351,7 @@ def job(job_id: str) -> ResponseReturnValue:
     """A job in the reference's shape; both tracks are present from the first reply."""
     record = context().services.jobs.record(job_id, viewer=tenant())
     if record is None or record["kind"] != "music":
-        return _error(404, f"Job {job_id} not found.")
+        return _error(404, f"Job {job_id} not found.", "job_id")
     return jsonify(job_reply(record))
 
 
@@ -366,14 +366,14 @@ def track_file(job_id: str, index: int, fmt: str) -> ResponseReturnValue:
     svc = context().services
     record = svc.jobs.record(job_id, viewer=tenant())
     if record is None or record["kind"] != "music":
-        return _error(404, f"Job {job_id} not found.")
+        return _error(404, f"Job {job_id} not found.", "job_id")
     if fmt not in ("mp3", "wav"):
-        return _error(404, "format: use mp3 or wav")
+        return _error(404, "format: use mp3 or wav", "format")
     if not 0 <= index < record["num_tracks"]:
-        return _error(400, f"track index {index} out of range (0..{record['num_tracks'] - 1})")
+        return _error(400, f"track index {index} out of range (0..{record['num_tracks'] - 1})", "index")
     track, name = record["tracks"][index], f"track{index}.{fmt}"
     if track["state"] != DONE or name not in track["artifacts"]:
-        return _error(404, f"Track {index} is not ready.")
+        return _error(404, f"Track {index} is not ready.", "index")
     path = svc.artifacts.local_path(job_id, name)
     download_name = f"encore_{job_id[:8]}_track{index}.{fmt}"
     if fmt == "mp3":
