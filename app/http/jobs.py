@@ -18,7 +18,7 @@ from app.http.events import HEADERS as SSE_HEADERS, STREAMS_RETRY_S, job_events,
 from app.http.context import context
 from app.http.guards import tenant
 from app.control.tenant_limits import limits_for, tenant_admission
-from app.http.replies import error
+from app.http.replies import error, job_not_found
 from app.core.joblog import job_event
 from app.http.openapi import DOWNLOAD_REPLIES, documented
 from app.control.recovery import RetryLimit, RetryRefused, retry_job
@@ -88,7 +88,7 @@ def get_job(job_id: str) -> ResponseReturnValue:
     """A job's record: state, queue position, per-track stages and progress, downloads."""
     body = polled_record(context().services, job_id, tenant())
     if body is None:
-        return error(404, f"job {job_id} not found", "job_id")
+        return job_not_found(job_id)
     # Built by the read itself (app/control/lua/read_job.lua), equal to public_record's: served as it is.
     return Response(body, mimetype="application/json")
 
@@ -122,7 +122,7 @@ def job_events_stream(job_id: str) -> ResponseReturnValue:
     viewer = tenant()
     record = shared.services.jobs.record(job_id, viewer=viewer)
     if record is None:
-        return error(404, f"job {job_id} not found", "job_id")
+        return job_not_found(job_id)
     after = request.headers.get("Last-Event-ID", "").strip()
     if after and not valid_event_id(after):
         return error(400, "Last-Event-ID: expected an event id such as 1700000000000-0", "Last-Event-ID")
@@ -172,14 +172,14 @@ def cancel_job(job_id: str) -> ResponseReturnValue:
     shared = context()
     svc = shared.services
     if not svc.jobs.visible(job_id, tenant()):
-        return error(404, f"job {job_id} not found", "job_id")
+        return job_not_found(job_id)
     task_ids = svc.jobs.request_cancel(job_id)
     if task_ids:
         shared.celery.control.revoke(task_ids)
     job_event(log, "cancel_requested", job_id)
     record = svc.jobs.record(job_id)
     if record is None:  # expired since the check above
-        return error(404, f"job {job_id} not found", "job_id")
+        return job_not_found(job_id)
     return jsonify(_with_eta(svc, [record])[0])
 
 
@@ -199,21 +199,21 @@ def retry(job_id: str) -> ResponseReturnValue:
     shared = context()
     record = shared.services.jobs.record(job_id, viewer=tenant())
     if record is None:
-        return error(404, f"job {job_id} not found", "job_id")
+        return job_not_found(job_id)
     owner = shared.settings.tenants.named(shared.services.jobs.owner(job_id) or "")  # an admin's retry: the owner's
     reopened = sum(t["status"] in ("failed", "canceled") for t in record["tracks"])
     try:
         with tenant_admission(shared.services, owner, reopened):  # retried tracks count as open again
             retried = retry_job(shared.services, shared.celery, job_id, limits_for(shared.settings, owner).max_retries)
     except KeyError:
-        return error(404, f"job {job_id} not found", "job_id")
+        return job_not_found(job_id)
     except RetryLimit as exc:
         return error(403, f"retries: {exc}", "retries")
     except RetryRefused as exc:
         return error(409, f"job: {exc}", "job")
     record = shared.services.jobs.record(job_id)
     if record is None:  # expired since the retry
-        return error(404, f"job {job_id} not found", "job_id")
+        return job_not_found(job_id)
     reply = _with_eta(shared.services, [record])[0]
     return jsonify({**reply, "retried": retried})
 
@@ -237,7 +237,7 @@ def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str)
     """A finished track's file (Range requests honoured); 404 until the track is done."""
     record = svc.jobs.record(job_id, viewer=tenant())
     if record is None:
-        return error(404, f"job {job_id} not found", "job_id")
+        return job_not_found(job_id)
     if index >= record["num_tracks"]:
         return error(404, f"track: job has {record['num_tracks']} tracks", "track")
     track = record["tracks"][index]

@@ -20,3 +20,8 @@ def error(status: int, message: str, field: str | None = None) -> tuple[Response
     if has_request_context() and request.blueprint in KHALA_BLUEPRINTS:
         body["status"] = "error"
     return jsonify(body), status
+
+
+def job_not_found(job_id: str) -> tuple[Response, int]:
+    """404 for a job that does not exist or that the request's tenant may not see (they read the same)."""
+    return error(404, f"job {job_id} not found", "job_id")

@@ -2,10 +2,10 @@
 -- The hash K.job_view(job_id) holds what a client's poll shows of the job that changes only when the job is
 -- written: `head` (the record's first fields, up to `"tracks":[`), `hook` (its webhook's, up to `"deliveries":[`;
 -- only for a job that has one), `tenant` (its owner; absent when the job names none), `n` (its number of tracks),
--- and per track n: `m<n>` (JSON [status, state, queue, worker]: what the read needs to add the rest), `a<n>` (its stored fields as JSON, hash order,
--- without VIEW_HIDDEN) and `b<n>` (its seed and download links). The read (read_job.lua) adds what moves without
--- a write to the job: queue positions, workers' status, the cancel flag, webhook deliveries and the ETA, which
--- it caches in the field `eta` (lua/estimate.lua's cached_job_eta).
+-- and per track n: `m<n>` (JSON [status, state, queue, worker]: what the read needs to add the rest), `a<n>`
+-- (its stored fields as JSON, hash order, without VIEW_HIDDEN) and `b<n>` (its seed and download links). The read
+-- (read_job.lua) adds what moves without a write to the job: queue positions, workers' status, the cancel flag,
+-- webhook deliveries and the ETA, which it caches in the field `eta` (lua/estimate.lua's cached_job_eta).
 -- VIEW_JSON, VIEW_HIDDEN and VIEW_URL are generated from Python (app/control/views.lua_view).
 
 -- A client's download links from a track's artifacts (app/http/jobs.download_urls): output.mp4, and
@@ -59,7 +59,8 @@ local function view_track(K, job_id, i)
              'b' .. i, '"seed":' .. seed_text .. ',"downloads":' .. view_downloads(job_id, t.artifacts))
 end
 
--- The job's part of the view, from its hash (false when the job is gone); the view expires with the job.
+-- The job's part of the view, from its hash; returns its number of tracks (false when the job is gone). The view
+-- expires with the job.
 local function view_job(K, job_id)
   local view = K.job_view(job_id)
   local flat = redis.call('HGETALL', K.job(job_id))
@@ -81,14 +82,14 @@ local function view_job(K, job_id)
   end
   local ttl = redis.call('PTTL', K.job(job_id))
   if ttl > 0 then redis.call('PEXPIRE', view, ttl) end
-  return true
+  return tonumber(n)
 end
 
 -- The whole view anew: the job's part and every track's, its cached ETA dropped (false when the job is gone).
 local function view_render(K, job_id)
   redis.call('DEL', K.job_view(job_id))
-  if not view_job(K, job_id) then return false end
-  local n = tonumber(redis.call('HGET', K.job(job_id), 'num_tracks') or '0')
+  local n = view_job(K, job_id)
+  if not n then return false end
   for i = 0, n - 1 do view_track(K, job_id, i) end
   return true
 end

@@ -1,5 +1,6 @@
--- KEYS[1]: the throughput hash; KEYS[2]: the estimates' versions (a new rate ends every cached ETA). ARGV: field (queue|kind|stage), seconds per cost unit, weight of the new sample,
--- cold (1: the stage also loaded models, a one-off that only stands in until a sample without loads comes).
+-- KEYS[1]: the throughput hash; KEYS[2]: the estimates' versions (a new rate ends every cached ETA).
+-- ARGV: field (queue|kind|stage), seconds per cost unit, weight of the new sample, cold (1: the stage also loaded
+-- models, a one-off that only stands in until a sample without loads comes).
 -- Also keeps the fleet's sum and count of the (kind, stage) rates ("*|kind|stage|sum" and "|queues"), so an
 -- estimate reads the mean a queue borrows without reading every queue's rates.
 local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]))

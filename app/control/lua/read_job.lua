@@ -11,6 +11,14 @@
 local K, job_id = keys_under(ARGV[1]), ARGV[2]
 local function to_table(flat) local t = {}; for i = 1, #flat, 2 do t[flat[i]] = flat[i + 1] end; return t end
 
+-- track i's place in its queue's waiting order, or among the parked tracks (1 first; 0 for a track in neither)
+local function queue_position(i, status, queue)
+  local m, rank = job_id .. ':' .. i, false
+  if status == 'queued' then rank = redis.call('ZRANK', K.waiting(queue), m)
+  elseif status == 'parked' then rank = redis.call('ZRANK', K.unrouted(), m) end
+  return rank and (rank + 1) or 0
+end
+
 -- a worker's status, for a track whose stage runs (or last ran) on it
 local function worker_status(worker)
   if redis.call('EXISTS', K.worker(worker)) == 0 then return 'offline' end
@@ -47,10 +55,7 @@ if ARGV[6] == '1' then  -- a client's view
       local status, state, queue, worker = unpack(cjson.decode(meta))
       states[#states + 1] = {i, status, queue}
       displayed[#displayed + 1] = state
-      local m, rank = job_id .. ':' .. i, false
-      if status == 'queued' then rank = redis.call('ZRANK', K.waiting(queue), m)
-      elseif status == 'parked' then rank = redis.call('ZRANK', K.unrouted(), m) end
-      local position = rank and (rank + 1) or 0
+      local position = queue_position(i, status, queue)
       if state == 'queued' and (not waiting_at or position < waiting_at) then waiting_at = position end
       local parts = {}
       if v['a' .. i] ~= '' then parts[1] = v['a' .. i] end
@@ -92,12 +97,7 @@ for i = 0, tonumber(job.num_tracks) - 1 do
       local value = json_field[flat[j]] and flat[j + 1] or cjson.encode(flat[j + 1])
       parts[#parts + 1] = '"' .. flat[j] .. '":' .. value  -- field names are ours: plain identifiers
     end
-    local m = job_id .. ':' .. i
-    local rank = false
-    if t.status == 'queued' then rank = redis.call('ZRANK', K.waiting(t.queue), m)
-    elseif t.status == 'parked' then rank = redis.call('ZRANK', K.unrouted(), m) end
-    local position = rank and (rank + 1) or 0
-    parts[#parts + 1] = '"queue_position":' .. position
+    parts[#parts + 1] = '"queue_position":' .. queue_position(i, t.status, t.queue)
     if not is_terminal(t.status) and t.worker and t.worker ~= '' then
       parts[#parts + 1] = '"worker_status":"' .. worker_status(t.worker) .. '"'
     end
@@ -111,4 +111,5 @@ if ARGV[5] and ARGV[5] ~= '' then  -- the job's ETA at time ARGV[5], in this sam
   eta = ',"eta_s":' .. (seconds and string.format('%.17g', seconds) or 'null')
 end
 local cancel = redis.call('EXISTS', K.cancel(job_id))
-return '{"job":' .. cjson.encode(job) .. ',"tracks":[' .. table.concat(tracks, ',') .. '],"cancel":' .. cancel .. eta .. '}'
+return '{"job":' .. cjson.encode(job) .. ',"tracks":[' .. table.concat(tracks, ',') .. '],"cancel":' .. cancel ..
+  eta .. '}'
