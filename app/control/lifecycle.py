@@ -71,7 +71,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import redis
 
@@ -362,12 +362,17 @@ class Lifecycle:
         return self._forget(keys=[], args=[self.layout.prefix, queue, value]) == 1
 
     def snapshot(
-        self, states: list[tuple[str, str]], stages: list[tuple[str, str]], list_suffixes: list[str]
+        self,
+        parts: Iterable[str],
+        states: list[tuple[str, str]],
+        stages: list[tuple[str, str]],
+        list_suffixes: list[str],
     ) -> dict[str, Any]:
-        """Workers (with their current stage), queues (depths, load, broker messages, drained), parked
-        tracks, jobs per (kind, state) in `states` order, submission counters, the stage histograms of
-        `stages` and the learned rates, in one round trip (see app/control/snapshot.py)."""
-        spec = {"states": states, "stages": stages, "lists": list_suffixes}
+        """Of `parts` (workers, queues, jobs, submitted, stages, rates): workers (with their current stage),
+        queues (depths, load, broker messages, drained) and parked tracks, jobs per (kind, state) in `states`
+        order, submission counters, the stage histograms of `stages` and the learned rates, in one round trip
+        (see app/control/snapshot.py)."""
+        spec = {"parts": sorted(parts), "states": states, "stages": stages, "lists": list_suffixes}
         return json.loads(self._snapshot(keys=[], args=[self.layout.prefix, repr(time.time()), json.dumps(spec)]))
 
 

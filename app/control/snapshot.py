@@ -1,5 +1,6 @@
-"""One consistent read of everything the operator views show (GET /api/v1/status, GET /metrics, Khala's
-GET /status): a single Lua round trip (app/lifecycle.Lifecycle.snapshot), whatever the number of jobs."""
+"""One consistent read of what an operator view shows (GET /api/v1/status, GET /metrics, Khala's GET /status): a
+single Lua round trip (app/control/lifecycle.Lifecycle.snapshot), whatever the number of jobs. Each view names the
+parts it shows, and the script reads only those: the status table does not pay for /metrics' histograms."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ from app.control.services import Services
 from app.control.workers import worker_entry
 
 
+PARTS = frozenset({"workers", "queues", "jobs", "submitted", "stages", "rates"})
+STATUS_PARTS = frozenset({"workers", "queues"})  # GET /api/v1/status
+KHALA_STATUS_PARTS = frozenset({"workers", "jobs"})  # Khala's GET /status
+
+
 @dataclass(frozen=True)
 class Snapshot:
+    """A part not asked for is empty (no workers, no queues, zero unrouted, no counts)."""
+
     workers: list[dict[str, Any]]  # as WorkerRegistry.workers() gives them
     queues: list[dict[str, Any]]  # name, waiting, outstanding, estimated_load, broker_messages, draining
     unrouted: int
@@ -24,10 +32,18 @@ class Snapshot:
     rates: dict[str, str]  # the learned seconds per cost unit, raw (app/control/eta.py)
 
 
-def take_snapshot(svc: Services, transport_options: dict[str, Any]) -> Snapshot:
-    states = [(kind, state) for kind in sorted(KINDS) for state in JOB_STATES]
-    stages = [(kind, stage.name) for kind in sorted(KINDS) for stage in KINDS[kind].stages]
-    raw = svc.jobs.lifecycle.snapshot(states, stages, broker_lists("", transport_options))
+def take_snapshot(
+    svc: Services,
+    transport_options: dict[str, Any],
+    parts: frozenset[str] = PARTS,
+    job_states: tuple[str, ...] = JOB_STATES,
+) -> Snapshot:
+    """The `parts` of the snapshot (all by default: /metrics shows them all); job counts only of `job_states`."""
+    if unknown := parts - PARTS:
+        raise ValueError(f"unknown snapshot parts {sorted(unknown)}")
+    states = [(kind, state) for kind in sorted(KINDS) for state in job_states] if "jobs" in parts else []
+    stages = [(kind, stage.name) for kind in sorted(KINDS) for stage in KINDS[kind].stages] if "stages" in parts else []
+    raw = svc.jobs.lifecycle.snapshot(parts, states, stages, broker_lists("", transport_options))
     workers = [worker_entry(w["name"], _dict(w["info"]), _dict(w["current"])) for w in _list(raw["workers"])]
     queues = [
         {
@@ -43,9 +59,9 @@ def take_snapshot(svc: Services, transport_options: dict[str, Any]) -> Snapshot:
     return Snapshot(
         workers=workers,
         queues=queues,
-        unrouted=raw["unrouted"],
+        unrouted=raw.get("unrouted", 0),
         jobs=dict(zip(states, _list(raw["jobs"]), strict=True)),
-        submitted={kind: int(n) for kind, n in _dict(raw["submitted"]).items()},
+        submitted={kind: int(n) for kind, n in _dict(raw.get("submitted")).items()},
         stages={pair: _dict(h) for pair, h in zip(stages, _list(raw["stages"]), strict=True)},
         rates=_dict(raw.get("rates")),
     )

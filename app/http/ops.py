@@ -23,7 +23,7 @@ from app.http.openapi import documented
 from app.control.readiness import readiness
 from app.control.routing import drain_queue, known_queues, resume_queue
 from app.http.schemas import DrainReply, HealthReply, ReadyReply, StatusReply, UsageReply
-from app.control.snapshot import take_snapshot
+from app.control.snapshot import STATUS_PARTS, take_snapshot
 
 log = logging.getLogger("encore.web")
 ADMIN_ONLY = "the token's tenant is not an admin (`field`: role)"
@@ -144,7 +144,7 @@ def status() -> ResponseReturnValue:
     if refused := admin_refusal():
         return refused
     shared = context()
-    snapshot = take_snapshot(shared.services, shared.transport_options)
+    snapshot = take_snapshot(shared.services, shared.transport_options, STATUS_PARTS)
     return jsonify(
         {
             "workers": [_public_worker(w) for w in snapshot.workers],
