@@ -22,6 +22,22 @@ SONG = {
     "top_k_bb": 50,
     "temperature": 1,
 }
+# Facts of the reference (github.com/Khala-Music-AI/Khala): backend/tags.json's groups, their labels and sizes;
+# the selection frontend/src/App.tsx starts with (its `selectedTags` state, by group: TAG_KEY_TO_CATEGORY), which
+# it sends joined with ", " in group order; and its MAX_TAGS_PER_CATEGORY.
+REFERENCE_GROUPS = {
+    "genre_style": ("流派/风格 (Genre/Style)", 69),
+    "vocal_instrument": ("人声/乐器 (Vocals/Instruments)", 56),
+    "emotion_mood": ("情感/氛围 (Emotion/Mood)", 33),
+    "production_other": ("节奏/制作/其他 (Rhythm/Production/Other)", 39),
+}
+FRONTEND_DEFAULT_SELECTION = {
+    "genre_style": ["Mandopop"],
+    "vocal_instrument": ["Female Vocals", "Acoustic Guitar", "Piano"],
+    "emotion_mood": ["Atmospheric"],
+    "production_other": ["Modern Production"],
+}
+FRONTEND_MAX_TAGS_PER_GROUP = 10
 TRACK_STATUSES = {"queued", "generating", "superres", "decoding", "done", "error"}
 WORKER_PHASES = {"idle", "loading_backbone", "backbone", "loading_superres", "superres", "loading_decoder", "decoding"}
 PHASE_DISPLAY = re.compile(
@@ -130,8 +146,11 @@ def test_rejections_and_queued_jobs(make_stack):
         # the reference's shape (status, error), with the field named as Encore's own errors name it
         assert set(body) == {"status", "error", "field"} and body["status"] == "error", body
         assert body["field"] == field and body["error"].startswith(f"{field}: "), body
-    reply = client.post("/generate", data="not json", content_type="application/json")
-    assert reply.status_code == 400 and reply.get_json()["status"] == "error"
+    for data in ("not json", "[1, 2]"):  # a body that is no JSON object names `body`, as the native routes do
+        reply = client.post("/generate", data=data, content_type="application/json")
+        body = reply.get_json()
+        assert reply.status_code == 400 and body["status"] == "error" and body["field"] == "body", body
+        assert body["error"].startswith("body: "), body
     assert client.get("/api/v1/jobs").get_json()["jobs"] == []
 
     accepted = client.post("/generate", json={**SONG, "mode": "instrumental", "lyrics": None}).get_json()
@@ -156,6 +175,7 @@ def test_rejections_and_queued_jobs(make_stack):
     canceled = client.get(f"/job/{accepted['job_id']}").get_json()
     assert [t["status"] for t in canceled["tracks"]] == ["error", "error"]
     assert all(t["phase_display"] == "Error" for t in canceled["tracks"]) and canceled["status"] == "partial"
+    assert all("cancel" in t["error"] for t in canceled["tracks"]), canceled  # why it ended `error`, not null
 
 
 def test_numbers_are_clamped_to_the_reference_ranges_not_refused(make_stack):
@@ -224,6 +244,27 @@ def test_failed_tracks_end_as_error(make_stack):
     )
     assert [t["status"] for t in body["tracks"]] == ["error", "error"]
     assert all("time limit" in t["error"] for t in body["tracks"])
+    # in `error`, where the reference backend puts a failed track's reason; the other fields as it says them
+    assert all(t["phase_display"] == "Error" and t["progress"] == 0 for t in body["tracks"]), body
+    assert [t["error"] for t in body["tracks"]] == [t["error"] for t in stack.job(job_id)["tracks"]]
+    assert stack.client.get(f"/api/job/{job_id}").get_json()["tracks"] == body["tracks"]  # both mounts say it
+
+
+def test_the_catalogue_is_the_references_and_holds_the_frontends_default_selection(make_stack):
+    stack = make_stack()  # no worker: accepted jobs wait
+    for path in ("/tags", "/api/tags"):
+        catalogue = stack.client.get(path).get_json()
+        assert {group: (g["label"], len(g["tags"])) for group, g in catalogue.items()} == REFERENCE_GROUPS
+        for group, names in FRONTEND_DEFAULT_SELECTION.items():
+            assert set(names) <= set(catalogue[group]["tags"]), (path, group, names)
+    default = ", ".join(name for names in FRONTEND_DEFAULT_SELECTION.values() for name in names)
+    longest = ", ".join(  # the longest selection the frontend lets a user make
+        name for g in catalogue.values() for name in sorted(g["tags"], key=len)[-FRONTEND_MAX_TAGS_PER_GROUP:]
+    )
+    for tags in (default, longest, "sea shanty, kazoo"):  # listed or not, as the reference takes them
+        reply = stack.client.post("/api/generate", json={**SONG, "tags": tags})
+        assert reply.status_code == 200, (tags, reply.get_json())
+        assert stack.job(reply.get_json()["job_id"])["params"]["tags"] == tags
 
 
 FRONTEND_DEFAULT_LYRICS = "\n\n".join(

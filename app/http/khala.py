@@ -28,7 +28,7 @@ from app.core.kinds import CANCELED, DONE, FAILED, QUEUED
 from app.http.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented
 from app.http.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
 from app.control.services import Services
-from app.control.snapshot import take_snapshot
+from app.control.snapshot import KHALA_STATUS_PARTS, take_snapshot
 from app.http.submissions import RequestError, longest_song, submit_music, validate_music
 
 NUM_TRACKS = 2
@@ -184,6 +184,21 @@ def _song_seconds(track: dict[str, Any]) -> float:
     return round(song["duration_s"], 1) if song else 0
 
 
+def _failure(track: dict[str, Any]) -> str | None:
+    """Why a track ended `error`, in the track's `error` field, where the reference backend puts a failed
+    track's reason (its UI shows only an "Error" badge; a client that wants the reason reads this field). A
+    canceled track ends `error` too (the reference has no cancel), so it says it was canceled rather than
+    leave the field null; a track that has not ended has no failure: null."""
+    if track["state"] == FAILED:
+        return str(track["error"] or track["detail"] or "failed")
+    if track["state"] == CANCELED:
+        detail = str(track["detail"] or "")
+        if "cancel" in detail:
+            return detail
+        return f"canceled: {detail}" if detail else "canceled"
+    return None
+
+
 def job_reply(record: dict[str, Any]) -> dict[str, Any]:
     tracks = []
     for track in record["tracks"]:
@@ -198,7 +213,7 @@ def job_reply(record: dict[str, Any]) -> dict[str, Any]:
                 "worker_id": track["worker"] or None,
                 "worker_phase": worker_phase,
                 "duration_sec": _song_seconds(track),
-                "error": track["error"] or None,
+                "error": _failure(track),
             }
         )
     statuses = [t["status"] for t in tracks]
@@ -226,7 +241,7 @@ def _starts_now(svc: Services, record: dict[str, Any]) -> bool:
 def status_reply(svc: Services, transport_options: dict[str, Any]) -> dict[str, Any]:
     """GPUs (live workers), idle ones, jobs being processed (a track started, not all ended) and jobs
     waiting (no track started yet), one Redis round trip whatever the number of jobs."""
-    snapshot = take_snapshot(svc, transport_options)
+    snapshot = take_snapshot(svc, transport_options, KHALA_STATUS_PARTS, job_states=("running", QUEUED))
     workers = snapshot.workers
     live = [w for w in workers if w["status"] != "offline"]
     counts = snapshot.jobs
@@ -274,8 +289,11 @@ def register(app: Flask, compat_prefix: str) -> None:
 
 
 def load_catalogue(tags_file: Path | None) -> dict[str, Any]:
-    """The tag catalogue GET /tags serves: ENCORE_TAGS_FILE, or the reference's own."""
-    catalogue: dict[str, Any] = json.loads((tags_file or DEFAULT_TAGS).read_text())
+    """The tag catalogue GET /tags serves: ENCORE_TAGS_FILE, or the reference's own (its four groups, labels
+    and tag names, case kept: the frontend's default selection, "Mandopop", "Female Vocals"..., must be in
+    it). Read as UTF-8 whatever the locale: the reference's group labels are bilingual ("流派/风格 (Genre/Style)").
+    The catalogue only offers tags: as the reference, POST /generate takes any tags, listed or not."""
+    catalogue: dict[str, Any] = json.loads((tags_file or DEFAULT_TAGS).read_text(encoding="utf-8"))
     return catalogue
 
 
@@ -316,7 +334,7 @@ def generate() -> ResponseReturnValue:
     try:
         body = json_object(request)
     except BodyError as exc:
-        return _error(400, str(exc))
+        return _error(400, str(exc), exc.field)
     try:
         req = validate_music(
             _translate(body, lambda native: longest_song(native, shared.profile)), shared.settings, shared.profile
