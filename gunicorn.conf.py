@@ -11,6 +11,8 @@ sending is answered 408 and dropped instead of holding its thread forever. gthre
 trips, which threads serve well. Numbers come from app/core/config.py, like every setting.
 """
 
+from typing import Any
+
 from app.core.config import load_settings
 
 _settings = load_settings()
@@ -28,3 +30,10 @@ keepalive = 5
 limit_request_line = 8190
 limit_request_fields = 100
 limit_request_field_size = 8190
+
+
+def post_worker_init(worker: Any) -> None:  # a gunicorn Worker: its app is `worker.wsgi`
+    """Each web process also ends the tracks of canceled jobs whose stage died (app/http/sweeper.py)."""
+    from app.http.sweeper import start_sweeper
+
+    start_sweeper(worker.wsgi)

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import requests
 
 from app.core.priority import FIRST_STAGE_PRIORITY
 from tests.support import faults
@@ -207,6 +208,31 @@ def test_cancel_while_the_running_stages_worker_is_dead_ends_once_its_lease_expi
     assert time.monotonic() - fault.cleared < 4 + 15  # the lease, plus the reaper's heartbeats
     # Nothing left, the dead stage's delivery included: dropped, not left for kombu to restore in an hour.
     faults.assert_nothing_left(stack)
+
+
+def test_a_cancel_ends_a_dead_stages_track_while_no_worker_is_live(make_stack):
+    """Issue 24, loose end 8: the only worker is killed mid-stage and the job canceled while its lease still
+    runs. No worker is live to reap, yet the track ends canceled once the lease expires: the web tier as
+    deployed (gunicorn.conf.py) applies the cancel's lease rule itself (app/http/sweeper.py)."""
+    stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    web = stack.start_gunicorn()
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=30.0)
+    faults.wait_running(stack, job_id)
+    stack.stop_worker(0)
+    answer = requests.delete(f"{web}/api/v1/jobs/{job_id}", headers=stack.auth, timeout=10)
+    killed = time.monotonic()
+    assert answer.status_code == 200 and answer.json()["tracks"][0]["state"] == "backbone"  # its lease still ran
+    cancels = stack.app.extensions["encore"].services.jobs.keys.cancels
+    assert stack.redis.zscore(cancels, job_id) is not None
+    assert not stack.workers  # no worker process is left to run the reaper
+
+    record = stack.wait_job(job_id, timeout=4 + 15)
+    track = record["tracks"][0]
+    assert track["state"] == "canceled" and track["detail"] == "canceled during backbone (its stage had stopped)"
+    assert time.monotonic() - killed < 4 + 15
+    assert stack.redis.zscore(cancels, job_id) is None  # settled: out of the set
+    faults.assert_nothing_left(stack)  # the dead stage's delivery too (not restored by kombu in an hour)
 
 
 def test_cancel_before_the_dead_worker_is_noticed_ends_when_the_track_would_move(make_stack):

@@ -308,11 +308,34 @@ class JobStore:
             return []
         self.redis.set(self.keys.cancel(job_id), "1", ex=self.ttl_s)
         task_ids: list[str] = []
+        held = False
         for track in self.tracks(job_id, job["num_tracks"]):
             task_ids.extend(track["task_ids"])
-            if is_open(track["status"]):
-                self.cancel(job_id, track["track"], _cancel_detail(track))
+            if is_open(track["status"]) and not self.cancel(job_id, track["track"], _cancel_detail(track)):
+                held = True
+        if held:  # a stage held it: should that stage be dead, any process ends the track once its lease expires
+            self.redis.zadd(self.keys.cancels, {job_id: time.time()})
         return task_ids
+
+    def end_unheld_tracks(self, job_id: str) -> tuple[list[dict[str, Any]], bool]:
+        """The cancel's rule again, for a job in the pending-cancel set: each open track no lease holds now ends
+        canceled. Returns (the records of the tracks it ended, whether the job is settled: no track open, no
+        cancel pending, or no job), and takes a settled job out of the set."""
+        job = self.job(job_id)
+        if job is None or not self.cancel_requested(job_id):
+            self.redis.zrem(self.keys.cancels, job_id)
+            return [], True
+        ended, still_open = [], False
+        for track in self.tracks(job_id, job["num_tracks"]):
+            if not is_open(track["status"]):
+                continue
+            if self.cancel(job_id, track["track"], _cancel_detail(track)):
+                ended.append(track)
+            else:
+                still_open = True
+        if not still_open:
+            self.redis.zrem(self.keys.cancels, job_id)
+        return ended, not still_open
 
     def cancel_requested(self, job_id: str) -> bool:
         return bool(self.redis.exists(self.keys.cancel(job_id)))

@@ -13,6 +13,9 @@ Redis lock, over every track not finished on every queue:
   track moves with its first message (taken out of the broker atomically, so a worker that comes back cannot
   also run it); a track between stages restarts as above.
 - created longer than ENCORE_STALL_AFTER_S ago and never routed (its submitter died): parked.
+- of a canceled job, and held by a stage when the cancel came: ended as soon as that lease is gone. This one
+  rule the web applies too (`end_dead_cancels`, from app/http/sweeper.py), so a cancel ends a dead stage's
+  track even while no worker is live.
 - waiting longer than ENCORE_STALL_AFTER_S for a message that is in no broker list and in no worker's hands
   (unacked): a process died between the transition and the send; the message is sent again.
 The old chain's messages of a moved track are dropped from the broker lists and from kombu's `unacked`
@@ -141,10 +144,27 @@ def retry_job(svc: Services, celery: Celery, job_id: str, max_retries: int | Non
 
 def _drop_chain(svc: Services, celery: Celery, record: dict[str, Any]) -> None:
     """The messages of a track's old chain out of its queue's broker lists and kombu's `unacked` hash."""
-    options = dict(celery.conf.broker_transport_options or {})
+    _drop_messages_of(svc, dict(celery.conf.broker_transport_options or {}), record)
+
+
+def _drop_messages_of(svc: Services, options: dict[str, Any], record: dict[str, Any]) -> None:
     if record["queue"]:
         drop_messages(svc, broker_lists(record["queue"], options), record["task_ids"])
     drop_unacked(svc, options, record["task_ids"])
+
+
+def end_dead_cancels(svc: Services, transport_options: dict[str, Any], limit: int = 100) -> int:
+    """The cancel's lease rule, which any process may apply (the web's sweeper, app/http/sweeper.py, and every
+    reaper pass): a canceled job's track that a stage held when the cancel came ends canceled as soon as that
+    stage's lease is gone, even while no worker is live to reap it. Returns how many tracks it ended."""
+    ended = 0
+    for job_id in decoded_members(svc.redis.zrange(svc.jobs.keys.cancels, 0, limit - 1)):
+        records, _ = svc.jobs.end_unheld_tracks(job_id)
+        for record in records:
+            _drop_messages_of(svc, transport_options, record)  # the dead stage's delivery: not restored in an hour
+            job_event(log, "canceled", job_id, track=record["track"], queue=record["queue"], reason="no live lease")
+        ended += len(records)
+    return ended
 
 
 def reap(svc: Services, celery: Celery) -> int:
@@ -162,6 +182,7 @@ def reap(svc: Services, celery: Celery) -> int:
                 svc.jobs.keys.lock("stall-check"), "1", nx=True, ex=max(1, int(svc.settings.stall_after_s / 2))
             )
         )
+        acted += end_dead_cancels(svc, dict(celery.conf.broker_transport_options or {}))
         for queue in known_queues(svc, workers):
             acted += _reap_queue(svc, celery, queue, live, check_stalls)
         return acted + _park_abandoned(svc)  # the heartbeat routes what is parked next

@@ -33,6 +33,7 @@ KEYS: dict[str, str] = {
     "tenant_usage": "tenant:{tenant}:usage",  # hash: its jobs, tracks and GPU-seconds, counted since Redis began
     "tenant_streams": "tenant:{tenant}:streams",  # zset: one tenant's open event streams by expiry (app/control/streams.py)
     "created": "created",  # zset: tracks written, not routed yet
+    "cancels": "cancels",  # zset: canceled jobs a live stage still held, by when (app/control/recovery.py)
     "unrouted": "unrouted",  # zset: parked tracks by priority, then submission
     "seq": "seq",  # counter: submission order
     # queues
@@ -138,6 +139,10 @@ class Layout:
     @property
     def created(self) -> str:
         return self.key("created")
+
+    @property
+    def cancels(self) -> str:
+        return self.key("cancels")
 
     @property
     def unrouted(self) -> str:
