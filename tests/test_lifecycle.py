@@ -13,6 +13,7 @@ import redis
 from app.control.jobs import JobStore, overall_state
 from app.control.lifecycle import TRANSITIONS
 from app.core.keys import Layout
+from tests.support.processes import wait_until
 
 STATUSES = (
     "new",
@@ -377,3 +378,15 @@ def test_the_readme_documents_the_table_as_it_is():
         event, sources, target, holder, cancel, _ = rows[name]
         assert [s.strip().strip("`") for s in sources.split(",")] == list(t.sources), name
         assert (target.strip("`"), holder, cancel) == (t.target, t.holder, "yes" if t.cancel else "no"), name
+
+
+def test_the_job_index_holds_only_jobs_that_exist(jobs):
+    """Issue 24, loose end 9: `{p}:jobs` (the listing's index) lost nothing when jobs expired, so with more jobs
+    than a listing reads it grew by one id per job for good. Each submission now drops the expired ones."""
+    short = JobStore(jobs.redis, jobs.prefix, ttl_s=1)
+    old = [short.create("music", {}, [{"seed": 1}], cost=1.0) for _ in range(5)]
+    wait_until(lambda: not any(jobs.redis.exists(jobs.job_key(j)) for j in old), 10, 0.05, "the short jobs to expire")
+    assert set(jobs.redis.zrange(jobs.jobs_key, 0, -1)) == set(old)  # the index still names them
+    kept = short.create("music", {}, [{"seed": 1}], cost=1.0)
+    assert jobs.redis.zrange(jobs.jobs_key, 0, -1) == [kept]  # bounded by what exists, whoever lists it
+    assert jobs.redis.zrange(jobs.keys.tenant_jobs("default"), 0, -1) == [kept]

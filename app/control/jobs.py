@@ -138,6 +138,7 @@ class JobStore:
                 client=pipe,
             )
         pipe.zadd(self.jobs_key, {job_id: now})
+        pipe.zremrangebyscore(self.jobs_key, "-inf", now - self.ttl_s)  # expired jobs: the index holds what exists
         pipe.zadd(self.keys.tenant_jobs(tenant), {job_id: now})
         pipe.zremrangebyscore(self.keys.tenant_jobs(tenant), "-inf", now - self.ttl_s)  # its expired jobs
         pipe.hincrby(self.keys.tenant_usage(tenant), "jobs", 1)
