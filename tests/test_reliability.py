@@ -235,6 +235,29 @@ def test_a_cancel_ends_a_dead_stages_track_while_no_worker_is_live(make_stack):
     faults.assert_nothing_left(stack)  # the dead stage's delivery too (not restored by kombu in an hour)
 
 
+def test_a_killed_stages_temp_folder_is_swept_when_its_worker_starts_again(make_stack):
+    """Issue 24, loose end 10: a stage's temp folder, left behind when its worker was killed mid-stage, is
+    removed by the next worker on that host at its first heartbeat; a live stage's folder is kept."""
+    stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=30.0)
+    faults.wait_running(stack, job_id)
+    work = stack.root / "cache" / "work"
+    [killed] = [folder for folder in work.iterdir() if folder.name.startswith(f"{job_id}-0-backbone-")]
+    stack.stop_worker(0)
+    assert killed.is_dir()  # the killed stage could not clean up
+
+    stack.start_worker(0)  # its first heartbeat sweeps
+    wait_until(lambda: not killed.exists(), 30, 0.1, "the dead stage's folder to be swept")
+    wait_until(lambda: stack.job(job_id)["tracks"][0]["restarts"] >= 1, 60, 0.1, "the track to restart")
+    faults.wait_running(stack, job_id)
+    live = [folder for folder in work.iterdir() if folder.name.startswith(f"{job_id}-0-backbone-")]
+    assert len(live) == 1 and live[0] != killed  # the restarted stage's own folder, not swept under it
+    stack.client.delete(f"/api/v1/jobs/{job_id}", headers=stack.auth)
+    stack.wait_job(job_id, timeout=60)
+    wait_until(lambda: not live[0].exists(), 30, 0.1, "the canceled stage to remove its folder")
+
+
 def test_cancel_before_the_dead_worker_is_noticed_ends_when_the_track_would_move(make_stack):
     """Issue 10, fault 3, the other order: canceled while gpu0 still looks alive (the stage should see the flag,
     but it is dead). Once gpu0 is offline ENCORE_REROUTE_AFTER_S, the move to gpu1 ends the track canceled

@@ -493,9 +493,9 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "s3_secret_key": "S3 credentials (the standard variable; unset: boto3's own chain)",
     "s3_presign_s": "with `ENCORE_S3_PRESIGN=1`, downloads are answered 302 to a URL presigned for "
     "`ENCORE_S3_PRESIGN_S` seconds instead of streamed through the web",
-    "worker_cache_dir": "each host's local scratch: lip-sync track intermediates (`tracks/`), local copies of "
-    "`redis`- and `s3`-backend artifacts (`artifacts/`), the lip-sync source cache "
-    "(`lipsync-sources/`)",
+    "worker_cache_dir": "each host's local scratch: lip-sync track intermediates (`tracks/`), running stages' "
+    "temp folders (`work/`: a killed stage's is swept by the next heartbeat), local copies of `redis`- and "
+    "`s3`-backend artifacts (`artifacts/`), the lip-sync source cache (`lipsync-sources/`)",
     "music_profile": "`tiny` (random weights, for tests and the demo) or `khala` (the real checkpoints)",
     "model_dir": "where the profile's models live (unset: `models/<profile>`; for `khala`, a Khala checkout)",
     "model_paths": "where each model lies, when not in the profile's layout under `ENCORE_MODEL_DIR` (absolute, "

@@ -248,6 +248,37 @@ def sweep_scratch(svc: Services) -> list[str]:
     return removed
 
 
+def stage_workdir(svc: Services, job_id: str, track: int, stage: str) -> Path:
+    """A running stage's own temp folder, under the worker's cache dir and named after its job, track, stage and
+    process: removed when the stage ends, and by `sweep_workdirs` when its process was killed first."""
+    root = svc.settings.worker_cache_dir / "work"
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{job_id}-{track}-{stage}-{os.getpid()}-", dir=root))
+
+
+def sweep_workdirs(svc: Services) -> list[str]:
+    """Temp folders of stages whose process is gone (a killed pool child or worker cannot clean up after itself);
+    a folder whose process lives, even one of another worker on this host, is kept."""
+    root = svc.settings.worker_cache_dir / "work"
+    removed = []
+    for folder in root.iterdir() if root.is_dir() else []:
+        parts = folder.name.rsplit("-", 2)
+        if len(parts) == 3 and parts[1].isdigit() and not _process_alive(int(parts[1])):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 class _Throttled:
     """Writes progress to the job record at most every PROGRESS_EVERY_S (and always the final 1.0)."""
 
@@ -482,7 +513,7 @@ class StageTask(Task):
             attempt=deliveries,
         )
         started = time.monotonic()
-        workdir = Path(tempfile.mkdtemp(prefix=f"encore-{job_id[:8]}-{self.stage.name}-"))
+        workdir = stage_workdir(svc, job_id, track, self.stage.name)
         succeeded = False
         watch = CancelWatch(
             svc, job_id, track, svc.settings.cancel_grace_s, [], lease_owner=owner, stage=self.stage.name

@@ -19,7 +19,7 @@ from app.core.kinds import KINDS
 from app.control.recovery import reap
 from app.control.routing import dispatch_unrouted
 from app.control.services import services
-from app.tasks.stage import sweep_scratch
+from app.tasks.stage import sweep_scratch, sweep_workdirs
 
 log = logging.getLogger("encore.worker")
 
@@ -46,16 +46,16 @@ def _heartbeat_loop(hostname: str) -> None:
         "started_at": time.time(),
     }
     gpus = GpuProbe(svc.settings.cuda_visible_devices)  # NVML, not CUDA: safe in the forking master
-    last_sweep = 0.0
+    last_sweep: float | None = None  # the first heartbeat sweeps: a restarted worker cleans up after its last run
     while not _stop.is_set():
         try:
             svc.workers.heartbeat(hostname, {**info, **gpus.heartbeat_fields()})
             reap(svc, celery)
             dispatch_unrouted(svc, celery)  # parked tracks, including those the reaper just parked
-            if time.monotonic() - last_sweep > SWEEP_EVERY_S:
+            if last_sweep is None or time.monotonic() - last_sweep > SWEEP_EVERY_S:
                 last_sweep = time.monotonic()
                 removed = svc.artifacts.sweep(lambda job_id: svc.jobs.job(job_id) is not None)
-                removed += sweep_scratch(svc)
+                removed += sweep_scratch(svc) + sweep_workdirs(svc)
                 if removed:
                     log.info("event=sweep removed=%d", len(removed))
         except Exception:
