@@ -27,6 +27,12 @@ def svc(redis_base_url, tmp_path):
     return unit_services(redis_base_url, 504, tmp_path)
 
 
+def _live(svc) -> None:
+    """Both queues' workers beat: their tracks' ETAs are numbers (a queue no live worker serves has none)."""
+    for queue, worker in WORKER.items():
+        svc.workers.heartbeat(worker, {"queue": queue, "pid": 1})
+
+
 def _owner(job_id: str, track: int) -> str:
     return f"w|{job_id}-{track}|1"
 
@@ -189,6 +195,7 @@ def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_s
 
 def test_a_poll_reads_its_eta_in_the_same_round_trip_as_its_record(svc):
     jobs = _fill(svc, seed=5)
+    _live(svc)
     eta.polled_record(svc, jobs[0])  # the script is loaded once per server
     calls = []
     original = svc.redis.execute_command
@@ -426,6 +433,7 @@ def test_every_write_keeps_the_poll_equal_to_the_reference_and_its_eta_to_the_un
     and its ETA the one computed without the cache at the same instant."""
     rng = random.Random(23)
     jobs = _fill(svc, seed=21)
+    _live(svc)
     hooked = svc.jobs.create(
         "music", {"title": 'a "b"'}, [{"seed": 1}, {"seed": None}], cost=6.0,
         webhook={"url": "https://hooks.example/x", "events": ["completed", "failed"]},
@@ -437,6 +445,7 @@ def test_every_write_keeps_the_poll_equal_to_the_reference_and_its_eta_to_the_un
     assert cached > len(jobs) // 2
     actions = []
     for _ in range(120):
+        _live(svc)  # however long the run takes: a null ETA would compare equal to a null one
         job_id = rng.choice(jobs)
         record = svc.jobs.record(job_id)
         names = [stage.name for stage in KINDS[record["kind"]].stages]
@@ -482,3 +491,25 @@ def test_every_write_keeps_the_poll_equal_to_the_reference_and_its_eta_to_the_un
         for polled in jobs:
             _poll_is_the_reference(svc, polled)
     assert {"learn", "delivery", "route", "start", "progress", "fail", "finish", "retry", "cancel"} <= set(actions)
+
+
+def test_the_eta_is_null_while_no_live_worker_serves_an_open_tracks_queue(svc):
+    """Issue 24, item 3: with gpu0's every worker gone, its job's ETA stood still at a number; it is null until a
+    worker serves gpu0 again, in the poll, the record's read and the listing alike. gpu1's job keeps its number."""
+    on_gpu0 = svc.jobs.create("music", {}, [{"seed": 1}], cost=10.0)
+    on_gpu1 = svc.jobs.create("music", {}, [{"seed": 1}], cost=10.0)
+    _route(svc, on_gpu0, 0, "gpu0")
+    _route(svc, on_gpu1, 0, "gpu1")
+    _live(svc)
+
+    def etas(job_id: str) -> list[float | None]:
+        record, read = eta.record_with_eta(svc, job_id)
+        return [json.loads(eta.polled_record(svc, job_id))["eta_s"], read, eta.job_etas(svc, [record])[0]]
+
+    assert all(v is not None and v > 0 for v in etas(on_gpu0) + etas(on_gpu1))
+    last_seen = time.time() - svc.jobs.offline_after_s - 1  # gpu0's workers last beat longer ago than that
+    svc.redis.set(svc.jobs.keys.queue_live_at("gpu0"), last_seen)
+    assert etas(on_gpu0) == [None, None, None]
+    assert all(v is not None and v > 0 for v in etas(on_gpu1))
+    svc.workers.heartbeat(WORKER["gpu0"], {"queue": "gpu0", "pid": 1})
+    assert all(v is not None and v > 0 for v in etas(on_gpu0))

@@ -10,7 +10,8 @@ what /metrics shows as `encore_stage_seconds_per_unit` (app/control/metrics.py):
 The work outstanding on each queue is not counted per read: the transitions keep it in the backlog index
 (app/control/backlog.py, which also states the estimate's rule and computes it, in Lua, next to the data). From it, in
 one round trip whatever the number of jobs:
-- a job's `eta_s`: its last open track's finish (0 once it ended; None while a track waits for a live worker);
+- a job's `eta_s`: its last open track's finish (0 once it ended; None while a track waits for a live worker,
+  parked or on a queue no live worker has served for about three heartbeats: the estimate would stand still);
   a poll reads it with the record (record_with_eta);
 - the seconds a queue has outstanding, and what a new track would add there: what routing compares instead of
   song seconds (done_in);
@@ -87,14 +88,39 @@ def job_etas(svc: Services, records: list[dict[str, Any]]) -> list[float | None]
 
     ids = [record["job_id"] for record in records if on_queue(record)]
     etas = svc.jobs.estimates.read(time.time(), running_heads(svc), jobs=ids)["jobs"] if ids else {}
+    unserved = _queues_without_worker(svc, records)
     return [
-        _rounded(etas.get(record["job_id"]))
+        None
+        if any(t["queue"] in unserved and t["status"] not in TERMINAL_STATES for t in record["tracks"])
+        else _rounded(etas.get(record["job_id"]))
         if on_queue(record)
         else 0.0
         if all(t["status"] in TERMINAL_STATES for t in record["tracks"])
         else None
         for record in records
     ]
+
+
+def _queues_without_worker(svc: Services, records: list[dict[str, Any]]) -> set[str]:
+    """The queues of the records' open tracks that no live worker has served for `offline_after_s`: no worker can
+    take their tracks, so their jobs' ETA is unknown (the rule read_job.lua applies to a poll)."""
+    queues = sorted(
+        {
+            t["queue"]
+            for record in records
+            for t in record["tracks"]
+            if t["queue"] and t["status"] not in TERMINAL_STATES
+        }
+    )
+    if not queues:
+        return set()
+    seen = svc.redis.mget([svc.jobs.keys.queue_live_at(queue) for queue in queues])
+    now = time.time()
+    return {
+        queue
+        for queue, at in zip(queues, seen, strict=True)
+        if at is None or now - float(at) > svc.jobs.offline_after_s
+    }
 
 
 def record_with_eta(svc: Services, job_id: str) -> tuple[dict[str, Any] | None, float | None]:

@@ -56,10 +56,12 @@ class JobStore:
         ttl_s: int = 24 * 3600,
         events_maxlen: int = 1000,
         webhook_progress_s: float = 5.0,
+        offline_after_s: float = 7.0,
     ):
         self.redis = client
         self.prefix = prefix
         self.ttl_s = ttl_s
+        self.offline_after_s = offline_after_s  # a queue unseen this long has no live worker: its tracks' ETA is null
         self.keys = Layout(prefix)
         self.lifecycle = Lifecycle(client, self.keys, events_maxlen, webhook_progress_s)
         self.estimates = Estimates(client, prefix, lua_stages())
@@ -198,8 +200,12 @@ class JobStore:
 
     def record_with_eta(self, job_id: str, now: float, heads: int) -> tuple[dict[str, Any] | None, float | None]:
         """The record and, in the same round trip, its job's ETA at `now` in seconds (None while a track waits
-        for a live worker; app/control/backlog.py, app/eta.record_with_eta)."""
-        raw = self.lifecycle.read_job(job_id, eta_at=now, heads=heads) if is_job_id(job_id) else None
+        for a live worker, or its queue has had none for `offline_after_s`; app/control/backlog.py, app/eta.record_with_eta)."""
+        raw = (
+            self.lifecycle.read_job(job_id, eta_at=now, heads=heads, offline_after_s=self.offline_after_s)
+            if is_job_id(job_id)
+            else None
+        )
         return (None, None) if raw is None else (self._record(job_id, raw), raw.get("eta_s"))
 
     def public_record_text(self, job_id: str, now: float, heads: int, viewer: Tenant) -> str | None:
@@ -207,7 +213,8 @@ class JobStore:
         None for an unknown job, or one `viewer` may not see."""
         if not is_job_id(job_id):
             return None
-        return self.lifecycle.read_public(job_id, now, heads, "" if viewer.is_admin else viewer.name)
+        tenant = "" if viewer.is_admin else viewer.name
+        return self.lifecycle.read_public(job_id, now, heads, tenant, self.offline_after_s)
 
     def _record(self, job_id: str, raw: dict[str, Any]) -> dict[str, Any]:
         job = _decode_job(job_id, raw["job"])

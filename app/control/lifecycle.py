@@ -336,23 +336,30 @@ class Lifecycle:
         code, status, reason = reply
         return Outcome(code > 0, code == 2, _text(status), _text(reason))
 
-    def read_job(self, job_id: str, eta_at: float | None = None, heads: int = 0) -> dict[str, Any] | None:
+    def read_job(
+        self, job_id: str, eta_at: float | None = None, heads: int = 0, offline_after_s: float = 7.0
+    ) -> dict[str, Any] | None:
         """The raw job hash, its track hashes (JSON fields decoded; with queue_position, and worker_status for
         open tracks with a worker) and the cancel flag, in one round trip and one parse. With `eta_at` (a time),
-        also `eta_s`: the job's ETA then, reading `heads` running tracks per queue (app/control/backlog.py)."""
+        also `eta_s`: the job's ETA then, reading `heads` running tracks per queue (app/control/backlog.py); null
+        while an open track's queue has had no live worker for `offline_after_s`."""
         args = read_job_args(self.layout.prefix, job_id)
         if eta_at is not None:
-            args += [str(heads), repr(eta_at)]
+            args += [str(heads), repr(eta_at), "", "", "", repr(offline_after_s)]
         reply = self._read_job(keys=[], args=args)
         return json.loads(reply) if reply else None
 
-    def read_public(self, job_id: str, eta_at: float, heads: int, tenant: str = "") -> str | None:
+    def read_public(
+        self, job_id: str, eta_at: float, heads: int, tenant: str = "", offline_after_s: float = 7.0
+    ) -> str | None:
         """The job's record exactly as a client's poll answers it, as JSON text (app/control/views.py): its tracks
         without the fields clients never see, each with its seed and download links, the overall state, queue
-        position, cancel flag, webhook deliveries and `eta_s` at `eta_at` (rounded to 0.1 s). One round trip and
+        position, cancel flag, webhook deliveries and `eta_s` at `eta_at` (rounded to 0.1 s; null while an open
+        track's queue has had no live worker for `offline_after_s`). One round trip and
         no parse: the web serves the text as it is (app/http/jobs.public_record is the reference it is tested
         against). With a `tenant`, None (as for an unknown job) when another tenant owns the job."""
         args = [self.layout.prefix, job_id, "", str(heads), repr(eta_at), "1", tenant, DEFAULT_TENANT]
+        args.append(repr(offline_after_s))
         reply = self._read_job(keys=[], args=args)
         return _text(reply) if reply else None
 

@@ -13,7 +13,7 @@ from app.core.config import Settings, load_settings
 from app.control.jobs import JobStore
 from app.pipeline.media.ffmpeg import MediaTools
 from app.adapters.redis_conn import redis_client
-from app.control.workers import WorkerRegistry
+from app.control.workers import WorkerRegistry, offline_after_s
 
 
 @dataclass
@@ -33,7 +33,12 @@ def build_services(settings: Settings) -> Services:
         settings=settings,
         redis=text_client,
         jobs=JobStore(
-            text_client, settings.key_prefix, settings.job_ttl_s, settings.events_maxlen, settings.webhook_progress_s
+            text_client,
+            settings.key_prefix,
+            settings.job_ttl_s,
+            settings.events_maxlen,
+            settings.webhook_progress_s,
+            offline_after_s(settings.heartbeat_s),
         ),
         workers=WorkerRegistry(text_client, settings.key_prefix, settings.heartbeat_s),
         artifacts=open_store(settings, bytes_client),

@@ -37,7 +37,7 @@ class WorkerRegistry:
 
     @property
     def ttl_s(self) -> int:
-        return max(3, int(self.heartbeat_s * 3 + 1))
+        return offline_after_s(self.heartbeat_s)
 
     def heartbeat(self, name: str, info: dict[str, Any]) -> None:
         pipe = self.redis.pipeline()
@@ -104,6 +104,12 @@ class WorkerRegistry:
         """Queues of live workers, from `workers` when the caller already read them."""
         workers = self.workers() if workers is None else workers
         return sorted({queue for w in workers if w["status"] != "offline" for queue in consumed_queues(w)})
+
+
+def offline_after_s(heartbeat_s: float) -> int:
+    """Seconds without a heartbeat after which a worker is offline (about three missed beats), and so a queue
+    with no other consumer has no live worker: its registry entry's TTL, and the ETA's liveness rule."""
+    return max(3, int(heartbeat_s * 3 + 1))
 
 
 def worker_entry(name: str, info: dict[str, str], current: dict[str, str]) -> dict[str, Any]:

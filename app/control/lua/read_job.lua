@@ -1,6 +1,6 @@
 -- ARGV: prefix, job id, JSON field names (comma-separated); for the ETA too: running heads, now; for a client's
 -- view: '1', the tenant asking (empty: an admin, who sees every job) and the tenant of a job that names none
--- (app/core/tenants.py).
+-- (app/core/tenants.py); with the ETA, ARGV[9]: seconds after which a queue unseen has no live worker.
 -- Without the view: the job, its tracks with queue positions and their workers' status, the cancel flag (and the
 -- job's ETA): one JSON document, built here so that Python parses it once. With it: the record exactly as a poll
 -- answers it (app/http/jobs.public_record is the reference; a parity test holds them together), so the web serves
@@ -23,6 +23,21 @@ end
 local function worker_status(worker)
   if redis.call('EXISTS', K.worker(worker)) == 0 then return 'offline' end
   return redis.call('EXISTS', K.worker_current(worker)) == 1 and 'busy' or 'idle'
+end
+
+-- Whether every open track's queue has a live worker (one seen within ARGV[9] s): if not, no worker can take
+-- the track and the job's ETA is unknown (null), not a number that stays put while nothing runs.
+local function queues_live(states, now)
+  local window, seen = tonumber(ARGV[9]), {}
+  for _, t in ipairs(states) do
+    local queue = t[3]
+    if not is_terminal(t[2]) and queue ~= '' and seen[queue] == nil then
+      local at = tonumber(redis.call('GET', K.queue_live_at(queue)) or '')
+      seen[queue] = at ~= nil and now - at <= window
+      if not seen[queue] then return false end
+    end
+  end
+  return true
 end
 
 -- The job's overall state from its tracks' display states (app/control/jobs.overall_state).
@@ -69,6 +84,7 @@ if ARGV[6] == '1' then  -- a client's view
   end
   local seconds, fresh = cached_job_eta(K, tonumber(ARGV[5]), tonumber(ARGV[4]), job_id, states, v.eta)
   if fresh then redis.call('HSET', view_key, 'eta', fresh) end
+  if seconds and not queues_live(states, tonumber(ARGV[5])) then seconds = false end
   local out = {v.head, table.concat(tracks, ','), '],"state":"', overall(displayed), '","queue_position":',
     tostring(waiting_at or 0), ',"cancel_requested":',
     redis.call('EXISTS', K.cancel(job_id)) == 1 and 'true' or 'false'}
@@ -108,6 +124,7 @@ local eta = ''
 local seconds = false
 if ARGV[5] and ARGV[5] ~= '' then  -- the job's ETA at time ARGV[5], in this same step (app/control/backlog.py)
   seconds = estimator(K, tonumber(ARGV[5]), tonumber(ARGV[4])).job_eta(job_id, states)
+  if seconds and not queues_live(states, tonumber(ARGV[5])) then seconds = false end
   eta = ',"eta_s":' .. (seconds and string.format('%.17g', seconds) or 'null')
 end
 local cancel = redis.call('EXISTS', K.cancel(job_id))
