@@ -155,9 +155,6 @@ def test_profile_supplies_what_the_reference_never_reads_from_a_checkpoint(profi
         ("swiglu", False, "swiglu=False"),
         ("swiglu", None, "swiglu=False"),  # not recorded: Megatron's default, GELU
         ("squared_relu", True, "squared_relu=True"),
-        ("add_bias_linear", False, "add_bias_linear=False"),
-        ("disable_bias_linear", True, "add_bias_linear=False"),  # older checkpoints' name for it
-        ("untie_embeddings_and_output_weights", False, "untie_embeddings_and_output_weights=False"),
         ("position_embedding_type", "learned_absolute", "position_embedding_type='learned_absolute'"),
         ("rotary_percent", 0.5, "rotary_percent=0.5"),
         ("num_experts", 8, "num_experts=8"),

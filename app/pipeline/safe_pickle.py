@@ -7,15 +7,22 @@ refuses such a file; `weights_only=False` would import and call whatever the pic
 does that: a checkpoint is then code). Here torch's own unpickler reads the file (storages, mmap), but every
 global outside torch's weights-only allowlist resolves to an inert stand-in that only records what it was
 given, so nothing named in the file is ever imported or called. Tensors come back as real tensors; the
-other objects come back as `Opaque` records, which callers ignore.
+other objects come back as `Opaque` records, which callers ignore (or read as data: `namespace_of`).
+
+Megatron checkpoints save their training arguments the same way (an argparse Namespace whose fields may hold
+any class the training run used), and torch.distributed.checkpoint keeps a plain pickle (`.metadata`) that
+torch itself reads with `pickle.load`: `load_allowlisted` reads such a file admitting only the globals a
+caller names, and refuses the file otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
+import io
 import os
 import pickle
 from functools import lru_cache
-from typing import Any
+from typing import IO, Any, Callable
 
 import torch
 from torch import _weights_only_unpickler
@@ -77,6 +84,54 @@ class _InertPickleModule:
     __name__ = "encore_inert_pickle"
 
 
-def load_inert(path: str | os.PathLike, *, mmap: bool = True) -> Any:
-    """torch.load of `path` on the CPU with every non-tensor object replaced by an `Opaque` record."""
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=_InertPickleModule)
+def load_inert(source: str | os.PathLike | IO[bytes], *, mmap: bool = True) -> Any:
+    """torch.load of `source` (a path, or an open binary file such as a checkpoint's byte item) on the CPU with
+    every non-tensor object replaced by an `Opaque` record. `mmap` applies to paths only."""
+    is_path = isinstance(source, (str, os.PathLike))
+    return torch.load(
+        source, map_location="cpu", weights_only=False, mmap=mmap and is_path, pickle_module=_InertPickleModule
+    )
+
+
+def namespace_of(value: Any) -> argparse.Namespace | None:
+    """Saved arguments as a Namespace of their fields, whatever they were pickled as: a Namespace (or an inert
+    record of one, or of any class whose state is a dict of fields), or a plain dict. None if there are none.
+    The fields keep their values, Opaque records included: callers check only the fields they use."""
+    if value is None or isinstance(value, argparse.Namespace):
+        return value
+    if isinstance(value, Opaque):
+        state = getattr(value, "pickled_state", None)
+        if isinstance(state, tuple) and state and isinstance(state[0], dict):  # (dict, slot state)
+            state = state[0]
+        fields = state if isinstance(state, dict) else dict(value)
+    elif isinstance(value, dict):
+        fields = value
+    else:
+        raise TypeError(f"saved arguments are a {type(value).__name__}, not a set of named fields")
+    return argparse.Namespace(**{str(name): field for name, field in fields.items()})
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle names a global its reader does not admit: the file is refused, nothing in it was run."""
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves only the globals `allowed(module, name)` admits, and refuses the rest."""
+
+    def __init__(self, file: IO[bytes], allowed: Callable[[str, str], bool]):
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not self._allowed(module, name):
+            raise RefusedGlobal(f"refused to load {module}.{name}")
+        return super().find_class(module, name)
+
+
+def load_allowlisted(source: str | os.PathLike | bytes, allowed: Callable[[str, str], bool]) -> Any:
+    """A plain pickle (not a torch.save archive) read with only the globals `allowed` admits; RefusedGlobal if
+    it names any other, before anything it names is called."""
+    if isinstance(source, bytes):
+        return _AllowlistUnpickler(io.BytesIO(source), allowed).load()
+    with open(source, "rb") as file:
+        return _AllowlistUnpickler(file, allowed).load()

@@ -263,20 +263,10 @@ def sweep_workdirs(svc: Services) -> list[str]:
     removed = []
     for folder in root.iterdir() if root.is_dir() else []:
         parts = folder.name.rsplit("-", 2)
-        if len(parts) == 3 and parts[1].isdigit() and not _process_alive(int(parts[1])):
+        if len(parts) == 3 and parts[1].isdigit() and not pid_alive(int(parts[1])):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder.name)
     return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 class _Throttled:

@@ -9,7 +9,9 @@ Checkpoint layout (Megatron training's, which `--load` reads):
     <dir>/latest_checkpointed_iteration.txt      "354000" or "release"
     <dir>/iter_0354000/  (or <dir>/release/)      a dist checkpoint: .metadata, __*_*.distcp,
                                                   common.pt (args, iteration), metadata.json
-with the model's sharded state dict under the top-level key "model".
+with the model's sharded state dict under the top-level key "model". Saves write that format; loads also read
+the legacy (`mp_rank_00/model_optim_rng.pt`) and plain torch.distributed.checkpoint formats Megatron-LM's
+loader accepts (checkpoint_formats.py finds and reads them, running nothing pickled in them).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
@@ -37,9 +40,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import GlobalMemoryBuffer
 
+from app.pipeline import safe_pickle
+from app.pipeline.music import checkpoint_formats as formats
 from app.pipeline.profiles import TransformerSpec
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRACKER_FILE = formats.TRACKER_FILE
+resolve_checkpoint_dir = formats.resolve_checkpoint_dir  # where callers found it before checkpoint_formats
 CHECKPOINT_VERSION = 3.0
 # What Megatron training (torch >= 2.6) records as `content_metadata` and builds the sharded state
 # dict with: one key per layer, SwiGLU fc1 split into `_w`/`_v` halves.
@@ -136,10 +142,34 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The saved-argument switches Encore runs either way, beside the shape (TransformerSpec). Both engines
+    implement each: megatron-core by its config, torch_engine.py by the same flags read from the model.
+
+    linear_bias: Megatron's add_bias_linear (off with --disable-bias-linear): a bias on all four linears.
+    qkv_bias: add_qkv_bias: a bias on the QKV projection alone, whatever linear_bias says.
+    tied_embeddings: not untie_embeddings_and_output_weights: the output layer reuses the input embedding.
+    """
+
+    linear_bias: bool = True
+    qkv_bias: bool = False
+    tied_embeddings: bool = False
+
+
+KHALA = Variant()  # Khala's own: biased linears, untied embeddings
+
+
 def build_gpt(
-    spec: TransformerSpec, *, causal: bool, device: torch.device | str, dtype: torch.dtype | None = None
+    spec: TransformerSpec,
+    *,
+    causal: bool,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    variant: Variant = KHALA,
 ) -> GPTModel:
-    """Khala's decoder: GQA, RoPE, RMSNorm, SwiGLU with linear bias, untied embeddings; uninitialized.
+    """Khala's decoder: GQA, RoPE, RMSNorm, SwiGLU, with linear bias and untied embeddings unless `variant` says
+    otherwise; uninitialized.
 
     `causal=False` gives the full-attention model of super-resolution (Khala switches its layers to
     padding masks; without padding that is no mask at all).
@@ -158,7 +188,8 @@ def build_gpt(
         layernorm_epsilon=spec.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=True,
+        add_bias_linear=variant.linear_bias,
+        add_qkv_bias=variant.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
@@ -181,7 +212,7 @@ def build_gpt(
         transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_sequence_length,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=variant.tied_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=spec.rotary_base,
@@ -201,15 +232,17 @@ def init_random_weights(model: GPTModel, seed: int) -> None:
 
 # --- checkpoints -----------------------------------------------------------------------------------
 #
-# A Megatron save records the training arguments (an argparse.Namespace in common.pt). The reference starts
-# Megatron with --use-checkpoint-args, so its model is built from those: `load_args_from_checkpoint` takes
-# the fields below from the checkpoint, and for a field the checkpoint lacks keeps its own command-line
-# default. What it never reads from a checkpoint (norm epsilon, forced to 1e-6 on its command line; RoPE
-# scaling; QK layernorm; the vocabulary, which it sets to exactly 130304 / 193792) comes from the profile
-# here too, whatever the checkpoint says.
+# A Megatron save records the training arguments (an argparse.Namespace in common.pt, or in the legacy file,
+# or as a DCP byte item). The reference starts Megatron with --use-checkpoint-args, so its model is built from
+# those: `load_args_from_checkpoint` takes the fields below from the checkpoint, and for a field the checkpoint
+# lacks keeps its own command-line default. What it never reads from a checkpoint (norm epsilon, forced to 1e-6
+# on its command line; RoPE scaling; QK layernorm; the vocabulary, which it sets to exactly 130304 / 193792)
+# comes from the profile here too, whatever the checkpoint says. The arguments are read inertly
+# (checkpoint_formats.py): a field holding a class Encore does not know is an Opaque record, harmless unless
+# it is one of the fields below, which are then refused by name.
 
 # Fields that change the math, with the only value Encore implements, and Megatron's default for a
-# checkpoint that does not record the field.
+# checkpoint that does not record the field. (Linear biases and tied embeddings: either value, variant_from_args.)
 IMPLEMENTED_ARGS: dict[str, tuple[object, object]] = {  # name: (implemented, Megatron's default)
     "position_embedding_type": ("rope", "learned_absolute"),
     "rotary_percent": (1.0, 1.0),
@@ -218,8 +251,6 @@ IMPLEMENTED_ARGS: dict[str, tuple[object, object]] = {  # name: (implemented, Me
     "apply_layernorm_1p": (False, False),
     "swiglu": (True, False),
     "squared_relu": (False, False),
-    "add_bias_linear": (True, True),
-    "untie_embeddings_and_output_weights": (True, False),
     "num_experts": (None, None),
     "hybrid_override_pattern": (None, None),
     "is_hybrid_model": (False, False),
@@ -238,19 +269,58 @@ def _saved(args: argparse.Namespace, name: str, default: object = None) -> Any:
     """A field as load_args_from_checkpoint would leave it: the checkpoint's value unless that is None (of
     whatever type the training run saved; callers convert it)."""
     if name == "add_bias_linear" and hasattr(args, "disable_bias_linear"):  # Megatron's one-off conversion
-        return not args.disable_bias_linear
-    if name == "position_embedding_type" and getattr(args, "use_rotary_position_embeddings", False):
+        return not _flag(args, "disable_bias_linear", False)
+    if name == "position_embedding_type" and getattr(args, "use_rotary_position_embeddings", False) is True:
         return "rope"  # validate_args: the legacy RoPE switch wins
     value = getattr(args, name, None)
-    return default if value is None or value == [] else value
+    return default if value is None or (isinstance(value, list) and not value) else value
+
+
+def _flag(args: argparse.Namespace, name: str, default: bool) -> bool:
+    """A boolean field; anything else (an unknown class's record included) is refused by name."""
+    value = getattr(args, name, None)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointArgsError(f"saved argument {name}={value!r} is not a boolean")
+    return value
+
+
+def _number(args: argparse.Namespace, name: str, default: object = None) -> Any:
+    """A numeric field (int, or a float with an integral value); None when absent and no default."""
+    value = _saved(args, name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise CheckpointArgsError(f"saved argument {name}={value!r} is not a whole number")
+    return int(value)
 
 
 def _same(value: object, implemented: object) -> bool:
     if implemented is None:
-        return value in (None, "", [], ())
+        return value is None or (isinstance(value, (str, list, tuple)) and not value)
     if isinstance(implemented, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value) == implemented
-    return value == implemented
+    return value == implemented  # an Opaque record equals only itself
+
+
+def variant_from_args(saved: argparse.Namespace | None, *, source: str = "checkpoint") -> Variant:
+    """The switches a checkpoint's saved args set, under Megatron's names (older saves' disable_bias_linear
+    included); for a switch it does not record, Megatron's default: biased linears, no QKV-only bias, tied
+    embeddings. No args at all (not a Megatron training save): Khala's own."""
+    if saved is None:
+        return KHALA
+    try:
+        linear = _saved(saved, "add_bias_linear", True)
+        if not isinstance(linear, bool):
+            raise CheckpointArgsError(f"saved argument add_bias_linear={linear!r} is not a boolean")
+        return Variant(
+            linear_bias=linear,
+            qkv_bias=_flag(saved, "add_qkv_bias", False),
+            tied_embeddings=not _flag(saved, "untie_embeddings_and_output_weights", False),
+        )
+    except CheckpointArgsError as error:
+        raise CheckpointArgsError(f"{source}: {error}") from None
 
 
 def spec_from_args(
@@ -267,53 +337,81 @@ def spec_from_args(
     ]
     if wrong:
         raise CheckpointArgsError(f"{source}: cannot run this architecture: " + "; ".join(wrong))
+    try:
+        return _shape_from_args(saved, base)
+    except CheckpointArgsError as error:
+        raise CheckpointArgsError(f"{source}: {error}") from None
+
+
+def _shape_from_args(saved: argparse.Namespace, base: TransformerSpec) -> TransformerSpec:
     missing = [name for name in ("num_layers", "hidden_size", "num_attention_heads") if _saved(saved, name) is None]
     if missing:
-        raise CheckpointArgsError(f"{source}: saved args lack {', '.join(missing)}")
-    hidden, heads = int(_saved(saved, "hidden_size")), int(_saved(saved, "num_attention_heads"))
-    groups = int(_saved(saved, "num_query_groups", 1)) if _saved(saved, "group_query_attention", False) else heads
-    ffn = _saved(saved, "ffn_hidden_size")
+        raise CheckpointArgsError(f"saved args lack {', '.join(missing)}")
+    hidden, heads = _number(saved, "hidden_size"), _number(saved, "num_attention_heads")
+    grouped = _flag(saved, "group_query_attention", False)
+    groups = _number(saved, "num_query_groups", 1) if grouped else heads
+    ffn = _number(saved, "ffn_hidden_size")
     if ffn is None:  # Megatron's validate_args: SwiGLU keeps the parameter count of a 4h MLP, in multiples of 64
         ffn = int((4 * hidden * 2 / 3) / 64) * 64
-    kv_channels = _saved(saved, "kv_channels")
+    kv_channels = _number(saved, "kv_channels")
     if kv_channels is None and hidden % heads:
-        raise CheckpointArgsError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+        raise CheckpointArgsError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
     if heads % groups:
-        raise CheckpointArgsError(
-            f"{source}: num_attention_heads={heads} is not a multiple of num_query_groups={groups}"
-        )
+        raise CheckpointArgsError(f"num_attention_heads={heads} is not a multiple of num_query_groups={groups}")
     return dataclasses.replace(
         base,
-        num_layers=int(_saved(saved, "num_layers")),
+        num_layers=_number(saved, "num_layers"),
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=groups,
-        ffn_hidden_size=int(ffn),
-        kv_channels=int(kv_channels) if kv_channels is not None else hidden // heads,
-        rotary_base=int(_saved(saved, "rotary_base", MEGATRON_ROTARY_BASE)),
+        ffn_hidden_size=ffn,
+        kv_channels=kv_channels if kv_channels is not None else hidden // heads,
+        rotary_base=_number(saved, "rotary_base", MEGATRON_ROTARY_BASE),
     )
 
 
-def checkpoint_spec(directory: str | os.PathLike, base: TransformerSpec) -> TransformerSpec:
-    """The spec of the model stored under `directory` (see spec_from_args), checked against the tensors'
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What a checkpoint's saved args say to build: the shape and the switches."""
+
+    spec: TransformerSpec
+    variant: Variant
+
+
+def _saved_args(common: dict[str, Any], source: str) -> argparse.Namespace | None:
+    try:
+        return safe_pickle.namespace_of(common.get("args"))
+    except TypeError as error:
+        raise CheckpointArgsError(f"{source}: {error}") from None
+
+
+def checkpoint_architecture(directory: str | os.PathLike, base: TransformerSpec) -> Architecture:
+    """The model stored under `directory` (see spec_from_args, variant_from_args), checked against the tensors'
     stored shapes so that a vocabulary mismatch is named before any weight is read."""
     init_parallel_state()
-    path = str(resolve_checkpoint_dir(directory))
-    common = dist_checkpointing.load_common_state_dict(path)
-    spec = spec_from_args(common.get("args"), base, source=path)
-    shapes = {
-        key: tuple(tensor.global_shape)
-        for key, tensor in dist_checkpointing.load_tensors_metadata(path).items()
-        if hasattr(tensor, "global_shape")
-    }
+    checkpoint = formats.locate(directory)
+    source = str(checkpoint.path)
+    saved = _saved_args(formats.read_common(checkpoint), source)
+    architecture = Architecture(spec_from_args(saved, base, source=source), variant_from_args(saved, source=source))
+    _check_vocabulary(checkpoint, architecture.spec)
+    return architecture
+
+
+def _check_vocabulary(checkpoint: formats.Checkpoint, spec: TransformerSpec) -> None:
+    shapes = formats.tensor_shapes(checkpoint)
     for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
         expected = (spec.vocab_size, spec.hidden_size)
         if key in shapes and shapes[key] != expected:
             raise CheckpointArgsError(
-                f"{path}: {key} is {list(shapes[key])} in the checkpoint but the model needs {list(expected)} "
-                f"(vocabulary {spec.vocab_size}, as the reference builds it, by hidden size {spec.hidden_size})"
+                f"{checkpoint.path}: {key} is {list(shapes[key])} in the checkpoint but the model needs "
+                f"{list(expected)} (vocabulary {spec.vocab_size}, as the reference builds it, by hidden size "
+                f"{spec.hidden_size})"
             )
-    return spec
+
+
+def checkpoint_spec(directory: str | os.PathLike, base: TransformerSpec) -> TransformerSpec:
+    """The shape of the model stored under `directory` (checkpoint_architecture without the switches)."""
+    return checkpoint_architecture(directory, base).spec
 
 
 def model_spec(model: GPTModel) -> TransformerSpec:
@@ -330,6 +428,15 @@ def model_spec(model: GPTModel) -> TransformerSpec:
         rotary_base=int(model.rotary_base),
         norm_epsilon=c.layernorm_epsilon,
         kv_channels=c.kv_channels,
+    )
+
+
+def model_variant(model: GPTModel) -> Variant:
+    """The switches a built model has."""
+    return Variant(
+        linear_bias=model.config.add_bias_linear,
+        qkv_bias=model.config.add_qkv_bias,
+        tied_embeddings=model.share_embeddings_and_output_weights,
     )
 
 
@@ -355,11 +462,11 @@ def checkpoint_args(model: GPTModel) -> argparse.Namespace:
         rotary_interleaved=False,
         rotary_seq_len_interpolation_factor=None,
         use_rope_scaling=False,
-        add_bias_linear=True,
-        add_qkv_bias=False,
+        add_bias_linear=c.add_bias_linear,
+        add_qkv_bias=c.add_qkv_bias,
         squared_relu=False,
         swiglu=True,
-        untie_embeddings_and_output_weights=True,
+        untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights,
         apply_layernorm_1p=False,
         normalization="RMSNorm",
         norm_epsilon=c.layernorm_epsilon,
@@ -394,18 +501,6 @@ def checkpoint_args(model: GPTModel) -> argparse.Namespace:
     )
 
 
-def resolve_checkpoint_dir(directory: str | os.PathLike) -> Path:
-    """The dist-checkpoint directory inside a Megatron save dir (or `directory` if it is one)."""
-    directory = Path(directory)
-    tracker = directory / TRACKER_FILE
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        return directory / ("release" if text == "release" else f"iter_{int(text):07d}")
-    if (directory / "metadata.json").is_file():
-        return directory
-    raise FileNotFoundError(f"no Megatron checkpoint in {directory} (missing {TRACKER_FILE})")
-
-
 def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration: int = 1) -> Path:
     """Write `model` as Megatron training would: <dir>/iter_XXXXXXX/ plus the tracker file.
 
@@ -427,29 +522,67 @@ def save_checkpoint(model: GPTModel, directory: str | os.PathLike, *, iteration:
     return target
 
 
-def load_checkpoint(model: GPTModel, directory: str | os.PathLike) -> None:
-    """Load weights from a Megatron save dir (real Khala or ours) into `model`, any dtype/device.
+class _PreloadedCommon(TorchCommonLoadStrategy):
+    """megatron-core's common-state strategy, but answering with the common state already read inertly
+    (checkpoint_formats.read_common): its own reads common.pt with torch.load, which refuses (or, unsafely
+    configured, runs) any class outside the allowlist."""
 
-    The sharded state dict is built with the checkpoint's own content metadata, so both per-layer
-    (Megatron >= 0.14 default) and stacked-layer keys load. Transformer Engine checkpoints load too:
-    the local spec maps its norms to TE's fused names; TE's `_extra_state` is not read.
+    def __init__(self, common: dict[str, Any]):
+        super().__init__()
+        self._common = common
+
+    def load_common(self, checkpoint_dir: Union[str, Path]) -> dict[str, Any]:
+        return dict(self._common)
+
+
+def load_checkpoint(model: GPTModel, directory: str | os.PathLike) -> None:
+    """Load weights from a Megatron save dir (real Khala or ours, any of the three formats) into `model`, any
+    dtype/device.
+
+    torch_dist: the sharded state dict is built with the checkpoint's own content metadata, so both per-layer
+    (Megatron >= 0.14 default) and stacked-layer keys load. Transformer Engine checkpoints load too: the local
+    spec maps its norms to TE's fused names (checkpoint_formats does the same for the other formats); TE's
+    `_extra_state` is not read.
     """
     init_parallel_state()
-    path = str(resolve_checkpoint_dir(directory))
-    common = dist_checkpointing.load_common_state_dict(path)
-    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
-    sharded = model.sharded_state_dict(metadata=dict(metadata))
+    checkpoint = formats.locate(directory)
+    if checkpoint.format == "torch_dist":
+        _load_dist(model, checkpoint)
+    else:
+        _load_plain(model, checkpoint)
+
+
+def _load_dist(model: GPTModel, checkpoint: formats.Checkpoint) -> None:
+    path = str(checkpoint.path)
+    formats.read_dcp_metadata(checkpoint.path)  # refuses a .metadata that names anything but DCP's own classes
+    common = formats.read_common(checkpoint)
+    metadata = common.get("content_metadata")
+    sharded = model.sharded_state_dict(metadata=dict(metadata) if isinstance(metadata, dict) else {})
     sharded = {k: v for k, v in sharded.items() if not k.endswith("._extra_state")}
     try:
-        loaded = dist_checkpointing.load({"model": sharded}, path)
+        loaded = dist_checkpointing.load({"model": sharded}, path, common_strategy=_PreloadedCommon(common))
     except CheckpointException as error:  # a BaseException: would slip past `except Exception`
         raise RuntimeError(f"cannot load checkpoint {path}: {error}") from None
     model.load_state_dict(loaded["model"], strict=True)
 
 
-def write_tiny_checkpoint(spec: TransformerSpec, directory: str | os.PathLike, *, causal: bool, seed: int) -> Path:
+def _load_plain(model: GPTModel, checkpoint: formats.Checkpoint) -> None:
+    """A legacy or DCP model state dict into `model`: every tensor the model has must be there, nothing more."""
+    state = formats.read_model_state(checkpoint)
+    result = model.load_state_dict(state, strict=False)
+    missing = [key for key in result.missing_keys if not key.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"cannot load checkpoint {checkpoint.path} ({checkpoint.format}): "
+            f"missing {missing or 'nothing'}, unexpected {result.unexpected_keys or 'nothing'}"
+        )
+
+
+def write_tiny_checkpoint(
+    spec: TransformerSpec, directory: str | os.PathLike, *, causal: bool, seed: int, variant: Variant = KHALA
+) -> Path:
     """Random weights (same for the same seed) saved in the real checkpoint layout."""
-    model = build_gpt(spec, causal=causal, device="cpu", dtype=torch.float32)
+    model = build_gpt(spec, causal=causal, device="cpu", dtype=torch.float32, variant=variant)
     init_random_weights(model, seed)
     return save_checkpoint(model, directory)
 
@@ -464,7 +597,8 @@ def load_gpt(
 ) -> GPTModel:
     """Build the model the checkpoint under `directory` records (its saved args; `spec` gives the vocabulary,
     norm epsilon and position limit, and the architecture of a checkpoint without args) and fill it."""
-    model = build_gpt(checkpoint_spec(directory, spec), causal=causal, device=device, dtype=dtype)
+    architecture = checkpoint_architecture(directory, spec)
+    model = build_gpt(architecture.spec, causal=causal, device=device, dtype=dtype, variant=architecture.variant)
     load_checkpoint(model, directory)
     return model
 
@@ -484,6 +618,14 @@ def load_bidirectional_lm(
 
 
 # --- engines ---------------------------------------------------------------------------------------
+
+
+def _output_weight(model: GPTModel) -> Tensor:
+    """The output projection: the input embedding itself when the model ties them (its output layer then has
+    no weight of its own)."""
+    if model.share_embeddings_and_output_weights:
+        return model.embedding.word_embeddings.weight
+    return model.output_layer.weight
 
 
 def _causal_mask(length: int, device: torch.device) -> Tensor:
@@ -570,7 +712,7 @@ class MegatronBidirectionalLM:
         with _device_shims(self.device):
             rotary = self.model.rotary_pos_emb(length)
             hidden = self.model.decoder(hidden_states=hidden_states, attention_mask=None, rotary_pos_emb=rotary)
-        weight = self.model.output_layer.weight
+        weight = _output_weight(self.model)
         if vocab is not None:
             weight = weight[vocab]
         return (hidden[:, 0] @ weight.t()).float()

@@ -9,12 +9,16 @@ Megatron's layouts, converted once at load:
   linear_qkv   rows grouped per query group g: [heads_per_group x q | k | v] x head_dim  -> qkv: [all q | all k | all v]
   linear_fc1   [gate | up] halves: silu(gate) * up      (gated_linear_unit with F.silu)  -> gate_up, as it is
   RoPE         non-interleaved halves, inv_freq = base^(-2i/d), the same table for every head
+and the switches a checkpoint's saved args can set (megatron_backend.Variant), read from the model's config:
+  add_bias_linear=False   no bias on any linear (--disable-bias-linear)
+  add_qkv_bias=True       a bias on linear_qkv alone
+  tied embeddings         the output projection is the input embedding (no output_layer.weight)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +40,18 @@ class Shape:
     max_len: int
     rotary_base: float
     eps: float
+    linear_bias: bool = True  # Megatron's add_bias_linear
+    qkv_bias: bool = False  # add_qkv_bias: the QKV projection biased even without linear_bias
+    tied: bool = False  # output projection = input embedding
+
+    @property
+    def qkv_biased(self) -> bool:
+        return self.linear_bias or self.qkv_bias
 
     @classmethod
-    def of(cls, spec: TransformerSpec) -> "Shape":
+    def of(
+        cls, spec: TransformerSpec, *, linear_bias: bool = True, qkv_bias: bool = False, tied: bool = False
+    ) -> "Shape":
         return cls(
             spec.num_layers,
             spec.hidden_size,
@@ -50,6 +63,9 @@ class Shape:
             spec.max_sequence_length,
             float(spec.rotary_base),
             spec.norm_epsilon,
+            linear_bias,
+            qkv_bias,
+            tied,
         )
 
 
@@ -75,8 +91,8 @@ class Attention(nn.Module):
         super().__init__()
         self.shape = shape
         # q, k and v in one matmul: rows [all query heads | all key groups | all value groups]
-        self.qkv = nn.Linear(shape.hidden, (shape.heads + 2 * shape.groups) * shape.head_dim)
-        self.out = nn.Linear(shape.heads * shape.head_dim, shape.hidden)
+        self.qkv = nn.Linear(shape.hidden, (shape.heads + 2 * shape.groups) * shape.head_dim, bias=shape.qkv_biased)
+        self.out = nn.Linear(shape.heads * shape.head_dim, shape.hidden, bias=shape.linear_bias)
 
     def forward(
         self,
@@ -112,8 +128,9 @@ class FeedForward(nn.Module):
     def __init__(self, shape: Shape):
         super().__init__()
         self.ffn = shape.ffn
-        self.gate_up = nn.Linear(shape.hidden, 2 * shape.ffn)  # [gate | up] in one matmul, as Megatron's fc1
-        self.down = nn.Linear(shape.ffn, shape.hidden)
+        # [gate | up] in one matmul, as Megatron's fc1
+        self.gate_up = nn.Linear(shape.hidden, 2 * shape.ffn, bias=shape.linear_bias)
+        self.down = nn.Linear(shape.ffn, shape.hidden, bias=shape.linear_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x).split(self.ffn, dim=-1)
@@ -160,7 +177,7 @@ class KVCache(nn.Module):
 
 
 class KhalaTransformer(nn.Module):
-    """Embedding -> blocks -> final RMSNorm -> untied output projection."""
+    """Embedding -> blocks -> final RMSNorm -> output projection (untied, as Khala's, unless shape.tied)."""
 
     def __init__(self, shape: Shape):
         super().__init__()
@@ -169,6 +186,8 @@ class KhalaTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.num_layers))
         self.norm = nn.RMSNorm(shape.hidden, eps=shape.eps)
         self.output = nn.Linear(shape.hidden, shape.vocab, bias=False)
+        if shape.tied:
+            self.output.weight = self.embedding.weight
 
     def hidden_states(
         self,
@@ -189,22 +208,19 @@ class KhalaTransformer(nn.Module):
 
 
 def megatron_to_plain(state: dict[str, Tensor], shape: Shape) -> dict[str, Tensor]:
-    """A Megatron GPTModel state dict (local spec) as KhalaTransformer's state dict."""
+    """A Megatron GPTModel state dict (local spec) as KhalaTransformer's state dict. Biases are carried where
+    `shape` has them (a missing one is a KeyError; a tied model has no output weight of its own)."""
     plain = {
         "embedding.weight": state["embedding.word_embeddings.weight"],
         "norm.weight": state["decoder.final_layernorm.weight"],
-        "output.weight": state["output_layer.weight"],
+        "output.weight": state["embedding.word_embeddings.weight" if shape.tied else "output_layer.weight"],
     }
-    per_group = shape.heads // shape.groups
     for i in range(shape.num_layers):
         src, dst = f"decoder.layers.{i}.", f"blocks.{i}."
-        for kind in ("weight", "bias"):
-            grouped = state[f"{src}self_attention.linear_qkv.{kind}"]
-            grouped = grouped.reshape(shape.groups, per_group + 2, shape.head_dim, *grouped.shape[1:])
-            q = grouped[:, :per_group].reshape(-1, *grouped.shape[3:])
-            k = grouped[:, per_group].reshape(-1, *grouped.shape[3:])
-            v = grouped[:, per_group + 1].reshape(-1, *grouped.shape[3:])
-            plain[f"{dst}attention.qkv.{kind}"] = torch.cat([q, k, v])
+        kinds = ("weight", "bias") if shape.linear_bias else ("weight",)
+        for kind in ("weight", "bias") if shape.qkv_biased else ("weight",):
+            plain[f"{dst}attention.qkv.{kind}"] = _ungroup_qkv(state[f"{src}self_attention.linear_qkv.{kind}"], shape)
+        for kind in kinds:
             plain[f"{dst}attention.out.{kind}"] = state[f"{src}self_attention.linear_proj.{kind}"]
             plain[f"{dst}ffn.gate_up.{kind}"] = state[f"{src}mlp.linear_fc1.{kind}"]
             plain[f"{dst}ffn.down.{kind}"] = state[f"{src}mlp.linear_fc2.{kind}"]
@@ -213,15 +229,35 @@ def megatron_to_plain(state: dict[str, Tensor], shape: Shape) -> dict[str, Tenso
     return {name: tensor.contiguous() for name, tensor in plain.items()}
 
 
+def _ungroup_qkv(grouped: Tensor, shape: Shape) -> Tensor:
+    """linear_qkv's weight or bias, rows [q of group g | k_g | v_g] per group, as rows [all q | all k | all v]."""
+    per_group = shape.heads // shape.groups
+    grouped = grouped.reshape(shape.groups, per_group + 2, shape.head_dim, *grouped.shape[1:])
+    q = grouped[:, :per_group].reshape(-1, *grouped.shape[3:])
+    k = grouped[:, per_group].reshape(-1, *grouped.shape[3:])
+    v = grouped[:, per_group + 1].reshape(-1, *grouped.shape[3:])
+    return torch.cat([q, k, v])
+
+
 def from_megatron(megatron_model: nn.Module, spec: TransformerSpec) -> KhalaTransformer:
-    """A KhalaTransformer holding `megatron_model`'s weights, on its device and in its dtype."""
+    """A KhalaTransformer holding `megatron_model`'s weights, on its device and in its dtype. The shape comes
+    from `spec`; biases and tying from the model itself (its config), so that no caller can get them wrong."""
     reference = next(megatron_model.parameters())
-    shape = Shape.of(spec)
+    config: Any = megatron_model.config  # a megatron-core TransformerConfig
+    shape = Shape.of(
+        spec,
+        linear_bias=bool(config.add_bias_linear),
+        qkv_bias=bool(config.add_qkv_bias),
+        tied=bool(getattr(megatron_model, "share_embeddings_and_output_weights", False)),
+    )
     state = {k: v for k, v in megatron_model.state_dict().items() if not k.endswith("_extra_state")}
     with torch.device("meta"):
         model = KhalaTransformer(shape)
     model.load_state_dict(megatron_to_plain(state, shape), strict=True, assign=True)
-    return model.to(device=reference.device, dtype=reference.dtype).eval().requires_grad_(False)
+    model = model.to(device=reference.device, dtype=reference.dtype)
+    if shape.tied:  # assign=True gave each name its own Parameter: one tensor again, not two copies
+        model.output.weight = model.embedding.weight
+    return model.eval().requires_grad_(False)
 
 
 # --- engines ------------------------------------------------------------------------------------------
