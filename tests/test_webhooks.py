@@ -10,6 +10,8 @@ through ENCORE_WEBHOOK_ALLOW_PRIVATE, and every refusal is shown to have sent it
 from __future__ import annotations
 
 import base64
+import os
+import signal
 import json
 import socket
 import threading
@@ -21,9 +23,11 @@ import redis
 from standardwebhooks import Webhook
 
 from app.adapters import webhooks
+from app.control import webhook_leases as leases
 from app.core.config import Settings
 from app.core.keys import Layout
 from tests.support.processes import wait_until
+from tests.support.stack import unit_services
 
 SECRET = "whsec_" + base64.b64encode(b"encore-test-webhook-secret-0123").decode()
 
@@ -33,12 +37,19 @@ class Receiver:
     `redirect_to`: a request to /hooks/encore answers `redirect_status` to that URL instead."""
 
     def __init__(
-        self, fail_first: int = 0, redirect_to: str | None = None, redirect_status: int = 307, body: bytes = b""
+        self,
+        fail_first: int = 0,
+        redirect_to: str | None = None,
+        redirect_status: int = 307,
+        body: bytes = b"",
+        hold_first: int = 0,
     ):
         self.requests: list[tuple[dict[str, str], bytes, float]] = []
         self.paths: list[str] = []
         self.fail_first, self.redirect_to, self.redirect_status = fail_first, redirect_to, redirect_status
         self.body = body
+        self.hold_first = hold_first  # the first requests get no answer until `release` is set
+        self.release = threading.Event()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -46,6 +57,9 @@ class Receiver:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 receiver.requests.append(({k.lower(): v for k, v in self.headers.items()}, body, time.time()))
                 receiver.paths.append(self.path)
+                if len(receiver.requests) <= receiver.hold_first:
+                    receiver.release.wait(60)
+                    return  # no answer: the sender is gone by now
                 answer = b""
                 if receiver.redirect_to and self.path == "/hooks/encore":
                     self.send_response(receiver.redirect_status)
@@ -69,6 +83,7 @@ class Receiver:
         self.allow = f"127.0.0.1:{self.port}"  # its ENCORE_WEBHOOK_ALLOW_PRIVATE entry
 
     def close(self) -> None:
+        self.release.set()
         self.server.shutdown()
 
 
@@ -377,3 +392,91 @@ def test_events_are_signed_filtered_and_retried_with_backoff(make_stack, receive
         d["at"] - next(f["at"] for f in deliveries if f["id"] == d["id"] and f["attempt"] == 1) >= 0.35 for d in retried
     )
     assert record["webhook"]["events"] == ["start", "completed"]
+
+
+def _delivered(stack, job_id: str) -> dict | None:
+    record = stack.job(job_id)
+    return record if any(d["delivered"] for d in record["webhook"]["deliveries"]) else None
+
+
+def _kill(proc) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+@pytest.mark.slow
+def test_a_delivery_in_flight_when_its_worker_is_killed_is_sent_again_within_a_lease(make_stack, receiver):
+    """Issue 24, loose end 7: kill -9 of the webhook worker while its attempt waits on the receiver. kombu would
+    restore that acks_late message after its visibility timeout (an hour); the delivery's lease brings it back
+    as soon as the lease runs out, under the same webhook-id, and nothing stays pending."""
+    hooks = receiver(hold_first=1)
+    stack = make_stack(
+        ENCORE_WEBHOOK_SECRET=SECRET, ENCORE_WEBHOOK_TIMEOUT_S="2", ENCORE_WEBHOOK_ALLOW_PRIVATE=hooks.allow
+    )
+    lease_s = leases.attempt_lease_s(stack.settings)
+    hook_worker = stack.start_webhook_worker()
+    stack.start_worker(0)
+    job_id = stack.submit_music(webhook=hooks.url, webhook_events=["completed"])
+    wait_until(lambda: hooks.requests, 120, 0.1, "the first attempt to reach the receiver")
+    _kill(hook_worker)
+    killed = time.monotonic()
+    hooks.release.set()
+    stack.start_webhook_worker()
+    record = wait_until(lambda: _delivered(stack, job_id), lease_s + 30, 0.2, "the delivery sent again")
+    assert time.monotonic() - killed < lease_s + 30  # a lease, not kombu's hour
+    ids = [headers["webhook-id"] for headers, _, _ in hooks.requests]
+    assert len(ids) == 2 and ids[0] == ids[1]  # the same message, once more
+    [done] = record["webhook"]["deliveries"]  # the killed attempt recorded nothing
+    assert done["delivered"] and done["attempt"] == 1 and done["id"] == ids[0]
+    pending = stack.app.extensions["encore"].services.jobs.keys.webhook_pending
+    wait_until(lambda: stack.redis.zcard(pending) == 0, 10, 0.1, "the delivery settled")
+
+
+@pytest.mark.slow
+def test_a_retry_held_by_a_killed_worker_is_made_within_its_countdown_and_a_lease(make_stack, receiver):
+    """The first attempt gets a 500; the worker holding the retry's countdown is killed. The retry comes within
+    the countdown plus a lease (not an hour later), as attempt 2 of the same webhook-id."""
+    hooks = receiver(fail_first=1)
+    stack = make_stack(
+        ENCORE_WEBHOOK_SECRET=SECRET,
+        ENCORE_WEBHOOK_TIMEOUT_S="1",
+        ENCORE_WEBHOOK_BACKOFF_S="3",
+        ENCORE_WEBHOOK_ALLOW_PRIVATE=hooks.allow,
+    )
+    lease_s = leases.attempt_lease_s(stack.settings)
+    hook_worker = stack.start_webhook_worker()
+    stack.start_worker(0)
+    job_id = stack.submit_music(webhook=hooks.url, webhook_events=["completed"])
+    wait_until(lambda: stack.job(job_id)["webhook"]["deliveries"], 120, 0.05, "the first attempt recorded")
+    _kill(hook_worker)
+    killed = time.monotonic()
+    stack.start_webhook_worker()
+    record = wait_until(lambda: _delivered(stack, job_id), 3 + lease_s + 30, 0.2, "the retry")
+    assert time.monotonic() - killed < 3 + lease_s + 30
+    first, done = record["webhook"]["deliveries"]
+    assert (first["attempt"], first["status"], first["delivered"]) == (1, 500, False)
+    assert (done["attempt"], done["delivered"]) == (2, True) and done["id"] == first["id"]
+    assert len({headers["webhook-id"] for headers, _, _ in hooks.requests}) == 1
+
+
+def test_only_the_current_attempt_may_act_on_a_pending_delivery(redis_base_url, tmp_path):
+    """The lease records of app/control/webhook_leases.py: a message sent again belongs to its new task; the old
+    task (kombu restoring its message an hour later) can neither claim, settle nor reschedule it."""
+    svc = unit_services(redis_base_url, 505, tmp_path)
+    message = {"id": "msg_1", "job_id": "j", "type": "completed", "at": 1.0, "data": {"tracks": []}}
+    leases.register(svc, message, 1, "first", deadline=100.0)
+    assert leases.take_overdue(svc, now=50.0, lease_s=10.0) == []  # not due yet
+    [(again, attempt, task)] = leases.take_overdue(svc, now=150.0, lease_s=10.0)
+    assert again == message and attempt == 1 and task != "first"  # the message as sent, the empty list kept
+    assert leases.take_overdue(svc, now=155.0, lease_s=10.0) == []  # held by the new task for a lease
+    assert not leases.claim(svc, "msg_1", "first", 200.0)
+    assert not leases.reschedule(svc, "msg_1", "first", "x", 2, 200.0)
+    assert not leases.settle(svc, "msg_1", "first")
+    assert leases.claim(svc, "msg_1", task, 200.0)
+    assert leases.reschedule(svc, "msg_1", task, "second", 2, 300.0)
+    assert not leases.claim(svc, "msg_1", task, 400.0)
+    assert leases.claim(svc, "msg_1", "second", 400.0) and leases.settle(svc, "msg_1", "second")
+    assert svc.redis.zcard(svc.jobs.keys.webhook_pending) == 0 and not svc.redis.hlen(
+        svc.jobs.keys.webhook_pending_data
+    )
+    assert leases.take_overdue(svc, now=10_000.0, lease_s=10.0) == []

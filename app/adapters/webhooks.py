@@ -12,6 +12,9 @@ How a message travels, so that none is lost to a crash:
 3. the task POSTs it; a failure is retried with exponential backoff (ENCORE_WEBHOOK_BACKOFF_S doubling, at
    most ENCORE_WEBHOOK_BACKOFF_CAP_S apart) up to ENCORE_WEBHOOK_MAX_ATTEMPTS; every attempt is recorded
    in the job's record (`webhook.deliveries`). Delivery is at least once: receivers dedupe on webhook-id.
+   Each attempt holds a lease (app/control/webhook_leases.py): one whose worker died mid-attempt, or while it
+   held the retry's countdown, is sent again by a webhook worker's pump within a lease, not after kombu's
+   hour-long visibility timeout.
 Where a webhook may go (issue 22): a URL is parsed once, by `parse_url`, which refuses anything two parsers
 could read differently (a backslash, whitespace, percent signs or other odd characters in the authority,
 numbers that are not a dotted-quad IPv4 or a bracketed IPv6 address: `2130706433`, `0x7f000001`, `127.1`) and

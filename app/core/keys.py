@@ -60,6 +60,8 @@ KEYS: dict[str, str] = {
     "webhook_outbox": "webhooks:outbox",  # list: webhook messages not yet handed out
     "webhook_seq": "webhooks:seq",  # counter: webhook message ids
     "webhook_in_flight": "webhooks:in-flight:{worker}",  # list: messages a webhook worker is handing out
+    "webhook_pending": "webhooks:pending",  # zset: messages handed out, not settled, by their lease's deadline
+    "webhook_pending_data": "webhooks:pending:data",  # hash: each one's message, attempt and current task id
     "metrics": "metrics",  # prefix of the metric counters (`metric(...)`)
     "ticket_secret": "events:ticket-secret",  # string: the key of the event streams' tickets (app/control/streams.py)
 }
@@ -223,6 +225,14 @@ class Layout:
 
     def webhook_in_flight(self, worker: str) -> str:
         return self.key("webhook_in_flight", worker=worker)
+
+    @property
+    def webhook_pending(self) -> str:
+        return self.key("webhook_pending")
+
+    @property
+    def webhook_pending_data(self) -> str:
+        return self.key("webhook_pending_data")
 
     @property
     def ticket_secret(self) -> str:
