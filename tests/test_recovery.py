@@ -10,7 +10,7 @@ import pytest
 
 from app.control.recovery import reap, restart_track
 from app.core.priority import FIRST_STAGE_PRIORITY
-from app.control.routing import enqueue_track, unroute_waiting
+from app.control.routing import enqueue_track, rebalance, unroute_waiting
 from tests.support.stack import project_celery_config, unit_services
 
 FIRST = FIRST_STAGE_PRIORITY["normal"]  # the broker list a normal job's first stage waits in: gpu<n>:<FIRST>
@@ -263,3 +263,25 @@ def test_the_reaper_parks_tracks_their_submitter_never_routed(svc, celery_app):
     assert svc.jobs.track(abandoned, 0)["status"] == "parked"
     assert svc.jobs.track(fresh, 0)["status"] == "created"  # its submitter is still about to route it
     assert svc.redis.zrange(svc.jobs.keys.unrouted, 0, -1) == [f"{abandoned}:0"]
+
+
+def test_an_idle_queue_takes_the_first_track_waiting_behind_a_running_one(svc, celery_app):
+    """rebalance (app/control/routing.py): gpu5 runs A and has B queued behind it; gpu6 is live, idle and ready.
+    B moves to gpu6 with its message (out of gpu5's broker list, onto gpu6's); A stays. A queue whose worker is
+    still loading its models, or is busy, takes nothing."""
+    for name, queue, extra in (("gpu5@x", "gpu5", {}), ("gpu6@x", "gpu6", {"preload": 1})):
+        svc.workers.heartbeat(name, {"queue": queue, "pid": 1, "kinds": "lipsync,music", **extra})
+    first = svc.jobs.create("music", {}, [{"seed": 1}], cost=30.0)
+    _running(svc, first, stage="backbone", worker="gpu5@x", queue="gpu5")
+    second = svc.jobs.create("music", {}, [{"seed": 2}], cost=2.0)
+    assert enqueue_track(svc, celery_app, second, 0, "gpu5")
+    assert svc.redis.llen(f"gpu5:{FIRST}") == 1
+
+    assert rebalance(svc, celery_app) == 0  # gpu6 has not loaded its models yet
+    svc.workers.record_models("gpu6@x", ["lipsync", "music"], 1)
+    assert rebalance(svc, celery_app) == 1
+    moved = svc.jobs.track(second, 0)
+    assert (moved["queue"], moved["status"]) == ("gpu6", "queued")
+    assert svc.redis.llen(f"gpu5:{FIRST}") == 0 and svc.redis.llen(f"gpu6:{FIRST}") == 1
+    assert svc.jobs.track(first, 0)["queue"] == "gpu5"
+    assert rebalance(svc, celery_app) == 0  # gpu6 is no longer idle, and nothing else waits

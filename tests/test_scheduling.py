@@ -152,3 +152,35 @@ def test_a_worker_consuming_two_queues_gets_tracks_on_each_not_on_their_joined_n
     status = stack.client.get("/api/v1/status").get_json()
     assert {q["name"] for q in status["queues"]} == {"gpu0", "gpu1"}
     assert "gpu0,gpu1" not in stack.client.get("/metrics").get_data(as_text=True)
+
+
+def test_a_track_waiting_behind_a_running_one_moves_to_a_queue_that_falls_idle(make_stack):
+    """Issue 24, item 2: gpu1 is drained (or its worker not back yet) while job B is routed: B waits on gpu0
+    behind job A's running backbone. Once gpu1 takes work again, and idles, a heartbeat moves B there with its
+    message (B runs once, on gpu1), and B starts while A still runs instead of waiting for A's every stage."""
+    stack = make_stack(ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    stack.start_worker(1)
+    stack.client.post("/api/v1/queues/gpu1/drain", headers=stack.auth)
+    stack.start_worker(0)
+    wait_until(lambda: _ready(stack, 0) and _ready(stack, 1), 180, 0.2, "both workers' models loaded")
+    first = stack.submit_music(duration_s=60.0)
+    wait_until(lambda: stack.job(first)["tracks"][0]["state"] == "backbone", 90, 0.1, "A running on gpu0")
+    second = stack.submit_music(duration_s=2.0, seed=8)
+    waiting = stack.job(second)["tracks"][0]
+    assert (waiting["queue"], waiting["state"]) == ("gpu0", "queued")
+
+    stack.client.delete("/api/v1/queues/gpu1/drain", headers=stack.auth)  # gpu1 takes work again: idle
+    wait_until(lambda: stack.job(second)["tracks"][0]["queue"] == "gpu1", 30, 0.1, "B moved to gpu1")
+    record = stack.wait_job(second, timeout=120)
+    assert record["state"] == "done" and record["tracks"][0]["worker"].startswith("gpu1")
+    assert not any(f"job={second}" in line and "stage_started" in line for line in stack.worker_log(0).splitlines())
+    done = stack.wait_job(first, timeout=300)
+    assert done["state"] == "done"
+    a_ended = max(stage["finished_at"] for stage in done["tracks"][0]["stages"].values())
+    assert record["tracks"][0]["stages"]["backbone"]["started_at"] < a_ended  # B did not wait for A
+
+
+def _ready(stack, gpu: int) -> bool:
+    """The worker of gpu<n> has its models loaded (GET /readyz lists each live worker)."""
+    workers = stack.client.get("/readyz").get_json()["workers"]
+    return any(w["name"].startswith(f"gpu{gpu}@") and w["ready"] for w in workers)

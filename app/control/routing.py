@@ -13,6 +13,9 @@
   a started job's next stage overtakes the first stage of any other job, whatever its priority (FIFO across
   stages), and first stages run by level, then in submission order (app/core/priority.py).
 - Parked tracks are dispatched by priority, then submission order (the order of `{p}:unrouted`).
+- A queue that falls idle takes over a track waiting behind a running one elsewhere (`rebalance`, on every
+  worker heartbeat), when the track would be done sooner there: a song's second track, a queue whose worker
+  came back after the others, never wait while a live GPU idles.
 - A chain starts at the track's first unfinished stage (a resumed music track skips what it already has);
   its task ids are those of the kind's last stages, so the id a waiting track expects is known.
 """
@@ -22,18 +25,19 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from celery import Celery, chain
 
 from app.adapters.redis_conn import decoded, decoded_members
 from app.control.broker import broker_lists, find_message
-from app.control.eta import done_in, queue_seconds
+from app.control.eta import done_in, finishes, new_track_seconds, queue_seconds
 from app.core.joblog import job_event
 from app.core.kinds import KINDS, JobKind, first_unfinished
 from app.control.lifecycle import CREATED, PARKED, QUEUED, member, parse_member
 from app.core.priority import DEFAULT_PRIORITY, LATER_STAGE_PRIORITY, first_stage_priority
 from app.control.services import Services
+from app.control.readiness import worker_readiness
 from app.control.workers import consumed_queues
 
 log = logging.getLogger("encore.routing")
@@ -206,6 +210,73 @@ def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:
             break
         routed += enqueue_track(svc, celery, job_id, track, queue)
     return routed
+
+
+def rebalance(svc: Services, celery: Celery) -> int:
+    """Give each idle live queue (nothing open on it) the first waiting track of a busy queue (one running a
+    stage), when that track would be done sooner on the idle queue than where it waits; returns how many moved.
+    The move takes the track's first message out of the broker in the same step (`unroute`), so a worker that
+    took it meanwhile keeps it. One process at a time (a short Redis lock)."""
+    lock = svc.jobs.keys.lock("rebalance")
+    if not svc.redis.set(lock, "1", nx=True, ex=30):
+        return 0
+    try:
+        workers = svc.workers.workers()
+        ready = {queue for w in workers if _takes_work_now(w) for queue in consumed_queues(w)}
+        queues = [queue for queue in _with_room(svc, routable_queues(svc, workers)) if queue in ready]
+        idle = [queue for queue in queues if not svc.redis.zcard(svc.jobs.load_key(queue))]
+        moved = 0
+        for queue in idle:
+            moved += _take_one_waiting(svc, celery, queue)
+        return moved
+    finally:
+        svc.redis.delete(lock)
+
+
+def _takes_work_now(worker: dict[str, Any]) -> bool:
+    """Live and idle, with its models loaded when it preloads them (a track moved to a worker still loading
+    would wait there instead)."""
+    if worker["status"] != "idle":
+        return False
+    return worker.get("preload", "0") in ("0", "") or worker_readiness(worker)["ready"]
+
+
+def _take_one_waiting(svc: Services, celery: Celery, idle: str) -> int:
+    """The longest-waiting first track of the busy queues, moved to `idle` if it is done sooner there."""
+    heads: list[tuple[float, str, str]] = []
+    for queue in known_queues(svc):
+        if queue == idle or not svc.redis.zcard(svc.jobs.keys.running(queue)):
+            continue
+        first = cast(list[tuple[Any, float]], svc.redis.zrange(svc.jobs.waiting_key(queue), 0, 0, withscores=True))
+        for value, score in first:  # its place: priority rank, then submission order (app/core/priority.py)
+            heads.append((float(score), queue, value.decode() if isinstance(value, bytes) else str(value)))
+    for _, donor, value in sorted(heads):
+        job_id, track = parse_member(value)
+        work = track_work(svc, job_id, track)
+        waiting_finish = dict(finishes(svc, [donor]).get(donor, [])).get(value)
+        if work is None or waiting_finish is None or new_track_seconds(svc, idle, *work) >= waiting_finish:
+            continue
+        if _unroute_one(
+            svc, celery, donor, job_id, track, f"moving to {idle}: idle while this track waited on {donor}"
+        ):
+            job_event(log, "rerouting", job_id, track=track, queue=donor, reason=f"{idle} idle")
+            return int(enqueue_track(svc, celery, job_id, track, idle))
+    return 0
+
+
+def _unroute_one(svc: Services, celery: Celery, queue: str, job_id: str, track: int, detail: str) -> bool:
+    """Take one queued track off `queue` with its first message (False when a worker took it meanwhile)."""
+    record = svc.jobs.track(job_id, track)
+    if record is None or record["status"] != QUEUED or not record["task_ids"]:
+        return False
+    found = find_message(
+        svc.redis, broker_lists(queue, dict(celery.conf.broker_transport_options or {})), record["task_ids"][0]
+    )
+    return found is not None and bool(
+        svc.jobs.transition(
+            "unroute", job_id, track, {"detail": detail}, lrem=list(found), cancel_detail="canceled before it started"
+        )
+    )
 
 
 def unroute_waiting(svc: Services, queue: str, transport_options: dict[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ from app.adapters.celery_app import celery
 from app.adapters.gpu import GpuProbe
 from app.core.kinds import KINDS
 from app.control.recovery import reap
-from app.control.routing import dispatch_unrouted
+from app.control.routing import dispatch_unrouted, rebalance
 from app.control.services import services
 from app.tasks.stage import sweep_scratch, sweep_workdirs
 
@@ -42,6 +42,7 @@ def _heartbeat_loop(hostname: str) -> None:
         "profile": svc.settings.music_profile,
         "music_engine": svc.settings.music_engine,
         "kinds": ",".join(sorted(KINDS)),
+        "preload": int(svc.settings.preload_models),  # ready only once its child loaded them (readiness, rebalance)
         "pinned_to": _device_claim(),
         "started_at": time.time(),
     }
@@ -52,6 +53,7 @@ def _heartbeat_loop(hostname: str) -> None:
             svc.workers.heartbeat(hostname, {**info, **gpus.heartbeat_fields()})
             reap(svc, celery)
             dispatch_unrouted(svc, celery)  # parked tracks, including those the reaper just parked
+            rebalance(svc, celery)  # an idle queue takes a track waiting behind a running one elsewhere
             if last_sweep is None or time.monotonic() - last_sweep > SWEEP_EVERY_S:
                 last_sweep = time.monotonic()
                 removed = svc.artifacts.sweep(lambda job_id: svc.jobs.job(job_id) is not None)
