@@ -16,6 +16,7 @@ from app.adapters.celery_app import make_celery
 from app.core.kinds import KINDS
 from app.control.lifecycle import parse_member
 from app.control.recovery import reap
+from app.control.routing import pick_queue
 from tests.support.stack import unit_services
 
 QUEUES = ("gpu0", "gpu1")
@@ -513,3 +514,19 @@ def test_the_eta_is_null_while_no_live_worker_serves_an_open_tracks_queue(svc):
     assert all(v is not None and v > 0 for v in etas(on_gpu1))
     svc.workers.heartbeat(WORKER["gpu0"], {"queue": "gpu0", "pid": 1})
     assert all(v is not None and v > 0 for v in etas(on_gpu0))
+
+
+def test_one_slow_run_moves_a_learned_rate_a_bounded_step_and_the_queue_recovers(svc):
+    """Issue 24, item 2: gpu1, shared for a moment with other work, ran one backbone 10x slower. Its rate moves
+    by at most alpha * (2 - 1), so it still gets the next track when gpu0 holds one; fast runs bring it back."""
+    _live(svc)
+    for queue in QUEUES:
+        for _ in range(3):
+            eta.learn(svc, queue, "music", "backbone", 10.0, 10.0, alpha=0.3)  # 1 s per song-second, both
+    slow = eta.learn(svc, "gpu1", "music", "backbone", 100.0, 10.0, alpha=0.3)
+    assert slow == pytest.approx(1.3)  # not 3.7: the sample counted as twice the mean, no more
+    busy = svc.jobs.create("music", {}, [{"seed": 1}], cost=10.0)
+    _route(svc, busy, 0, "gpu0")
+    assert pick_queue(svc, work=("music", 10.0)) == "gpu1"  # 10 s of gpu0 backlog outweighs gpu1's slow moment
+    rates = [eta.learn(svc, "gpu1", "music", "backbone", 10.0, 10.0, alpha=0.3) for _ in range(3)]
+    assert rates == sorted(rates, reverse=True) and rates[-1] < 1.11  # recovering run by run

@@ -1,6 +1,7 @@
 -- KEYS[1]: the throughput hash; KEYS[2]: the estimates' versions (a new rate ends every cached ETA).
 -- ARGV: field (queue|kind|stage), seconds per cost unit, weight of the new sample, cold (1: the stage also loaded
 -- models, a one-off that only stands in until a sample without loads comes).
+local RATE_SPREAD = 2  -- a sample counts as at most twice, or half, the mean it updates
 -- Also keeps the fleet's sum and count of the (kind, stage) rates ("*|kind|stage|sum" and "|queues"), so an
 -- estimate reads the mean a queue borrows without reading every queue's rates.
 local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]))
@@ -8,7 +9,11 @@ local was_cold = redis.call('HGET', KEYS[1], ARGV[1] .. '|cold') == '1'
 local sample, alpha, cold = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1'
 local new = sample
 if old and cold then return tostring(old) end
-if old and not was_cold then new = alpha * sample + (1 - alpha) * old end
+if old and not was_cold then  -- one run moves the mean by at most alpha * (SPREAD - 1): a slow moment (the card
+  -- shared with other work) does not make the queue look slow for long; a lasting change is learned over runs
+  local bounded = math.min(math.max(sample, old / RATE_SPREAD), old * RATE_SPREAD)
+  new = alpha * bounded + (1 - alpha) * old
+end
 local fleet = '*|' .. string.match(ARGV[1], '^[^|]*|(.*)$')
 if not redis.call('HGET', KEYS[1], fleet .. '|queues') then  -- first count (or rates learned before the count)
   local sum, n, suffix = 0, 0, '|' .. string.match(ARGV[1], '^[^|]*|(.*)$')
