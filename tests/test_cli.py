@@ -18,6 +18,9 @@ from tests.support.stack import REFERENCE_ENGINE, Stack
 pytestmark = pytest.mark.slow  # every test talks to a stack with a worker, two run jobs (~20 s here)
 
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+REPEATED_WORD = re.compile(r"\b(\w+) \1\b")
+ORDER = ["queued", "backbone", "superres", "decoding", "exporting", "done"]
+LINE = re.compile(r"^track 0 (\w+)\b.*?(?: \((\d+)%\))?$")
 TINY_MUSIC = [
     "submit",
     "music",
@@ -128,6 +131,12 @@ def test_cancel_a_running_long_job(stack):
     assert stack.job(job_id)["tracks"][0]["state"] == "canceled"
     stack.wait_worker(0, "idle", timeout=30)
 
+    waited = cli(stack, "wait", job_id, "--progress", "lines")  # says why, the state word once
+    assert waited.returncode == 1, waited.stdout + waited.stderr
+    ended = [line for line in waited.stderr.splitlines() if line.startswith("track 0")]
+    assert len(ended) == 1 and re.fullmatch(r"track 0 canceled [(\w].*\w\)?", ended[0]), waited.stderr  # with why
+    assert not REPEATED_WORD.search(waited.stderr), waited.stderr
+
 
 def test_http_and_usage_errors_exit_2_with_the_servers_message(stack, tmp_path):
     bad = cli(stack, *TINY_MUSIC, "--temperature", "9")
@@ -201,3 +210,28 @@ def test_wait_follows_the_event_stream_and_polling_stays_the_fallback(stack, tmp
     polled = cli(stack, *TINY_MUSIC, "--wait", "--poll", "--progress", "lines", "--out", str(tmp_path / "b"))
     assert polled.returncode == 0 and "server-sent events" not in polled.stderr, polled.stderr
     assert (tmp_path / "b" / "track0.wav").stat().st_size > 0
+
+
+def test_wait_on_a_running_job_starts_at_its_current_state_and_only_moves_forward(stack, tmp_path):
+    """`wait` joined to a job part-way through its backbone: its first line is the state the job is in (not the
+    replayed "queued 0%"), then states and the track's percentage only go forward to `done`; no stage prints
+    "waiting for the worker (0%)", and no line says a word twice."""
+    stack.wait_worker(0, "idle")
+    job_id = stack.submit_music(duration_s=30.0, num_tracks=1, seed=3)
+
+    def into_backbone():
+        track = stack.job(job_id)["tracks"][0]
+        return (
+            track if track["state"] != "queued" and (track["state"] != "backbone" or track["progress"] >= 0.2) else None
+        )
+
+    joined_at = ORDER.index(wait_until(into_backbone, 120, 0.05, "the backbone to be a fifth done")["state"])
+    result = cli(stack, "wait", job_id, "--progress", "lines", "--out", str(tmp_path / "out"), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [m for m in map(LINE.match, result.stderr.splitlines()) if m]
+    states = [ORDER.index(m.group(1)) for m in lines]
+    percents = [int(m.group(2)) for m in lines if m.group(2)]
+    assert states and states[0] >= joined_at >= 1 and states[-1] == ORDER.index("done"), result.stderr
+    assert states == sorted(states) and percents == sorted(percents), result.stderr  # forward only
+    assert percents[0] >= 5, result.stderr  # a fifth of the backbone, the first of four parts, is done
+    assert "waiting for the worker" not in result.stderr and not REPEATED_WORD.search(result.stderr), result.stderr

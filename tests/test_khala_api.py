@@ -210,7 +210,7 @@ def test_a_track_whose_worker_is_offline_says_so():
         "track": 0,
         "state": "backbone",
         "stage": "backbone",
-        "detail": "12/100 tokens",
+        "detail": "12/100 tokens · 30 tok/s",
         "progress": 0.12,
         "worker": "gpu0@a",
         "worker_status": "offline",
@@ -226,8 +226,9 @@ def test_a_track_whose_worker_is_offline_says_so():
         "tracks": [track, {**track, "track": 1, "worker_status": "busy"}],
     }
     offline, live = job_reply(record)["tracks"]
-    assert offline["phase_display"].startswith("Worker gpu0@a offline") and offline["progress"] == 12
-    assert live["phase_display"].startswith("Backbone generating · 12% · ")
+    # 12 % of the backbone, three quarters of the whole track (khala.STAGE_SHARES): 9 %
+    assert offline["phase_display"].startswith("Worker gpu0@a offline") and offline["progress"] == 9
+    assert live["phase_display"] == "Backbone generating · 9% · 30 tok/s · 12 tokens"
 
 
 def test_failed_tracks_end_as_error(make_stack):

@@ -127,11 +127,49 @@ def describe(track: dict[str, Any], kind: str) -> str:
             return f"track {index} queued ({track.get('detail') or 'waiting for a worker'})"
         return f"track {index} queued #{position} on {queue}" if position else f"track {index} queued on {queue}"
     if state in ("failed", "canceled"):
-        return f"track {index} {state}: {track.get('error') or ''}".rstrip(": ")
-    states = [stage.state for stage in KINDS[kind].stages] if kind in KINDS else []
+        return f"track {index} {ended_reason(track)}"
+    states = stage_states(kind)
     if state in states:
         return f"track {index} {state} [{states.index(state) + 1}/{len(states)}] {track.get('detail') or ''}".rstrip()
     return f"track {index} {state}"
+
+
+def ended_reason(track: dict[str, Any]) -> str:
+    """A failed or canceled track's state and why, the state word said once: the lifecycle's details already
+    start with it ("canceled during backbone"), and a cancel leaves `error` empty (its reason is the detail)."""
+    state = track["state"]
+    reason = str(track.get("error") or track.get("detail") or "").strip()
+    if not reason or reason == state:
+        return state
+    return reason if reason.split()[0].rstrip(":") == state else f"{state}: {reason}"
+
+
+def stage_states(kind: str) -> list[str]:
+    """The track states of `kind`'s stages, in order (none for a kind this client does not know)."""
+    return [stage.state for stage in KINDS[kind].stages] if kind in KINDS else []
+
+
+def track_fraction(track: dict[str, Any], kind: str) -> float:
+    """How far the track is through its whole chain, 0..1: stages finished plus the running stage's own
+    progress, each stage an equal part (the line says which, [k/n]). It only grows as stages follow each other
+    (a stage's end and the next one's start are the same figure), where the stage's own progress falls back to
+    0 at each new stage; a track that waits to resume counts the stages it has finished."""
+    states = stage_states(kind)
+    if track["state"] == "done" or not states:
+        return 1.0 if track["state"] == "done" else 0.0
+    if track["state"] in states:
+        progress = min(max(float(track.get("progress") or 0), 0.0), 1.0)
+        return (states.index(track["state"]) + progress) / len(states)
+    finished = sum(
+        1 for run in (track.get("stages") or {}).values() if isinstance(run, dict) and run.get("finished_at")
+    )
+    return min(finished, len(states)) / len(states)
+
+
+def between_stages(track: dict[str, Any]) -> bool:
+    """True while a track whose stage finished waits for its next one to start (status `waiting:<stage>`): a
+    moment with nothing to report (its detail says only "waiting for the worker", at 0 % of a stage not begun)."""
+    return str(track.get("status") or "").startswith("waiting:")
 
 
 class Reporter(Protocol):
@@ -140,7 +178,8 @@ class Reporter(Protocol):
 
 
 class BarReporter:
-    """One tqdm bar per track showing the current stage's progress; the description is state + detail."""
+    """One tqdm bar per track showing its progress over its whole chain (track_fraction, so the bar never runs
+    back at a stage change); the description is state + detail."""
 
     WIDTH = 52
 
@@ -163,7 +202,7 @@ class BarReporter:
                     bar_format="{desc} {bar} {percentage:3.0f}% {elapsed}",
                 )
             bar.set_description_str(text, refresh=False)
-            bar.n = 100 if track["state"] == "done" else round(100 * float(track.get("progress") or 0))
+            bar.n = round(100 * track_fraction(track, record["kind"]))
             bar.refresh()
 
     def close(self) -> None:
@@ -172,7 +211,8 @@ class BarReporter:
 
 
 class LineReporter:
-    """For logs and pipes: one line per track whenever its state or queue position changes."""
+    """For logs and pipes: one line per track whenever its state, its queue position or whether its stage is
+    loading a model changes. A track between two stages prints nothing (the next stage's start does)."""
 
     def __init__(self, stream: Any = None) -> None:
         self.stream = stream or sys.stderr
@@ -180,10 +220,13 @@ class LineReporter:
 
     def update(self, record: dict[str, Any]) -> None:
         for track in record["tracks"]:
-            key = (track["state"], track.get("queue_position"), track.get("queue"))
+            if between_stages(track):
+                continue
+            loading = str(track.get("detail") or "").startswith("loading ")
+            key = (track["state"], track.get("queue_position"), track.get("queue"), loading)
             if self.seen.get(track["track"]) != key:
                 self.seen[track["track"]] = key
-                self.note(describe(track, record["kind"]) + _percent(track))
+                self.note(describe(track, record["kind"]) + _percent(track, record["kind"]))
 
     def note(self, message: str) -> None:
         print(message, file=self.stream, flush=True)
@@ -192,9 +235,9 @@ class LineReporter:
         pass
 
 
-def _percent(track: dict[str, Any]) -> str:
-    """The stage's progress while it runs; nothing once the track has ended (it would only confuse)."""
-    return "" if track["state"] in TERMINAL_STATES else f" ({100 * float(track.get('progress') or 0):.0f}%)"
+def _percent(track: dict[str, Any], kind: str) -> str:
+    """The track's progress over its chain while it is open; nothing once it has ended (it would only confuse)."""
+    return "" if track["state"] in TERMINAL_STATES else f" ({100 * track_fraction(track, kind):.0f}%)"
 
 
 def make_reporter(mode: str) -> Reporter:
@@ -354,9 +397,9 @@ def wait_and_download(client: Client, job_id: str, args: argparse.Namespace) -> 
         return 130
     finally:
         reporter.close()  # idempotent; also closes the bars when an ApiError escapes
-    for track in record["tracks"]:
+    for track in record["tracks"] if not isinstance(reporter, LineReporter) else []:  # lines said it already
         if track["state"] != "done":
-            print(f"track {track['track']} {track['state']}: {track.get('error') or ''}", file=sys.stderr)
+            print(describe(track, record["kind"]), file=sys.stderr)
     out = args.out or Path(f"encore-{job_id[:8]}")
     saved = download_results(client, record, out) if any(t["state"] == "done" for t in record["tracks"]) else []
     print(f"job {job_id} {record['state']} after {time.monotonic() - started:.1f} s")
@@ -370,9 +413,20 @@ def submitted(client: Client, reply: dict[str, Any], args: argparse.Namespace) -
     job_id = reply["job_id"]
     print(job_id)
     print(client.url(reply["status_url"]))
-    where = f"queue position {reply['queue_position']}" if reply.get("queue_position") else reply.get("state", "")
-    print(f"submitted job {job_id[:8]} ({where}){'; ' + reply['note'] if reply.get('note') else ''}", file=sys.stderr)
+    print(submitted_line(reply, following=args.wait), file=sys.stderr)
     return wait_and_download(client, job_id, args) if args.wait else EXIT_OK
+
+
+def submitted_line(reply: dict[str, Any], following: bool) -> str:
+    """What the 202 said of the job. Its queue position is the one it had when submitted: a job at the head of
+    an idle worker's queue runs a few milliseconds later, so a client that follows the job leaves it out and
+    shows the job's current state next (a queued track's position among them), never "queue position 1" for a
+    job that is running; one that does not follow prints it, as of the submission."""
+    where = reply.get("state", "")
+    if reply.get("queue_position") and reply.get("state") == QUEUED and not following:
+        where = f"queue position {reply['queue_position']} when submitted"
+    note = f"; {reply['note']}" if reply.get("note") else ""
+    return f"submitted job {reply['job_id'][:8]}" + (f" ({where})" if where and not following else "") + note
 
 
 # -- commands --------------------------------------------------------------------------------------------------

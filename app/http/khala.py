@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +23,7 @@ from app.http.guards import tenant
 from app.http.replies import KHALA_BLUEPRINTS
 from app.http.submit import IDEMPOTENCY_HEADER, idempotency_key, submit_once
 from app.http.http_input import BodyError, json_object
-from app.core.kinds import CANCELED, DONE, FAILED, QUEUED
+from app.core.kinds import CANCELED, DONE, FAILED, MUSIC, QUEUED, first_unfinished
 from app.http.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented
 from app.http.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
 from app.control.services import Services
@@ -44,7 +43,17 @@ TRACK_STATUS = {
     CANCELED: "error",
 }
 NATIVE_TO_CONTRACT_FIELD = {"duration_s": "duration", "top_k": "top_k_bb"}
-TOKENS = re.compile(r"^(\d+)/(\d+) tokens$")
+# The backbone's detail: "done/expected tokens", with " · R tok/s" once the run's rate means something
+# (app/pipeline/music/stages.TokenRate).
+TOKENS = re.compile(r"^(\d+)/(\d+) tokens(?: · (\d+) tok/s)?$")
+# A detail that says its stage is loading a model starts so (app/pipeline/music/stages.loading_detail), and no other.
+LOADING = "loading "
+# Each music stage's share of a track's whole work, in stage order: the one percentage the Khala frontend shows
+# runs over all four stages (finished stages' shares + the running stage's share x its progress), so it only
+# moves forward as stages change. Fixed shares, roughly the stages' times (the backbone writes the song token by
+# token; super-resolution is a few dozen passes; the codec and the mp3 export take seconds): a share measured
+# per job would move the figure backwards whenever it was corrected.
+STAGE_SHARES = {"backbone": 0.75, "superres": 0.17, "decode": 0.05, "export": 0.03}
 TAGS_SCHEMA = {
     "type": "object",
     "additionalProperties": {
@@ -113,9 +122,9 @@ def _translate(body: dict[str, Any], longest_song: Callable[[dict[str, Any]], fl
 def _phase(track: dict[str, Any], progress: int) -> tuple[str, str, str]:
     """(status, worker_phase, phase_display) of one track, in the reference's words; an open track whose
     worker is offline says so instead of freezing on its last progress."""
-    state, detail = track["state"], track["detail"]
+    state, detail = track["state"], track["detail"] or ""
     status = TRACK_STATUS.get(state, "error")
-    status_phase = _running_phase(track, state, detail == "starting", progress)
+    status_phase = _running_phase(track, state, detail.startswith(LOADING), progress)
     if status_phase is None:
         return status, "idle", {QUEUED: "Queued", DONE: "Done"}.get(state, "Error")
     worker_phase, display = status_phase
@@ -125,6 +134,8 @@ def _phase(track: dict[str, Any], progress: int) -> tuple[str, str, str]:
 
 
 def _running_phase(track: dict[str, Any], state: str, loading: bool, progress: int) -> tuple[str, str] | None:
+    """The phase of a running track; "Loading ..." only while its stage reports a model load (a detail starting
+    `LOADING`), never merely because the stage has just started."""
     if state == "backbone":
         return (
             ("loading_backbone", "Loading backbone model...")
@@ -147,24 +158,45 @@ def _running_phase(track: dict[str, Any], state: str, loading: bool, progress: i
 
 
 def _backbone_display(track: dict[str, Any], progress: int) -> str:
-    match = TOKENS.match(track["detail"])
-    if not match:
+    """With the rate the backbone measured over its own run (in its detail, once it means something), as the
+    reference shows it; without one, the percentage alone (never a rate guessed from a stage start that a
+    restart or a batch adoption left behind)."""
+    match = TOKENS.match(track["detail"] or "")
+    if not match or match.group(3) is None:
         return f"Backbone generating · {progress}%"
-    tokens = int(match.group(1))
-    started = track["stages"].get("backbone", {}).get("started_at")
-    rate = max(1, round(tokens / max(time.time() - started, 1e-6))) if started else 1
-    return f"Backbone generating · {progress}% · {rate} tok/s · {tokens} tokens"
+    return f"Backbone generating · {progress}% · {match.group(3)} tok/s · {match.group(1)} tokens"
+
+
+def overall_fraction(shares: list[float], index: int, within: float) -> float:
+    """A track's progress over its whole chain: the shares of the stages before `index`, plus stage `index`'s
+    share times its own progress `within` (0..1). Non-decreasing as `within` grows and as `index` moves on (a
+    finished stage counts its whole share, which is what the next stage starts from)."""
+    within = min(max(within, 0.0), 1.0)
+    return min(1.0, sum(shares[:index]) + (shares[index] * within if index < len(shares) else 0.0))
 
 
 def _progress(track: dict[str, Any]) -> int:
-    """As the reference shows it: the current phase's progress held within 1–99 while it runs; 100 done;
-    0 queued or failed."""
-    if track["state"] == DONE:
+    """The track's one percentage over all its stages (overall_fraction with STAGE_SHARES): held within 1-99
+    while a stage runs, as the reference holds it; 100 done; 0 failed or canceled (as the reference); a queued
+    track shows the stages it has already finished (after a restart or a retry it resumes there), so its
+    figure does not fall back to 0 between stages or while it waits to resume."""
+    state = track["state"]
+    if state == DONE:
         return 100
-    if track["state"] in (QUEUED, FAILED, CANCELED):
+    if state in (FAILED, CANCELED):
         return 0
-    percent = int(100 * track["progress"])
-    return max(1, min(99, percent)) if percent > 0 else 1
+    names = [stage.name for stage in MUSIC.stages]
+    shares = [STAGE_SHARES[name] for name in names]
+    if track["stage"] not in names:  # queued (or parked): where it will resume
+        return _percent(overall_fraction(shares, first_unfinished(MUSIC, track["stages"] or {}), 0.0))
+    percent = _percent(overall_fraction(shares, names.index(track["stage"]), float(track["progress"] or 0)))
+    return max(1, min(99, percent))
+
+
+def _percent(fraction: float) -> int:
+    """Whole percent, rounded down (a figure never claims more than is done); the epsilon keeps a sum of
+    shares such as 0.75 + 0.17 = 0.9199999... at its 92."""
+    return int(100 * fraction + 1e-9)
 
 
 def _job_status(statuses: list[str]) -> str:
@@ -353,12 +385,14 @@ def generate() -> ResponseReturnValue:
         ),
     )
     record = shared.services.jobs.existing_record(job_id)  # just written
+    starts = _starts_now(shared.services, record)
     return jsonify(
         {
-            "status": "accepted" if _starts_now(shared.services, record) else "queued",
+            "status": "accepted" if starts else "queued",
             "job_id": job_id,
             "num_tracks": NUM_TRACKS,
-            "queue_position": record["queue_position"],
+            # as the reference: a position only for a job that waits (0 for one a worker takes at once)
+            "queue_position": 0 if starts else record["queue_position"],
         }
     )
 

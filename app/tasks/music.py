@@ -64,7 +64,8 @@ def backbone_work(run: StageRun) -> None:
     on this queue, in one batch when the engine batches (a memory-bound GPU decodes 2 tracks for about the
     price of 1)."""
     batch = run.svc.settings.batch_tracks
-    siblings = run.adopt_waiting_siblings(batch - 1) if batch > 1 and models().backbone_batches(run.loaded) else []
+    batches = batch > 1 and models().backbone_batches(run.loaded, run.control)  # a load here is announced
+    siblings = run.adopt_waiting_siblings(batch - 1) if batches else []
     tracks = [run.track, *siblings]
     seeds = [_seed(run), *(int(run.sibling_params(track)["seed"]) for track in siblings)]
     outs = [run.workdir / f"track{track}.coarse.pt" for track in tracks]

@@ -35,6 +35,12 @@ FRAMES, FRAMES_META, FACES, AUDIO_16K, PICTURE = "frames.u8", "frames.json", "fa
 PLAN = "plan.json"
 
 
+def loading_detail(label: str) -> str:
+    """The detail the lipsync stage reports while it loads MuseTalk, and only then (the words of
+    app/pipeline/music/stages.loading_detail: a client says "loading" from a detail that starts "loading ")."""
+    return f"loading {label} model"
+
+
 class LipsyncModels:
     """The MuseTalk models of one profile, held in a ModelCache under the worker's runtime mode, loaded in
     `precision` (ENCORE_LIPSYNC_PRECISION: auto, fp16 or fp32; see musetalk.resolve_dtype)."""
@@ -48,10 +54,16 @@ class LipsyncModels:
         # one_shot frees nothing resident here: MuseTalk is one model set used by one stage.
         self.cache = ModelCache(mode, frozenset({"musetalk"}))
 
-    def musetalk(self, loaded: list[str] | None = None) -> musetalk.MuseTalkModels:
-        return self.cache.get(
-            "musetalk", lambda: musetalk.load_musetalk(self.profile, self.device, precision=self.precision), loaded
-        )
+    def musetalk(self, loaded: list[str] | None = None, control: StageControl | None = None) -> musetalk.MuseTalkModels:
+        """The MuseTalk models; a load (only when they are absent) reports `loading_detail` through `control`,
+        so the stage says "loading" exactly when it loads (never after ENCORE_PRELOAD)."""
+
+        def load() -> musetalk.MuseTalkModels:
+            if control is not None:
+                control.report(0.0, loading_detail("MuseTalk"))
+            return musetalk.load_musetalk(self.profile, self.device, precision=self.precision)
+
+        return self.cache.get("musetalk", load, loaded)
 
     def batch_size(self) -> int:
         """Frames per UNet batch when the request names none: the profile's measured size for the device."""
@@ -184,7 +196,7 @@ def run_lipsync_stage(
     seen with the same faces, VAE, dtype and crop settings, and go into it otherwise."""
     if mask not in LIPSYNC_MASKS:
         raise ValueError(f"mask must be one of {LIPSYNC_MASKS}, not {mask!r}")
-    engine = models.musetalk(loaded)
+    engine = models.musetalk(loaded, control)
     profile, plan = models.profile, _plan(scratch)
     frames_out, batch_size = plan["output_frames"], int(params.get("batch_size") or models.batch_size())
     features = inference.audio_windows(

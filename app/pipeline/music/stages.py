@@ -7,6 +7,7 @@ gets its models from a `MusicModels` cache, so it runs the same under Celery, in
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,27 @@ from app.pipeline.runtime import ModelCache
 # Models freed after each stage in one_shot mode (tokenizer and backbone stay, like the reference backend).
 ONE_SHOT_RESIDENT = frozenset({"tokenizer", "backbone"})
 FREED_AFTER = {"superres": ["superres"], "decode": ["codec"]}
+# What a stage's detail calls each model while it loads it (the Khala layer shows its "Loading ..." phase then).
+MODEL_LABELS = {"tokenizer": "tokenizer", "backbone": "backbone", "superres": "super-resolution", "codec": "decoder"}
+LOADING = "loading "  # the prefix of a detail that says a model is being loaded, and of no other detail
+
+
+def loading_detail(label: str) -> str:
+    """The detail a stage reports while it loads a model, and only then: a client shows "loading" from it, so
+    a stage whose models were already resident (ENCORE_PRELOAD, keep_loaded) never says it."""
+    return f"{LOADING}{label} model"
+
+
+def announced(load: Callable[[], Any], label: str, control: StageControl | None) -> Callable[[], Any]:
+    """`load`, reporting `loading_detail(label)` through `control` first. A ModelCache calls it only when the
+    model is absent, so the report is made exactly when a load happens (the stage's `loaded` list says so too)."""
+
+    def load_announced() -> Any:
+        if control is not None:
+            control.report(0.0, loading_detail(label))
+        return load()
+
+    return load_announced
 
 
 def pick_device() -> torch.device:
@@ -63,35 +85,44 @@ class MusicModels:
         self.engine = engine
         self.cache = ModelCache(mode, ONE_SHOT_RESIDENT)
 
-    def tokenizer(self, loaded: list[str] | None = None):
-        return self.cache.get("tokenizer", lambda: prompt.load_tokenizer(self.profile.tokenizer_dir), loaded)
+    def tokenizer(self, loaded: list[str] | None = None, control: StageControl | None = None):
+        return self._get("tokenizer", lambda: prompt.load_tokenizer(self.profile.tokenizer_dir), loaded, control)
 
-    def backbone(self, loaded: list[str] | None = None):
-        return self.cache.get(
+    def backbone(self, loaded: list[str] | None = None, control: StageControl | None = None):
+        return self._get(
             "backbone",
             lambda: load_engine(
                 self.engine, self.profile.backbone, self.profile.backbone_dir, causal=True, device=self.device
             ),
             loaded,
+            control,
         )
 
-    def superres(self, loaded: list[str] | None = None):
-        return self.cache.get(
+    def superres(self, loaded: list[str] | None = None, control: StageControl | None = None):
+        return self._get(
             "superres",
             lambda: load_engine(
                 self.engine, self.profile.superres, self.profile.superres_dir, causal=False, device=self.device
             ),
             loaded,
+            control,
         )
 
-    def codec(self, loaded: list[str] | None = None):
-        return self.cache.get(
-            "codec", lambda: codec.load_codec(self.profile.codec, self.profile.codec_path, device=self.device), loaded
+    def codec(self, loaded: list[str] | None = None, control: StageControl | None = None):
+        return self._get(
+            "codec",
+            lambda: codec.load_codec(self.profile.codec, self.profile.codec_path, device=self.device),
+            loaded,
+            control,
         )
 
-    def backbone_batches(self, loaded: list[str] | None = None) -> bool:
+    def _get(self, name: str, load: Callable[[], Any], loaded: list[str] | None, control: StageControl | None):
+        """The model `name` from the cache; a load (only when it is absent) is announced through `control`."""
+        return self.cache.get(name, announced(load, MODEL_LABELS[name], control), loaded)
+
+    def backbone_batches(self, loaded: list[str] | None = None, control: StageControl | None = None) -> bool:
         """Whether the backbone engine generates several tracks in one batch."""
-        return isinstance(self.backbone(loaded), BatchedCausalLM)
+        return isinstance(self.backbone(loaded, control), BatchedCausalLM)
 
     def after_stage(self, stage: str) -> None:
         self.cache.after_stage(FREED_AFTER.get(stage, []))
@@ -118,10 +149,10 @@ def run_backbone(
 
 
 def _song_setup(
-    models: MusicModels, params: dict[str, Any], loaded: list[str] | None
+    models: MusicModels, params: dict[str, Any], loaded: list[str] | None, control: StageControl | None = None
 ) -> tuple[list[int], SongLength, int | None]:
     """A song's prompt ids, its length (song_length) and its end id (None: a fixed length), from its params."""
-    tokenizer = models.tokenizer(loaded)
+    tokenizer = models.tokenizer(loaded, control)
     prompt_ids = _prompt_ids(tokenizer, models.profile, params)
     length = song_length(models.profile, params["duration_s"], len(prompt_ids), models.song_margin_s)
     end_id = prompt.prompt_token_ids(tokenizer).eos if length.model_ends else None
@@ -140,8 +171,8 @@ def run_backbone_tracks(
     batch when the engine batches (`backbone_batches`). `songs` in the result says, per track, how long it
     came out and what ended it ("model": end-of-text; "length": the cap; "duration": a fixed length)."""
     profile = models.profile
-    lm = models.backbone(loaded)
-    prompt_ids, length, end_id = _song_setup(models, params, loaded)
+    lm = models.backbone(loaded, control)
+    prompt_ids, length, end_id = _song_setup(models, params, loaded, control)
     started = time.monotonic()
     tracks = backbone.generate_coarse_tracks(
         lm,
@@ -151,7 +182,7 @@ def run_backbone_tracks(
         temperature=params["temperature"],
         top_k=params["top_k"],
         seeds=seeds,
-        control=control,
+        control=with_token_rate(control),
         end_id=end_id,
         max_frames=length.max_frames,
         min_frames=length.min_frames,
@@ -168,6 +199,42 @@ def run_backbone_tracks(
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         "songs": songs,
     }
+
+
+TOKENS_DETAIL = re.compile(r"^(\d+)/(\d+) tokens$")
+RATE_AFTER_S = 2.0  # a rate measured over less than this (a first block, a warm-up step) says nothing
+
+
+class TokenRate:
+    """Appends this run's generation rate to the backbone's "done/expected tokens" details, once it means
+    something: measured from this run's first token report (not from a stage start that a restart, a model load
+    or a batch adoption put earlier), over at least `after_s`, and at least 1 tok/s. Before that the detail has
+    no rate, rather than a figure from too little data."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, after_s: float = RATE_AFTER_S):
+        self.clock, self.after_s = clock, after_s
+        self.first: tuple[float, int] | None = None  # (time, tokens) of this run's first token report
+
+    def detail(self, detail: str) -> str:
+        match = TOKENS_DETAIL.match(detail)
+        if match is None:
+            return detail
+        now, done = self.clock(), int(match.group(1))
+        if self.first is None:
+            self.first = (now, done)
+            return detail
+        elapsed, tokens = now - self.first[0], done - self.first[1]
+        rate = round(tokens / elapsed) if elapsed >= self.after_s else 0
+        return f"{detail} · {rate} tok/s" if rate >= 1 else detail
+
+
+def with_token_rate(control: StageControl, rate: TokenRate | None = None) -> StageControl:
+    """`control` whose token details carry the run's rate (TokenRate)."""
+    measure = rate or TokenRate()
+    return StageControl(
+        report=lambda fraction, detail: control.report(fraction, measure.detail(detail)),
+        cancel_requested=control.cancel_requested,
+    )
 
 
 @dataclass(frozen=True)
@@ -288,8 +355,8 @@ def run_superres(
 ) -> dict[str, Any]:
     """Coarse codes → all 64 codebooks [64, frames], saved to `out`."""
     profile = models.profile
-    prompt_ids = prompt.build_superres_prompt(models.tokenizer(loaded), profile, **_prompt_fields(params))
-    lm = models.superres(loaded)
+    prompt_ids = prompt.build_superres_prompt(models.tokenizer(loaded, control), profile, **_prompt_fields(params))
+    lm = models.superres(loaded, control)
     fine = superres.fill_fine(
         lm,
         _load_codes(coarse_path),
@@ -307,7 +374,7 @@ def run_decode(
     models: MusicModels, fine_path: Path, wav_out: Path, control: StageControl, loaded: list[str] | None = None
 ) -> dict[str, Any]:
     """All codebooks → 44.1 kHz stereo 16-bit WAV at `wav_out`."""
-    decoder = models.codec(loaded)
+    decoder = models.codec(loaded, control)
     audio = codec.decode_codes(decoder, _load_codes(fine_path), control)
     export.write_wav(audio, wav_out, models.profile.codec.sample_rate)
     return {"samples": int(audio.shape[-1]), "seconds": audio.shape[-1] / models.profile.codec.sample_rate}
