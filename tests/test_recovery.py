@@ -4,6 +4,7 @@ lost messages; no worker runs here, so a track it restarts stays parked."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from app.control.recovery import reap, restart_track
 from app.core.priority import FIRST_STAGE_PRIORITY
 from app.control.routing import enqueue_track, rebalance, unroute_waiting
+from app.control.workers import pid_alive
 from tests.support.stack import project_celery_config, unit_services
 
 FIRST = FIRST_STAGE_PRIORITY["normal"]  # the broker list a normal job's first stage waits in: gpu<n>:<FIRST>
@@ -285,3 +287,21 @@ def test_an_idle_queue_takes_the_first_track_waiting_behind_a_running_one(svc, c
     assert svc.redis.llen(f"gpu5:{FIRST}") == 0 and svc.redis.llen(f"gpu6:{FIRST}") == 1
     assert svc.jobs.track(first, 0)["queue"] == "gpu5"
     assert rebalance(svc, celery_app) == 0  # gpu6 is no longer idle, and nothing else waits
+
+
+def test_a_zombie_process_is_not_alive():
+    """A killed worker's orphaned child can stay a zombie (an init that does not reap it): its pid still
+    answers kill(0), but it runs nothing, so its leases are dead (app/control/recovery.py release_dead_leases)."""
+    import subprocess
+
+    from tests.support.processes import wait_until
+
+    child = subprocess.Popen(["sleep", "0"])
+    try:
+        stat = f"/proc/{child.pid}/stat"
+        wait_until(lambda: open(stat).read().rpartition(")")[2].split()[0] == "Z", 10, 0.01, "a zombie")
+        os.kill(child.pid, 0)  # the pid answers ...
+        assert not pid_alive(child.pid)  # ... but nothing runs there
+    finally:
+        child.wait()
+    assert pid_alive(os.getpid()) and not pid_alive(child.pid)

@@ -86,8 +86,8 @@ def test_keep_loaded_loads_nothing_again_and_one_shot_reloads_stage_models(make_
 
 def test_a_worker_killed_mid_stage_and_started_again_runs_the_track_once_its_lease_expires(make_stack):
     """kill -9 of master and child: nobody acks or restores the delivery (kombu would only after the ~1 h
-    visibility timeout). The stage's lease, no longer renewed, expires; the reaper of the restarted worker
-    starts the track again on its queue and drops the dead delivery from `unacked`."""
+    visibility timeout). The restarted worker drops its dead predecessor's lease (or it expires, unrenewed);
+    its reaper starts the track again on its queue and drops the dead delivery from `unacked`."""
     stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
 
     def left_by_the_dead_worker(stack, job_id):
@@ -256,6 +256,33 @@ def test_a_killed_stages_temp_folder_is_swept_when_its_worker_starts_again(make_
     stack.client.delete(f"/api/v1/jobs/{job_id}", headers=stack.auth)
     stack.wait_job(job_id, timeout=60)
     wait_until(lambda: not live[0].exists(), 30, 0.1, "the canceled stage to remove its folder")
+
+
+def test_a_job_running_when_its_worker_was_killed_restarts_ahead_of_the_jobs_queued_after_it(make_stack):
+    """Issue 24, loose end 11: FIFO after a crash. A runs, B and C wait behind it; the worker is killed (master
+    and child) and started again under the same name. The lease is long (60 s), so nothing waits for it: the new
+    worker, before it consumes, drops the leases its dead predecessor held and sends A back as a started track
+    (above every first-stage priority). A's backbone starts again before B's, and B's before C's."""
+    stack = make_stack(ENCORE_LEASE_S="60", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    stack.start_worker(0)
+    first = stack.submit_music(duration_s=30.0)
+    faults.wait_running(stack, first)
+    later = [stack.submit_music(duration_s=2.0, seed=seed) for seed in (1, 2)]
+    assert [stack.job(job_id)["queue_position"] for job_id in later] == [1, 2]
+    stack.stop_worker(0)
+    killed_at = time.time()
+    stack.start_worker(0)
+
+    records = [stack.wait_job(job_id, timeout=240) for job_id in (first, *later)]
+    assert [r["state"] for r in records] == ["done"] * 3, records
+    assert records[0]["tracks"][0]["restarts"] == 1, records[0]
+    started = [r["tracks"][0]["stages"]["backbone"]["started_at"] for r in records]
+    assert started[0] > killed_at, "the first job's backbone did not run again"
+    assert started == sorted(started), f"started out of order: {started}"
+    assert started[0] < killed_at + 45, "the restart waited for the lease (60 s) to expire"
+    exported = records[0]["tracks"][0]["stages"]["export"]["finished_at"]
+    assert exported <= started[1], "a later job's first stage overtook the restarted job's later stages"
+    assert "event=took_over_dead_stages count=1" in stack.worker_log(0)
 
 
 def test_cancel_before_the_dead_worker_is_noticed_ends_when_the_track_would_move(make_stack):

@@ -46,7 +46,9 @@ from app.control.routing import (
     resend,
     unroute_waiting,
 )
+from app.control.scripts import script
 from app.control.services import Services
+from app.control.workers import pid_alive
 
 log = logging.getLogger("encore.recovery")
 
@@ -165,6 +167,23 @@ def end_dead_cancels(svc: Services, transport_options: dict[str, Any], limit: in
             job_event(log, "canceled", job_id, track=record["track"], queue=record["queue"], reason="no live lease")
         ended += len(records)
     return ended
+
+
+def release_dead_leases(svc: Services, worker: str) -> int:
+    """Drop the leases `worker` holds whose process is gone: called by a worker starting under the same name
+    (the name carries the host, so a pid is checked where it ran) for its previous run's stages, which it
+    knows are dead without waiting ENCORE_LEASE_S. Returns how many it dropped; the reaper does the rest."""
+    released = 0
+    for queue in known_queues(svc):
+        for value in decoded_members(svc.redis.zrange(svc.jobs.keys.running(queue), 0, -1)):
+            job_id, track = parse_member(value)
+            owner = svc.jobs.lease(job_id, track)
+            holder, _, pid = (owner or "").rpartition("|")
+            if owner and holder.split("|")[0] == worker and pid.isdigit() and not pid_alive(int(pid)):
+                released += int(
+                    script(svc.redis, "release_lock")(keys=[svc.jobs.lease_key(job_id, track)], args=[owner])
+                )
+    return released
 
 
 def reap(svc: Services, celery: Celery) -> int:

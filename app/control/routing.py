@@ -119,14 +119,22 @@ def expected_task_id(kind: JobKind, record: dict[str, Any], stage: str) -> str |
 
 
 def build_chain(
-    celery: Celery, kind: JobKind, ref: dict, queue: str, start: int = 0, priority: str = DEFAULT_PRIORITY
+    celery: Celery,
+    kind: JobKind,
+    ref: dict,
+    queue: str,
+    start: int = 0,
+    priority: str = DEFAULT_PRIORITY,
+    started: bool = False,
 ) -> tuple[chain, list[str]]:
     """The chain of `kind`'s stages from index `start`, on `queue`, with fresh task ids; its first stage (when
-    the chain has it) is sent with `priority`'s level, later ones above every level."""
+    the chain has it) is sent with `priority`'s level, later ones above every level. A `started` track (one
+    that ran before and restarts: its worker died) sends every stage above every level: it keeps its place
+    ahead of the jobs queued after it."""
     signatures, task_ids = [], []
     for index, stage in enumerate(kind.stages[start:], start):
         task_id = uuid.uuid4().hex
-        message_priority = first_stage_priority(priority) if index == 0 else LATER_STAGE_PRIORITY
+        message_priority = first_stage_priority(priority) if index == 0 and not started else LATER_STAGE_PRIORITY
         args = (ref,) if index == start else ()
         signatures.append(
             celery.signature(
@@ -158,6 +166,7 @@ def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue:
         queue,
         first_unfinished(kind, record["stages"]),
         job_priority(job),
+        started=int(record.get("restarts") or 0) > 0,
     )
     outcome = svc.jobs.route(job_id, track, queue, task_ids)
     if outcome.canceled:

@@ -137,10 +137,20 @@ def consumed_queues(worker: dict[str, Any]) -> list[str]:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process of this host runs as `pid`. A zombie does not: a killed worker's orphaned child stays one
+    until an init that may never reap it does (a container's PID 1 often does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")  # the state follows "(comm)"
+    except (OSError, IndexError):  # no /proc (not Linux), or gone meanwhile
+        return False

@@ -10,15 +10,16 @@ import os
 import threading
 import time
 
-from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from redis.exceptions import RedisError
+from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
 
 from app.adapters import tracing
 from app.adapters.celery_app import celery
 from app.adapters.gpu import GpuProbe
 from app.core.kinds import KINDS
-from app.control.recovery import reap
+from app.control.recovery import reap, release_dead_leases
 from app.control.routing import dispatch_unrouted, rebalance
-from app.control.services import services
+from app.control.services import Services, services
 from app.tasks.stage import sweep_scratch, sweep_workdirs
 
 log = logging.getLogger("encore.worker")
@@ -31,11 +32,10 @@ def _consumed_queues() -> list[str]:
     return sorted(celery.amqp.queues.consume_from or celery.amqp.queues)
 
 
-def _heartbeat_loop(hostname: str) -> None:
-    svc = services()
-    queues = _consumed_queues()
-    info = {
-        "queue": ",".join(queues),
+def _worker_info(svc: Services, hostname: str) -> dict[str, object]:
+    """What the heartbeat registers (app/control/workers.py), read once at start."""
+    return {
+        "queue": ",".join(_consumed_queues()),
         "pid": os.getpid(),
         "hostname": hostname,
         "runtime_mode": svc.settings.runtime_mode,
@@ -46,6 +46,11 @@ def _heartbeat_loop(hostname: str) -> None:
         "pinned_to": _device_claim(),
         "started_at": time.time(),
     }
+
+
+def _heartbeat_loop(hostname: str) -> None:
+    svc = services()
+    info = _worker_info(svc, hostname)
     gpus = GpuProbe(svc.settings.cuda_visible_devices)  # NVML, not CUDA: safe in the forking master
     last_sweep: float | None = None  # the first heartbeat sweeps: a restarted worker cleans up after its last run
     while not _stop.is_set():
@@ -69,6 +74,27 @@ def _device_claim() -> str:
     """What the worker is pinned to, without initialising CUDA in the (forking) master."""
     visible = services().settings.cuda_visible_devices
     return f"cuda (CUDA_VISIBLE_DEVICES={visible})" if visible not in ("", "-1") else "cpu"
+
+
+@worker_init.connect
+def take_over_from_a_dead_predecessor(sender=None, **_: object) -> None:
+    """Before this worker consumes anything: the stages its previous run (same name, so this host) held when
+    it was killed are dead, so their leases go now and the reaper sends those tracks back, first in line as
+    started tracks (app/core/priority.py), instead of after the lease expires behind the jobs queued since:
+    the oldest job keeps its place."""
+    hostname = getattr(sender, "hostname", None)
+    svc = services()
+    if not hostname or _consumed_queues() == [svc.settings.webhook_queue]:
+        return
+    try:
+        released = release_dead_leases(svc, hostname)
+        if released:
+            svc.workers.heartbeat(hostname, _worker_info(svc, hostname))  # live: the tracks go back to its queue
+            reap(svc, celery)
+            # a warning: logging is not set up yet, and only warnings reach the log before it is
+            log.warning("worker=%s event=took_over_dead_stages count=%d", hostname, released)
+    except RedisError as exc:  # Redis down at start: the worker waits for it, and the leases expire as usual
+        log.warning("worker=%s event=take_over_skipped reason=%r", hostname, exc)
 
 
 @worker_ready.connect
