@@ -394,8 +394,8 @@ def test_a_poll_answers_the_text_the_read_builds_equal_to_the_reference_record(s
         text = eta.polled_record(svc, job_id)
         began = time.monotonic()
         record = svc.jobs.record(job_id)
-        [reference_eta] = eta.job_etas(svc, [record])
-        wanted = public_record(record, reference_eta)
+        [(reference_eta, offline)] = eta.job_readings(svc, [record])
+        wanted = public_record(record, reference_eta, offline)
         got = json.loads(text)
         seen_states.add(got["state"])
         got_eta, wanted_eta = got.pop("eta_s"), wanted.pop("eta_s")
@@ -419,7 +419,8 @@ def _poll_is_the_reference(svc, job_id: str) -> None:
     text = svc.jobs.lifecycle.read_public(job_id, now, heads)
     raw = svc.jobs.lifecycle.read_job(job_id, eta_at=now, heads=heads)
     record = svc.jobs.record(job_id)
-    got, wanted = json.loads(text), public_record(record, None)
+    [(_, offline)] = eta.job_readings(svc, [record])
+    got, wanted = json.loads(text), public_record(record, None, offline)
     uncached = raw["eta_s"] if "eta_s" in raw else None
     assert got.pop("eta_s") == (None if uncached is None else round(uncached, 1)), job_id
     wanted.pop("eta_s")
@@ -507,13 +508,21 @@ def test_the_eta_is_null_while_no_live_worker_serves_an_open_tracks_queue(svc):
         record, read = eta.record_with_eta(svc, job_id)
         return [json.loads(eta.polled_record(svc, job_id))["eta_s"], read, eta.job_etas(svc, [record])[0]]
 
+    def offline(job_id: str) -> list[bool]:
+        """The record says so too (`worker_offline`), in the poll and in the listing's reading."""
+        [(_, listed)] = eta.job_readings(svc, [svc.jobs.record(job_id)])
+        return [json.loads(eta.polled_record(svc, job_id))["worker_offline"], listed]
+
     assert all(v is not None and v > 0 for v in etas(on_gpu0) + etas(on_gpu1))
+    assert offline(on_gpu0) == offline(on_gpu1) == [False, False]
     last_seen = time.time() - svc.jobs.offline_after_s - 1  # gpu0's workers last beat longer ago than that
     svc.redis.set(svc.jobs.keys.queue_live_at("gpu0"), last_seen)
     assert etas(on_gpu0) == [None, None, None]
+    assert offline(on_gpu0) == [True, True] and offline(on_gpu1) == [False, False]
     assert all(v is not None and v > 0 for v in etas(on_gpu1))
     svc.workers.heartbeat(WORKER["gpu0"], {"queue": "gpu0", "pid": 1})
     assert all(v is not None and v > 0 for v in etas(on_gpu0))
+    assert offline(on_gpu0) == [False, False]
 
 
 def test_one_slow_run_moves_a_learned_rate_a_bounded_step_and_the_queue_recovers(svc):

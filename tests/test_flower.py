@@ -11,12 +11,13 @@ import requests
 import pytest
 
 from tests.support.processes import REPO, free_port, wait_until
+from tests.support.stack import REFERENCE_ENGINE
 
 pytestmark = pytest.mark.slow  # Flower against a live worker (~9 s here)
 
 
 def test_flower_requires_auth_and_sees_the_worker(make_stack, tmp_path):
-    stack = make_stack()
+    stack = make_stack(**REFERENCE_ENGINE)  # a 30 s song runs long enough to be canceled mid-stage
     stack.start_worker(0)
     port = free_port()
     env = {
@@ -75,6 +76,23 @@ def test_flower_requires_auth_and_sees_the_worker(make_stack, tmp_path):
         wait_until(tasks_listed, 30, 0.5, "stage tasks in Flower (worker events)")
         metrics = requests.get(f"{base}/metrics", timeout=10)
         assert metrics.status_code == 200 and 'type="task-succeeded"' in metrics.text
+
+        # A stage ended by a cancel is ignored by Celery (no final event of its own): the stage says it was
+        # revoked, so Flower does not show it STARTED for good (issue 24 item 3).
+        canceled = stack.submit_music(duration_s=30.0)
+        wait_until(lambda: stack.job(canceled)["state"] == "running", 60, 0.1, "the long job to run")
+        assert stack.client.delete(f"/api/v1/jobs/{canceled}", headers=stack.auth).status_code == 200
+        assert stack.wait_job(canceled, timeout=60)["state"] == "canceled"
+
+        def its_backbone():
+            reply = requests.get(f"{base}/api/tasks", auth=("ops", "pa55word"), timeout=10)
+            return [
+                task
+                for task in (reply.json().values() if reply.ok else ())
+                if task.get("name") == "encore.music.backbone" and canceled in str(task.get("args"))
+            ]
+
+        wait_until(lambda: [t["state"] for t in its_backbone()] == ["REVOKED"], 30, 0.5, "the stage REVOKED")
     finally:
         os.killpg(flower.pid, signal.SIGTERM)
         flower.wait(15)

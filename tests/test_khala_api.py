@@ -229,6 +229,15 @@ def test_a_track_whose_worker_is_offline_says_so():
     # 12 % of the backbone, three quarters of the whole track (khala.STAGE_SHARES): 9 %
     assert offline["phase_display"].startswith("Worker gpu0@a offline") and offline["progress"] == 9
     assert live["phase_display"] == "Backbone generating · 9% · 30 tok/s · 12 tokens"
+    # No live worker serves the job's queues (the record's `worker_offline`): a running track says so, and so
+    # does a queued one, instead of a plain "Queued" or a frozen rate (issue 24 item 3).
+    queued = {**track, "track": 1, "state": "queued", "stage": "", "worker": "", "worker_status": None}
+    offline, waiting = job_reply({**record, "tracks": [track, queued]}, worker_offline=True)["tracks"]
+    assert offline["phase_display"].startswith("Worker gpu0@a offline")
+    assert waiting["phase_display"] == "Queued · no worker is online: it starts when one is back"
+    running = job_reply({**record, "tracks": [{**track, "worker_status": "busy"}]}, worker_offline=True)["tracks"]
+    assert running[0]["phase_display"] == "No worker is online · backbone resumes when one is back"
+    assert job_reply({**record, "tracks": [queued]})["tracks"][0]["phase_display"] == "Queued"
 
 
 def test_failed_tracks_end_as_error(make_stack):

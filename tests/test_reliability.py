@@ -372,6 +372,13 @@ def test_redis_crash_mid_stage_the_stage_starts_again_when_redis_is_back(tmp_pat
         assert record["state"] == "done", record
         assert record["tracks"][0]["restarts"] == 1
         faults.assert_nothing_left(stack)
+        # The outage is said in lines, not tracebacks (issue 24 item 12): the heartbeat once when Redis goes and
+        # once when it is back; Celery's failed cancel-on-connection-loss with the exception, no traceback.
+        lines = stack.worker_log(0).splitlines()
+        after = {lines[i + 1][:9] for i, line in enumerate(lines[:-1]) if "heartbeat" in line or "Failed to" in line}
+        assert "Traceback" not in after, [line for line in lines if "heartbeat" in line or "Failed to" in line]
+        assert sum("event=redis_unreachable" in line for line in lines) == 1
+        assert sum("event=redis_back" in line for line in lines) == 1
     finally:
         if stack is not None:
             stack.close()

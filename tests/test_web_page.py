@@ -1,12 +1,18 @@
 """The operator/user page (app/static) in real headless Chromium: Debian's chromium + chromedriver, driven by
 selenium, against a live HTTP server of the app, a real worker and the tiny models. It submits a music job from
 the form, watches the stages reach done (following the job's server-sent events with EventSource), checks that the <audio> element's source is a playable file, cancels a
-running job from its button, and works against a server that requires an API token.
+running job from its button, and works against a server that requires an API token. It shows an open job's ETA and
+a track's restarts, retries a canceled job from its button (and shows the refusal past the retry limit), draws a
+finished track's waveform from its decoded audio, and pages and searches the job list (GET /api/v1/jobs's
+`offset` and `q`, whose checks are tested here without a browser). Screenshots go to the test's tmp_path and to
+test-artifacts/ (git-ignored).
 Needs scripts/install_browser.sh (scripts/test.sh runs it): without the browser the tests fail."""
 
 from __future__ import annotations
 
+import re
 import shutil
+import statistics
 import subprocess
 
 import pytest
@@ -16,7 +22,7 @@ from tests.support.processes import REPO, wait_until
 from tests.support.stack import REFERENCE_ENGINE
 from tests.support.media import face_video, tone
 
-pytestmark = pytest.mark.slow  # chromium drives the page through whole jobs (~50 s here)
+slow = pytest.mark.slow  # chromium drives the page through whole jobs (~50 s here); the listing's checks are fast
 
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -34,6 +40,7 @@ FLAGS = (
     "--window-size=1280,1000",
     "--autoplay-policy=no-user-gesture-required",
 )
+PAGE_SIZE = 20  # app/static/app.js
 RUNNING_STATES = {"backbone", "superres", "decoding", "exporting"}
 TERMINAL_STATES = {"done", "failed", "canceled", "partial"}
 
@@ -172,9 +179,80 @@ def ffprobe_duration(data: bytes, path) -> float:
     return float(probe.stdout.strip())
 
 
+WAVEFORM_PIXELS = """
+const canvas = arguments[0];
+const {width, height} = canvas;
+const data = canvas.getContext('2d').getImageData(0, 0, width, height).data;
+const heights = [];
+let sum = 0, squares = 0;
+for (let x = 0; x < width; x++) {
+  let painted = 0;
+  for (let y = 0; y < height; y++) {
+    const alpha = data[(y * width + x) * 4 + 3];
+    if (alpha > 0) painted++;
+    sum += alpha;
+    squares += alpha * alpha;
+  }
+  heights.push(painted);
+}
+const mean = sum / (width * height);
+return {width, height, heights, variance: squares / (width * height) - mean * mean,
+        png_chars: canvas.toDataURL('image/png').length};
+"""
+
+
+def mp3_column_heights(data: bytes, columns: int, height: int) -> list[float]:
+    """What a min/max waveform of this MP3 (decoded by ffmpeg), `columns` wide, draws in each column, in pixels."""
+    import numpy as np
+
+    decoded = subprocess.run(
+        ["ffmpeg", "-v", "error", "-i", "pipe:0", "-f", "s16le", "-acodec", "pcm_s16le", "pipe:1"],
+        input=data,
+        capture_output=True,
+        check=True,
+        timeout=30,
+    )
+    samples = np.frombuffer(decoded.stdout, dtype="<i2") / 32768  # channels interleaved: a column spans them all
+    edges = np.floor(np.arange(columns + 1) * len(samples) / columns).astype(int)
+    return [
+        (min(1.0, max(0.0, chunk.max())) - max(-1.0, min(0.0, chunk.min()))) * height / 2
+        for chunk in (samples[start : max(start + 1, end)] for start, end in zip(edges[:-1], edges[1:], strict=True))
+    ]
+
+
+def keep_screenshot(driver, tmp_path, name: str):
+    """The page as it is now, in the test's tmp_path and copied to test-artifacts/ (git-ignored) to be kept."""
+    shot = tmp_path / name
+    assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(shot, ARTIFACTS / name)
+    return shot
+
+
+def listed_ids(driver) -> list[str]:
+    """The job ids the list shows, top to bottom (read in one go: the list re-renders while it is read)."""
+    return driver.execute_script("return [...document.querySelectorAll('#jobs > article')].map(a => a.dataset.jobId)")
+
+
+def api_ids(stack, **params) -> list[str]:
+    reply = stack.client.get("/api/v1/jobs", query_string=params)
+    assert reply.status_code == 200, reply.get_json()
+    return [job["job_id"] for job in reply.get_json()["jobs"]]
+
+
+def search_for(driver, text: str) -> None:
+    """Replace the search box's text as a person would, and press Enter."""
+    from selenium.webdriver.common.keys import Keys
+
+    box = css(driver, "#job-search")[0]
+    box.send_keys(Keys.CONTROL + "a", Keys.BACKSPACE)
+    box.send_keys(text + Keys.ENTER)
+
+
 # ---- tests ----------------------------------------------------------------------------------------------------
 
 
+@slow
 def test_page_submits_music_job_shows_progress_and_plays_it(make_stack, browser, tmp_path):
     stack = make_stack()
     stack.start_worker(0)
@@ -236,6 +314,7 @@ def test_page_submits_music_job_shows_progress_and_plays_it(make_stack, browser,
     assert console_errors(browser) == []
 
 
+@slow
 def test_cancel_button_cancels_a_running_job(make_stack, browser):
     stack = make_stack(**REFERENCE_ENGINE)
     stack.start_worker(0)
@@ -275,6 +354,7 @@ def test_cancel_button_cancels_a_running_job(make_stack, browser):
     assert console_errors(browser) == []
 
 
+@slow
 def test_page_submits_lipsync_uploads_and_plays_the_video(make_stack, browser, tmp_path):
     stack = make_stack()
     stack.start_worker(0)
@@ -310,6 +390,7 @@ def test_page_submits_lipsync_uploads_and_plays_the_video(make_stack, browser, t
     assert console_errors(browser) == []
 
 
+@slow
 def test_page_with_api_token(make_stack, browser):
     token = "s3cret-page-token"
     stack = make_stack(API_TOKEN=token)
@@ -356,6 +437,7 @@ def test_page_with_api_token(make_stack, browser):
     assert console_errors(browser, ignore="401") == []
 
 
+@slow
 def test_page_follows_a_stream_through_the_redirect_to_the_events_server(make_stack, browser):
     """Behind the events server (ENCORE_EVENTS_URL) the page's EventSource follows the web's 307 to another origin
     (CORS). When that server dies and comes back, Chromium reconnects to the redirected URL (not the web's), with
@@ -388,3 +470,190 @@ def test_page_follows_a_stream_through_the_redirect_to_the_events_server(make_st
     wait_until(lambda: article.get_attribute("data-events") == "ended", 15, 0.1, "the page to see the stream end")
     assert article.get_attribute("data-event-count") == "3"  # submit, park, then only the cancel: no replay
     assert console_errors(browser, ignore="net::ERR_") == []  # no refusal on the way (a void ticket would be 401)
+
+
+@slow
+def test_page_shows_eta_and_restarts_and_retries_a_canceled_job(make_stack, browser, tmp_path):
+    """An open job shows its ETA as a number; a worker killed mid-stage (the lease expires, the track starts again)
+    shows "restarted 1×" on the track; canceled from the page, the job offers Retry, which queues it again (the API
+    says so); past the retry limit the page shows the server's 403 message."""
+    stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", ENCORE_MAX_RETRIES="1", **REFERENCE_ENGINE)
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=30.0)
+    browser.get(stack.base_url + "/")
+    article = job_selector(job_id)
+    wait_page_state(browser, job_id, RUNNING_STATES, 90, "track")
+
+    eta = css(browser, article + " .eta")[0]
+    wait_until(lambda: (eta.get_attribute("data-eta") or "").isdigit(), 15, 0.1, "the page to show a numeric ETA")
+    assert re.fullmatch(r"ETA \d+ (s|min|h)", eta.text), eta.text
+    assert stack.job(job_id)["eta_s"] is not None  # what the page shows it from
+    assert css(browser, article + " .restarts")[0].get_attribute("data-restarts") == "0"
+    assert css(browser, article + " .restarts")[0].text == ""
+
+    stack.stop_worker(0)  # kill -9 mid-stage: the restarted worker's reaper starts the track again
+    # With no worker left the record says so (`worker_offline`), and so does the page, with no ETA (item 3).
+    root = css(browser, article)[0]
+    wait_until(lambda: root.get_attribute("data-worker-offline") == "1", 30, 0.1, "the page to say no worker runs")
+    assert stack.job(job_id)["worker_offline"] is True
+    notice = css(browser, article + " .offline")[0]
+    assert notice.is_displayed() and notice.text == "no worker online · resumes when one is back"
+    wait_until(lambda: eta.text == "ETA unknown", 15, 0.1, "no ETA while no worker runs it")
+    keep_screenshot(browser, tmp_path, "web_page_worker_offline.png")
+    stack.start_worker(0)
+    wait_until(lambda: root.get_attribute("data-worker-offline") == "0", 60, 0.1, "the notice to go")
+    assert not notice.is_displayed()
+    restarts = css(browser, article + " .restarts")[0]
+    wait_until(
+        lambda: restarts.get_attribute("data-restarts") not in ("0", None), 90, 0.1, "the page to show a restart"
+    )
+    assert re.fullmatch(r"restarted [1-9]×", restarts.text), restarts.text
+    assert stack.job(job_id)["tracks"][0]["restarts"] == int(restarts.get_attribute("data-restarts"))
+    wait_page_state(browser, job_id, RUNNING_STATES, 90, "track")
+    keep_screenshot(browser, tmp_path, "web_page_eta_restarts.png")
+
+    retry = css(browser, article + " .retry")[0]
+    assert not retry.is_displayed()  # an open job has Cancel, not Retry
+    css(browser, article + " .cancel")[0].click()
+    wait_page_state(browser, job_id, {"canceled"}, 30)
+    wait_until(retry.is_displayed, 15, 0.1, "the Retry button")
+    assert retry.text == "Retry" and not css(browser, article + " .cancel")[0].is_displayed()
+    assert eta.text == ""  # no ETA for an ended job
+    keep_screenshot(browser, tmp_path, "web_page_retry.png")
+
+    retry.click()
+    record = stack.wait_job(job_id, states=("queued", "running"), timeout=15)
+    assert record["tracks"][0]["retries"] == 1 and not record["cancel_requested"], record
+    wait_page_state(browser, job_id, {"queued", "running"}, 15)
+    wait_until(lambda: not retry.is_displayed(), 15, 0.1, "Retry to go once the job is open again")
+
+    # ENCORE_MAX_RETRIES=1: a second retry is refused (403 naming `retries`), and the page says why.
+    assert stack.client.delete(f"/api/v1/jobs/{job_id}").status_code == 200
+    wait_page_state(browser, job_id, {"canceled"}, 30)
+    wait_until(retry.is_displayed, 15, 0.1, "the Retry button again")
+    retry.click()
+    message = css(browser, article + " > p.error")[0]
+    wait_until(lambda: message.text, 15, 0.1, "the page to show the refusal")
+    assert message.text.startswith("retry refused: retries:"), message.text
+    assert stack.job(job_id)["state"] == "canceled"
+    keep_screenshot(browser, tmp_path, "web_page_retry_refused.png")
+    assert console_errors(browser, ignore="403") == []  # Chromium logs the refused POST itself
+
+
+@slow
+def test_page_draws_the_waveform_and_pages_and_searches_the_job_list(make_stack, browser, tmp_path):
+    """A finished track's waveform is drawn from its decoded audio (the canvas read back: columns of different
+    heights, as long as the audio); 25 jobs are shown 20 then 5, as the API pages them; the search box narrows the
+    list by tag, id prefix, state and kind."""
+    stack = make_stack()
+    stack.start_worker(0)
+    done_id = stack.submit_music(tags="waveform, tone")
+    assert stack.wait_job(done_id, timeout=180)["state"] == "done"
+    browser.get(stack.base_url + "/")
+    drawn = job_selector(done_id) + " canvas.waveform[data-drawn]"
+    canvas = wait_until(lambda: css(browser, drawn), 30, 0.1, "the waveform")[0]
+    pixels = browser.execute_script(WAVEFORM_PIXELS, canvas)
+    width, height, heights = pixels["width"], pixels["height"], pixels["heights"]
+    assert width >= 200 and height >= 40, pixels
+    assert 0.02 < sum(heights) / (width * height) < 0.95 and pixels["variance"] > 100, pixels
+    assert min(heights) >= 1 and len(set(heights)) >= 4, heights  # every column drawn, shaped by the audio
+    # The columns are as tall as the peaks of the track's MP3 (what the page decodes), read here with ffmpeg.
+    mp3 = requests.get(f"{stack.base_url}/api/v1/jobs/{done_id}/tracks/0.mp3", timeout=10)
+    expected = statistics.median(mp3_column_heights(mp3.content, width, height))
+    assert abs(statistics.median(heights) - expected) <= max(2, 0.15 * expected), (heights, expected)
+    assert pixels["png_chars"] > 1000  # toDataURL: the drawing can be exported, not a tainted canvas
+    assert abs(float(canvas.get_attribute("data-duration")) - 2.0) < 0.3  # the track's own audio, decoded
+    keep_screenshot(browser, tmp_path, "web_page_waveform.png")
+
+    stack.stop_worker(0)  # the jobs below stay open in the list
+    needles = []
+    for i in range(24):
+        job_id = stack.submit_music(tags="needle, haystack" if i % 6 == 0 else f"lo-fi, take {i}")
+        if i % 6 == 0:
+            needles.insert(0, job_id)  # newest first, as listed
+
+    newest = api_ids(stack, limit=PAGE_SIZE)
+    wait_until(lambda: listed_ids(browser) == newest, 30, 0.1, "the first page")
+    pager = css(browser, "#jobs-pager")[0]
+    assert pager.is_displayed() and pager.get_attribute("data-has-more") == "1"
+    assert css(browser, "#jobs-page")[0].text == "page 1 · jobs 1–20"
+    assert browser.execute_script("return streams.size") <= 4  # connections left for the API calls
+
+    css(browser, "#jobs-next")[0].click()
+    older = api_ids(stack, limit=PAGE_SIZE, offset=PAGE_SIZE)
+    assert len(older) == 5 and older[-1] == done_id and not set(older) & set(newest)
+    wait_until(lambda: listed_ids(browser) == older, 30, 0.1, "the second page")
+    assert (pager.get_attribute("data-page"), pager.get_attribute("data-has-more")) == ("2", "0")
+    assert css(browser, "#jobs-page")[0].text == "page 2 · jobs 21–25"
+    assert not css(browser, "#jobs-next")[0].is_enabled() and css(browser, "#jobs-prev")[0].is_enabled()
+    wait_until(lambda: css(browser, drawn), 30, 0.1, "the waveform drawn again on page 2")
+    keep_screenshot(browser, tmp_path, "web_page_paged.png")
+    css(browser, "#jobs-prev")[0].click()
+    wait_until(lambda: listed_ids(browser) == newest, 30, 0.1, "the first page again")
+
+    search_for(browser, "needle")
+    wait_until(lambda: listed_ids(browser) == needles, 30, 0.1, "the jobs tagged needle")
+    assert not pager.is_displayed()  # they fit on one page
+    keep_screenshot(browser, tmp_path, "web_page_search.png")
+    for text, expected in ((done_id[:8], [done_id]), ("DONE music", [done_id]), ("haystack queued", needles)):
+        search_for(browser, text)
+        wait_until(lambda expected=expected: listed_ids(browser) == expected, 30, 0.1, f"the jobs matching {text!r}")
+    search_for(browser, "lipsync")
+    wait_until(lambda: listed_ids(browser) == [], 30, 0.1, "no job listed")
+    empty = css(browser, "#jobs-empty")[0]
+    assert empty.is_displayed() and empty.text == "No job matches “lipsync”."
+    search_for(browser, "")
+    wait_until(lambda: listed_ids(browser) == newest, 30, 0.1, "every job again")
+    assert console_errors(browser) == []
+
+
+# ---- GET /api/v1/jobs's paging and search, which the page uses (no browser) -------------------------------------
+
+
+def test_the_job_list_pages_and_searches(make_stack):
+    stack = make_stack()
+    tags = ["lo-fi, piano", "jazz", "Piano Ballad", "jazz, piano", "ambient"]
+    ids = [stack.submit_music(tags=t) for t in tags]
+    assert stack.client.delete(f"/api/v1/jobs/{ids[3]}").status_code == 200
+    stack.wait_job(ids[3], states=("canceled",), timeout=15)
+    newest = ids[::-1]
+    assert api_ids(stack) == newest
+    assert [api_ids(stack, limit=2, offset=o) for o in (0, 2, 4, 5)] == [newest[:2], newest[2:4], newest[4:], []]
+    assert api_ids(stack, q="piano") == [ids[3], ids[2], ids[0]]  # a part of the tags, any case
+    assert api_ids(stack, q="PIANO canceled") == [ids[3]]  # every word must match
+    assert api_ids(stack, q=ids[1][:6]) == [ids[1]]  # the start of an id
+    assert api_ids(stack, q=ids[1][2:10]) == []  # not the middle of one
+    assert api_ids(stack, q="music instrumental queued") == [ids[4], ids[2], ids[1], ids[0]]  # kind, mode, state
+    assert api_ids(stack, q="lipsync") == []
+    assert api_ids(stack, q="piano", limit=1, offset=1) == [ids[2]]  # the offset counts matches
+    assert api_ids(stack, q="  ") == newest  # no word: no search
+    assert all(job["eta_s"] is None for job in stack.client.get("/api/v1/jobs?q=queued").get_json()["jobs"])
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"offset": "-1"}, "offset"),
+        ({"offset": "1.5"}, "offset"),
+        ({"offset": "abc"}, "offset"),
+        ({"offset": "10001"}, "offset"),
+        ({"offset": ""}, "offset"),
+        ({"q": "x" * 101}, "q"),
+        ({"limit": "0", "offset": "0"}, "limit"),
+    ],
+)
+def test_a_bad_listing_parameter_is_400_naming_it(make_stack, params, field):
+    stack = make_stack()
+    reply = stack.client.get("/api/v1/jobs", query_string=params)
+    body = reply.get_json()
+    assert reply.status_code == 400 and body["field"] == field and body["error"].startswith(f"{field}:"), body
+
+
+def test_the_listing_parameters_edges_are_accepted_and_documented(make_stack):
+    stack = make_stack()
+    for params in ({"offset": "10000"}, {"offset": "0"}, {"q": "x" * 100}, {"q": ""}):
+        reply = stack.client.get("/api/v1/jobs", query_string=params)
+        assert reply.status_code == 200 and reply.get_json() == {"jobs": []}, (params, reply.get_json())
+    document = stack.client.get("/api/v1/openapi.json").get_json()
+    schemas = {p["name"]: p["schema"] for p in document["paths"]["/api/v1/jobs"]["get"]["parameters"]}
+    assert (schemas["offset"]["minimum"], schemas["offset"]["maximum"], schemas["q"]["maxLength"]) == (0, 10_000, 100)

@@ -82,23 +82,31 @@ def running_heads(svc: Services) -> int:
 
 def job_etas(svc: Services, records: list[dict[str, Any]]) -> list[float | None]:
     """Each job's `eta_s` (app/control/backlog.py's rule), from one read (none when no track is open on a queue)."""
+    return [eta for eta, _ in job_readings(svc, records)]
 
-    def on_queue(record: dict[str, Any]) -> bool:
-        return any(t["queue"] and t["status"] not in TERMINAL_STATES for t in record["tracks"])
 
-    ids = [record["job_id"] for record in records if on_queue(record)]
+def job_readings(svc: Services, records: list[dict[str, Any]]) -> list[tuple[float | None, bool]]:
+    """Each job's `eta_s` and `worker_offline` (an open track's queue has had no live worker for
+    `offline_after_s`: nothing runs it until one is back, and its ETA is unknown), from one read of the estimates
+    and one of the queues' liveness: what read_job.lua answers a poll."""
+
+    def open_on(record: dict[str, Any]) -> set[str]:
+        return {t["queue"] for t in record["tracks"] if t["queue"] and t["status"] not in TERMINAL_STATES}
+
+    ids = [record["job_id"] for record in records if open_on(record)]
     etas = svc.jobs.estimates.read(time.time(), running_heads(svc), jobs=ids)["jobs"] if ids else {}
     unserved = _queues_without_worker(svc, records)
-    return [
-        None
-        if any(t["queue"] in unserved and t["status"] not in TERMINAL_STATES for t in record["tracks"])
-        else _rounded(etas.get(record["job_id"]))
-        if on_queue(record)
-        else 0.0
-        if all(t["status"] in TERMINAL_STATES for t in record["tracks"])
-        else None
-        for record in records
-    ]
+    readings: list[tuple[float | None, bool]] = []
+    for record in records:
+        queues = open_on(record)
+        if queues & unserved:
+            readings.append((None, True))
+        elif queues:
+            readings.append((_rounded(etas.get(record["job_id"])), False))
+        else:
+            ended = all(t["status"] in TERMINAL_STATES for t in record["tracks"])
+            readings.append((0.0 if ended else None, False))
+    return readings
 
 
 def _queues_without_worker(svc: Services, records: list[dict[str, Any]]) -> set[str]:

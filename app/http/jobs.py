@@ -11,7 +11,7 @@ from urllib.parse import urlencode
 from flask import Blueprint, Response, jsonify, redirect, request, send_file
 from flask.typing import ResponseReturnValue
 
-from app.control.eta import job_etas, polled_record
+from app.control.eta import job_readings, polled_record
 from app.control.views import JOBS_URL, PRIVATE_TRACK_FIELDS
 from app.control.streams import TICKET_S, make_ticket, ticket_secret
 from app.http.events import HEADERS as SSE_HEADERS, STREAMS_RETRY_S, job_events, released, valid_event_id
@@ -24,6 +24,7 @@ from app.http.openapi import DOWNLOAD_REPLIES, documented
 from app.control.recovery import RetryLimit, RetryRefused, retry_job
 from app.http.schemas import JobList, JobReply, RetryReply
 from app.control.services import Services
+from app.core.tenants import Tenant
 
 log = logging.getLogger("encore.web")
 blueprint = Blueprint("jobs", __name__)
@@ -31,6 +32,9 @@ blueprint = Blueprint("jobs", __name__)
 TRACK_FILE = re.compile(r"(0|[1-9][0-9]{0,2})\.(mp3|wav)", re.ASCII)  # matched whole: no "000.mp3", no "٠.mp3"
 LIMIT = re.compile(r"[0-9]{1,6}", re.ASCII)
 MAX_LISTED = 500
+MAX_OFFSET = 10_000  # a page this deep reads offset + limit ids from the index
+MAX_SEARCHED = 1000  # a search reads the records of the newest jobs, this many at most
+MAX_QUERY = 100
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "mp4": "video/mp4"}
 SSE_EVENT = {
     "type": "object",
@@ -64,22 +68,78 @@ def download_video(job_id: str) -> ResponseReturnValue:
 
 @blueprint.get("/api/v1/jobs")
 @documented(
-    "Recent jobs, newest first",
-    responses={200: ("the jobs", JobList), 400: "`limit` is not a whole number from 1 to 500"},
-    query={"limit": {"type": "integer", "minimum": 1, "maximum": MAX_LISTED, "default": 50}},
+    "Recent jobs, newest first; a page of them (`offset`), or those matching a search (`q`)",
+    responses={
+        200: ("the jobs", JobList),
+        400: (
+            f"`limit` is not a whole number from 1 to {MAX_LISTED}, `offset` not one from 0 to {MAX_OFFSET}, "
+            f"or `q` is longer than {MAX_QUERY} characters"
+        ),
+    },
+    query={
+        "limit": {"type": "integer", "minimum": 1, "maximum": MAX_LISTED, "default": 50},
+        "offset": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": MAX_OFFSET,
+            "default": 0,
+            "description": "jobs to skip (of those that match `q`, with one): the next page starts at offset + limit",
+        },
+        "q": {
+            "type": "string",
+            "maxLength": MAX_QUERY,
+            "description": (
+                "a search: every word (case-insensitive) matches the job id's start, the kind, the state, the "
+                f"mode, or a part of the tags or prompt; among the newest {MAX_SEARCHED} jobs"
+            ),
+        },
+    },
 )
 def list_jobs() -> ResponseReturnValue:
-    """Recent jobs, newest first (?limit=50, at most 500): a limit out of range is refused, not clamped. A client
-    tenant lists its own jobs; an admin every tenant's."""
+    """Recent jobs, newest first (?limit=50, at most 500; ?offset=N skips the newest N; ?q= searches): a value
+    out of range is refused, not clamped. A client tenant lists its own jobs; an admin every tenant's."""
     svc = context().services
     viewer = tenant()
     raw = request.args.get("limit", "50")
     if not LIMIT.fullmatch(raw) or not 1 <= int(raw) <= MAX_LISTED:
         return error(400, f"limit: must be a whole number from 1 to {MAX_LISTED}, not {raw[:20]!r}", "limit")
     limit = int(raw)
-    ids = svc.jobs.recent_job_ids(limit, tenant=None if viewer.is_admin else viewer.name)
-    records = [svc.jobs.record(job_id, viewer=viewer) for job_id in ids]
-    return jsonify({"jobs": _with_eta(svc, [r for r in records if r])})
+    raw = request.args.get("offset", "0")
+    if not LIMIT.fullmatch(raw) or int(raw) > MAX_OFFSET:
+        return error(400, f"offset: must be a whole number from 0 to {MAX_OFFSET}, not {raw[:20]!r}", "offset")
+    offset = int(raw)
+    query = request.args.get("q", "")
+    if len(query) > MAX_QUERY:
+        return error(400, f"q: at most {MAX_QUERY} characters, not {len(query)}", "q")
+    words = query.lower().split()
+    owner = None if viewer.is_admin else viewer.name
+    if not words:
+        ids = svc.jobs.recent_job_ids(offset + limit, tenant=owner)[offset:]
+        records = [r for r in (svc.jobs.record(job_id, viewer=viewer) for job_id in ids) if r]
+    else:
+        records = _search(svc, svc.jobs.recent_job_ids(MAX_SEARCHED, tenant=owner), viewer, words, offset + limit)
+        records = records[offset:]
+    return jsonify({"jobs": _with_eta(svc, records)})
+
+
+def _search(svc: Services, ids: list[str], viewer: Tenant, words: list[str], wanted: int) -> list[dict[str, Any]]:
+    """The records, newest first, that match every word, until `wanted` of them were found."""
+    found: list[dict[str, Any]] = []
+    for job_id in ids:
+        record = svc.jobs.record(job_id, viewer=viewer)
+        if record and all(_matches(record, word) for word in words):
+            found.append(record)
+            if len(found) >= wanted:
+                break
+    return found
+
+
+def _matches(record: dict[str, Any], word: str) -> bool:
+    """One search word against one job: its id's start, its kind, state or mode, or a part of its tags or prompt."""
+    params = record.get("params") or {}
+    if record["job_id"].startswith(word) or word in (record["kind"], record["state"], str(params.get("mode", ""))):
+        return True
+    return any(isinstance(text, str) and word in text.lower() for text in (params.get("tags"), params.get("prompt")))
 
 
 @blueprint.get("/api/v1/jobs/<job_id>")
@@ -257,11 +317,13 @@ def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str)
 
 
 def _with_eta(svc: Services, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records as clients see them, each with its `eta_s` (one read of their queues for all of them)."""
-    return [public_record(record, eta) for record, eta in zip(records, job_etas(svc, records), strict=True)]
+    """The records as clients see them, each with its `eta_s` and `worker_offline` (one read of their queues for
+    all of them)."""
+    readings = job_readings(svc, records)
+    return [public_record(record, eta, offline) for record, (eta, offline) in zip(records, readings, strict=True)]
 
 
-def public_record(record: dict[str, Any], eta_s: float | None) -> dict[str, Any]:
+def public_record(record: dict[str, Any], eta_s: float | None, worker_offline: bool = False) -> dict[str, Any]:
     """The record as clients see it: internal bookkeeping (Celery ids, costs) left out; a track whose stage
     runs (or last ran) on a worker has that worker's status (read with the record), so a client sees
     `offline` when it died. The reference for the poll's reply, which the read script builds itself."""
@@ -271,7 +333,7 @@ def public_record(record: dict[str, Any], eta_s: float | None) -> dict[str, Any]
         public["seed"] = track["params"].get("seed")
         public["downloads"] = download_urls(record["job_id"], track)
         tracks.append(public)
-    return {**record, "tracks": tracks, "eta_s": eta_s}
+    return {**record, "tracks": tracks, "eta_s": eta_s, "worker_offline": worker_offline}
 
 
 def download_urls(job_id: str, track: dict[str, Any]) -> dict[str, str]:

@@ -26,6 +26,7 @@ from app.http.http_input import BodyError, json_object
 from app.core.kinds import CANCELED, DONE, FAILED, MUSIC, QUEUED, first_unfinished
 from app.http.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented
 from app.http.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
+from app.control.eta import job_readings
 from app.control.services import Services
 from app.control.snapshot import KHALA_STATUS_PARTS, take_snapshot
 from app.http.submissions import RequestError, longest_song, submit_music, validate_music
@@ -119,17 +120,22 @@ def _translate(body: dict[str, Any], longest_song: Callable[[dict[str, Any]], fl
     return native
 
 
-def _phase(track: dict[str, Any], progress: int) -> tuple[str, str, str]:
+def _phase(track: dict[str, Any], progress: int, no_live_worker: bool = False) -> tuple[str, str, str]:
     """(status, worker_phase, phase_display) of one track, in the reference's words; an open track whose
-    worker is offline says so instead of freezing on its last progress."""
+    worker is offline, or whose job no live worker serves (`no_live_worker`: the record's `worker_offline`),
+    says so instead of freezing on its last progress."""
     state, detail = track["state"], track["detail"] or ""
     status = TRACK_STATUS.get(state, "error")
     status_phase = _running_phase(track, state, detail.startswith(LOADING), progress)
     if status_phase is None:
+        if state == QUEUED and no_live_worker:
+            return status, "idle", "Queued · no worker is online: it starts when one is back"
         return status, "idle", {QUEUED: "Queued", DONE: "Done"}.get(state, "Error")
     worker_phase, display = status_phase
     if track.get("worker_status") == "offline":
         display = f"Worker {track['worker']} offline · {track['stage']} resumes when the track moves or it returns"
+    elif no_live_worker:
+        display = f"No worker is online · {track['stage']} resumes when one is back"
     return status, worker_phase, display
 
 
@@ -231,11 +237,12 @@ def _failure(track: dict[str, Any]) -> str | None:
     return None
 
 
-def job_reply(record: dict[str, Any]) -> dict[str, Any]:
+def job_reply(record: dict[str, Any], worker_offline: bool = False) -> dict[str, Any]:
+    """`worker_offline`: the record's flag (app/control/eta.job_readings): no live worker serves an open track."""
     tracks = []
     for track in record["tracks"]:
         progress = _progress(track)
-        status, worker_phase, display = _phase(track, progress)
+        status, worker_phase, display = _phase(track, progress, worker_offline)
         tracks.append(
             {
                 "index": track["track"],
@@ -401,10 +408,12 @@ def generate() -> ResponseReturnValue:
 @documented("Khala: a job in the reference's shape", responses={200: ("the job", KhalaJob), 404: "unknown job"})
 def job(job_id: str) -> ResponseReturnValue:
     """A job in the reference's shape; both tracks are present from the first reply."""
-    record = context().services.jobs.record(job_id, viewer=tenant())
+    svc = context().services
+    record = svc.jobs.record(job_id, viewer=tenant())
     if record is None or record["kind"] != "music":
         return _error(404, f"Job {job_id} not found.", "job_id")
-    return jsonify(job_reply(record))
+    [(_, worker_offline)] = job_readings(svc, [record])
+    return jsonify(job_reply(record, worker_offline))
 
 
 @blueprint.get("/job/<job_id>/track/<int(signed=True):index>/<fmt>")

@@ -250,6 +250,11 @@ class JobReply(_Open):
         "ahead of it included, from each GPU queue's learned stage rates; 0 once it ended, "
         "null while a track waits for a live worker",
     )
+    worker_offline: bool = Field(
+        default=False,
+        description="true while an open track's queue has had no live worker for a few heartbeats: nothing runs "
+        "it until one is back (it resumes then; its `eta_s` is null meanwhile)",
+    )
 
 
 class RetryReply(JobReply):

@@ -12,6 +12,11 @@ const STAGES = {                   // app/kinds.py: stage key (the track's `stag
   lipsync: [["prepare", "prepare"], ["lipsync", "lip-sync"], ["mux", "mux"]],
 };
 const TERMINAL = new Set(["done", "failed", "canceled", "partial"]);
+const RETRYABLE = new Set(["failed", "canceled", "partial"]); // POST /api/v1/jobs/<id>/retry re-runs their tracks
+const PAGE_SIZE = 20;              // jobs per page of the list (GET /api/v1/jobs?limit=&offset=&q=)
+const SEARCH_DELAY_MS = 250;       // typing in the search box lists again once it pauses this long
+const MAX_STREAMS = 4;             // a browser opens ~6 connections per server: leave some for the API calls
+const WAVE_HEIGHT = 56;            // px of a track's waveform canvas (its width is its box's)
 
 const $ = (selector, root = document) => root.querySelector(selector);
 
@@ -68,12 +73,14 @@ async function api(path, options = {}) {
 
 let inFlight = null;
 let timer = 0;
+let pollAgain = false; // asked for while a poll ran (a new search, another page): poll once it is back
 
 function pollSoon() {
   clearTimeout(timer);
-  if (inFlight) return; // the running poll schedules the next one
+  if (inFlight) { pollAgain = true; return; } // the running poll schedules the next one
   inFlight = poll().finally(() => {
     inFlight = null;
+    if (pollAgain) { pollAgain = false; pollSoon(); return; }
     timer = setTimeout(pollSoon, document.hidden ? HIDDEN_POLL_MS : allStreamed() ? STREAMED_POLL_MS : POLL_MS);
   });
 }
@@ -94,6 +101,7 @@ function allStreamed() {
 
 function follow(view, job) {
   if (!canStream() || TERMINAL.has(job.state) || streams.has(job.job_id)) return;
+  if (streams.size >= MAX_STREAMS) return; // the others are polled; a stream frees up when its job ends
   const source = new EventSource(`/api/v1/jobs/${encodeURIComponent(job.job_id)}/events`);
   streams.set(job.job_id, source);
   view.events = 0;
@@ -139,8 +147,10 @@ async function poll() {
   try {
     // The worker table is for admin tenants: a client's token gets 403 there and sees its own jobs only.
     const adminOnly = (err) => { if (err.status === 403) return null; throw err; };
-    const [jobs, status] = await Promise.all([api("/api/v1/jobs?limit=100"), api("/api/v1/status").catch(adminOnly)]);
-    renderJobs(jobs.jobs || []);
+    const asked = listingUrl();
+    const [jobs, status] = await Promise.all([api(asked), api("/api/v1/status").catch(adminOnly)]);
+    if (asked === listingUrl()) showListing(jobs.jobs || []);
+    else pollAgain = true; // the search or page changed meanwhile: this answer is for the old one
     if (status) renderStatus(status);
     setConn("live", `live · ${new Date().toLocaleTimeString()}`);
   } catch (err) {
@@ -184,6 +194,67 @@ function renderStatus(status) {
   $("#unrouted").textContent = status.unrouted ? `${status.unrouted} track(s) waiting for a worker to start` : "";
 }
 
+// ---- the job list: one page of it, of every job or of those the search matches (the server pages and searches)
+
+const listing = { page: 0, query: "", hasMore: false, shown: 0 };
+
+function listingUrl() {
+  // One more than a page is asked for: when it comes, a next page exists.
+  const params = new URLSearchParams({ limit: PAGE_SIZE + 1, offset: listing.page * PAGE_SIZE });
+  if (listing.query) params.set("q", listing.query);
+  return `/api/v1/jobs?${params}`;
+}
+
+function showListing(jobs) {
+  if (!jobs.length && listing.page > 0) { // the page emptied (jobs expired): back to the first one
+    goToPage(0);
+    return;
+  }
+  listing.hasMore = jobs.length > PAGE_SIZE;
+  listing.shown = Math.min(jobs.length, PAGE_SIZE);
+  renderJobs(jobs.slice(0, PAGE_SIZE));
+  renderPager();
+}
+
+function renderPager() {
+  const first = listing.page * PAGE_SIZE;
+  const pager = $("#jobs-pager");
+  pager.dataset.page = String(listing.page + 1);
+  pager.dataset.hasMore = listing.hasMore ? "1" : "0";
+  pager.hidden = listing.page === 0 && !listing.hasMore;
+  $("#jobs-prev").disabled = listing.page === 0;
+  $("#jobs-next").disabled = !listing.hasMore;
+  $("#jobs-page").textContent = listing.shown ? `page ${listing.page + 1} · jobs ${first + 1}–${first + listing.shown}` : "";
+  $("#jobs-empty").textContent = listing.query ? `No job matches “${listing.query}”.` : "No jobs yet.";
+}
+
+function goToPage(page) {
+  listing.page = Math.max(0, page);
+  pollSoon();
+}
+
+function search(query) {
+  if (query === listing.query) return;
+  listing.query = query;
+  goToPage(0);
+}
+
+function setUpJobList() {
+  const box = $("#job-search");
+  let typing = 0;
+  box.addEventListener("input", () => {
+    clearTimeout(typing);
+    typing = setTimeout(() => search(box.value.trim()), SEARCH_DELAY_MS);
+  });
+  $("#jobs-search").addEventListener("submit", (event) => {
+    event.preventDefault();
+    clearTimeout(typing);
+    search(box.value.trim());
+  });
+  $("#jobs-prev").addEventListener("click", () => goToPage(listing.page - 1));
+  $("#jobs-next").addEventListener("click", () => goToPage(listing.page + 1));
+}
+
 // ---- jobs -------------------------------------------------------------------------------------------------
 
 const views = new Map(); // job_id -> {root, tracks: [{root, media}], blobUrls: []}
@@ -219,16 +290,21 @@ function dropView(id, view) {
 function createJobView(job) {
   const view = { root: null, tracks: [], blobUrls: [] };
   view.cancel = el("button", { type: "button", class: "cancel", onclick: () => cancelJob(job.job_id, view) }, "Cancel");
+  view.retry = el("button", { type: "button", class: "retry", hidden: true, onclick: () => retryJob(job.job_id, view) },
+    "Retry");
   view.state = el("span", { class: "badge" });
   view.position = el("span", { class: "position" });
+  view.eta = el("span", { class: "eta" });
+  view.offline = el("span", { class: "offline", hidden: true }, "no worker online · resumes when one is back");
+  view.etaAt = null;
   view.message = el("p", { class: "error" });
   view.trackList = el("div", { class: "tracks" });
   view.root = el("article", { class: "job", "data-job-id": job.job_id, "data-kind": job.kind },
     el("header", null,
       el("span", { class: "kind" }, job.kind), " ",
-      el("code", { title: job.job_id }, shortId(job.job_id)), " ", view.state, " ", view.position,
+      el("code", { title: job.job_id }, shortId(job.job_id)), " ", view.state, " ", view.position, " ", view.eta, " ", view.offline,
       el("span", { class: "when" }, new Date(job.created_at * 1000).toLocaleTimeString()),
-      view.cancel),
+      view.cancel, view.retry),
     el("p", { class: "summary" }, summary(job)),
     view.message,
     view.trackList);
@@ -252,6 +328,10 @@ function updateJobView(view, job) {
   view.position.textContent = job.state === "queued" && job.queue_position > 0 ? `#${job.queue_position} in queue` : "";
   view.cancel.hidden = TERMINAL.has(job.state);
   if (view.cancel.hidden) view.cancel.disabled = false;
+  view.retry.hidden = !RETRYABLE.has(job.state);
+  view.offline.hidden = !job.worker_offline || TERMINAL.has(job.state); // the record's flag: nothing runs it now
+  view.root.dataset.workerOffline = view.offline.hidden ? "0" : "1";
+  setEta(view, job);
   job.tracks.forEach((track, index) => {
     if (!view.tracks[index]) {
       view.tracks[index] = createTrackView(job, index);
@@ -261,10 +341,40 @@ function updateJobView(view, job) {
   });
 }
 
+// ---- ETA: the record's `eta_s` (null while no live worker can take a track), counted down between updates ------
+
+function setEta(view, job) {
+  const known = !TERMINAL.has(job.state) && job.eta_s !== null && job.eta_s !== undefined;
+  view.etaAt = known ? Date.now() / 1000 + Number(job.eta_s) : null;
+  showEta(view);
+}
+
+function showEta(view) {
+  const eta = view.eta;
+  if (TERMINAL.has(view.root.dataset.state)) {
+    eta.textContent = "";
+    delete eta.dataset.eta;
+  } else if (view.etaAt === null) {
+    eta.textContent = "ETA unknown";
+    eta.title = "no live worker can take its tracks yet";
+    eta.dataset.eta = "unknown";
+  } else {
+    const left = Math.max(0, view.etaAt - Date.now() / 1000);
+    eta.textContent = `ETA ${ago(left)}`;
+    eta.title = "estimated time until it is done, the work queued ahead of it included";
+    eta.dataset.eta = String(Math.round(left));
+  }
+}
+
+function tickEtas() {
+  for (const view of views.values()) showEta(view);
+}
+
 function createTrackView(job, index) {
   const tv = { media: null };
   tv.state = el("span", { class: "badge" });
   tv.info = el("span", { class: "info" });
+  tv.restarts = el("span", { class: "restarts", title: "times a worker's crash or loss made it run again" });
   tv.error = el("p", { class: "error" });
   tv.stages = {};
   const bars = (STAGES[job.kind] || []).map(([key, label]) => {
@@ -279,7 +389,7 @@ function createTrackView(job, index) {
   tv.mediaBox = el("div", { class: "media" });
   const label = job.kind === "music" ? `Track ${index + 1}` : "Output";
   tv.root = el("div", { class: "track", "data-track": index },
-    el("div", { class: "track-head" }, el("strong", null, label), " ", tv.state, " ", tv.info),
+    el("div", { class: "track-head" }, el("strong", null, label), " ", tv.state, " ", tv.restarts, " ", tv.info),
     el("div", { class: "stages" }, bars), tv.error, tv.mediaBox);
   return tv;
 }
@@ -293,7 +403,12 @@ function updateTrackView(view, tv, job, track) {
     info.push(track.queue ? `queue ${track.queue}` : "", track.queue_position ? `position ${track.queue_position}` : "");
   }
   info.push(track.detail && track.detail !== track.state ? track.detail : "", track.worker || "");
+  if (track.worker_status === "offline") info.push("worker offline");
+  if (track.retries > 0) info.push(`retried ${track.retries}×`);
   tv.info.textContent = info.filter(Boolean).join(" · ");
+  const restarts = Number(track.restarts) || 0;
+  tv.restarts.textContent = restarts > 0 ? `restarted ${restarts}×` : "";
+  tv.restarts.dataset.restarts = String(restarts);
   tv.error.textContent = track.error || "";
 
   const stages = track.stages || {};
@@ -365,7 +480,76 @@ async function showMedia(view, tv, job, track) {
     if (token()) link.addEventListener("click", (event) => tokenDownload(event, view, link, downloads[fmt]));
     return [link, " "];
   });
-  tv.mediaBox.replaceChildren(player, el("span", { class: "downloads" }, links));
+  const wave = job.kind === "music" && playable !== "mp4" ? waveformOf(playUrl, player) : null;
+  tv.mediaBox.replaceChildren(...[wave, player, el("span", { class: "downloads" }, links)].filter(Boolean));
+}
+
+// ---- a finished track's waveform: its audio fetched, decoded by the browser, min/max per pixel column --------
+
+function waveformOf(url, player) {
+  const canvas = el("canvas", { class: "waveform", height: WAVE_HEIGHT, "aria-label": "waveform", role: "img" });
+  // Drawn once the canvas is in the page (its width is then known).
+  requestAnimationFrame(() => drawWaveform(canvas, url, player).catch((err) => {
+    canvas.dataset.error = err.message;
+    canvas.title = `waveform: ${err.message}`;
+    canvas.hidden = true;
+  }));
+  return canvas;
+}
+
+async function drawWaveform(canvas, url, player) {
+  const reply = await fetch(url, { headers: authHeaders() }); // a blob: URL when there is a token
+  if (!reply.ok) throw new Error(`${reply.status} ${reply.statusText}`);
+  const audio = await decodeAudio(await reply.arrayBuffer());
+  const scale = window.devicePixelRatio || 1;
+  canvas.width = Math.max(1, Math.round((canvas.clientWidth || 480) * scale));
+  canvas.height = Math.round(WAVE_HEIGHT * scale);
+  paintPeaks(canvas, peaks(audio, canvas.width));
+  canvas.dataset.duration = audio.duration.toFixed(3);
+  canvas.dataset.drawn = "1";
+  canvas.title = "click to play from there";
+  canvas.addEventListener("click", (event) => {
+    player.currentTime = (event.offsetX / canvas.clientWidth) * audio.duration;
+    player.play().catch(() => { /* the browser wants a gesture it did not count: the player's own button works */ });
+  });
+}
+
+function decodeAudio(bytes) {
+  // An offline context decodes without an audio device and without a user's gesture.
+  return new OfflineAudioContext(1, 1, 44100).decodeAudioData(bytes);
+}
+
+function peaks(audio, columns) {
+  // [lowest, highest] sample of each pixel column, over every channel.
+  const channels = Array.from({ length: audio.numberOfChannels }, (_, c) => audio.getChannelData(c));
+  const perColumn = audio.length / columns;
+  const result = [];
+  for (let x = 0; x < columns; x += 1) {
+    const start = Math.floor(x * perColumn);
+    const end = Math.min(audio.length, Math.max(start + 1, Math.floor((x + 1) * perColumn)));
+    let low = 0;
+    let high = 0;
+    for (const data of channels) {
+      for (let i = start; i < end; i += 1) {
+        if (data[i] < low) low = data[i];
+        else if (data[i] > high) high = data[i];
+      }
+    }
+    result.push([low, high]);
+  }
+  return result;
+}
+
+function paintPeaks(canvas, columns) {
+  const context = canvas.getContext("2d");
+  const middle = canvas.height / 2;
+  context.clearRect(0, 0, canvas.width, canvas.height);
+  context.fillStyle = getComputedStyle(canvas).color;
+  columns.forEach(([low, high], x) => {
+    const top = middle - Math.min(1, high) * middle;
+    const bottom = middle - Math.max(-1, low) * middle;
+    context.fillRect(x, top, 1, Math.max(1, bottom - top)); // silence still draws its centre line
+  });
 }
 
 async function tokenDownload(event, view, link, url) {
@@ -389,6 +573,22 @@ async function cancelJob(jobId, view) {
   } catch (err) {
     view.message.textContent = `cancel failed: ${err.message}`;
     view.cancel.disabled = false;
+  }
+  pollSoon();
+}
+
+async function retryJob(jobId, view) {
+  view.retry.disabled = true;
+  view.message.textContent = "";
+  try {
+    const record = await api(`/api/v1/jobs/${encodeURIComponent(jobId)}/retry`, { method: "POST" });
+    updateJobView(view, record);
+    follow(view, record);
+  } catch (err) {
+    // A refusal names its reason (403 `retries`: the limit was reached; 409 `job`: it runs again already).
+    view.message.textContent = `retry ${err.status ? "refused" : "failed"}: ${err.message}`;
+  } finally {
+    view.retry.disabled = false;
   }
   pollSoon();
 }
@@ -451,7 +651,7 @@ async function submit(form, message, request) {
     message.replaceChildren("Submitted job ", el("code", null, shortId(reply.job_id)),
       reply.queue_position ? ` · #${reply.queue_position} in queue` : "", reply.note ? ` · ${reply.note}` : "");
     message.dataset.jobId = reply.job_id;
-    pollSoon();
+    goToPage(0); // where the newest job is listed
   } catch (err) {
     message.className = "msg error";
     message.textContent = err.message;
@@ -509,4 +709,6 @@ function ago(seconds) {
 
 document.addEventListener("visibilitychange", () => { if (!document.hidden) pollSoon(); });
 setUpForms();
+setUpJobList();
+setInterval(tickEtas, 1000);
 pollSoon();

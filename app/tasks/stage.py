@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 import redis
+from kombu.exceptions import OperationalError
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
@@ -422,6 +423,17 @@ class StageTask(Task):
     stage: Stage
     work: Callable[[StageRun], None]
 
+    def announce_ignored(self) -> None:
+        """Celery sends no final task event for an ignored task: monitors (Flower) would show a stage that a
+        cancel, a stale message or a lost lease ended as STARTED for good. It is revoked as far as they can
+        tell: say so (`task-revoked`, which Celery's event state turns into REVOKED)."""
+        if not self.app.conf.worker_send_task_events:
+            return
+        try:
+            self.send_event("task-revoked", terminated=False, signum=None, expired=False, retry=False)
+        except (OSError, OperationalError) as exc:  # only a monitor misses it; the stage's outcome is recorded
+            log.warning("event=task_event_unsent task_id=%s reason=%r", self.request.id, exc)
+
     def run_stage(self, ref: dict[str, Any]) -> dict[str, Any]:
         svc = services()
         job_id, track = ref["job_id"], int(ref["track"])
@@ -701,7 +713,11 @@ def stage_task(kind: JobKind, stage_name: str, work: Callable[[StageRun], None])
     )
 
     def run(self: StageTask, ref: dict[str, Any]) -> dict[str, Any]:
-        return self.run_stage(ref)
+        try:
+            return self.run_stage(ref)
+        except Ignore:
+            self.announce_ignored()
+            raise
 
     run.__doc__ = f"{kind.name} stage {stage_name!r}: see app/tasks/stage.py."
     return celery.task(

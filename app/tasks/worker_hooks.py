@@ -10,7 +10,7 @@ import os
 import threading
 import time
 
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
 
 from app.adapters import tracing
@@ -53,6 +53,7 @@ def _heartbeat_loop(hostname: str) -> None:
     info = _worker_info(svc, hostname)
     gpus = GpuProbe(svc.settings.cuda_visible_devices)  # NVML, not CUDA: safe in the forking master
     last_sweep: float | None = None  # the first heartbeat sweeps: a restarted worker cleans up after its last run
+    unreachable_since: float | None = None  # Redis down: said once when it goes and once when it is back
     while not _stop.is_set():
         try:
             svc.workers.heartbeat(hostname, {**info, **gpus.heartbeat_fields()})
@@ -65,9 +66,32 @@ def _heartbeat_loop(hostname: str) -> None:
                 removed += sweep_scratch(svc) + sweep_workdirs(svc)
                 if removed:
                     log.info("event=sweep removed=%d", len(removed))
+            if unreachable_since is not None:
+                log.warning("event=redis_back after_s=%.1f", time.monotonic() - unreachable_since)
+                unreachable_since = None
+        except RedisConnectionError as exc:  # an outage, not a bug: one line, not a traceback per beat
+            if unreachable_since is None:
+                unreachable_since = time.monotonic()
+                log.warning("event=redis_unreachable reason=%r; heartbeats retry until it is back", exc)
         except Exception:
             log.exception("heartbeat failed; retrying")
         _stop.wait(svc.settings.heartbeat_s)
+
+
+class _CancelOnConnectionLossWithoutTraceback(logging.Filter):
+    """Celery cancels a running acks-late task when the broker connection drops
+    (worker_cancel_long_running_tasks_on_connection_loss) and, as Redis is down, the cancel's own bookkeeping
+    fails too: it logs that with a traceback of Redis's internals. An outage is expected here (the stage's
+    lease and the reaper recover the track): the line keeps the exception, without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and str(record.msg).startswith("Failed to cancel active request"):
+            record.msg = f"{record.getMessage()} ({record.exc_info[1]!r})"  # formatted: no '%' left to misread
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+logging.getLogger("celery.worker.consumer.consumer").addFilter(_CancelOnConnectionLossWithoutTraceback())
 
 
 def _device_claim() -> str:

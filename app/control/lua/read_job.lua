@@ -84,14 +84,16 @@ if ARGV[6] == '1' then  -- a client's view
   end
   local seconds, fresh = cached_job_eta(K, tonumber(ARGV[5]), tonumber(ARGV[4]), job_id, states, v.eta)
   if fresh then redis.call('HSET', view_key, 'eta', fresh) end
-  if seconds and not queues_live(states, tonumber(ARGV[5])) then seconds = false end
+  local live = queues_live(states, tonumber(ARGV[5]))
+  if not live then seconds = false end
   local out = {v.head, table.concat(tracks, ','), '],"state":"', overall(displayed), '","queue_position":',
     tostring(waiting_at or 0), ',"cancel_requested":',
     redis.call('EXISTS', K.cancel(job_id)) == 1 and 'true' or 'false'}
   if v.hook then
     out[#out + 1] = v.hook .. table.concat(redis.call('LRANGE', K.webhook_deliveries(job_id), 0, -1), ',') .. ']}'
   end
-  out[#out + 1] = ',"eta_s":' .. (seconds and string.format('%.1f', seconds) or 'null') .. '}'
+  out[#out + 1] = ',"eta_s":' .. (seconds and string.format('%.1f', seconds) or 'null')
+  out[#out + 1] = ',"worker_offline":' .. (live and 'false' or 'true') .. '}'
   return table.concat(out)
 end
 
