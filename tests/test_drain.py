@@ -18,15 +18,23 @@ def queue_row(stack, name: str) -> dict:
 def test_drain_moves_waiting_tracks_and_new_ones_avoid_the_queue_until_resumed(make_stack):
     stack = make_stack(**REFERENCE_ENGINE)
     stack.start_worker(0)
-    running = stack.submit_music(duration_s=120.0)
-    waiting = stack.submit_music(duration_s=2.0)
-    wait_until(lambda: stack.job(running)["tracks"][0]["state"] == "backbone", 60, 0.1, "the long job to start")
-    assert stack.job(waiting)["tracks"][0]["queue"] == "gpu0"
     stack.start_worker(1)
+    # Both GPUs busy before a track waits: an idle GPU would take the waiting track at its next heartbeat by itself
+    # (app/control/routing.py rebalance), and the drain would find nothing to move. gpu1's job is the longer, so
+    # the waiting track goes to gpu0, where it would be done sooner.
+    running = stack.submit_music(duration_s=120.0)
+    other = stack.submit_music(duration_s=240.0)
+    for job_id, queue in ((running, "gpu0"), (other, "gpu1")):
+        assert stack.job(job_id)["tracks"][0]["queue"] == queue
+        wait_until(lambda j=job_id: stack.job(j)["tracks"][0]["state"] == "backbone", 60, 0.1, "a long job to start")
+    waiting = stack.submit_music(duration_s=2.0)
+    assert stack.job(waiting)["tracks"][0]["queue"] == "gpu0"
 
     drained = cli(stack, "drain", "gpu0")
     assert drained.returncode == 0, drained.stderr
     assert "queue gpu0 draining: 1 waiting track(s) moved" in drained.stdout
+    assert stack.job(waiting)["tracks"][0]["queue"] == "gpu1"
+    stack.client.delete(f"/api/v1/jobs/{other}")  # gpu1 free: the moved track runs there
     moved = stack.wait_job(waiting)
     assert moved["state"] == "done" and moved["tracks"][0]["queue"] == "gpu1"
     assert queue_row(stack, "gpu0")["draining"] is True and queue_row(stack, "gpu1")["draining"] is False

@@ -657,3 +657,59 @@ def test_the_listing_parameters_edges_are_accepted_and_documented(make_stack):
     document = stack.client.get("/api/v1/openapi.json").get_json()
     schemas = {p["name"]: p["schema"] for p in document["paths"]["/api/v1/jobs"]["get"]["parameters"]}
     assert (schemas["offset"]["minimum"], schemas["offset"]["maximum"], schemas["q"]["maxLength"]) == (0, 10_000, 100)
+
+
+STREAM_COUNTER = """
+// Counts the EventSource objects the page makes, per URL, and the most open at once (reconnects reuse one).
+window.__streams = {made: {}, most: {}};
+const Native = window.EventSource;
+window.EventSource = class extends Native {
+  constructor(url, options) {
+    super(url, options);
+    const made = window.__streams.made, most = window.__streams.most;
+    (made[url] = made[url] || []).push(this);
+    const open = made[url].filter((s) => s.readyState !== Native.CLOSED).length;
+    most[url] = Math.max(most[url] || 0, open);
+  }
+};
+"""
+
+
+def stream_counts(driver, job_id: str) -> tuple[int, int]:
+    """(streams made, most open at once) for the job's events URL."""
+    return tuple(
+        driver.execute_script(
+            "const u = arguments[0]; const s = window.__streams;return [(s.made[u] || []).length, s.most[u] || 0];",
+            f"/api/v1/jobs/{job_id}/events",
+        )
+    )
+
+
+@slow
+def test_the_page_follows_a_retried_job_with_one_stream_until_its_new_run_ends(make_stack, browser):
+    """Issue 24, item 1: canceled and then retried from the page, a job is followed by one stream for its first
+    run and one for the retry, never two at once: the retry's stream does not end at once on the old run's
+    `canceled` (the page would reopen one after another), and ends only when the new run is done."""
+    stack = make_stack(**REFERENCE_ENGINE)
+    stack.start_worker(0)
+    browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": STREAM_COUNTER})
+    browser.get(stack.base_url + "/")
+    job_id = stack.submit_music(duration_s=8.0)
+    article = wait_until(lambda: css(browser, job_selector(job_id)), 30, 0.1, "the job listed")[0]
+    wait_until(lambda: article.get_attribute("data-events") == "live", 30, 0.1, "the page to follow the job")
+    assert stream_counts(browser, job_id) == (1, 1)
+
+    assert stack.client.delete(f"/api/v1/jobs/{job_id}").status_code == 200
+    wait_page_state(browser, job_id, {"canceled"}, 60)
+    wait_until(lambda: article.get_attribute("data-events") == "ended", 30, 0.1, "the first stream to end")
+    retry = css(browser, job_selector(job_id) + " .retry")[0]
+    wait_until(retry.is_displayed, 15, 0.1, "the Retry button")
+    retry.click()
+    seen: set[str] = set()
+    wait_page_state(browser, job_id, {"done"}, 180, seen=seen)
+    assert stack.job(job_id)["state"] == "done"
+    assert "running" in seen, seen  # the page saw the new run at work, not only its end
+    wait_until(lambda: article.get_attribute("data-events") == "ended", 30, 0.1, "the retry's stream to end")
+    assert stream_counts(browser, job_id) == (2, 1)  # one per run, never two at once
+    assert int(article.get_attribute("data-event-count")) >= 4  # the new run's stages came over the stream
+    assert console_errors(browser) == []
