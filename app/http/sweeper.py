@@ -19,9 +19,12 @@ from app.http.context import EXTENSION, WebContext
 log = logging.getLogger("encore.web")
 
 
-def start_sweeper(app: Flask) -> threading.Event:
-    """Start the sweeper for `app`'s services; set the returned event to stop it."""
-    shared: WebContext = app.extensions[EXTENSION]
+def start_sweeper(app: Flask) -> threading.Event | None:
+    """Start the sweeper for `app`'s services; set the returned event to stop it. None for an app that is not
+    Encore's (the gunicorn config also serves others: the benches' baselines): nothing to sweep for it."""
+    shared: WebContext | None = getattr(app, "extensions", {}).get(EXTENSION)
+    if shared is None:
+        return None
     stop = threading.Event()
     threading.Thread(target=_sweep_forever, args=(shared, stop), name="encore-cancel-sweeper", daemon=True).start()
     return stop
