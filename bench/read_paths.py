@@ -10,8 +10,13 @@ number is reported). Between two wrk runs the bench waits until the path just me
 unloaded: gunicorn still serves the requests wrk left queued when it stopped, and a slow path's backlog would
 otherwise be charged to the next one. Prints JSON (and writes it to --out).
 
-    python bench/read_paths.py [--jobs 10000] [--seconds 10] [--rounds 3] [--connections 200] [--workers 2]
-                               [--out bench/results/read_paths_10000.json]
+    python bench/read_paths.py [--jobs 10000 | --jobs 100,10000] [--seconds 10] [--rounds 3] [--connections 200]
+                               [--workers 2] [--out bench/results/read_paths_10000.json]
+
+Several sizes (`--jobs 100,10000`) are measured in one run, each on its own Redis and web, every path of every size
+interleaved in each round with the baselines (every other round in reverse order); ratios are paired per round (a path's rate over hello-world's in the
+same round) and `largest_over_smallest` gives each path's rate at the largest size over its rate at the smallest
+(1.0: flat), and `redis_us_per_request` the Redis command time per answered request, per path and size.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
 import requests
 from flask import Flask
 
@@ -40,8 +46,6 @@ TARGETS = {"job_poll": 0.5, "status": 0.4, "metrics": 0.3, "khala_status": 0.3}
 
 def baseline_app() -> Flask:
     """gunicorn 'bench.read_paths:baseline_app()': the two baselines on one app."""
-    import redis
-
     from app.core.config import load_settings
 
     client = redis.Redis.from_url(load_settings().redis_url, decode_responses=True)
@@ -167,9 +171,68 @@ def serve(app_spec: str, env: dict[str, str], workers: int) -> tuple[subprocess.
             time.sleep(0.2)
 
 
+def sizes(text: str) -> list[int]:
+    """--jobs: one number of jobs, or several separated by commas (each gets its own Redis and web)."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--jobs: numbers separated by commas, not {text!r}") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError("--jobs: at least one job per size")
+    return values
+
+
+def encore_paths(base: str, polled: str) -> dict[str, str]:
+    return {
+        "job_poll": f"{base}/api/v1/jobs/{polled}",
+        "status": f"{base}/api/v1/status",
+        "metrics": f"{base}/metrics",
+        "khala_status": f"{base}/status",
+    }
+
+
+def median(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
+
+def paired(runs: dict[str, list[float]], name: str, over: str) -> list[float]:
+    """Per round, `name`'s rate over `over`'s rate in the same round: a noisy moment hits both alike, where a
+    ratio of two medians may pair a quiet round of one with a busy round of the other."""
+    return [round(a / b, 3) if b else 0.0 for a, b in zip(runs[name], runs[over], strict=True)]
+
+
+def summary(runs: dict[str, list[float]], size: int) -> dict[str, object]:
+    """One size's figures: medians, and the median of the paired per-round ratios to both baselines."""
+    ratios = {name: median(paired(runs, f"{name}@{size}", "hello")) for name in TARGETS}
+    return {
+        "requests_per_s": {name: median(runs[f"{name}@{size}"]) for name in TARGETS},
+        "ratio_to_hello_world": ratios,
+        "ratio_to_one_get": {name: median(paired(runs, f"{name}@{size}", "one_get")) for name in TARGETS},
+        "per_round_ratio_to_hello_world": {name: paired(runs, f"{name}@{size}", "hello") for name in TARGETS},
+        "meets_targets": {name: ratios[name] >= TARGETS[name] for name in TARGETS},
+    }
+
+
+def redis_time_per_request(client: redis.Redis, answered: float) -> float:
+    """Microseconds of Redis command time (`INFO commandstats`, reset before the wrk run) per answered request:
+    the part of a path's cost that would grow with the jobs if a read scanned them."""
+    used = sum(int(stat["usec"]) for stat in client.info("commandstats").values())
+    return round(used / answered, 1) if answered else 0.0
+
+
+def redis_side(redis_us: dict[str, list[float]], size: int) -> dict[str, object]:
+    return {"redis_us_per_request": {name: median(redis_us[f"{name}@{size}"]) for name in TARGETS}}
+
+
+def flatness(runs: dict[str, list[float]], small: int, large: int) -> dict[str, float]:
+    """Per path, the median over rounds of (rate at the largest size / rate at the smallest), paired per round:
+    1.0 when a path's cost does not grow with the number of jobs."""
+    return {name: median(paired(runs, f"{name}@{large}", f"{name}@{small}")) for name in TARGETS}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=10_000)
+    parser.add_argument("--jobs", type=sizes, default=[10_000], help="e.g. 10000, or 100,10000 in one run")
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--connections", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2, help="gunicorn workers (the demo's command uses 2)")
@@ -178,65 +241,72 @@ def main() -> None:
     args = parser.parse_args()
     if not shutil.which("wrk"):
         sys.exit("wrk is needed: apt-get install wrk")
+    procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as scratch:
-        server, url = start_redis(Path(scratch))
-        procs = [server]
         try:
-            started = time.perf_counter()
-            polled = fill(url, args.jobs)
-            fill_s = time.perf_counter() - started
-            env = {
-                **os.environ,
-                "REDIS_URL": url,
-                "ENCORE_ARTIFACT_DIR": str(Path(scratch) / "artifacts"),
-                "ENCORE_UPLOAD_DIR": str(Path(scratch) / "uploads"),
-                "PYTHONPATH": str(REPO),
-            }
-            baseline, base_url = serve("bench.read_paths:baseline_app()", env, args.workers)
-            encore, encore_url = serve("app.web:create_app()", env, args.workers)
-            procs += [baseline, encore]
-            paths = {
-                "hello": f"{base_url}/hello",
-                "one_get": f"{base_url}/one-get",
-                "job_poll": f"{encore_url}/api/v1/jobs/{polled}",
-                "status": f"{encore_url}/api/v1/status",
-                "metrics": f"{encore_url}/metrics",
-                "khala_status": f"{encore_url}/status",
-            }
+            paths: dict[str, str] = {}
+            fill_s: dict[str, float] = {}
+            env: dict[str, str] = {}
+            redis_of: dict[str, redis.Redis] = {}  # each Encore path's Redis, to read its server-side time
+            for size in args.jobs:  # each size: its own redis-server, filled, and its own Encore web on it
+                server, url = start_redis(Path(scratch))
+                procs.append(server)
+                started = time.perf_counter()
+                polled = fill(url, size)
+                fill_s[str(size)] = round(time.perf_counter() - started, 1)
+                env = {
+                    **os.environ,
+                    "REDIS_URL": url,
+                    "ENCORE_ARTIFACT_DIR": str(Path(scratch) / f"artifacts-{size}"),
+                    "ENCORE_UPLOAD_DIR": str(Path(scratch) / f"uploads-{size}"),
+                    "PYTHONPATH": str(REPO),
+                }
+                encore, encore_url = serve("app.web:create_app()", env, args.workers)
+                procs.append(encore)
+                for name, target in encore_paths(encore_url, polled).items():
+                    paths[f"{name}@{size}"] = target
+                    redis_of[f"{name}@{size}"] = redis.Redis.from_url(url)
+            baseline, base_url = serve("bench.read_paths:baseline_app()", env, args.workers)  # on the last Redis
+            procs.append(baseline)
+            paths = {"hello": f"{base_url}/hello", "one_get": f"{base_url}/one-get", **paths}
             for target in paths.values():
                 requests.get(target, timeout=60).raise_for_status()
             unloaded = {name: min(latency(target) for _ in range(3)) for name, target in paths.items()}
             runs: dict[str, list[float]] = {name: [] for name in paths}
             failed: dict[str, list[int]] = {name: [] for name in paths}
             settled: dict[str, list[float]] = {name: [] for name in paths}
-            for _ in range(args.rounds):  # interleaved, so a noisy moment hits every path alike
-                for name, target in paths.items():
+            redis_us: dict[str, list[float]] = {name: [] for name in redis_of}
+            for round_index in range(args.rounds):  # interleaved, so a noisy moment hits every path alike
+                order = list(paths.items())  # every other round backwards: no path always runs late in a round
+                for name, target in order if round_index % 2 == 0 else reversed(order):
+                    if name in redis_of:
+                        redis_of[name].config_resetstat()
                     rate, errors = wrk(target, args.seconds, args.connections)
+                    if name in redis_of:
+                        redis_us[name].append(redis_time_per_request(redis_of[name], rate * args.seconds))
                     runs[name].append(round(rate, 1))
                     failed[name].append(errors)
                     settled[name].append(settle(target, unloaded[name]))
-            rates = {name: statistics.median(values) for name, values in runs.items()}
-            ratios = {name: round(rates[name] / rates["hello"], 3) for name in TARGETS}
-            report = json.dumps(
-                {
-                    "jobs": args.jobs,
-                    "connections": args.connections,
-                    "gunicorn_workers": args.workers,
-                    "seconds_each": args.seconds,
-                    "rounds": args.rounds,
-                    "fill_s": round(fill_s, 1),
-                    "requests_per_s": {k: round(v, 1) for k, v in rates.items()},
-                    "ratio_to_hello_world": ratios,
-                    "ratio_to_one_get": {name: round(rates[name] / rates["one_get"], 3) for name in TARGETS},
-                    "targets": TARGETS,
-                    "meets_targets": {n: ratios[n] >= TARGETS[n] for n in TARGETS},
-                    "unloaded_latency_ms": {k: round(v * 1000, 2) for k, v in unloaded.items()},
-                    "settle_s": settled,
-                    "runs": runs,
-                    "failed_requests": failed,
-                },
-                indent=2,
-            )
+            result: dict[str, object] = {
+                "jobs": args.jobs,
+                "connections": args.connections,
+                "gunicorn_workers": args.workers,
+                "seconds_each": args.seconds,
+                "rounds": args.rounds,
+                "fill_s": fill_s,
+                "targets": TARGETS,
+                "baselines_requests_per_s": {name: median(runs[name]) for name in ("hello", "one_get")},
+                "sizes": {str(size): summary(runs, size) | redis_side(redis_us, size) for size in args.jobs},
+            }
+            if len(args.jobs) > 1:
+                result["largest_over_smallest"] = flatness(runs, args.jobs[0], args.jobs[-1])
+            result |= {
+                "unloaded_latency_ms": {k: round(v * 1000, 2) for k, v in unloaded.items()},
+                "settle_s": settled,
+                "runs": runs,
+                "failed_requests": failed,
+            }
+            report = json.dumps(result, indent=2)
             print(report)
             if args.out:
                 args.out.write_text(report + "\n")

@@ -43,6 +43,7 @@ install_system_packages() {
   if [ "$for_tests" = 1 ]; then
     command -v docker-compose >/dev/null || missing+=(docker-compose)
     command -v redis-server >/dev/null || missing+=(redis-server)
+    command -v wrk >/dev/null || missing+=(wrk)  # bench/read_paths.py's load, run at tiny size by a test
   fi
   if [ ${#missing[@]} -gt 0 ]; then
     apt_install "needed" "${missing[@]}" || { echo "[setup] could not install ${missing[*]}: install it and rerun" >&2; exit 1; }

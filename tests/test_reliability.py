@@ -12,6 +12,7 @@ import pytest
 import requests
 
 from app.core.priority import FIRST_STAGE_PRIORITY
+from app.tasks.stage import _gave_up
 from tests.support import faults
 from tests.support.processes import RedisServer, wait_until
 from tests.support.stack import REFERENCE_ENGINE, Stack
@@ -61,6 +62,16 @@ def test_stage_that_keeps_killing_its_worker_is_given_up(make_stack):
     assert record["state"] == "failed"
     assert "interrupted 2 times" in record["tracks"][0]["error"]
     assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
+
+
+def test_a_given_up_stage_names_the_restarts_before_its_last_message():
+    """Deliveries are counted per message and a restart sends a new one: the kills a client counted are the
+    message's interruptions plus the restarts (the chaos run saw 4 kills reported as 3)."""
+    assert _gave_up("export", 4, {"restarts": 0}) == (
+        "export was interrupted 3 times (worker crashed or was killed); giving up"
+    )
+    assert _gave_up("export", 4, {"restarts": 1}).endswith("killed), after 1 restart of the track; giving up")
+    assert "after 2 restarts" in _gave_up("backbone", 3, {"restarts": "2"})
 
 
 def _loads(record: dict) -> dict[str, list[str]]:

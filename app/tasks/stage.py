@@ -462,12 +462,7 @@ class StageTask(Task):
         deliveries = svc.jobs.count_delivery(self.request.id)
         if deliveries > svc.settings.max_deliveries:
             drop_scratch(svc, job_id, track)
-            svc.jobs.fail(
-                job_id,
-                track,
-                f"{self.stage.name} was interrupted {deliveries - 1} times (worker crashed or was killed); giving up",
-                steal=steal,
-            )
+            svc.jobs.fail(job_id, track, _gave_up(self.stage.name, deliveries, record), steal=steal)
             job_event(
                 log,
                 "failed",
@@ -730,3 +725,12 @@ def stage_task(kind: JobKind, stage_name: str, work: Callable[[StageRun], None])
         acks_late=True,
         reject_on_worker_lost=True,
     )
+
+
+def _gave_up(stage: str, deliveries: int, record: dict[str, Any]) -> str:
+    """Why a stage delivered once too often fails its track. Deliveries are counted per message; a restart by
+    recovery (the lease expired first) sends a new message, so its interruptions are named apart, and the
+    interruptions a client counted add up."""
+    restarts = int(record.get("restarts") or 0)
+    earlier = f", after {restarts} restart{'s' if restarts != 1 else ''} of the track" if restarts else ""
+    return f"{stage} was interrupted {deliveries - 1} times (worker crashed or was killed){earlier}; giving up"
