@@ -1,7 +1,8 @@
 """The stage's lease thread (app/tasks/stage.CancelWatch), run for real against real redis-servers: it rides out
 a Redis outage while its lease lasts, gives the track up once the lease has gone unrenewed for its whole length,
 and on any other error stops the stage loudly instead of letting it run on with a lease nobody renews (the
-reaper would then start the same stage a second time elsewhere)."""
+reaper would then start the same stage a second time elsewhere). Also its progress throttle, which writes what the
+lease thread guards."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import redis
 from app.core.config import Settings
 from app.pipeline.control import Canceled, StageControl
 from app.control.services import Services, build_services
-from app.tasks.stage import CancelWatch, LeaseWatchBroken  # not app.tasks.music: see conftest
+from app.tasks.stage import CancelWatch, LeaseWatchBroken, _Throttled  # not app.tasks.music: see conftest
 from tests.support.processes import PYTHON, REPO, RedisServer, wait_until
 
 OWNER = "gpu0@host|task-1|4242"
@@ -143,3 +144,25 @@ def test_a_stage_that_ignores_the_stop_is_ended_and_its_track_failed(redis_base_
     track = build_services(Settings(redis_url=url, artifact_dir=tmp_path / "artifacts")).jobs.track(job_id, 0)
     assert track["status"] == "failed"
     assert "lease thread failed" in track["error"] and "WRONGTYPE" in track["error"]
+
+
+def test_progress_writes_are_throttled_but_a_stages_first_move_always_goes_out(redis_base_url, tmp_path):
+    """A stage that says "Loading ... model" at 0 and then runs for less than the throttle's window still
+    publishes one progress between 0 and 1 (a CI run once showed a whole song's stages with none); later reports
+    inside the window are held back, the final 1.0 never is."""
+    svc = services_on(f"{redis_base_url}/508", tmp_path, lease_s=60)
+    job_id = leased_track(svc)
+    report = _Throttled(svc, job_id, 0, OWNER, every_s=3600)  # a window no slow machine outlasts
+
+    def written() -> tuple[float, str]:
+        track = svc.jobs.track(job_id, 0)
+        return track["progress"], track["detail"]
+
+    report(0.0, "Loading backbone model...")
+    assert written() == (0.0, "Loading backbone model...")
+    report(0.2, "64/320 tokens")  # at once: the first move, written
+    assert written() == (0.2, "64/320 tokens")
+    report(0.4, "128/320 tokens")  # inside the window: held back
+    assert written() == (0.2, "64/320 tokens")
+    report(1.0, "320/320 tokens")
+    assert written() == (1.0, "320/320 tokens")

@@ -271,16 +271,20 @@ def sweep_workdirs(svc: Services) -> list[str]:
 
 
 class _Throttled:
-    """Writes progress to the job record at most every PROGRESS_EVERY_S (and always the final 1.0)."""
+    """Writes progress to the job record at most every PROGRESS_EVERY_S, but always the first report that moves
+    it (a stage's "Loading ... model" notice at 0 must not hold back its first progress: a stage shorter than
+    the window would otherwise show none) and the final 1.0."""
 
-    def __init__(self, svc: Services, job_id: str, track: int, owner: str):
-        self.svc, self.job_id, self.track, self.owner = svc, job_id, track, owner
+    def __init__(self, svc: Services, job_id: str, track: int, owner: str, every_s: float = PROGRESS_EVERY_S):
+        self.svc, self.job_id, self.track, self.owner, self.every_s = svc, job_id, track, owner, every_s
         self.last = 0.0
+        self.moved = False
 
     def __call__(self, fraction: float, detail: str) -> None:
         now = time.monotonic()
-        if fraction >= 1.0 or now - self.last >= PROGRESS_EVERY_S:
-            self.last = now
+        first_move = fraction > 0 and not self.moved
+        if fraction >= 1.0 or first_move or now - self.last >= self.every_s:
+            self.last, self.moved = now, self.moved or fraction > 0
             self.svc.jobs.report(
                 self.job_id, self.track, self.owner, progress=round(min(max(fraction, 0.0), 1.0), 4), detail=detail
             )
