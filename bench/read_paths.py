@@ -14,9 +14,10 @@ otherwise be charged to the next one. Prints JSON (and writes it to --out).
                                [--workers 2] [--out bench/results/read_paths_10000.json]
 
 Several sizes (`--jobs 100,10000`) are measured in one run, each on its own Redis and web, every path of every size
-interleaved in each round with the baselines (every other round in reverse order); ratios are paired per round (a path's rate over hello-world's in the
-same round) and `largest_over_smallest` gives each path's rate at the largest size over its rate at the smallest
-(1.0: flat), and `redis_us_per_request` the Redis command time per answered request, per path and size.
+interleaved in each round with the baselines (every other round in reverse order). Ratios are paired per round (a
+path's rate over hello-world's in the same round); `largest_over_smallest` gives each path's rate at the largest
+size over its rate at the smallest (1.0: flat); `redis_us_per_request` is the Redis command time per answered
+request, per path and size.
 """
 
 from __future__ import annotations
@@ -263,9 +264,10 @@ def main() -> None:
                 }
                 encore, encore_url = serve("app.web:create_app()", env, args.workers)
                 procs.append(encore)
+                client = redis.Redis.from_url(url)
                 for name, target in encore_paths(encore_url, polled).items():
                     paths[f"{name}@{size}"] = target
-                    redis_of[f"{name}@{size}"] = redis.Redis.from_url(url)
+                    redis_of[f"{name}@{size}"] = client
             baseline, base_url = serve("bench.read_paths:baseline_app()", env, args.workers)  # on the last Redis
             procs.append(baseline)
             paths = {"hello": f"{base_url}/hello", "one_get": f"{base_url}/one-get", **paths}
