@@ -27,8 +27,10 @@ from tests.support.megatron_layout import (
     PLANTED,
     Planted,
     class_only_the_writer_knows,
+    lay_out_metadata_as_megatron_0_15,
     reference_args,
     save_as_megatron,
+    save_legacy_tensor_parallel,
 )
 
 torch.set_num_threads(2)
@@ -152,7 +154,7 @@ def test_what_is_not_a_checkpoint_is_named(tmp_path):
     with pytest.raises(formats.CheckpointFormatError, match="unknown checkpoint format"):
         formats.locate(tmp_path)
     (tmp_path / "iter_0000012" / "mp_rank_00_001").mkdir()  # a pipeline-parallel legacy save: not one rank's
-    with pytest.raises(formats.CheckpointFormatError, match="pipeline or expert parallelism"):
+    with pytest.raises(formats.CheckpointFormatError, match="a pipeline-parallel legacy save"):
         formats.read_common(formats.locate(tmp_path))
 
 
@@ -257,19 +259,133 @@ def test_an_argument_whose_unpickling_runs_code_does_not_run(profile, tmp_path, 
     assert marker.exists()
 
 
-@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch_dcp"])
-def test_a_dcp_metadata_file_that_would_run_code_is_refused(profile, tmp_path, ckpt_format):
-    """`.metadata` is a plain pickle torch reads with pickle.load; Encore admits only DCP's own classes in it."""
+# --- DCP .metadata, as each megatron-core version and torch write it ---------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["backbone", "superres"])
+@pytest.mark.parametrize("layout", ["megatron-core 0.16", "megatron-core 0.15"])
+def test_torch_dist_metadata_of_each_megatron_core_version_loads_into_both_engines(profile, tmp_path, layout, causal):
+    """megatron-core 0.13-0.15 (the Khala reference's trainer: 0.15.0rc6) store `all_local_plans` as their own
+    MCoreSavePlan class, plus `mcore_data`; 0.16 stores plain SavePlans. Both load, in both engines."""
+    spec = spec_of(profile, causal)
+    source = source_model(spec, causal=causal)
+    target = save_as_megatron(source, tmp_path, "torch_dist", iteration=354_000)
+    if layout == "megatron-core 0.15":
+        lay_out_metadata_as_megatron_0_15(target)
+        assert b"MCoreSavePlan" in (target / ".metadata").read_bytes()
+    assert_loads_faithfully(spec, tmp_path, source, causal=causal)
+    metadata = formats.read_dcp_metadata(target)  # only what loading needs is kept
+    assert not hasattr(metadata, "all_local_plans") and not hasattr(metadata, "mcore_data")
+    assert (
+        metadata.state_dict_metadata.keys()
+        == pickle.loads((target / ".metadata").read_bytes()).state_dict_metadata.keys()
+    )
+
+
+@pytest.mark.parametrize(
+    "ckpt_format, where", [("torch_dist", "mcore_data"), ("torch_dist", "planner_data"), ("torch_dcp", "planner_data")]
+)  # (only megatron-core's torch_dist save writes save plans)
+def test_a_dcp_metadata_file_that_would_run_code_loads_and_runs_nothing(profile, tmp_path, ckpt_format, where):
+    """`.metadata` is a plain pickle torch reads with pickle.load: an object planted in a save plan's
+    mcore_data (megatron-core 0.15's layout) or in planner_data is read as an inert record, never called."""
     from torch.distributed.checkpoint import FileSystemReader
 
     marker = tmp_path / PLANTED
     source = source_model(profile.backbone, causal=True)
     target = save_as_megatron(source, tmp_path / "ckpt", ckpt_format)
-    metadata = pickle.loads((target / ".metadata").read_bytes())  # our own file, written just above
-    metadata.planner_data = Planted(marker)
-    (target / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(formats.CheckpointFormatError, match="refused to load tests.support.megatron_layout.plant"):
-        mb.load_gpt(profile.backbone, tmp_path / "ckpt", causal=True, device="cpu")
+    if where == "mcore_data":
+        lay_out_metadata_as_megatron_0_15(target, planted=Planted(marker))
+    else:
+        metadata = pickle.loads((target / ".metadata").read_bytes())  # our own file, written just above
+        metadata.planner_data = Planted(marker)
+        (target / ".metadata").write_bytes(pickle.dumps(metadata))
+    marker.unlink(missing_ok=True)
+    assert_loads_faithfully(profile.backbone, tmp_path / "ckpt", source, causal=True)
     assert not marker.exists()
-    FileSystemReader(str(target)).read_metadata()  # torch's own reader runs it
+    FileSystemReader(str(target)).read_metadata()  # torch's own reader runs it: the payload is live
     assert marker.exists()
+
+
+def test_a_metadata_entry_that_is_not_what_loading_needs_is_refused_by_name(profile, tmp_path):
+    source = source_model(profile.backbone, causal=True)
+    target = save_as_megatron(source, tmp_path, "torch_dist")
+    original = (target / ".metadata").read_bytes()
+    key = "output_layer.weight"
+
+    metadata = pickle.loads(original)
+    metadata.state_dict_metadata[key] = Planted(tmp_path / PLANTED)  # an unknown class where a tensor entry goes
+    (target / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(
+        formats.CheckpointFormatError, match=r"entry 'output_layer.weight' is a tests.support.megatron_layout.plant"
+    ):
+        mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
+    assert not (tmp_path / PLANTED).exists()
+
+    metadata = pickle.loads(original)
+    index = next(index for index in metadata.storage_data if index.fqn == key)
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path="../../etc/passwd")
+    (target / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(formats.CheckpointFormatError, match="outside the checkpoint directory"):
+        mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
+
+    (target / ".metadata").write_bytes(original[: len(original) // 2])
+    with pytest.raises(formats.CheckpointFormatError, match="not a readable DCP metadata file"):
+        mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
+
+
+# --- model-parallel saves ----------------------------------------------------------------------------------------
+
+
+def test_a_tensor_parallel_legacy_save_is_refused_naming_the_parallelism(profile, tmp_path):
+    """The reference's own loader reads a TP=2 legacy save silently wrong; Encore names what it is."""
+    source = source_model(profile.backbone, causal=True)
+    target = save_legacy_tensor_parallel(source, tmp_path, ranks=2)
+    assert sorted(entry.name for entry in target.iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    for engine in ("megatron", "torch"):
+        with pytest.raises(
+            formats.CheckpointFormatError, match=r"a tensor-parallel legacy save \(mp_rank_00, mp_rank_01\)"
+        ):
+            load_engine(engine, profile.backbone, tmp_path, causal=True, device=CPU)
+
+
+@pytest.mark.parametrize(
+    "directories, named",
+    [
+        (["mp_rank_00_000", "mp_rank_00_001"], "pipeline-parallel"),
+        (["mp_rank_00_001"], "pipeline-parallel"),
+        (
+            ["mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"],
+            "tensor-parallel and pipeline-parallel",
+        ),
+        (["mp_rank_00_000_000", "mp_rank_00_000_001"], "expert-parallel"),
+    ],
+)
+def test_legacy_rank_directories_name_their_parallelism(tmp_path, directories, named):
+    for name in directories:
+        (tmp_path / name).mkdir()
+    assert formats.parallelism_of_rank_dirs(directories) == named
+    with pytest.raises(formats.CheckpointFormatError, match=f"a {named} legacy save"):
+        formats.read_common(formats.locate(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "ckpt_format, recorded, named",
+    [
+        ("torch_dist", {"tensor_model_parallel_size": 2}, r"tensor-parallel \(tensor_model_parallel_size=2\)"),
+        ("torch_dcp", {"pipeline_model_parallel_size": 4}, r"pipeline-parallel \(pipeline_model_parallel_size=4\)"),
+        (
+            "torch",
+            {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+            "tensor-parallel .* and pipeline-parallel",
+        ),
+    ],
+)
+def test_saved_args_recording_model_parallelism_are_refused_by_name(profile, tmp_path, ckpt_format, recorded, named):
+    source = source_model(profile.backbone, causal=True)
+    save_as_megatron(source, tmp_path, ckpt_format, args=reference_args(source, ckpt_format, **recorded))
+    with pytest.raises(mb.CheckpointArgsError, match=named):
+        mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
+    save_as_megatron(
+        source, tmp_path, ckpt_format, args=reference_args(source, ckpt_format, tensor_model_parallel_size=1)
+    )
+    mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")  # size 1 recorded: loads

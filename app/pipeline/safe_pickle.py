@@ -11,8 +11,9 @@ other objects come back as `Opaque` records, which callers ignore (or read as da
 
 Megatron checkpoints save their training arguments the same way (an argparse Namespace whose fields may hold
 any class the training run used), and torch.distributed.checkpoint keeps a plain pickle (`.metadata`) that
-torch itself reads with `pickle.load`: `load_allowlisted` reads such a file admitting only the globals a
-caller names, and refuses the file otherwise.
+torch itself reads with `pickle.load`, holding whatever classes the saving library put there (megatron-core 0.15
+stores its own `MCoreSavePlan`s): `load_partly_inert` reads such a file with the globals a caller admits resolved
+to the real classes and every other one an inert record.
 """
 
 from __future__ import annotations
@@ -111,27 +112,25 @@ def namespace_of(value: Any) -> argparse.Namespace | None:
     return argparse.Namespace(**{str(name): field for name, field in fields.items()})
 
 
-class RefusedGlobal(pickle.UnpicklingError):
-    """A pickle names a global its reader does not admit: the file is refused, nothing in it was run."""
+class _PartlyInertUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves the globals `admitted(module, name)` names to the real objects and every other
+    global to an inert stand-in, so that a REDUCE of an unknown callable records its arguments and calls nothing."""
 
-
-class _AllowlistUnpickler(pickle.Unpickler):
-    """pickle.Unpickler that resolves only the globals `allowed(module, name)` admits, and refuses the rest."""
-
-    def __init__(self, file: IO[bytes], allowed: Callable[[str, str], bool]):
+    def __init__(self, file: IO[bytes], admitted: Callable[[str, str], bool]):
         super().__init__(file)
-        self._allowed = allowed
+        self._admitted = admitted
 
     def find_class(self, module: str, name: str) -> Any:
-        if not self._allowed(module, name):
-            raise RefusedGlobal(f"refused to load {module}.{name}")
-        return super().find_class(module, name)
+        if self._admitted(module, name):
+            return super().find_class(module, name)
+        return _stand_in(f"{module}.{name}")
 
 
-def load_allowlisted(source: str | os.PathLike | bytes, allowed: Callable[[str, str], bool]) -> Any:
-    """A plain pickle (not a torch.save archive) read with only the globals `allowed` admits; RefusedGlobal if
-    it names any other, before anything it names is called."""
+def load_partly_inert(source: str | os.PathLike | bytes, admitted: Callable[[str, str], bool]) -> Any:
+    """A plain pickle (not a torch.save archive): the globals `admitted` names are the real ones (admit only classes
+    whose construction runs nothing but field assignment), every other one an `Opaque` record. A malformed pickle
+    raises pickle.UnpicklingError (or the ValueError/EOFError the pickle module raises for it)."""
     if isinstance(source, bytes):
-        return _AllowlistUnpickler(io.BytesIO(source), allowed).load()
+        return _PartlyInertUnpickler(io.BytesIO(source), admitted).load()
     with open(source, "rb") as file:
-        return _AllowlistUnpickler(file, allowed).load()
+        return _PartlyInertUnpickler(file, admitted).load()

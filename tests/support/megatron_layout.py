@@ -16,6 +16,7 @@ fields, and whatever a test adds (classes no reader knows, objects whose unpickl
 from __future__ import annotations
 
 import argparse
+import pickle
 import contextlib
 import enum
 import random
@@ -164,3 +165,62 @@ def class_only_the_writer_knows() -> Iterator[enum.Enum]:
         yield members.selective
     finally:
         del sys.modules[module.__name__]
+
+
+# --- what older megatron-core versions write, and model-parallel saves ------------------------------------------
+
+
+def lay_out_metadata_as_megatron_0_15(target: Path, **planted: Any) -> None:
+    """Rewrite a torch_dist save's `.metadata` as megatron-core 0.13-0.15's save_state_dict_async_plan lays it out:
+    `all_local_plans` holds each rank's `MCoreSavePlan` (a frozen SavePlan dataclass with `mcore_data`, one dict per
+    tensor), and the coordinator's planner merges those into `metadata.mcore_data`. megatron-core 0.16 keeps a
+    stand-in class under the same name, so pickling an instance of it writes the very global 0.15 wrote; a
+    dataclass without slots pickles as (class, its __dict__), which is what is set here. `planted`: more fields
+    for each plan's `mcore_data` entries (objects whose unpickling would run code, say)."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlan
+
+    metadata = pickle.loads((target / ".metadata").read_bytes())  # our own file, written just before
+    tensor_keys = [key for key, entry in metadata.state_dict_metadata.items() if hasattr(entry, "chunks")]
+    plans = []
+    for plan in metadata.all_local_plans:  # megatron-core 0.16: plain SavePlans
+        old = MCoreSavePlan.__new__(MCoreSavePlan)
+        old.__dict__.update(vars(plan))
+        old.__dict__["mcore_data"] = {key: dict(planted) for key in tensor_keys}
+        plans.append(old)
+    assert plans, "a torch_dist save records its local plans"
+    metadata.all_local_plans = plans
+    metadata.mcore_data = {key: dict(planted) for key in tensor_keys}
+    (target / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+# Megatron's tensor-parallel split of each weight (ColumnParallelLinear and the vocab-parallel embedding split dim 0,
+# RowParallelLinear dim 1); everything else is replicated on every rank.
+_TP_SPLIT_DIM = {
+    "embedding.word_embeddings.weight": 0,
+    "output_layer.weight": 0,
+    "linear_qkv.weight": 0,
+    "linear_qkv.bias": 0,
+    "linear_fc1.weight": 0,
+    "linear_fc1.bias": 0,
+    "linear_proj.weight": 1,
+    "linear_fc2.weight": 1,
+}
+
+
+def save_legacy_tensor_parallel(model, root: Path, ranks: int = 2, *, iteration: int = 1000) -> Path:
+    """A legacy save as a TP=`ranks` training run writes it: one mp_rank_<tp>/model_optim_rng.pt per tensor rank,
+    each holding that rank's slice of every split weight, and args recording tensor_model_parallel_size."""
+    mb.init_parallel_state()
+    target = _iteration_dir(root, iteration)
+    state = dict(model.state_dict_for_save_checkpoint())
+    for rank in range(ranks):
+        shard = {}
+        for key, value in state.items():
+            dim = next((d for suffix, d in _TP_SPLIT_DIM.items() if key.endswith(suffix)), None)
+            shard[key] = value.chunk(ranks, dim)[rank].clone() if dim is not None and value is not None else value
+        saved = _training_state(reference_args(model, "torch", tensor_model_parallel_size=ranks), iteration)
+        saved["model"] = shard
+        (target / f"mp_rank_{rank:02d}").mkdir(parents=True)
+        torch.save(saved, target / f"mp_rank_{rank:02d}" / "model_optim_rng.pt")
+    _write_tracker(root, iteration)
+    return target

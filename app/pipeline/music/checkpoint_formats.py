@@ -14,14 +14,16 @@ its format, and reads everything else: the non-tensor entries, the legacy and DC
 Megatron's own loader unpickles these files in full (a checkpoint is then code). Here nothing pickled is run:
   - torch.save'd objects (common.pt, model_optim_rng.pt, DCP byte items) go through safe_pickle.load_inert, where
     every class outside torch's weights-only allowlist becomes an inert Opaque record;
-  - a DCP `.metadata` (a plain pickle that torch reads with pickle.load, for torch_dist as well) is first read
-    admitting only torch.distributed.checkpoint's own metadata classes, and refused if it names anything else.
+  - a DCP `.metadata` (a plain pickle that torch reads with pickle.load, for torch_dist as well) is read with only
+    the metadata classes loading needs resolved (torch.distributed.checkpoint's own), anything else it holds
+    (megatron-core's save plans, say) as inert records, then checked field by field; megatron-core's torch_dist
+    load is handed that reader too (megatron_backend.load_checkpoint).
 """
 
 from __future__ import annotations
 
-import importlib
 import io
+import pickle
 import os
 import re
 import warnings
@@ -34,7 +36,16 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from app.pipeline import safe_pickle
@@ -116,54 +127,141 @@ def locate(directory: str | os.PathLike) -> Checkpoint:
     return Checkpoint(path, detect_format(path))
 
 
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")  # tensor rank, pipeline rank, expert rank
+
+
 def _legacy_file(path: Path) -> Path:
+    """The one-rank legacy file, after refusing a save split across ranks: Megatron-LM names each rank's directory
+    mp_rank_<tensor rank>[_<pipeline rank>][_<expert rank>], and a one-rank load would read only the first part."""
+    names = sorted(entry.name for entry in path.iterdir() if entry.name.startswith(LEGACY_RANK_PREFIX))
+    split = parallelism_of_rank_dirs(names)
+    if split:
+        raise CheckpointFormatError(
+            f"{path}: a {split} legacy save ({', '.join(names)}); Encore loads one-rank saves only: convert it to "
+            "tensor and pipeline parallel size 1 (Megatron-LM's tools/checkpoint/convert.py) first"
+        )
     file = path / LEGACY_FILE
     if not file.is_file():
-        ranks = sorted(entry.name for entry in path.iterdir() if entry.name.startswith(LEGACY_RANK_PREFIX))
-        raise CheckpointFormatError(
-            f"{path}: a legacy checkpoint without {LEGACY_FILE} (found {', '.join(ranks)}): saved with pipeline or "
-            "expert parallelism, which a one-rank load cannot read"
-        )
+        raise CheckpointFormatError(f"{path}: a legacy checkpoint without {LEGACY_FILE} (found {', '.join(names)})")
     return file
 
 
-# --- DCP, read safely ---------------------------------------------------------------------------------
+def parallelism_of_rank_dirs(names: Sequence[str]) -> str:
+    """What splits a legacy save across its rank directories ("tensor-parallel", ...), or "" for a one-rank save."""
+    ranks = [match.groups() for match in map(_RANK_DIR.fullmatch, names) if match]
+    splits = []
+    for label, position in (("tensor-parallel", 0), ("pipeline-parallel", 1), ("expert-parallel", 2)):
+        if any(group[position] not in (None, "00", "000") for group in ranks):
+            splits.append(label)
+    return " and ".join(splits)
 
-_DCP_MODULES = ("torch.distributed.checkpoint.",)
-_DCP_EXTRA_GLOBALS = frozenset(
+
+# --- DCP, read safely ---------------------------------------------------------------------------------
+#
+# A `.metadata` is a plain pickle of torch's `Metadata`, plus whatever the saving library hung on it: megatron-core
+# 0.13-0.15 add `all_local_plans` (a list of its own `MCoreSavePlan`, a SavePlan subclass) and `mcore_data`; 0.16
+# keeps `all_local_plans` as plain SavePlans. Loading needs only the tensor and byte entries and where their bytes
+# lie. So the classes that describe those resolve to torch's own (dataclasses and enums whose construction assigns
+# fields and runs nothing else); every other global (a plan, Megatron's classes, a callable planted to run code)
+# becomes an inert record, and a fresh Metadata is built from the checked entries alone.
+
+_DCP_LOADING_CLASSES = frozenset(
+    f"torch.distributed.checkpoint.metadata.{name}"
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+) | {"torch.distributed.checkpoint.filesystem._StorageInfo"}
+_DCP_VALUE_GLOBALS = frozenset(
     {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict"}
     | {f"pathlib.{name}" for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
 )  # (a save records its checkpoint_id, which may be a path)
 
 
-def _dcp_metadata_global(module: str, name: str) -> bool:
-    """What a DCP `.metadata` may name: torch.distributed.checkpoint's classes (dataclasses and enums), torch's
-    dtypes, sizes and layouts, paths. Functions of those modules are not admitted: calling one could do anything."""
+def _dcp_loading_global(module: str, name: str) -> bool:
+    """The globals read_dcp_metadata resolves to the real objects: the classes loading needs, torch's sizes,
+    layouts and dtypes, paths. Anything else in the file is read as an inert record."""
     full_name = f"{module}.{name}"
-    if full_name in _DCP_EXTRA_GLOBALS:
+    if full_name in _DCP_LOADING_CLASSES or full_name in _DCP_VALUE_GLOBALS:
         return True
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return True
-    if module.startswith(_DCP_MODULES) and not name.startswith("__"):
-        try:
-            return isinstance(getattr(importlib.import_module(module), name, None), type)
-        except ImportError:
-            return False
-    return False
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
 
 
 def read_dcp_metadata(path: Path) -> Metadata:
-    """A DCP directory's `.metadata`, read admitting only DCP's own metadata classes."""
+    """A DCP directory's `.metadata`, as loading needs it: the tensor and byte entries and where their bytes lie,
+    checked field by field. Nothing pickled in the file runs; what loading does not need is not kept."""
+    file = path / DCP_METADATA
     try:
-        metadata = safe_pickle.load_allowlisted(path / DCP_METADATA, _dcp_metadata_global)
-    except safe_pickle.RefusedGlobal as refused:
-        raise CheckpointFormatError(f"{path / DCP_METADATA}: {refused}; not loading it") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointFormatError(f"{path / DCP_METADATA} holds a {type(metadata).__name__}, not DCP metadata")
-    return metadata
+        raw = safe_pickle.load_partly_inert(file, _dcp_loading_global)
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError, IndexError) as error:
+        raise CheckpointFormatError(f"{file}: not a readable DCP metadata file ({error})") from None
+    try:
+        return _loadable_metadata(raw)
+    except _Malformed as malformed:
+        raise CheckpointFormatError(f"{file}: {malformed}; not loading it") from None
 
 
-class _SafeReader(FileSystemReader):
+class _Malformed(ValueError):
+    """A `.metadata` entry that is not what torch's reader would need there."""
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, safe_pickle.Opaque) and kind is not safe_pickle.Opaque):
+        found = value.pickled_global if isinstance(value, safe_pickle.Opaque) else type(value).__name__
+        raise _Malformed(f"{where} is a {found}, not a {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _loadable_metadata(raw: Any) -> Metadata:
+    _expect(raw, Metadata, "the file")
+    entries = _expect(raw.state_dict_metadata, dict, "state_dict_metadata")
+    storage = _expect(raw.storage_data, dict, "storage_data")
+    for key, entry in entries.items():
+        _expect(key, str, "a state_dict_metadata key")
+        if not isinstance(entry, BytesStorageMetadata):
+            _check_tensor_entry(_expect(entry, TensorStorageMetadata, f"entry {key!r}"), key)
+    for index, info in storage.items():
+        _check_index(_expect(index, MetadataIndex, "a storage_data key"))
+        _check_storage_info(_expect(info, _StorageInfo, f"storage_data[{index.fqn!r}]"), index.fqn)
+    version = raw.version if isinstance(getattr(raw, "version", None), str) else None
+    return Metadata(state_dict_metadata=entries, storage_data=storage, storage_meta=StorageMeta(), version=version)
+
+
+def _check_tensor_entry(entry: TensorStorageMetadata, key: str) -> None:
+    properties = _expect(entry.properties, TensorProperties, f"entry {key!r}'s properties")
+    _expect(properties.dtype, torch.dtype, f"entry {key!r}'s dtype")
+    _expect(entry.size, torch.Size, f"entry {key!r}'s size")
+    for chunk in _expect(entry.chunks, list, f"entry {key!r}'s chunks"):
+        _expect(chunk, ChunkStorageMetadata, f"a chunk of {key!r}")
+        _expect(chunk.offsets, torch.Size, f"a chunk of {key!r}'s offsets")
+        _expect(chunk.sizes, torch.Size, f"a chunk of {key!r}'s sizes")
+
+
+def _check_index(index: MetadataIndex) -> None:
+    _expect(index.fqn, str, "a storage index's name")
+    _expect(index.offset, (torch.Size, type(None)), f"{index.fqn!r}'s storage offset")
+    _expect(index.index, (int, type(None)), f"{index.fqn!r}'s storage index")
+
+
+def _check_storage_info(info: _StorageInfo, fqn: str) -> None:
+    relative = _expect(info.relative_path, str, f"{fqn!r}'s file")
+    if Path(relative).is_absolute() or ".." in Path(relative).parts:
+        raise _Malformed(f"{fqn!r} lies in {relative!r}, outside the checkpoint directory")
+    _expect(info.offset, int, f"{fqn!r}'s byte offset")
+    _expect(info.length, int, f"{fqn!r}'s byte length")
+    descriptors = getattr(info, "transform_descriptors", None)
+    if descriptors is not None:
+        for descriptor in _expect(descriptors, (list, tuple), f"{fqn!r}'s transforms"):
+            _expect(descriptor, str, f"a transform of {fqn!r}")
+
+
+class SafeReader(FileSystemReader):
     """torch's FileSystemReader, but the metadata comes from read_dcp_metadata (torch's own uses pickle.load)."""
 
     def __init__(self, path: Path):
@@ -172,9 +270,7 @@ class _SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata(self._directory)
-        storage_meta = metadata.storage_meta or StorageMeta()  # older saves have none
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -195,7 +291,7 @@ def _read_dcp(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     process alone (no collectives: every process reads the whole checkpoint)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=_SafeReader(path), planner=_InertBytesPlanner(), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(path), planner=_InertBytesPlanner(), no_dist=True)
     return state
 
 

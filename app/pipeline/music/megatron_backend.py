@@ -30,7 +30,9 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies import torch as torch_strategies
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
@@ -392,9 +394,35 @@ def checkpoint_architecture(directory: str | os.PathLike, base: TransformerSpec)
     checkpoint = formats.locate(directory)
     source = str(checkpoint.path)
     saved = _saved_args(formats.read_common(checkpoint), source)
+    _refuse_model_parallel(saved, source)
     architecture = Architecture(spec_from_args(saved, base, source=source), variant_from_args(saved, source=source))
     _check_vocabulary(checkpoint, architecture.spec)
     return architecture
+
+
+PARALLEL_ARGS = {  # saved argument: what it splits
+    "tensor_model_parallel_size": "tensor-parallel",
+    "pipeline_model_parallel_size": "pipeline-parallel",
+    "expert_model_parallel_size": "expert-parallel",
+}
+
+
+def _refuse_model_parallel(saved: argparse.Namespace | None, source: str) -> None:
+    """A save recorded as split across model-parallel ranks is refused by name, in every format: Encore builds
+    and loads one rank (TP=1, PP=1). (The reference's own loader loads a TP=2 legacy save silently wrong.)"""
+    if saved is None:
+        return
+    try:
+        split = [
+            f"{label} ({name}={size})" for name, label in PARALLEL_ARGS.items() if (size := _number(saved, name, 1)) > 1
+        ]
+    except CheckpointArgsError as error:
+        raise CheckpointArgsError(f"{source}: {error}") from None
+    if split:
+        raise CheckpointArgsError(
+            f"{source}: a {' and '.join(split)} save; Encore loads one-rank saves only: convert it to tensor and "
+            "pipeline parallel size 1 (Megatron-LM's tools/checkpoint/convert.py) first"
+        )
 
 
 def _check_vocabulary(checkpoint: formats.Checkpoint, spec: TransformerSpec) -> None:
@@ -535,6 +563,24 @@ class _PreloadedCommon(TorchCommonLoadStrategy):
         return dict(self._common)
 
 
+class _InertMetadataStrategy(TorchDistLoadShardedStrategy):
+    """megatron-core's torch_dist load, but every DCP reader it opens reads `.metadata` through
+    checkpoint_formats.SafeReader (its own reads it with pickle.load: megatron-core 0.15's saves name its
+    MCoreSavePlan there, and any save may name a class whose unpickling runs code). megatron-core creates its
+    readers through a module function, so that function is swapped for the duration of the load; one load at a
+    time per process, as for the CPU shims."""
+
+    def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        saved = torch_strategies._get_filesystem_reader
+        torch_strategies._get_filesystem_reader = lambda directory, cache_metadata=False: formats.SafeReader(
+            Path(directory)
+        )
+        try:
+            return super().load(sharded_state_dict, checkpoint_dir)
+        finally:
+            torch_strategies._get_filesystem_reader = saved
+
+
 def load_checkpoint(model: GPTModel, directory: str | os.PathLike) -> None:
     """Load weights from a Megatron save dir (real Khala or ours, any of the three formats) into `model`, any
     dtype/device.
@@ -554,13 +600,18 @@ def load_checkpoint(model: GPTModel, directory: str | os.PathLike) -> None:
 
 def _load_dist(model: GPTModel, checkpoint: formats.Checkpoint) -> None:
     path = str(checkpoint.path)
-    formats.read_dcp_metadata(checkpoint.path)  # refuses a .metadata that names anything but DCP's own classes
+    formats.read_dcp_metadata(checkpoint.path)  # a malformed .metadata is named before any model is built
     common = formats.read_common(checkpoint)
     metadata = common.get("content_metadata")
     sharded = model.sharded_state_dict(metadata=dict(metadata) if isinstance(metadata, dict) else {})
     sharded = {k: v for k, v in sharded.items() if not k.endswith("._extra_state")}
     try:
-        loaded = dist_checkpointing.load({"model": sharded}, path, common_strategy=_PreloadedCommon(common))
+        loaded = dist_checkpointing.load(
+            {"model": sharded},
+            path,
+            sharded_strategy=_InertMetadataStrategy(),
+            common_strategy=_PreloadedCommon(common),
+        )
     except CheckpointException as error:  # a BaseException: would slip past `except Exception`
         raise RuntimeError(f"cannot load checkpoint {path}: {error}") from None
     model.load_state_dict(loaded["model"], strict=True)
