@@ -270,7 +270,7 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata(self._directory)
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
 
