@@ -152,7 +152,9 @@ def test_progress_writes_are_throttled_but_a_stages_first_move_always_goes_out(r
     inside the window are held back, the final 1.0 never is."""
     svc = services_on(f"{redis_base_url}/508", tmp_path, lease_s=60)
     job_id = leased_track(svc)
-    report = _Throttled(svc, job_id, 0, OWNER, every_s=3600)  # a window no slow machine outlasts
+    # A window no slow machine outlasts, on a clock as a machine booted 20 s ago reads it (monotonic() counts from
+    # boot: a first report compared with a "last" of 0.0 would look 20 s after one, inside the window, and be lost).
+    report = _Throttled(svc, job_id, 0, OWNER, every_s=3600, clock=lambda: 20.0)
 
     def written() -> tuple[float, str]:
         track = svc.jobs.track(job_id, 0)
