@@ -1,4 +1,4 @@
-"""The stage's lease thread (app/tasks/stage.CancelWatch), run for real against real redis-servers: it rides out
+"""The stage's lease thread (app/tasks/lease_watch.CancelWatch), run for real against real redis-servers: it rides out
 a Redis outage while its lease lasts, gives the track up once the lease has gone unrenewed for its whole length,
 and on any other error stops the stage loudly instead of letting it run on with a lease nobody renews (the
 reaper would then start the same stage a second time elsewhere). Also its progress throttle, which writes what the
@@ -18,7 +18,8 @@ import redis
 from app.core.config import Settings
 from app.pipeline.control import Canceled, StageControl
 from app.control.services import Services, build_services
-from app.tasks.stage import CancelWatch, LeaseWatchBroken, _Throttled  # not app.tasks.music: see conftest
+from app.tasks.lease_watch import CancelWatch, LeaseWatchBroken  # not app.tasks.music: see conftest
+from app.tasks.progress import ThrottledProgress
 from tests.support.processes import PYTHON, REPO, RedisServer, wait_until
 
 OWNER = "gpu0@host|task-1|4242"
@@ -111,7 +112,7 @@ WORK_THAT_IGNORES_THE_STOP = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from tests.test_lease_watch import OWNER, break_lease_key, leased_track, services_on
-    from app.tasks.stage import CancelWatch
+    from app.tasks.lease_watch import CancelWatch
 
     svc = services_on(sys.argv[1], Path(sys.argv[2]), lease_s=1.5)
     job_id = leased_track(svc)
@@ -154,7 +155,7 @@ def test_progress_writes_are_throttled_but_a_stages_first_move_always_goes_out(r
     job_id = leased_track(svc)
     # A window no slow machine outlasts, on a clock as a machine booted 20 s ago reads it (monotonic() counts from
     # boot: a first report compared with a "last" of 0.0 would look 20 s after one, inside the window, and be lost).
-    report = _Throttled(svc, job_id, 0, OWNER, every_s=3600, clock=lambda: 20.0)
+    report = ThrottledProgress(svc, job_id, 0, OWNER, every_s=3600, clock=lambda: 20.0)
 
     def written() -> tuple[float, str]:
         track = svc.jobs.track(job_id, 0)

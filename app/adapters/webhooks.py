@@ -47,6 +47,7 @@ from urllib.parse import urljoin, urlsplit
 import redis
 from standardwebhooks import Webhook
 
+from app.adapters import addresses
 from app.adapters.redis_conn import decoded
 from app.core.config import Settings, webhook_entry, webhook_network
 from app.core.keys import Layout
@@ -64,8 +65,6 @@ URL_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-._~:/?#[]@!$
 _AUTHORITY = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9.-]+))(?::([0-9]{1,5}))?")
 _LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")  # what inet_aton, and so getaddrinfo, reads as a number
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
 RESOLVED_ADDRESSES = 16  # the most addresses of one name checked (and tried) per delivery
 
 
@@ -170,33 +169,9 @@ def _canonical(host: str) -> str:
 
 
 def public(address: IPAddress) -> bool:
-    """Whether `address` is on the public internet: not loopback, private, link-local, multicast, unspecified,
-    reserved or shared, nor an IPv6 form that carries such an IPv4 address (mapped, 6to4, Teredo, NAT64)."""
-    if (
-        address.is_multicast
-        or address.is_reserved
-        or address.is_loopback
-        or address.is_link_local
-        or address.is_unspecified
-        or address.is_private
-        or not address.is_global
-    ):
-        return False
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.scope_id or address.is_site_local or address in _NAT64_LOCAL:
-            return False
-        inner = [address.ipv4_mapped, address.sixtofour, *(address.teredo or ())]
-        if address in _NAT64:
-            inner.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
-        return all(public(embedded) for embedded in inner if embedded is not None)
-    return True
-
-
-def _kind(address: IPAddress) -> str:
-    for kind in ("loopback", "link_local", "multicast", "unspecified", "private", "reserved"):
-        if getattr(address, f"is_{kind}"):
-            return kind.replace("_", "-")
-    return "non-public"
+    """Whether `address` is on the public internet: outside every IANA special-purpose block and the clouds'
+    metadata addresses, nor an IPv6 form that carries such an IPv4 address (app/adapters/addresses.py)."""
+    return addresses.is_public(address)
 
 
 def refusal(target: Target, address: IPAddress | None, settings: Settings) -> str | None:
@@ -213,7 +188,8 @@ def refusal(target: Target, address: IPAddress | None, settings: Settings) -> st
         covering = [port for network, port in private if address.version == network.version and address in network]
         if not any(port in (None, target.port) for port in covering):
             return (
-                f"{address} is not a public address ({_kind(address)}) and {address} port {target.port} is "
+                f"{address} is not a public address ({addresses.why_not_public(address)}) and {address} port "
+                f"{target.port} is "
                 "not in this server's ENCORE_WEBHOOK_ALLOW_PRIVATE"
             )
         if target.port in covering:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from typing import NamedTuple
 
 JOB_ID_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 
@@ -15,3 +16,20 @@ def new_job_id() -> str:
 def is_job_id(value: str) -> bool:
     """True for ids `new_job_id` could have made: anything else is refused before it names a key or a folder."""
     return bool(JOB_ID_PATTERN.match(value))
+
+
+class TrackRef(NamedTuple):
+    """One track of one job: what a stage run holds a lease on, whichever job it belongs to (a run may serve
+    tracks of several jobs)."""
+
+    job_id: str
+    track: int
+
+    def member(self) -> str:
+        """The "job:track" member naming it in the queue sets (app/control/backlog.py)."""
+        return f"{self.job_id}:{self.track}"
+
+    @classmethod
+    def from_member(cls, member: str) -> "TrackRef":
+        job_id, _, track = member.rpartition(":")
+        return cls(job_id, int(track))

@@ -62,26 +62,27 @@ def _seed(run: StageRun) -> int:
 def backbone_work(run: StageRun) -> None:
     """The track's coarse codes, and those of up to ENCORE_BATCH_TRACKS - 1 other tracks of the song waiting
     on this queue, in one batch when the engine batches (a memory-bound GPU decodes 2 tracks for about the
-    price of 1)."""
+    price of 1). Written for tracks of any job (TrackRef pairs); the candidates are the song's own tracks."""
     batch = run.svc.settings.batch_tracks
     batches = batch > 1 and models().backbone_batches(run.loaded, run.control)  # a load here is announced
-    siblings = run.adopt_waiting_siblings(batch - 1) if batches else []
-    tracks = [run.track, *siblings]
-    seeds = [_seed(run), *(int(run.sibling_params(track)["seed"]) for track in siblings)]
-    outs = [run.workdir / f"track{track}.coarse.pt" for track in tracks]
+    adopted = run.adopt_waiting_siblings(batch - 1) if batches else []
+    refs = [run.ref, *adopted]
+    seeds = [int(run.params_of(ref)["seed"]) if ref != run.ref else _seed(run) for ref in refs]
+    names = [f"track{ref.track}.coarse.pt" for ref in refs]
+    outs = [run.workdir / f"{ref.job_id}-{name}" for ref, name in zip(refs, names, strict=True)]  # jobs may share
     started = time.time()
     try:
-        info = _music().run_backbone_tracks(models(), run.params, seeds, outs, run.shared_control(siblings), run.loaded)
+        info = _music().run_backbone_tracks(models(), run.params, seeds, outs, run.shared_control(adopted), run.loaded)
     except BaseException:
-        run.release_siblings(siblings)
+        run.release_adopted(adopted)
         raise
-    for out in outs:
-        run.keep(out.name, out)
-    for track, song in zip(tracks, info.pop("songs"), strict=True):  # the song's actual length, known from here on
-        run.note(track, song=song)
-    for track in siblings:
-        run.finish_sibling(track, started)
-    run.info.update(info, **({"with_tracks": siblings} if siblings else {}))
+    for ref, name, out in zip(refs, names, outs, strict=True):
+        run.svc.artifacts.put(ref.job_id, name, out, run.ttl_of(ref))
+    for ref, song in zip(refs, info.pop("songs"), strict=True):  # the song's actual length, known from here on
+        run.note(ref, song=song)
+    for ref in adopted:
+        run.finish_adopted(ref, started)
+    run.info.update(info, **({"with_tracks": [ref.track for ref in adopted]} if adopted else {}))
     models().after_stage("backbone")
 
 

@@ -15,6 +15,10 @@ work:
   has not stopped `cancel_grace_s` later, the child process exits (hard kill) and the master replaces it;
 - soft time limit -> failed with a timeout message; hard limit (child killed) -> on_failure in the master;
 - any other exception -> failed with the message; the worker takes the next job.
+
+The concerns around it live beside it: the lease thread (lease_watch.py), tracks a run serves besides its own,
+of any job (adoption.py), the finish/release transitions (track_moves.py), throttled progress (progress.py) and
+worker-local folders (scratch.py).
 """
 
 from __future__ import annotations
@@ -22,14 +26,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-import redis
 from kombu.exceptions import OperationalError
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
@@ -45,11 +46,14 @@ from app.pipeline.control import Canceled, StageControl
 from app.pipeline.runtime import device_report, release_memory
 from app.control.services import Services, services
 from app.control.workers import pid_alive
+from app.core.ids import TrackRef
+from app.tasks import adoption
+from app.tasks.lease_watch import CancelWatch
+from app.tasks.progress import ThrottledProgress
+from app.tasks.scratch import drop_scratch, stage_workdir, track_scratch
+from app.tasks.track_moves import finish_stage, release_adopted
 
 log = logging.getLogger("encore.jobs")
-
-CANCEL_POLL_S = 0.2
-PROGRESS_EVERY_S = 0.25
 
 
 @dataclass
@@ -69,7 +73,7 @@ class StageRun:
     info: dict[str, Any] = field(default_factory=dict)  # facts about the stage's work, kept in its record
     queue: str = ""
     worker: str = ""
-    adopted: list[int] = field(default_factory=list)  # other tracks of the job this run also serves
+    adopted: list[TrackRef] = field(default_factory=list)  # other tracks (of any job) this run also serves
     lease_owner: str = ""  # this run's lease (jobs.take_lease), also put on the tracks it adopts
 
     @property
@@ -94,341 +98,68 @@ class StageRun:
         artifacts = sorted(set(record["artifacts"]) | {name})
         self.svc.jobs.report(self.job_id, self.track, self.lease_owner, artifacts=artifacts)
 
-    def note(self, track: int, **fields: Any) -> None:
+    def note(self, ref: TrackRef, **fields: Any) -> None:
         """Facts about one of this run's tracks (its own or an adopted one) for its record."""
-        self.svc.jobs.report(self.job_id, track, self.lease_owner, **fields)
+        self.svc.jobs.report(ref.job_id, ref.track, self.lease_owner, **fields)
 
-    # -- tracks of the same job served by this run (batching) ------------------------------------------
-    def adopt_waiting_siblings(self, limit: int) -> list[int]:
-        """Take over up to `limit` tracks of this job that wait on this queue for this same stage, so one
-        batched pass serves them all. Each one's own message, when it comes, finds the stage done and moves
-        on; if this run fails, `release_siblings` puts them back to wait for their own message."""
-        job = self.svc.jobs.job(self.job_id)
-        adopted: list[int] = []
-        for other in range(job["num_tracks"] if job else 0):
-            if len(adopted) >= limit:
-                break
-            if other != self.track and self.svc.jobs.transition(
-                "adopt",
-                self.job_id,
-                other,
-                {"detail": f"{self.stage.name} together with track {self.track}", "progress": 0.0},
-                stage=self.stage.name,
-                queue_is=self.queue,
-                owner=self.lease_owner,
-                worker=self.worker,
-                lease_ms=int(self.svc.settings.lease_s * 1000),
-            ):
-                adopted.append(other)
-                self.adopted.append(other)
+    # -- tracks served by this run besides its own (batching; app/tasks/adoption.py) -----------------------
+    @property
+    def ref(self) -> TrackRef:
+        return TrackRef(self.job_id, self.track)
+
+    def adopt_waiting(self, candidates: list[TrackRef], limit: int) -> list[TrackRef]:
+        """Take over up to `limit` of `candidates` waiting on this queue for this stage, so one batched pass serves
+        them all. Each one's own message, when it comes, finds the stage done and moves on; if this run fails,
+        `release_adopted` puts them back to wait for their own message."""
+        adopted = adoption.adopt_waiting(
+            self.svc,
+            candidates,
+            limit=limit,
+            stage=self.stage.name,
+            queue=self.queue,
+            owner=self.lease_owner,
+            worker=self.worker,
+            detail=f"{self.stage.name} together with track {self.track}",
+        )
+        self.adopted.extend(adopted)  # the lease thread renews what is in this list
         return adopted
 
-    def sibling_params(self, track: int) -> dict[str, Any]:
-        record = self.svc.jobs.track(self.job_id, track)
-        return record["params"] if record else {}
+    def adopt_waiting_siblings(self, limit: int) -> list[TrackRef]:
+        """adopt_waiting among the other tracks of this run's job."""
+        return self.adopt_waiting(adoption.job_siblings(self.svc, self.ref), limit)
 
-    def shared_control(self, siblings: list[int]) -> StageControl:
+    def params_of(self, ref: TrackRef) -> dict[str, Any]:
+        return adoption.track_params(self.svc, ref)
+
+    def shared_control(self, refs: list[TrackRef]) -> StageControl:
         """This run's control, whose progress also goes to the adopted tracks."""
-        if not siblings:
-            return self.control
-        others = [_Throttled(self.svc, self.job_id, track, self.lease_owner) for track in siblings]
+        return adoption.shared_control(self.svc, self.control, refs, self.lease_owner)
 
-        def report(fraction: float, detail: str) -> None:
-            self.control.report(fraction, detail)
-            for other in others:
-                other(fraction, detail)
-
-        return StageControl(report=report, cancel_requested=self.control.cancel_requested)
-
-    def finish_sibling(self, track: int, started_at: float) -> None:
+    def finish_adopted(self, ref: TrackRef, started_at: float) -> None:
         """Record this stage done for an adopted track, as `_finish` does for the run's own track."""
-        record = self.svc.jobs.track(self.job_id, track)
-        if record is None:
-            return
-        stages = record["stages"]
-        now = time.time()
-        stages[self.stage.name] = {
-            "started_at": started_at,
-            "finished_at": now,
-            "duration_s": round(now - started_at, 3),
-            "worker": self.worker,
-            "loaded": [],
-            "with_track": self.track,
-        }
-        finish_stage(self.svc, self.kind, self.job_id, track, self.stage, stages, self.lease_owner)
-        job_event(
-            log,
-            "stage_finished",
-            self.job_id,
-            track=track,
-            queue=self.queue,
+        adoption.finish_adopted(
+            self.svc,
+            self.kind,
+            self.stage,
+            ref,
+            started_at=started_at,
             worker=self.worker,
-            stage=self.stage.name,
-            with_track=self.track,
+            owner=self.lease_owner,
+            queue=self.queue,
+            with_track=self.ref,
         )
 
-    def release_siblings(self, tracks: list[int]) -> None:
+    def release_adopted(self, refs: list[TrackRef]) -> None:
         """Adopted tracks go back to waiting for their own message (this run failed or was stopped)."""
-        release_adopted(self.svc, self.job_id, tracks, self.stage.name, self.lease_owner)
+        release_adopted(self.svc, refs, self.stage.name, self.lease_owner)
 
     def _ttl(self) -> float:
-        job = self.svc.jobs.job(self.job_id)
+        return self.ttl_of(self.ref)
+
+    def ttl_of(self, ref: TrackRef) -> float:
+        """How long an intermediate of `ref`'s job must be kept: as long as its job's record."""
+        job = self.svc.jobs.job(ref.job_id)
         return max(1.0, (job["expires_at"] if job else time.time() + self.svc.settings.job_ttl_s) - time.time())
-
-
-def finish_stage(
-    svc: Services, kind: JobKind, job_id: str, track: int, stage: Stage, stages: dict[str, Any], owner: str
-) -> bool:
-    """Stage `stage` of the track is done (the `finish` transition): it waits for the next, or is done.
-    False when the track is no longer this run's (lease lost) or a pending cancel ended it."""
-    following = kind.next_stage(stage.name)
-    if following is None:
-        drop_scratch(svc, job_id, track)  # first: whoever sees the track done never finds its scratch
-    fields = {
-        "stages": stages,
-        "progress": 1.0 if following is None else 0.0,
-        "detail": "done" if following is None else "waiting for the worker",
-    }
-    outcome = svc.jobs.transition(
-        "finish",
-        job_id,
-        track,
-        fields,
-        stage=stage.name,
-        owner=owner,
-        cancel_detail=f"canceled before {following.name if following else 'the end'}",
-    )
-    if outcome.canceled:
-        drop_scratch(svc, job_id, track)
-    return outcome.applied and not outcome.canceled
-
-
-def release_adopted(svc: Services, job_id: str, tracks: list[int], stage: str, owner: str) -> None:
-    """Tracks adopted by a run that did not finish wait again for their own message (the `release`
-    transition); with a cancel pending they end now (the canceled job's messages were revoked)."""
-    for track in tracks:
-        svc.jobs.transition(
-            "release",
-            job_id,
-            track,
-            {"detail": "queued", "progress": 0.0},
-            stage=stage,
-            owner=owner,
-            cancel_detail=f"canceled during {stage}",
-        )
-
-
-def adopted_by_killed_run(svc: Services, job_id: str, track: int, owner: str) -> list[int]:
-    """Other tracks of the job whose lease is the killed run's own: it had adopted them (its child took its
-    list of them along)."""
-    job = svc.jobs.job(job_id)
-    return [
-        other
-        for other in range(job["num_tracks"] if job else 0)
-        if other != track and svc.jobs.lease(job_id, other) == owner
-    ]
-
-
-def track_scratch(svc: Services, job_id: str, track: int) -> Path:
-    return svc.settings.worker_cache_dir / "tracks" / f"{job_id}-{track}"
-
-
-def drop_scratch(svc: Services, job_id: str, track: int) -> None:
-    shutil.rmtree(track_scratch(svc, job_id, track), ignore_errors=True)
-
-
-def sweep_scratch(svc: Services) -> list[str]:
-    """Scratch folders of jobs whose record expired (a worker that died mid-track cannot clean up)."""
-    root = svc.settings.worker_cache_dir / "tracks"
-    removed = []
-    for folder in root.iterdir() if root.is_dir() else []:
-        job_id = folder.name.split("-")[0]
-        if svc.jobs.job(job_id) is None:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder.name)
-    return removed
-
-
-def stage_workdir(svc: Services, job_id: str, track: int, stage: str) -> Path:
-    """A running stage's own temp folder, under the worker's cache dir and named after its job, track, stage and
-    process: removed when the stage ends, and by `sweep_workdirs` when its process was killed first."""
-    root = svc.settings.worker_cache_dir / "work"
-    root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"{job_id}-{track}-{stage}-{os.getpid()}-", dir=root))
-
-
-def sweep_workdirs(svc: Services) -> list[str]:
-    """Temp folders of stages whose process is gone (a killed pool child or worker cannot clean up after itself);
-    a folder whose process lives, even one of another worker on this host, is kept."""
-    root = svc.settings.worker_cache_dir / "work"
-    removed = []
-    for folder in root.iterdir() if root.is_dir() else []:
-        parts = folder.name.rsplit("-", 2)
-        if len(parts) == 3 and parts[1].isdigit() and not pid_alive(int(parts[1])):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder.name)
-    return removed
-
-
-class _Throttled:
-    """Writes progress to the job record at most every PROGRESS_EVERY_S, but always the first report that moves
-    it (a stage's "Loading ... model" notice at 0 must not hold back its first progress: a stage shorter than
-    the window would otherwise show none) and the final 1.0."""
-
-    def __init__(
-        self,
-        svc: Services,
-        job_id: str,
-        track: int,
-        owner: str,
-        every_s: float = PROGRESS_EVERY_S,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.svc, self.job_id, self.track, self.owner, self.every_s = svc, job_id, track, owner, every_s
-        self.clock = clock
-        self.last: float | None = (
-            None  # never: monotonic() counts from boot, so 0.0 would be "just now" on a new machine
-        )
-        self.moved = False
-
-    def __call__(self, fraction: float, detail: str) -> None:
-        now = self.clock()
-        first_move = fraction > 0 and not self.moved
-        if fraction >= 1.0 or first_move or self.last is None or now - self.last >= self.every_s:
-            self.last, self.moved = now, self.moved or fraction > 0
-            self.svc.jobs.report(
-                self.job_id, self.track, self.owner, progress=round(min(max(fraction, 0.0), 1.0), 4), detail=detail
-            )
-
-
-# What the lease thread rides out: Redis unreachable for a while (a restart, a Sentinel failover). Anything
-# else it meets (a bug, an answer it cannot read) means it can no longer keep the lease: it stops the stage.
-REDIS_OUTAGES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-
-
-class LeaseWatchBroken(RuntimeError):
-    """The stage's lease thread failed: the stage stops rather than run on without renewing its lease (the
-    reaper would start the same stage again elsewhere)."""
-
-
-class CancelWatch:
-    """In a thread: polls the job's cancel flag and renews the run's leases (its track's and its adopted
-    tracks'); hard-kills this process if the work ignores a stop. A renewal that finds the lease gone or
-    another's means the track was taken from this stage (it was thought dead): `lost` is set, and the stage
-    stops without writing the track, which is no longer its. Redis outages are ridden out for as long as the
-    lease lasts; once the lease has gone unrenewed for its whole length the track is as good as taken, and
-    `lost` is set too. Any other error in the thread sets `broken` (and `canceled`): the work stops at its
-    next cancel check and the stage fails with LeaseWatchBroken (`raise_if_broken`)."""
-
-    def __init__(
-        self,
-        svc: Services,
-        job_id: str,
-        track: int,
-        grace_s: float,
-        adopted: list[int] | None = None,
-        lease_owner: str = "",
-        stage: str = "",
-    ):
-        self.svc, self.job_id, self.track, self.grace_s = svc, job_id, track, grace_s
-        self.adopted = adopted if adopted is not None else []  # filled by the run as it adopts tracks
-        self.lease_owner, self.stage = lease_owner, stage
-        self.canceled = threading.Event()
-        self.lost = threading.Event()
-        self.broken: Exception | None = None
-        self.renewed_at = time.monotonic()  # the last renewal that went through (the lease was taken just now)
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name=f"cancel-watch-{job_id[:8]}", daemon=True)
-
-    def __enter__(self) -> "CancelWatch":
-        self.renewed_at = time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(timeout=2)
-
-    def raise_if_broken(self) -> None:
-        """LeaseWatchBroken when the thread failed: whatever the work did, it did without a renewed lease."""
-        if self.broken is not None:
-            raise LeaseWatchBroken(self.failure()) from self.broken
-
-    def failure(self) -> str:
-        return (
-            f"the stage's lease thread failed ({type(self.broken).__name__}: {self.broken}); "
-            "the stage was stopped rather than run on without renewing its lease"
-        )
-
-    def _renew(self) -> bool:
-        lease_s = self.svc.settings.lease_s
-        return all(
-            self.svc.jobs.renew_lease(self.job_id, track, self.lease_owner, lease_s)
-            for track in [self.track, *self.adopted]
-        )
-
-    def _watch(self) -> None:
-        try:
-            must_stop = self._poll()
-        except Exception as exc:
-            self.broken = exc
-            log.exception("lease thread of job %s track %s failed", self.job_id, self.track)
-            job_event(
-                log,
-                "lease_watch_broken",
-                self.job_id,
-                track=self.track,
-                level=logging.ERROR,
-                owner=self.lease_owner,
-                error=repr(exc),
-            )
-            must_stop = True
-        if not must_stop:
-            return
-        self.canceled.set()
-        if self._done.wait(self.grace_s):
-            return
-        self._hard_kill()
-
-    def _poll(self) -> bool:
-        """Renew and watch until the run ends (False) or the stage must stop (True): a cancel, a lost lease."""
-        lease_s = self.svc.settings.lease_s
-        while not self._done.wait(CANCEL_POLL_S):
-            try:
-                if self.lease_owner and time.monotonic() - self.renewed_at >= lease_s / 3:
-                    if not self._renew():
-                        self._lose("lease_lost")
-                        return True
-                    self.renewed_at = time.monotonic()
-                if self.svc.jobs.cancel_requested(self.job_id):
-                    return True
-            except REDIS_OUTAGES as exc:
-                if self.lease_owner and time.monotonic() - self.renewed_at >= lease_s:
-                    self._lose("lease_expired_unrenewed", error=repr(exc))
-                    return True
-        return False
-
-    def _lose(self, event: str, **fields: Any) -> None:
-        self.lost.set()
-        job_event(log, event, self.job_id, track=self.track, level=logging.ERROR, owner=self.lease_owner, **fields)
-
-    def _hard_kill(self) -> None:
-        """The work ignored the stop for `grace_s`: end this process (the prefork master replaces it) after
-        writing what the redelivered message must find: canceled, or failed when the thread broke."""
-        job_event(log, "cancel_hard_kill", self.job_id, track=self.track, level=logging.ERROR, pid=os.getpid())
-        drop_scratch(self.svc, self.job_id, self.track)
-        try:
-            if self.broken is not None:
-                self.svc.jobs.fail(self.job_id, self.track, self.failure(), owner=self.lease_owner)
-                release_adopted(self.svc, self.job_id, self.adopted, self.stage, self.lease_owner)
-            elif not self.lost.is_set():
-                for track in [self.track, *self.adopted]:
-                    self.svc.jobs.cancel(
-                        self.job_id, track, "canceled (stage stopped by force)", owner=self.lease_owner
-                    )
-        except Exception:
-            log.exception("job %s track %s: could not record the forced stop", self.job_id, self.track)
-        os._exit(75)  # the prefork master replaces this child; the redelivered message finds the track ended
 
 
 class StageTask(Task):
@@ -450,9 +181,35 @@ class StageTask(Task):
             log.warning("event=task_event_unsent task_id=%s reason=%r", self.request.id, exc)
 
     def run_stage(self, ref: dict[str, Any]) -> dict[str, Any]:
+        """Admit this delivery (`_admit`), run the work under its lease thread (`_run_watched`), record it done."""
         svc = services()
         job_id, track = ref["job_id"], int(ref["track"])
         worker = self.request.hostname or "unknown"
+        admitted = self._admit(svc, job_id, track, worker)
+        if admitted is None:  # run already (with another track, or before a redelivery): the chain goes on
+            return ref
+        record, job, stages, owner, deliveries = admitted
+        job_event(
+            log,
+            "stage_started",
+            job_id,
+            track=track,
+            queue=record["queue"],
+            worker=worker,
+            stage=self.stage.name,
+            attempt=deliveries,
+        )
+        started = time.monotonic()
+        run, watch = self._run_watched(svc, TrackRef(job_id, track), job, record, worker, owner)
+        self._finish(svc, run, stages, time.monotonic() - started, worker, owner, watch)
+        return ref
+
+    def _admit(
+        self, svc: Services, job_id: str, track: int, worker: str
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], str, int] | None:
+        """Start the stage (the `start` transition, taking the track's lease) when this delivery may: the track is
+        open, the message is of its current chain, it was not delivered too often, no live stage holds it.
+        None when the stage is done already; Ignore (after recording why) when it must not run."""
         record = svc.jobs.track(job_id, track)
         if record is None or not is_open(record["status"]):
             drop_scratch(svc, job_id, track)
@@ -460,7 +217,7 @@ class StageTask(Task):
         if self.request.id not in record["task_ids"]:  # the track moved; this message is of its old chain
             self._stale(job_id, track, worker, "not of the track's current chain")
         done = record["stages"].get(self.stage.name, {})
-        if done.get("finished_at"):  # run already: with another track of the job, or before a redelivery
+        if done.get("finished_at"):
             job_event(
                 log,
                 "stage_skipped",
@@ -471,7 +228,7 @@ class StageTask(Task):
                 stage=self.stage.name,
                 reason="already done" + (f" with track {done['with_track']}" if "with_track" in done else ""),
             )
-            return ref
+            return None
         owner = f"{worker}|{self.request.id}|{os.getpid()}"
         steal = self._killed_child_lease(svc, job_id, track, worker)
         deliveries = svc.jobs.count_delivery(self.request.id)
@@ -514,17 +271,14 @@ class StageTask(Task):
         job = svc.jobs.job(job_id)
         if job is None:  # the job's record expired under its track: nothing to run it for
             self._stale(job_id, track, worker, "the job's record expired")
-        job_event(
-            log,
-            "stage_started",
-            job_id,
-            track=track,
-            queue=record["queue"],
-            worker=worker,
-            stage=self.stage.name,
-            attempt=deliveries,
-        )
-        started = time.monotonic()
+        return record, job, stages, owner, deliveries
+
+    def _run_watched(
+        self, svc: Services, ref: TrackRef, job: dict[str, Any], record: dict[str, Any], worker: str, owner: str
+    ) -> tuple[StageRun, CancelWatch]:
+        """The work in its own workdir, under the lease thread; a cancel, a lost lease, a timeout or an error
+        ends the track as it should (and raises), the workdir goes whatever happens."""
+        job_id, track = ref
         workdir = stage_workdir(svc, job_id, track, self.stage.name)
         succeeded = False
         watch = CancelWatch(
@@ -533,7 +287,7 @@ class StageTask(Task):
         try:
             with watch:
                 control = StageControl(
-                    report=_Throttled(svc, job_id, track, owner), cancel_requested=watch.canceled.is_set
+                    report=ThrottledProgress(svc, job_id, track, owner), cancel_requested=watch.canceled.is_set
                 )
                 run = StageRun(
                     svc,
@@ -553,10 +307,9 @@ class StageTask(Task):
                 self._work_watched(run, watch)
             succeeded = True
         except Canceled:
-            if watch.lost.is_set():  # taken from this stage: the track is someone else's now
-                drop_scratch(svc, job_id, track)
-                raise Ignore() from None
             drop_scratch(svc, job_id, track)
+            if watch.lost.is_set():  # taken from this stage: the track is someone else's now
+                raise Ignore() from None
             svc.jobs.cancel(job_id, track, f"canceled during {self.stage.name}", owner=owner)
             job_event(log, "canceled", job_id, track=track, queue=record["queue"], worker=worker, stage=self.stage.name)
             raise Ignore() from None
@@ -571,17 +324,7 @@ class StageTask(Task):
             shutil.rmtree(workdir, ignore_errors=True)
             release_memory(collect=not succeeded)
             svc.workers.update(worker, **device_report())
-        self._finish(
-            svc,
-            run,
-            stages,
-            time.monotonic() - started,
-            worker,
-            owner,
-            watch,
-            units=float(record.get("cost") or 0) * (1 + len(run.adopted)),
-        )
-        return ref
+        return run, watch
 
     def _work(self, run: StageRun) -> None:
         type(self).work(run)
@@ -628,9 +371,12 @@ class StageTask(Task):
         worker: str,
         owner: str,
         watch: "CancelWatch",
-        units: float = 0.0,
     ) -> None:
-        """`units`: the cost units the run got through (its track's and those it adopted), for throughput."""
+        """Record the stage done, and what it cost: the run's seconds are learned per cost unit over every track
+        it served, and charged to each track's owner in proportion to that track's cost (tracks of several jobs
+        may share a run)."""
+        costs = {ref: adoption.track_cost(svc, ref) for ref in [run.ref, *run.adopted]}
+        units = sum(costs.values())
         stages[self.stage.name].update(
             finished_at=time.time(),
             duration_s=round(seconds, 3),
@@ -638,7 +384,10 @@ class StageTask(Task):
             **({"info": run.info} if run.info else {}),
         )
         observe_stage(svc, self.kind.name, self.stage.name, seconds, units)
-        record_gpu_seconds(svc, run.job_id, seconds)  # the owner's usage (app/control/tenant_limits.py)
+        for ref, cost in costs.items():  # each owner's usage (app/control/tenant_limits.py)
+            share = cost / units if units > 0 else (1.0 if ref == run.ref else 0.0)
+            if share > 0:
+                record_gpu_seconds(svc, ref.job_id, seconds * share)
         learn_stage(
             svc,
             run.queue,
@@ -700,7 +449,8 @@ class StageTask(Task):
             lease = svc.jobs.lease(job_id, track) or ""
             worker, _, rest = lease.partition("|")  # the master's own request context is not the task's
             dead = lease if rest.partition("|")[0] == task_id else ""
-            adopted = adopted_by_killed_run(svc, job_id, track, dead) if dead else []
+            queue = (svc.jobs.track(job_id, track) or {}).get("queue") or ""
+            adopted = adoption.adopted_by_killed_run(svc, queue, TrackRef(job_id, track), dead) if dead else []
             self._fail(
                 svc,
                 job_id,
@@ -709,7 +459,7 @@ class StageTask(Task):
                 f"timed out: {self.stage.name} exceeded its hard time limit of {hard:g} s",
                 steal=dead,
             )
-            release_adopted(svc, job_id, adopted, self.stage.name, dead)
+            release_adopted(svc, adopted, self.stage.name, dead)
 
 
 def stage_task(kind: JobKind, stage_name: str, work: Callable[[StageRun], None]) -> StageTask:

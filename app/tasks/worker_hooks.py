@@ -20,7 +20,7 @@ from app.core.kinds import KINDS
 from app.control.recovery import reap, release_dead_leases
 from app.control.routing import dispatch_unrouted, rebalance
 from app.control.services import Services, services
-from app.tasks.stage import sweep_scratch, sweep_workdirs
+from app.tasks.scratch import sweep_scratch, sweep_workdirs
 
 log = logging.getLogger("encore.worker")
 
