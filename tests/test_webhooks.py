@@ -285,7 +285,11 @@ def test_a_name_is_resolved_and_checked_at_delivery(receiver):
     )
     for config in (settings(), settings(webhook_hosts=(f"localhost:{hooks.port}",))):
         status, error = webhooks.post(url, "{}", {}, 5, config)
-        assert status is None and "127.0.0.1 is not a public address (127.0.0.0/8: loopback)" in error and not hooks.requests
+        assert (
+            status is None
+            and "127.0.0.1 is not a public address (127.0.0.0/8: loopback)" in error
+            and not hooks.requests
+        )
     allowed = settings(webhook_allow_private=(hooks.allow, f"[::1]:{hooks.port}"))
     assert webhooks.post(url, "{}", {}, 5, allowed) == (204, "")
     assert hooks.requests[0][0]["host"] == f"localhost:{hooks.port}"
