@@ -691,9 +691,10 @@ def test_the_page_follows_a_retried_job_with_one_stream_until_its_new_run_ends(m
     run and one for the retry, never two at once: the retry's stream does not end at once on the old run's
     `canceled` (the page would reopen one after another), and ends only when the new run is done."""
     stack = make_stack(**REFERENCE_ENGINE)
-    stack.start_worker(0)
     browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": STREAM_COUNTER})
     browser.get(stack.base_url + "/")
+    # No worker yet: the first run waits queued until the cancel, so the page follows it however fast this machine
+    # would have run it (a quiet machine once finished the song before the page's first look, and no stream opened).
     job_id = stack.submit_music(duration_s=8.0)
     article = wait_until(lambda: css(browser, job_selector(job_id)), 30, 0.1, "the job listed")[0]
     wait_until(lambda: article.get_attribute("data-events") == "live", 30, 0.1, "the page to follow the job")
@@ -704,6 +705,7 @@ def test_the_page_follows_a_retried_job_with_one_stream_until_its_new_run_ends(m
     wait_until(lambda: article.get_attribute("data-events") == "ended", 30, 0.1, "the first stream to end")
     retry = css(browser, job_selector(job_id) + " .retry")[0]
     wait_until(retry.is_displayed, 15, 0.1, "the Retry button")
+    stack.start_worker(0)
     retry.click()
     seen: set[str] = set()
     wait_page_state(browser, job_id, {"done"}, 180, seen=seen)
