@@ -189,8 +189,7 @@ def refusal(target: Target, address: IPAddress | None, settings: Settings) -> st
         if not any(port in (None, target.port) for port in covering):
             return (
                 f"{address} is not a public address ({addresses.why_not_public(address)}) and {address} port "
-                f"{target.port} is "
-                "not in this server's ENCORE_WEBHOOK_ALLOW_PRIVATE"
+                f"{target.port} is not in this server's ENCORE_WEBHOOK_ALLOW_PRIVATE"
             )
         if target.port in covering:
             return None

@@ -24,12 +24,3 @@ class TrackRef(NamedTuple):
 
     job_id: str
     track: int
-
-    def member(self) -> str:
-        """The "job:track" member naming it in the queue sets (app/control/backlog.py)."""
-        return f"{self.job_id}:{self.track}"
-
-    @classmethod
-    def from_member(cls, member: str) -> "TrackRef":
-        job_id, _, track = member.rpartition(":")
-        return cls(job_id, int(track))

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Any, Iterable
 
+from app.control.lifecycle import member, parse_member
 from app.control.services import Services
 from app.core.ids import TrackRef
 from app.core.joblog import job_event
@@ -98,7 +99,7 @@ def finish_adopted(
         "duration_s": round(now - started_at, 3),
         "worker": worker,
         "loaded": [],
-        "with_track": with_track.track if with_track.job_id == ref.job_id else with_track.member(),
+        "with_track": with_track.track if with_track.job_id == ref.job_id else member(*with_track),
     }
     finish_stage(svc, kind, ref.job_id, ref.track, stage, stages, owner)
     job_event(
@@ -109,7 +110,7 @@ def finish_adopted(
         queue=queue,
         worker=worker,
         stage=stage.name,
-        with_track=with_track.member(),
+        with_track=member(*with_track),
     )
 
 
@@ -117,7 +118,7 @@ def adopted_by_killed_run(svc: Services, queue: str, own: TrackRef, owner: str) 
     """The tracks a killed run had adopted (its child took its list of them along): those running on its queue,
     of any job, whose lease is the dead run's own. Bounded by the queue's running tracks."""
     members: list[str] = svc.redis.zrange(svc.jobs.keys.running(queue), 0, -1)  # type: ignore[assignment]
-    running = [TrackRef.from_member(member) for member in members]
+    running = [TrackRef(*parse_member(value)) for value in members]
     return [ref for ref in running if ref != own and svc.jobs.lease(ref.job_id, ref.track) == owner]
 
 

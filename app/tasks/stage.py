@@ -201,7 +201,8 @@ class StageTask(Task):
         )
         started = time.monotonic()
         run, watch = self._run_watched(svc, TrackRef(job_id, track), job, record, worker, owner)
-        self._finish(svc, run, stages, time.monotonic() - started, worker, owner, watch)
+        own_cost = float(record.get("cost") or 0)
+        self._finish(svc, run, stages, time.monotonic() - started, worker, owner, watch, own_cost)
         return ref
 
     def _admit(
@@ -371,11 +372,12 @@ class StageTask(Task):
         worker: str,
         owner: str,
         watch: "CancelWatch",
+        own_cost: float,
     ) -> None:
         """Record the stage done, and what it cost: the run's seconds are learned per cost unit over every track
         it served, and charged to each track's owner in proportion to that track's cost (tracks of several jobs
-        may share a run)."""
-        costs = {ref: adoption.track_cost(svc, ref) for ref in [run.ref, *run.adopted]}
+        may share a run). `own_cost`: the run's own track's, from the record admission read."""
+        costs = {run.ref: own_cost, **{ref: adoption.track_cost(svc, ref) for ref in run.adopted}}
         units = sum(costs.values())
         stages[self.stage.name].update(
             finished_at=time.time(),

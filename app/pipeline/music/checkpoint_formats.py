@@ -212,7 +212,7 @@ class _Malformed(ValueError):
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], where: str) -> Any:
-    if not isinstance(value, kind) or (isinstance(value, safe_pickle.Opaque) and kind is not safe_pickle.Opaque):
+    if not isinstance(value, kind) or isinstance(value, safe_pickle.Opaque):  # an Opaque record is also a dict
         found = value.pickled_global if isinstance(value, safe_pickle.Opaque) else type(value).__name__
         raise _Malformed(f"{where} is a {found}, not a {getattr(kind, '__name__', kind)}")
     return value
