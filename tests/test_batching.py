@@ -1,4 +1,5 @@
-"""Tracks of one song on one worker share one batched backbone pass, with real workers and the default engine."""
+"""Tracks of one song on one worker share one batched backbone pass (without the in-flight engine:
+ENCORE_BACKBONE_SLOTS=1), with real workers and the default engine."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.slow  # batched backbone passes on a worker (~14 s here
 
 
 def test_two_tracks_on_one_worker_share_a_backbone_pass_and_sound_as_they_would_alone(make_stack):
-    stack = make_stack()
+    stack = make_stack(ENCORE_BACKBONE_SLOTS="1")
     stack.start_worker(0)
     together = stack.wait_job(stack.submit_music(duration_s=3.0, num_tracks=2, seed=11))
     assert together["state"] == "done", together

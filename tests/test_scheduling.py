@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow  # six stacks with workers: FIFO, cancel, kills (~
 LONG_S = 120.0  # the tiny backbone needs several seconds for this many tokens on a CPU
 
 
-def test_fifo_across_stages_on_one_worker(make_stack):
-    stack = make_stack()
+def test_fifo_across_stages_on_one_worker_without_the_engine(make_stack):
+    stack = make_stack(ENCORE_BACKBONE_SLOTS="1")
     stack.start_worker(0)
     jobs = [stack.submit_music(duration_s=2.0, seed=i) for i in range(3)]
     records = [stack.wait_job(job_id) for job_id in jobs]
@@ -28,6 +28,21 @@ def test_fifo_across_stages_on_one_worker(make_stack):
     stages = [r["tracks"][0]["stages"] for r in records]
     for earlier, later in pairwise(stages):
         assert earlier["export"]["finished_at"] <= later["backbone"]["started_at"], (earlier, later)
+
+
+def test_fifo_across_stages_in_the_engine(make_stack):
+    """The engine decodes the three songs together; each finished song's later stages run in the order the
+    songs were submitted, and none waits for a later song's."""
+    stack = make_stack()
+    stack.start_worker(0)
+    jobs = [stack.submit_music(duration_s=2.0, seed=i) for i in range(3)]
+    records = [stack.wait_job(job_id) for job_id in jobs]
+    assert all(r["state"] == "done" for r in records), records
+    stages = [r["tracks"][0]["stages"] for r in records]
+    assert all(s[name]["in_engine"] for s in stages for name in ("superres", "decode", "export"))
+    for earlier, later in pairwise(stages):
+        assert earlier["backbone"]["started_at"] <= later["backbone"]["started_at"], (earlier, later)
+        assert earlier["export"]["finished_at"] <= later["superres"]["started_at"], (earlier, later)
 
 
 def test_cancel_queued_and_running_jobs(make_stack):

@@ -142,11 +142,12 @@ TRANSITIONS: dict[str, Transition] = {
         "(from running:S only when the lease is gone or was its own dead child's)",
     ),
     "adopt": Transition(
-        ("queued@first",),
+        ("queued@first", "waiting:S"),
         "running:S",
         "free",
         True,
-        "a running first stage takes a waiting sibling track into its batch, under its lease",
+        "a running stage takes a waiting track (of any job, on its queue) into its batch or its backbone engine, "
+        "under its lease; the engine also takes the next stage of a track it finished (app/tasks/engine.py)",
     ),
     "report": Transition(("running:*",), "same", "lease", False, "progress, detail, artifacts of the running stage"),
     "finish": Transition(("running:S",), "next", "lease", True, "stage S is done: wait for the next, or done"),

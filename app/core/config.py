@@ -119,6 +119,7 @@ NUMERIC_BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "s3_presign_s": (0, True, 7 * 24 * 3600),  # 0: downloads streamed; S3 presigns for at most a week
     "song_margin_s": (0, True, None),
     "batch_tracks": (1, True, None),
+    "backbone_slots": (0, True, 256),  # 0: sized from free memory
     "torch_threads": (0, True, None),  # 0: torch's default
     "max_tracks": (1, True, None),
     "max_lyrics_chars": (1, True, None),
@@ -234,6 +235,7 @@ class Settings:
     song_margin_s: float = field(default_factory=lambda: _float("ENCORE_SONG_MARGIN_S", "90"))
     runtime_mode: str = field(default_factory=lambda: _env("ENCORE_RUNTIME_MODE", "keep_loaded"))
     batch_tracks: int = field(default_factory=lambda: _int("ENCORE_BATCH_TRACKS", "2"))
+    backbone_slots: int = field(default_factory=lambda: _int("ENCORE_BACKBONE_SLOTS", "0"))
     music_engine: str = field(default_factory=lambda: _env("ENCORE_MUSIC_ENGINE", "torch"))
     preload_models: bool = field(default_factory=lambda: _env("ENCORE_PRELOAD", "0") == "1")
     torch_threads: int = field(default_factory=lambda: _int("ENCORE_TORCH_THREADS", "0"))
@@ -506,8 +508,12 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "the reference's 23,552 generated tokens)",
     "runtime_mode": "`keep_loaded`: all models stay resident; `one_shot`: tokenizer and backbone stay, "
     "super-resolution and codec are freed after their stage",
-    "batch_tracks": "how many tracks of one song waiting on the same worker share one batched backbone pass "
-    "(1: none); needs the `torch` engine",
+    "batch_tracks": "with `ENCORE_BACKBONE_SLOTS=1`: how many tracks of one song waiting on the same worker share "
+    "one batched backbone pass (1: none); needs the `torch` engine",
+    "backbone_slots": "tracks (of any jobs) a GPU worker's in-flight backbone engine decodes together, joining and "
+    "leaving between blocks (`docs/performance.md`); 0: as many as a track's KV cache at the model's full length "
+    "fits in 80 % of the device's free memory, at most 16, halved on out-of-memory; 1: no engine (one song's tracks "
+    "at a time, `ENCORE_BATCH_TRACKS`); needs the `torch` engine",
     "music_engine": "transformer engine of the music stages: `torch` (plain PyTorch with a static KV cache, "
     "`app/pipeline/music/torch_engine.py`) or `megatron` (megatron-core's own forward, the "
     "reference); megatron-core loads the checkpoints either way",

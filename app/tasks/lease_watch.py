@@ -60,6 +60,8 @@ class CancelWatch:
         self.lost = threading.Event()
         self.broken: Exception | None = None
         self.renewed_at = time.monotonic()  # the last renewal that went through (the lease was taken just now)
+        self.per_track = False  # see per_track_cancels
+        self.lost_refs: set[TrackRef] = set()  # per-track mode: held tracks whose lease was found gone
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"cancel-watch-{job_id[:8]}", daemon=True)
 
@@ -83,12 +85,33 @@ class CancelWatch:
             "the stage was stopped rather than run on without renewing its lease"
         )
 
+    def per_track_cancels(self) -> None:
+        """The run holds tracks of many jobs and handles their cancels itself, track by track (the backbone engine,
+        app/tasks/engine.py): from now on the thread renews exactly the tracks in `adopted` (the run's own among
+        them while it holds it), never stops the run for its own job's cancel, and a track whose lease was taken
+        is set aside in `lost_refs` (the run drops it) instead of stopping the run. A broken thread or a Redis
+        outage past the lease still stops everything."""
+        self.per_track = True
+
     def _renew(self) -> bool:
         lease_s = self.svc.settings.lease_s
-        return all(self.svc.jobs.renew_lease(ref.job_id, ref.track, self.lease_owner, lease_s) for ref in self.held())
+        if not self.per_track:
+            return all(
+                self.svc.jobs.renew_lease(ref.job_id, ref.track, self.lease_owner, lease_s) for ref in self.held()
+            )
+        for ref in self.held():
+            if ref not in self.lost_refs and not self.svc.jobs.renew_lease(
+                ref.job_id, ref.track, self.lease_owner, lease_s
+            ):
+                self.lost_refs.add(ref)
+                job_event(log, "lease_lost", ref.job_id, track=ref.track, level=logging.ERROR, owner=self.lease_owner)
+        return True
 
     def held(self) -> list[TrackRef]:
-        """The tracks this run holds a lease on: its own, then those it adopted (of any job)."""
+        """The tracks this run holds a lease on: its own, then those it adopted (of any job); in per-track mode
+        exactly those the run lists in `adopted`."""
+        if self.per_track:
+            return list(self.adopted)
         return [TrackRef(self.job_id, self.track), *self.adopted]
 
     def _watch(self) -> None:
@@ -124,7 +147,7 @@ class CancelWatch:
                         self._lose("lease_lost")
                         return True
                     self.renewed_at = time.monotonic()
-                if self.svc.jobs.cancel_requested(self.job_id):
+                if not self.per_track and self.svc.jobs.cancel_requested(self.job_id):
                     return True
             except REDIS_OUTAGES as exc:
                 if self.lease_owner and time.monotonic() - self.renewed_at >= lease_s:

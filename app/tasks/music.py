@@ -60,6 +60,43 @@ def _seed(run: StageRun) -> int:
 
 
 def backbone_work(run: StageRun) -> None:
+    """The in-flight engine when this worker runs one (app/tasks/engine.py), else `batched_backbone_work`."""
+    slots = engine_slots(run)
+    if slots > 1:
+        from app.pipeline.music.inflight import InFlightBackbone
+        from app.tasks.engine import BackboneEngine
+
+        assert run.watch is not None
+        runner = InFlightBackbone(models(), slots, run.loaded)
+        follow_ups = [("superres", superres_work), ("decode", decode_work), ("export", export_work)]
+        BackboneEngine(run, run.watch, runner, follow_ups).serve()
+        return
+    batched_backbone_work(run)
+
+
+def engine_slots(run: StageRun) -> int:
+    """This child's engine slots (ENCORE_BACKBONE_SLOTS, sized once from free memory when 0); 1 when there is no
+    engine: the setting says 1, or the backbone engine is not the plain-PyTorch one (Megatron's own forward is the
+    reference path)."""
+    setting = run.svc.settings.backbone_slots
+    if setting == 1:
+        return 1
+    from app.pipeline.music import inflight
+    from app.pipeline.music.torch_engine import TorchCausalLM
+
+    lm = models().backbone(run.loaded, run.control)  # its load is announced on this track, as the stage's alone
+    if not isinstance(lm, TorchCausalLM):
+        return 1
+    models().tokenizer(run.loaded, run.control)
+    if setting not in _SIZED:  # sized once per child: free memory shrinks as the engine allocates its cache
+        _SIZED[setting] = inflight.engine_slots(lm, setting)
+    return _SIZED[setting]
+
+
+_SIZED: dict[int, int] = {}
+
+
+def batched_backbone_work(run: StageRun) -> None:
     """The track's coarse codes, and those of up to ENCORE_BATCH_TRACKS - 1 other tracks of the song waiting
     on this queue, in one batch when the engine batches (a memory-bound GPU decodes 2 tracks for about the
     price of 1). Written for tracks of any job (TrackRef pairs); the candidates are the song's own tracks."""

@@ -36,18 +36,16 @@ from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from app.adapters.celery_app import celery
-from app.control.eta import learn as learn_stage
 from app.core.joblog import job_event
 from app.core.kinds import JobKind, Stage
 from app.control.lifecycle import is_open
-from app.control.metrics import observe_stage
-from app.control.tenant_limits import record_gpu_seconds
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.runtime import device_report, release_memory
 from app.control.services import Services, services
 from app.control.workers import pid_alive
 from app.core.ids import TrackRef
 from app.tasks import adoption
+from app.tasks.accounting import account_stage
 from app.tasks.lease_watch import CancelWatch
 from app.tasks.progress import ThrottledProgress
 from app.tasks.scratch import drop_scratch, stage_workdir, track_scratch
@@ -75,6 +73,8 @@ class StageRun:
     worker: str = ""
     adopted: list[TrackRef] = field(default_factory=list)  # other tracks (of any job) this run also serves
     lease_owner: str = ""  # this run's lease (jobs.take_lease), also put on the tracks it adopts
+    watch: CancelWatch | None = None  # the lease thread (the engine switches it to per-track cancels)
+    handed_on: bool = False  # the work moved every track it held on itself (the engine): no finish, no chain
 
     @property
     def scratch(self) -> Path:
@@ -201,6 +201,9 @@ class StageTask(Task):
         )
         started = time.monotonic()
         run, watch = self._run_watched(svc, TrackRef(job_id, track), job, record, worker, owner)
+        if run.handed_on:  # the engine finished, moved on or ended each track it held, this one included
+            self.request.chain = None  # so the rest of this delivery's chain is not sent: it is stale
+            return ref
         own_cost = float(record.get("cost") or 0)
         self._finish(svc, run, stages, time.monotonic() - started, worker, owner, watch, own_cost)
         return ref
@@ -304,6 +307,7 @@ class StageTask(Task):
                     worker=worker,
                     adopted=watch.adopted,
                     lease_owner=owner,
+                    watch=watch,
                 )
                 self._work_watched(run, watch)
             succeeded = True
@@ -378,25 +382,20 @@ class StageTask(Task):
         it served, and charged to each track's owner in proportion to that track's cost (tracks of several jobs
         may share a run). `own_cost`: the run's own track's, from the record admission read."""
         costs = {run.ref: own_cost, **{ref: adoption.track_cost(svc, ref) for ref in run.adopted}}
-        units = sum(costs.values())
         stages[self.stage.name].update(
             finished_at=time.time(),
             duration_s=round(seconds, 3),
             loaded=run.loaded,
             **({"info": run.info} if run.info else {}),
         )
-        observe_stage(svc, self.kind.name, self.stage.name, seconds, units)
-        for ref, cost in costs.items():  # each owner's usage (app/control/tenant_limits.py)
-            share = cost / units if units > 0 else (1.0 if ref == run.ref else 0.0)
-            if share > 0:
-                record_gpu_seconds(svc, ref.job_id, seconds * share)
-        learn_stage(
+        account_stage(
             svc,
+            self.kind,
+            self.stage,
             run.queue,
-            self.kind.name,
-            self.stage.name,
             seconds,
-            units,
+            costs,
+            own=run.ref,
             cold=bool(run.loaded) and svc.settings.runtime_mode == "keep_loaded",
         )
         if not finish_stage(svc, self.kind, run.job_id, run.track, self.stage, stages, owner):

@@ -11,7 +11,7 @@ import threading
 import time
 
 from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
-from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown, worker_shutting_down
 
 from app.adapters import tracing
 from app.adapters.celery_app import celery
@@ -133,8 +133,22 @@ def start_heartbeat(sender=None, **_: object) -> None:
         threading.Thread(target=pump_forever, args=(hostname, _stop), name="encore-webhooks", daemon=True).start()
         log.info("worker=%s event=ready role=webhooks", hostname)
         return
+    svc = services()
+    svc.redis.hdel(svc.workers.keys.worker(hostname), "stopping")  # a previous run's warm shutdown, if it left one
     threading.Thread(target=_heartbeat_loop, args=(hostname,), name="encore-heartbeat", daemon=True).start()
     log.info("worker=%s event=ready queues=%s", hostname, ",".join(_consumed_queues()))
+
+
+@worker_shutting_down.connect
+def mark_stopping(sender=None, **_: object) -> None:
+    """A warm shutdown began: the child's backbone engine stops admitting tracks and drains (app/tasks/engine.py),
+    so the shutdown waits for the tracks it holds, not for a queue that keeps filling."""
+    hostname = str(sender) if sender else ""
+    if hostname:
+        try:
+            services().workers.update(hostname, stopping="1")
+        except Exception:  # a shutdown goes on without Redis; the engine's admission cap ends it anyway
+            log.warning("worker=%s event=stopping_unrecorded", hostname, exc_info=True)
 
 
 @worker_shutdown.connect

@@ -1,0 +1,474 @@
+"""The scheduler half of a GPU worker's in-flight backbone engine (issue 35): tracks of any jobs waiting on the
+worker's queue join a running SlotDecoder at each block boundary, leave it alone when they finish, are canceled
+or fail, and a finished track goes on through its next stages at once.
+
+One backbone delivery starts the engine and runs it in the worker child while there is work (its own track is
+just the first to join; the runner is app/pipeline/music/inflight.py). Between two blocks it:
+  1. drops the tracks whose job was canceled (their slot is free for the next block) or whose lease was taken;
+  2. lets each track that finished its backbone in the last block go on at once: its superres, decode and
+     export run here, one track after the other, before the next block (a finished track's stages are a small
+     share of a song's GPU time, about 13 % on an H200 at Khala sizes, and running them first finishes songs
+     soonest; docs/performance.md);
+  3. admits waiting backbone tracks into the free slots, in the admission order below;
+and ends when no track is left. Each track's stages are recorded in its own record, under the run's lease, with
+its own progress; its seconds are its share of each block (a block's time over the tracks in it), which is what
+the ETA learns and what its tenant is charged.
+
+Admission order (`admission_order`): the queue's waiting tracks in their queue order (priority, then submission)
+up to the first track the engine cannot take (another kind, or a music track resuming past its backbone): that
+one runs when the engine drains, so no other work waits behind an engine that keeps admitting. Among those, a
+higher priority first; within a priority, the tenant holding the fewest tracks in the engine first (round robin
+between tenants), then submission order (FIFO within a tenant).
+
+The engine stops admitting (and drains) when its worker is shutting down, its queue is drained, or it has run
+for half the backbone's soft time limit (the last tracks it admitted must finish before the limit).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence, cast
+
+from app.control.lifecycle import parse_member
+from app.control.services import Services
+from app.core.ids import TrackRef
+from app.core.joblog import job_event
+from app.core.priority import RANK_SPAN
+from app.core.tenants import DEFAULT_TENANT
+from app.pipeline.control import Canceled, StageControl
+from app.pipeline.music.inflight import Block, FinishedTrack, InFlightBackbone, tokens_detail
+from app.pipeline.music.stages import BackboneTrack
+from app.tasks.accounting import account_stage
+from app.tasks.lease_watch import CANCEL_POLL_S, CancelWatch
+from app.tasks.progress import ThrottledProgress
+from app.tasks.scratch import drop_scratch, stage_workdir
+from app.tasks.stage import StageRun
+from app.tasks.track_moves import finish_stage, release_adopted
+
+log = logging.getLogger("encore.jobs")
+
+ADMISSION_SCAN = 64  # waiting tracks read per boundary: the head of the queue
+ADMIT_FOR = 0.5  # of the backbone's soft time limit: how long an engine admits new tracks
+BACKBONE = "backbone"
+
+StageWork = Callable[[StageRun], None]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A waiting track the engine may take: its place in the queue and its owner."""
+
+    ref: TrackRef
+    score: float  # priority rank * RANK_SPAN + submission order (app/core/priority.py)
+    tenant: str
+
+    @property
+    def rank(self) -> int:
+        return int(self.score // RANK_SPAN)
+
+
+def admission_order(candidates: list[Candidate], held_by_tenant: Counter[str], free: int) -> list[Candidate]:
+    """Who joins next, for `free` slots: a higher priority first; within one, the tenant holding the fewest
+    tracks in the engine (counting those picked here), then queue order. Pure: tests/test_engine.py."""
+    held = Counter(held_by_tenant)
+    left = sorted(candidates, key=lambda c: c.score)
+    picked: list[Candidate] = []
+    while left and len(picked) < free:
+        best = min(left, key=lambda c: (c.rank, held[c.tenant], c.score))
+        left.remove(best)
+        picked.append(best)
+        held[best.tenant] += 1
+    return picked
+
+
+class PolledCancel:
+    """A job's cancel flag for a stage's StageControl, read from Redis at most every CANCEL_POLL_S."""
+
+    def __init__(self, svc: Services, job_id: str, clock: Callable[[], float] = time.monotonic):
+        self.svc, self.job_id, self.clock = svc, job_id, clock
+        self.checked_at: float | None = None
+        self.canceled = False
+
+    def __call__(self) -> bool:
+        now = self.clock()
+        if not self.canceled and (self.checked_at is None or now - self.checked_at >= CANCEL_POLL_S):
+            self.checked_at, self.canceled = now, self.svc.jobs.cancel_requested(self.job_id)
+        return self.canceled
+
+
+@dataclass
+class Held:
+    """A track the engine holds, in its backbone or in one of its later stages."""
+
+    ref: TrackRef
+    job: dict[str, Any]
+    record: dict[str, Any]
+    stage: str = BACKBONE
+    workdir: Path | None = None  # its backbone's temp folder while it is in the engine
+
+    @property
+    def tenant(self) -> str:
+        return str(self.job.get("tenant") or DEFAULT_TENANT)
+
+    @property
+    def cost(self) -> float:
+        return float(self.record.get("cost") or 0)
+
+
+class BackboneEngine:
+    """One engine run in a worker child (module docstring). `follow_ups`: the stages after the backbone, in
+    order, each with its work function (app/tasks/music.py's)."""
+
+    def __init__(
+        self,
+        run: StageRun,
+        watch: CancelWatch,
+        runner: InFlightBackbone,
+        follow_ups: Sequence[tuple[str, StageWork]],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.run, self.watch, self.runner, self.follow_ups, self.clock = run, watch, runner, follow_ups, clock
+        self.svc = run.svc
+        self.held: dict[TrackRef, Held] = {}
+        self.progress: dict[TrackRef, ThrottledProgress] = {}
+        self.started = clock()
+        soft, _ = self.svc.settings.time_limits.get(BACKBONE, (None, 3600.0))
+        self.admit_until = self.started + ADMIT_FOR * (soft if soft is not None else 3600.0)
+        self.admitted = 0
+        self.loads_recorded = 0  # how many of the run's model loads a finished backbone has recorded
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Run until no track is left; on an error, the tracks still held go back to wait (the run's own fails
+        through the stage's usual path)."""
+        self.watch.per_track_cancels()
+        own = self.run.ref
+        record = self.svc.jobs.track(*own)
+        job = self.svc.jobs.job(own.job_id)
+        if record is None or job is None:
+            raise Canceled("the track's record is gone")
+        self._hold(Held(own, job, record))
+        try:
+            self._join(self.held[own])
+            while self.held:
+                self._boundary()
+                if not self.runner.keys:
+                    break
+                self._after_block(self.runner.step())
+        except BaseException:
+            self._give_back()
+            raise
+        finally:
+            self.runner.close()
+        self.run.info.update(engine_slots=self.runner.slots, engine_tracks=self.admitted)
+        self.run.handed_on = True
+
+    def _boundary(self) -> None:
+        self.watch.raise_if_broken()
+        if self.watch.lost.is_set():  # every lease unrenewed past its length: nothing here is ours any more
+            raise Canceled("leases lost")
+        self._drop_lost()
+        self._drop_canceled()
+        if self.runner.free and self._admitting():
+            self._admit_waiting()
+
+    def _admitting(self) -> bool:
+        if self.clock() >= self.admit_until:
+            return False
+        pipe = self.svc.redis.pipeline(transaction=False)
+        pipe.hget(self.svc.workers.keys.worker(self.run.worker), "stopping")
+        pipe.sismember(self.svc.jobs.keys.draining, self.run.queue)
+        stopping, draining = pipe.execute()
+        return not stopping and not draining
+
+    # -- tracks joining -------------------------------------------------------------------------------------
+    def _admit_waiting(self) -> None:
+        svc, queue = self.svc, self.run.queue
+        raw = cast(
+            list[tuple[Any, float]],
+            svc.redis.zrange(svc.jobs.waiting_key(queue), 0, ADMISSION_SCAN - 1, withscores=True),
+        )
+        members = [(_text(value), float(score)) for value, score in raw]
+        if not members:
+            return
+        refs = [TrackRef(*parse_member(value)) for value, _ in members]
+        pipe = svc.redis.pipeline(transaction=False)
+        for ref in refs:
+            pipe.hmget(svc.jobs.keys.job(ref.job_id), "kind", "tenant")
+            pipe.hget(svc.jobs.keys.track(ref.job_id, ref.track), "stages")
+        answers = pipe.execute()
+        candidates = []
+        for index, (ref, (_, score)) in enumerate(zip(refs, members, strict=True)):
+            (kind, tenant), stages = answers[2 * index], answers[2 * index + 1]
+            if _text(kind) != self.run.kind.name or _has_finished(stages, BACKBONE):
+                break  # the engine cannot take it: it runs when the engine drains, and so does all behind it
+            candidates.append(Candidate(ref, score, _text(tenant) or DEFAULT_TENANT))
+        held = Counter(held.tenant for held in self.held.values())
+        for candidate in admission_order(candidates, held, self.runner.free):
+            self._adopt(candidate.ref)
+
+    def _adopt(self, ref: TrackRef) -> None:
+        run = self.run
+        outcome = self.svc.jobs.transition(
+            "adopt",
+            ref.job_id,
+            ref.track,
+            {"detail": "backbone in the engine", "progress": 0.0},
+            stage=BACKBONE,
+            queue_is=run.queue,
+            owner=run.lease_owner,
+            worker=run.worker,
+            lease_ms=int(self.svc.settings.lease_s * 1000),
+        )
+        if not outcome:
+            return  # taken meanwhile (another GPU's rebalance, its own message), or canceled
+        record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
+        if record is None or job is None:
+            return
+        held = Held(ref, job, record)
+        self._hold(held)
+        self._record_start(held, BACKBONE)
+        self._join(held)
+
+    def _join(self, held: Held) -> None:
+        """Prefill the track into a free slot; a track whose prompt cannot run fails alone."""
+        ref = held.ref
+        held.workdir = stage_workdir(self.svc, ref.job_id, ref.track, BACKBONE)
+        out = held.workdir / f"track{ref.track}.coarse.pt"
+        try:
+            self.runner.admit(ref, BackboneTrack(held.job["params"], int(held.record["params"]["seed"]), out))
+        except (ValueError, KeyError) as exc:
+            self._end(held, "fail", f"backbone failed: {exc}")
+            return
+        self.admitted += 1
+        job_event(
+            log,
+            "engine_joined",
+            ref.job_id,
+            track=ref.track,
+            queue=self.run.queue,
+            worker=self.run.worker,
+            tracks=len(self.runner.keys),
+        )
+
+    def _hold(self, held: Held) -> None:
+        self.held[held.ref] = held
+        self.progress[held.ref] = ThrottledProgress(self.svc, held.ref.job_id, held.ref.track, self.run.lease_owner)
+        if held.ref not in self.run.adopted:
+            self.run.adopted.append(held.ref)  # the lease thread renews it from now on
+
+    def _let_go(self, ref: TrackRef) -> None:
+        held = self.held.pop(ref, None)
+        self.progress.pop(ref, None)
+        if ref in self.run.adopted:
+            self.run.adopted.remove(ref)
+        self.watch.lost_refs.discard(ref)
+        if ref in self.runner:
+            self.runner.drop(ref)
+        if held is not None and held.workdir is not None:
+            shutil.rmtree(held.workdir, ignore_errors=True)
+
+    # -- tracks leaving -------------------------------------------------------------------------------------
+    def _drop_lost(self) -> None:
+        """Tracks whose lease renewal failed: dropped unless the lease is ours after all (the renewal fell
+        between a stage's finish and the next stage's adopt)."""
+        for ref in list(self.watch.lost_refs):
+            if self.svc.jobs.lease(*ref) == self.run.lease_owner:
+                self.watch.lost_refs.discard(ref)
+            elif ref in self.held:
+                job_event(log, "engine_lost", ref.job_id, track=ref.track, worker=self.run.worker)
+                self._let_go(ref)
+
+    def _drop_canceled(self) -> None:
+        jobs = sorted({ref.job_id for ref in self.held})
+        pipe = self.svc.redis.pipeline(transaction=False)
+        for job_id in jobs:
+            pipe.exists(self.svc.jobs.keys.cancel(job_id))
+        canceled = {job_id for job_id, flag in zip(jobs, pipe.execute(), strict=True) if flag}
+        for ref, held in list(self.held.items()):
+            if ref.job_id in canceled:
+                self._end(held, "cancel", f"canceled during {held.stage}")
+
+    def _end(self, held: Held, how: str, message: str) -> None:
+        """The track ends here (canceled or failed) and leaves the engine; the others go on."""
+        ref, owner = held.ref, self.run.lease_owner
+        self._let_go(ref)
+        drop_scratch(self.svc, ref.job_id, ref.track)
+        if how == "cancel":
+            self.svc.jobs.cancel(ref.job_id, ref.track, message, owner=owner)
+            job_event(log, "canceled", ref.job_id, track=ref.track, worker=self.run.worker, stage=held.stage)
+        else:
+            self.svc.jobs.fail(ref.job_id, ref.track, message, owner=owner)
+            job_event(
+                log,
+                "failed",
+                ref.job_id,
+                track=ref.track,
+                worker=self.run.worker,
+                stage=held.stage,
+                level=logging.ERROR,
+            )
+
+    def _give_back(self) -> None:
+        """After an error of the engine itself: every track still held (but the run's own, which the stage fails)
+        waits again for its message, at the stage it was in (the reaper sends one where none is left)."""
+        for ref, held in list(self.held.items()):
+            if ref != self.run.ref:
+                release_adopted(self.svc, [ref], held.stage, self.run.lease_owner)
+            self._let_go(ref)
+
+    # -- after a block ----------------------------------------------------------------------------------------
+    def _after_block(self, block: Block) -> None:
+        for ref, (frames, expected) in block.progress.items():
+            if ref in self.progress:
+                self.progress[ref](*tokens_detail(frames, expected))
+        for finished in block.finished:
+            held = self.held.get(finished.key)  # type: ignore[call-overload]
+            if held is not None and self._finish_backbone(held, finished):
+                self._go_on(held)
+
+    def _finish_backbone(self, held: Held, finished: FinishedTrack) -> bool:
+        svc, ref = self.svc, held.ref
+        assert held.workdir is not None
+        name = f"track{ref.track}.coarse.pt"
+        svc.artifacts.put(ref.job_id, name, held.workdir / name, self.run.ttl_of(ref))
+        shutil.rmtree(held.workdir, ignore_errors=True)
+        held.workdir = None
+        self.run.note(ref, song=finished.song)
+        info = {"prompt_tokens": finished.prompt_tokens, "frames": finished.song["frames"], "in_engine": True}
+        loaded = self.run.loaded[self.loads_recorded :]  # the loads made since, recorded by the first track after
+        self.loads_recorded = len(self.run.loaded)
+        return self._record_finish(held, BACKBONE, finished.share_s, loaded, info)
+
+    def _go_on(self, held: Held) -> None:
+        """The track's next stages, here and now (module docstring, point 2)."""
+        for stage_name, work in self.follow_ups:
+            if not self._run_stage(held, stage_name, work):
+                return
+        self._let_go(held.ref)
+
+    def _run_stage(self, held: Held, stage_name: str, work: StageWork) -> bool:
+        """One later stage of a held track, in this child, recorded as its own stage run would record it."""
+        svc, run, ref = self.svc, self.run, held.ref
+        taken = svc.jobs.transition(
+            "adopt",
+            ref.job_id,
+            ref.track,
+            {"detail": f"{stage_name} after the backbone engine", "progress": 0.0},
+            stage=stage_name,
+            queue_is=run.queue,
+            owner=run.lease_owner,
+            worker=run.worker,
+            lease_ms=int(svc.settings.lease_s * 1000),
+        )
+        if not taken:
+            if taken.canceled:
+                job_event(log, "canceled", ref.job_id, track=ref.track, worker=run.worker, stage=stage_name)
+            self._let_go(ref)
+            drop_scratch(svc, ref.job_id, ref.track)
+            return False
+        self.watch.lost_refs.discard(ref)  # the lease is ours again (a renewal may have met it between stages)
+        held.stage = stage_name
+        record = svc.jobs.track(*ref)
+        if record is None:
+            self._let_go(ref)
+            return False
+        held.record = record
+        self._record_start(held, stage_name)
+        stage = run.kind.stage(stage_name)
+        workdir = stage_workdir(svc, ref.job_id, ref.track, stage_name)
+        report = self.progress[ref] = ThrottledProgress(svc, ref.job_id, ref.track, run.lease_owner)  # a new stage's
+        control = StageControl(report=report, cancel_requested=PolledCancel(svc, ref.job_id))
+        part = replace(
+            run,
+            job_id=ref.job_id,
+            track=ref.track,
+            stage=stage,
+            params=held.job["params"],
+            track_params=record["params"],
+            workdir=workdir,
+            control=control,
+            loaded=[],
+            info={},
+            adopted=[],
+            handed_on=False,
+        )
+        started = self.clock()
+        try:
+            work(part)
+        except Canceled:
+            self._end(held, "cancel", f"canceled during {stage_name}")
+            return False
+        except Exception as exc:
+            log.exception("job %s track %s: %s failed in the engine", ref.job_id, ref.track, stage_name)
+            self._end(held, "fail", f"{stage_name} failed: {exc}")
+            return False
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return self._record_finish(held, stage_name, self.clock() - started, part.loaded, part.info)
+
+    # -- a stage's record -------------------------------------------------------------------------------------
+    def _record_start(self, held: Held, stage_name: str) -> None:
+        stages = held.record["stages"]
+        stages[stage_name] = {"started_at": time.time(), "worker": self.run.worker, "in_engine": True}
+        self.svc.jobs.report(held.ref.job_id, held.ref.track, self.run.lease_owner, stages=stages)
+
+    def _record_finish(
+        self, held: Held, stage_name: str, seconds: float, loaded: list[str], info: dict[str, Any]
+    ) -> bool:
+        """Stage done for the track (the `finish` transition) and its seconds accounted; False when the track
+        left meanwhile (canceled, or its lease taken)."""
+        svc, run, ref = self.svc, self.run, held.ref
+        stage = run.kind.stage(stage_name)
+        stages = held.record["stages"]
+        entry = stages.setdefault(stage_name, {"started_at": time.time(), "worker": run.worker})
+        entry.update(
+            finished_at=time.time(), duration_s=round(seconds, 3), loaded=loaded, **({"info": info} if info else {})
+        )
+        account_stage(
+            svc,
+            run.kind,
+            stage,
+            run.queue,
+            seconds,
+            {ref: held.cost},
+            own=ref,
+            cold=bool(loaded) and svc.settings.runtime_mode == "keep_loaded",
+        )
+        if not finish_stage(svc, run.kind, ref.job_id, ref.track, stage, stages, run.lease_owner):
+            self._let_go(ref)
+            drop_scratch(svc, ref.job_id, ref.track)
+            return False
+        job_event(
+            log,
+            "stage_finished",
+            ref.job_id,
+            track=ref.track,
+            queue=run.queue,
+            worker=run.worker,
+            stage=stage_name,
+            duration_s=f"{seconds:.3f}",
+            in_engine=1,
+        )
+        if run.kind.next_stage(stage_name) is None:
+            job_event(log, "track_done", ref.job_id, track=ref.track, queue=run.queue, worker=run.worker)
+        return True
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
+
+
+def _has_finished(stages: Any, stage: str) -> bool:
+    """Whether a track's stages JSON (as stored) says `stage` finished."""
+    import json
+
+    if not stages:
+        return False
+    entry = json.loads(_text(stages)).get(stage) or {}
+    return bool(entry.get("finished_at"))

@@ -1,0 +1,155 @@
+"""The in-flight backbone engine (app/tasks/engine.py): tracks of any jobs join a worker's running engine, leave it
+alone, and go on at once; with real workers, Redis and the tiny models (issue 35)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+
+import pytest
+
+from app.core.ids import TrackRef
+from app.core.priority import RANK, RANK_SPAN
+from app.tasks.engine import Candidate, admission_order
+from tests.support.processes import wait_until
+
+
+def _candidate(job: str, seq: int, tenant: str, priority: str = "normal") -> Candidate:
+    return Candidate(TrackRef(job, 0), RANK[priority] * RANK_SPAN + seq, tenant)
+
+
+def test_a_newcomer_tenant_joins_at_the_next_free_slot_not_behind_a_backlog():
+    backlog = [_candidate(f"a{i}", i, "A") for i in range(40)]
+    newcomer = _candidate("b0", 41, "B")
+    picked = admission_order([*backlog, newcomer], Counter({"A": 3}), free=1)
+    assert picked == [newcomer]
+    # with no one of A's in the engine, the two tenants alternate; each tenant's own tracks stay in order
+    picked = admission_order([*backlog, newcomer], Counter(), free=4)
+    assert [c.ref.job_id for c in picked] == ["a0", "b0", "a1", "a2"]
+
+
+def test_priority_comes_before_fair_share_and_fifo_within_a_tenant():
+    normal_b = _candidate("b0", 1, "B")
+    high_a = [_candidate("a-high0", 5, "A", "high"), _candidate("a-high1", 6, "A", "high")]
+    low_c = _candidate("c0", 0, "C", "low")
+    picked = admission_order([low_c, normal_b, *high_a], Counter({"A": 10}), free=4)
+    assert [c.ref.job_id for c in picked] == ["a-high0", "a-high1", "b0", "c0"]
+
+
+def _wav(stack, job_id: str, track: int = 0) -> bytes:
+    reply = stack.client.get(f"/api/v1/jobs/{job_id}/tracks/{track}.wav", headers=stack.auth)
+    assert reply.status_code == 200, reply.get_json()
+    return reply.data
+
+
+def _in_backbone(stack, job_id: str, track: int = 0, above: float = 0.0) -> bool:
+    record = stack.job(job_id)["tracks"][track]
+    return record["state"] == "backbone" and record["progress"] > above
+
+
+def _events(stack, name: str, *fields: str) -> list[str]:
+    """Worker 0's log lines of one event (with these `key=value` fields), in order."""
+    wanted = [f"event={name}", *fields]
+    return [line for line in stack.worker_log(0).splitlines() if all(part in line.split() for part in wanted)]
+
+
+@pytest.mark.slow
+def test_a_job_submitted_while_the_engine_runs_joins_it_and_finishes_first(make_stack):
+    stack = make_stack()
+    stack.start_worker(0)
+    long = stack.submit_music(duration_s=150.0, seed=1)
+    wait_until(lambda: _in_backbone(stack, long, above=0.05), 90, 0.05, "the long song's backbone")
+    short = stack.submit_music(duration_s=2.0, seed=2)
+    done = stack.wait_job(short, timeout=90, interval=0.05)
+    assert done["state"] == "done", done
+    assert _in_backbone(stack, long)  # the short song was written, decoded and exported while the long one ran
+    backbone = done["tracks"][0]["stages"]["backbone"]
+    assert backbone["in_engine"] and backbone["info"]["in_engine"]
+    assert _events(stack, "engine_joined", f"job={short}", "tracks=2")
+    assert stack.wait_job(long, timeout=180)["state"] == "done"
+    assert len(_events(stack, "stage_started", "stage=backbone")) == 1  # one engine run served both
+
+
+@pytest.mark.slow
+def test_a_seed_means_a_song_alone_and_amid_fifteen_others_joining_and_leaving(make_stack):
+    stack = make_stack()
+    stack.start_worker(0, ENCORE_BACKBONE_SLOTS="1")  # no engine: the song alone, as before the engine
+    alone = stack.wait_job(stack.submit_music(duration_s=20.0, seed=42), timeout=120)
+    assert alone["state"] == "done" and "in_engine" not in alone["tracks"][0]["stages"]["backbone"]
+    stack.stop_worker(0)
+
+    stack.start_worker(0, ENCORE_BACKBONE_SLOTS="16")
+    before = [stack.submit_music(duration_s=2.0 + 3 * i, seed=100 + i) for i in range(8)]
+    wait_until(lambda: _in_backbone(stack, before[-1]), 60, 0.02, "the engine running")
+    target = stack.submit_music(duration_s=20.0, seed=42)
+    wait_until(lambda: _in_backbone(stack, target), 60, 0.02, "the song in the engine")
+    after = [stack.submit_music(duration_s=2.0 + 2 * i, seed=200 + i) for i in range(7)]
+    for job_id in [*before, target, *after]:
+        assert stack.wait_job(job_id, timeout=300)["state"] == "done"
+    assert _wav(stack, target) == _wav(stack, alone["job_id"])
+
+    log = [
+        line for line in stack.worker_log(0).splitlines() if "event=engine_joined" in line or "stage=backbone" in line
+    ]
+    joined = next(i for i, line in enumerate(log) if f"job={target}" in line and "event=engine_joined" in line)
+    left = next(i for i, line in enumerate(log) if f"job={target}" in line and "event=stage_finished" in line)
+    around = log[joined + 1 : left]
+    assert any("event=engine_joined" in line for line in around), "no track joined while the song ran"
+    assert any("event=stage_finished" in line for line in around), "no track left while the song ran"
+
+
+@pytest.mark.slow
+def test_a_track_canceled_in_the_engine_leaves_within_a_block_and_the_others_sound_as_alone(make_stack):
+    stack = make_stack()
+    stack.start_worker(0)
+    alone = [stack.wait_job(stack.submit_music(duration_s=12.0, seed=seed), timeout=120) for seed in (3, 4)]
+    doomed = stack.submit_music(duration_s=150.0, seed=5)
+    wait_until(lambda: _in_backbone(stack, doomed, above=0.01), 60, 0.02, "the doomed song in the engine")
+    kept = [stack.submit_music(duration_s=12.0, seed=seed) for seed in (3, 4)]
+    wait_until(lambda: all(_in_backbone(stack, job_id) for job_id in kept), 60, 0.02, "both songs in the engine")
+    asked = time.monotonic()
+    assert stack.client.delete(f"/api/v1/jobs/{doomed}", headers=stack.auth).status_code == 200
+    ended = stack.wait_job(doomed, timeout=20, interval=0.02)
+    assert ended["tracks"][0]["state"] == "canceled" and time.monotonic() - asked < 5
+    assert all(_in_backbone(stack, job_id) or stack.job(job_id)["state"] != "canceled" for job_id in kept)
+    for job_id, reference in zip(kept, alone, strict=True):
+        assert stack.wait_job(job_id, timeout=120)["state"] == "done"
+        assert _wav(stack, job_id) == _wav(stack, reference["job_id"])
+    assert _events(stack, "canceled", f"job={doomed}", "stage=backbone")
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_worker_with_tracks_of_three_jobs_in_its_engine_restarts_each_once(make_stack):
+    from tests.support import faults
+
+    stack = make_stack(ENCORE_LEASE_S="4")
+    stack.start_worker(0, ENCORE_BACKBONE_SLOTS="16")
+    jobs = [stack.submit_music(duration_s=60.0, num_tracks=3, seed=10 * (i + 1)) for i in range(3)]
+
+    def in_engine() -> list[tuple[str, int]]:
+        return [
+            (job_id, track["track"])
+            for job_id in jobs
+            for track in stack.job(job_id)["tracks"]
+            if track["state"] == "backbone" and track["progress"] > 0
+        ]
+
+    wait_until(lambda: len(in_engine()) >= 8, 120, 0.05, "eight tracks in the engine")
+    held = set(in_engine())
+    stack.stop_worker(0)  # kill -9 of master and child
+    stack.start_worker(0, ENCORE_BACKBONE_SLOTS="16")
+    for job_id in jobs:
+        record = stack.wait_job(job_id, timeout=400)
+        assert record["state"] == "done", record
+        for track in record["tracks"]:
+            expected = 1 if (job_id, track["track"]) in held else 0
+            assert track["restarts"] == expected, (job_id, track["track"], track["restarts"])
+    finished = Counter(
+        (match.group(1), match.group(2))
+        for line in _events(stack, "stage_finished", "stage=backbone")
+        if (match := re.search(r"job=(\w+) track=(\d+) ", line))
+    )
+    assert sorted(finished) == sorted((job_id, str(t)) for job_id in jobs for t in range(3))
+    assert set(finished.values()) == {1}, finished  # none ran twice
+    faults.assert_nothing_left(stack)
