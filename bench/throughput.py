@@ -12,16 +12,24 @@ as one JSON object:
   job_latency_s p50 / p95              submission to the job's last stage's end, per kind
   gpu_stage_occupancy                  the share of the wall time, from the first submission until the last GPU
                                        stage ends (GPU work waits all along under this load), that the worker
-                                       spends in GPU stages (backbone, superres, decode, lipsync) rather than in
-                                       CPU stages (export, prepare, mux) or idle
+                                       spends in GPU stages (backbone, superres, decode, lipsync) and not in
+                                       CPU stages (export, prepare, mux) or idle: the union of the GPU stages'
+                                       intervals less the time CPU stages ran in the same child (the engine runs
+                                       a finished track's export while its other tracks wait)
   stage_seconds                        total seconds per stage, to see where the time goes
 
-Modes: `today` (the worker as it runs now: one job's tracks per backbone pass, CPU stages in the GPU child) is
-the in-run baseline that issue 23's in-flight batching and CPU-stage worker will be measured against; they
-are not built yet, so it is the only mode. `--tiny` (3 songs, 1 video, short lengths, the tiny models) runs in
-the test suite; its numbers are noise.
+Modes, side by side in one run (each its own Redis and worker, one after the other):
+  today    ENCORE_BACKBONE_SLOTS=1: the worker as it ran before the engine (one song's tracks per backbone pass,
+           every stage a delivery of its own)
+  engine   the in-flight backbone engine (ENCORE_BACKBONE_SLOTS=16): tracks of any jobs decoded together, a
+           finished track's later stages at once (app/tasks/engine.py). The CPU-stage worker (issue 35, item 5)
+           is not built yet: export still runs in the GPU child, and occupancy counts that time as the GPU's idle.
+`--profile shaped` runs the music models of the `shaped` profile (app/pipeline/profiles.py: random weights, a
+backbone big enough that a track's stage times split as an H200's do at Khala sizes, ~80/12/7 % here), written
+to models/shaped on first use; `tiny` (the default) has the backbone at ~50 %, which misjudges a scheduler.
+`--tiny` (3 songs, 1 video, short lengths, the tiny models) runs in the test suite; its numbers are noise.
 
-    python bench/throughput.py [--tiny] [--music 16] [--lipsync 4] [--song-s 10] [--clip-s 2]
+    python bench/throughput.py [--tiny] [--profile tiny|shaped] [--music 16] [--lipsync 4] [--song-s 10] [--clip-s 2]
 """
 
 from __future__ import annotations
@@ -42,18 +50,33 @@ from bench.common import start_redis  # noqa: E402
 
 GPU_STAGES = frozenset({"backbone", "superres", "decode", "lipsync"})
 ENDED = ("done", "failed", "canceled", "partial")
-MODES = ("today",)
+MODES = ("today", "engine")
+MODE_ENV = {"today": {"ENCORE_BACKBONE_SLOTS": "1"}, "engine": {"ENCORE_BACKBONE_SLOTS": "16"}}
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end] intervals as disjoint intervals, in order."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
     """Seconds covered by the union of [start, end] intervals (a batched pass's shared interval counts once)."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end <= reach:
-            continue
-        total += end - max(start, reach)
-        reach = end
-    return total
+    return sum(end - start for start, end in union(intervals))
+
+
+def covered_less(intervals: list[tuple[float, float]], removed: list[tuple[float, float]]) -> float:
+    """Seconds covered by `intervals` and not by `removed`."""
+    overlap = 0.0
+    for start, end in union(intervals):
+        for cut_start, cut_end in union(removed):
+            overlap += max(0.0, min(end, cut_end) - max(start, cut_start))
+    return union_seconds(intervals) - overlap
 
 
 def stage_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -96,6 +119,7 @@ def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> 
         ends = [run["end"] for run in stage_runs([record])]
         latency[record["kind"]].append(max(ends) - submitted_at[record["job_id"]])
     gpu_runs = [(run["start"], run["end"]) for run in runs if run["stage"] in GPU_STAGES]
+    cpu_runs = [(run["start"], run["end"]) for run in runs if run["stage"] not in GPU_STAGES]
     gpu_window = max((end for _, end in gpu_runs), default=first) - first
     backbone = [(run["start"], run["end"]) for run in runs if run["stage"] == "backbone"]
     stage_seconds: dict[str, float] = {}
@@ -114,7 +138,7 @@ def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> 
         "job_latency_s": {
             kind: {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95)} for kind, values in latency.items()
         },
-        "gpu_stage_occupancy": round(union_seconds(gpu_runs) / gpu_window, 3) if gpu_window > 0 else None,
+        "gpu_stage_occupancy": round(covered_less(gpu_runs, cpu_runs) / gpu_window, 3) if gpu_window > 0 else None,
         "stage_seconds": stage_seconds,
     }
 
@@ -122,12 +146,13 @@ def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> 
 class Deployment:
     """Redis, the web app (in this process) and one worker, as the README's one-host shape runs them."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, mode_env: dict[str, str], profile: str = "tiny"):
         self.root = root
         self.redis, url = start_redis(root)
         self.env = {
             "REDIS_URL": url,
-            "ENCORE_MODEL_DIR": str(REPO / "models" / "tiny"),
+            "ENCORE_MUSIC_PROFILE": profile,
+            "ENCORE_MODEL_DIR": str(music_models(profile)),
             "ENCORE_LIPSYNC_MODEL_DIR": str(REPO / "models" / "lipsync-tiny"),
             "ENCORE_ARTIFACT_DIR": str(root / "artifacts"),
             "ENCORE_UPLOAD_DIR": str(root / "uploads"),
@@ -139,6 +164,7 @@ class Deployment:
             "ENCORE_SONG_END": "duration",
             "ENCORE_SUBMIT_RATE_LIMIT": "off",
             "ENCORE_MIN_VIDEO_S": "1",
+            **mode_env,
         }
         os.environ.update(self.env)
         from app.core.config import load_settings
@@ -201,6 +227,13 @@ class Deployment:
         self.redis.terminate()
 
 
+def music_models(profile: str) -> Path:
+    """The random-weight models of `profile` (written on first use; setup.sh writes the tiny ones)."""
+    from app.pipeline.tiny import write_tiny_models
+
+    return write_tiny_models(REPO / "models" / profile, profile_name=profile)
+
+
 def media(root: Path, clip_s: float) -> tuple[Path, Path]:
     """A face clip and a driving voice of `clip_s` seconds (the GPU lip-sync bench's own synthetic inputs)."""
     from bench.gpu_lipsync import write_clip, write_voice
@@ -210,7 +243,7 @@ def media(root: Path, clip_s: float) -> tuple[Path, Path]:
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"encore-throughput-{mode}-"))
-    deployment = Deployment(root)
+    deployment = Deployment(root, MODE_ENV[mode], args.profile)
     try:
         deployment.wait_for_worker(180)
         video, audio = media(root, args.clip_s)
@@ -231,6 +264,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="3 songs, 1 video, short lengths (the suite's smoke run)")
+    parser.add_argument("--profile", default="tiny", choices=("tiny", "shaped"), help="the music models")
     parser.add_argument("--music", type=int, default=16, help="concurrent music jobs (2 tracks each)")
     parser.add_argument("--lipsync", type=int, default=4, help="concurrent lip-sync jobs")
     parser.add_argument("--song-s", type=float, default=10.0)
@@ -244,13 +278,14 @@ def main() -> None:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"unknown modes {unknown}; built: {list(MODES)}")
+    music_models(args.profile)  # before any worker starts: a Megatron save must not race a worker's load
     started = time.time()
     results = [run_mode(mode, args) for mode in modes]
     print(
         json.dumps(
             {
                 "benchmark": "throughput",
-                "profile": "tiny",
+                "profile": args.profile,
                 "music_jobs": args.music,
                 "lipsync_jobs": args.lipsync,
                 "song_s": args.song_s,

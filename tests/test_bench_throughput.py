@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.throughput import summarize, union_seconds
+from bench.throughput import covered_less, summarize, union_seconds
 from tests.support.processes import run_bench
 
 
@@ -32,14 +32,26 @@ def test_occupancy_is_gpu_time_over_the_window_gpu_work_waits_in():
     assert figures["job_latency_s"]["lipsync"]["p50"] == 21
 
 
-@pytest.mark.slow  # a real worker, 3 songs and a video at tiny size (~2.5 min here)
-def test_throughput_bench_runs_every_job_through_a_real_worker():
+def test_occupancy_leaves_out_a_cpu_stage_run_while_the_engine_holds_other_tracks():
+    """In the engine one track's export runs in the GPU child while another track's backbone interval is open:
+    that time is not the GPU's."""
+    records = [
+        _record("a", "music", {"backbone": (0, 4), "superres": (4, 5), "decode": (5, 6), "export": (6, 8)}),
+        _record("b", "music", {"backbone": (1, 10), "superres": (10, 11), "decode": (11, 12), "export": (12, 13)}),
+    ]
+    figures = summarize(records, {"a": 0.0, "b": 0.0})
+    assert figures["gpu_stage_occupancy"] == round(10 / 12, 3)  # 12 s of GPU intervals, 2 of them export
+    assert covered_less([(0, 4), (2, 6)], [(3, 4), (5, 9)]) == pytest.approx(4.0)
+
+
+@pytest.mark.slow  # a real worker per mode, 3 songs and a video at tiny size each (~4 min here)
+def test_throughput_bench_runs_every_job_through_a_real_worker_in_each_mode():
     run = run_bench("throughput.py", "--tiny")
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
-    (today,) = report["results"]
-    assert today["mode"] == "today"
-    assert today["jobs"] == today["jobs_done"] == 4
-    assert 0 < today["gpu_stage_occupancy"] <= 1
-    assert set(today["stage_seconds"]) == {"backbone", "superres", "decode", "export", "prepare", "lipsync", "mux"}
-    assert today["songs_per_hour"] > 0 and today["videos_per_hour"] > 0
+    assert [result["mode"] for result in report["results"]] == ["today", "engine"]
+    for result in report["results"]:
+        assert result["jobs"] == result["jobs_done"] == 4
+        assert 0 < result["gpu_stage_occupancy"] <= 1
+        assert set(result["stage_seconds"]) == {"backbone", "superres", "decode", "export", "prepare", "lipsync", "mux"}
+        assert result["songs_per_hour"] > 0 and result["videos_per_hour"] > 0

@@ -63,11 +63,13 @@ def drop_unacked(svc: Services, transport_options: dict[str, Any], task_ids: lis
     return removed
 
 
-def messages_present(svc: Services, queue: str, transport_options: dict[str, Any]) -> set[str]:
-    """Ids of the messages of `queue` still in the broker, and of every delivery not acked yet."""
-    ids = {
-        _message_id(p) for key in broker_lists(queue, transport_options) for p in decoded(svc.redis.lrange(key, 0, -1))
-    }
+def messages_present(
+    svc: Services, queue: str, transport_options: dict[str, Any], also: list[str] | None = None
+) -> set[str]:
+    """Ids of the messages of `queue` (and of the queues in `also`) still in the broker, and of every delivery
+    not acked yet."""
+    lists = [key for name in [queue, *(also or [])] for key in broker_lists(name, transport_options)]
+    ids = {_message_id(p) for key in lists for p in decoded(svc.redis.lrange(key, 0, -1))}
     unacked, _ = _unacked_keys(transport_options)
     for raw in svc.redis.hvals(unacked):
         try:

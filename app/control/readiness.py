@@ -25,7 +25,10 @@ def _names(value: Any) -> list[str]:
 
 
 def worker_readiness(worker: dict[str, Any]) -> dict[str, Any]:
-    """One live worker: the kinds it serves, those whose models it has loaded, and whether that is all."""
+    """One live worker: the kinds it serves, those whose models it has loaded, and whether that is all. A host's
+    CPU-stage worker (`role` cpu) loads no model: it is ready while live, and serves no kind on its own."""
+    if worker.get("role") == "cpu":
+        return {"name": worker["name"], "role": "cpu", "kinds": [], "models_loaded": [], "ready": True, "missing": []}
     kinds = _names(worker.get("kinds")) or sorted(KINDS)  # a worker from before `kinds` serves them all
     loaded = _names(worker.get("models_loaded"))
     missing = [kind for kind in kinds if kind not in loaded]
@@ -40,9 +43,10 @@ def readiness(svc: Services) -> tuple[bool, dict[str, Any]]:
     except redis.RedisError as exc:
         return False, {"ready": False, "redis": f"down: {exc}", "workers": [], "error": f"redis: down ({exc})"}
     entries = [worker_readiness(w) for w in workers]
-    body: dict[str, Any] = {"ready": any(e["ready"] for e in entries), "redis": "ok", "workers": entries}
+    serving = [e for e in entries if e.get("role") != "cpu"]  # a CPU-stage worker alone runs no job
+    body: dict[str, Any] = {"ready": any(e["ready"] for e in serving), "redis": "ok", "workers": entries}
     if not body["ready"]:
-        body["error"] = _reason(entries)
+        body["error"] = _reason(serving)
     return body["ready"], body
 
 

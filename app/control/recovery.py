@@ -32,9 +32,10 @@ from typing import Any
 from celery import Celery
 
 from app.adapters.redis_conn import decoded_members
-from app.control.broker import broker_lists, drop_messages, drop_unacked, messages_present
+from app.control.broker import drop_messages, drop_unacked, messages_present
 from app.core.joblog import job_event
 from app.core.kinds import KINDS
+from app.core.queues import cpu_queue_of
 from app.control.lifecycle import QUEUED, parse_member
 from app.control.routing import (
     chain_start,
@@ -42,6 +43,7 @@ from app.control.routing import (
     expected_task_id,
     known_queues,
     pick_queue,
+    queue_lists,
     routable_queues,
     resend,
     unroute_waiting,
@@ -151,7 +153,7 @@ def _drop_chain(svc: Services, celery: Celery, record: dict[str, Any]) -> None:
 
 def _drop_messages_of(svc: Services, options: dict[str, Any], record: dict[str, Any]) -> None:
     if record["queue"]:
-        drop_messages(svc, broker_lists(record["queue"], options), record["task_ids"])
+        drop_messages(svc, queue_lists(record["queue"], options), record["task_ids"])
     drop_unacked(svc, options, record["task_ids"])
 
 
@@ -264,8 +266,9 @@ def _reap_queue(svc: Services, celery: Celery, queue: str, live: set[str], check
             outcome = restart_track(svc, celery, job_id, track, record, f"{queue} has no live worker")
             acted += _logged(outcome, job_id, track, queue, "worker offline")
         elif check_stalls and now - float(record["updated_at"]) > svc.settings.stall_after_s:
-            if present is None:
-                present = messages_present(svc, queue, options)
+            if present is None:  # a companion's messages count while its CPU worker lives (else they are lost)
+                cpu_queue = cpu_queue_of(queue)
+                present = messages_present(svc, queue, options, [cpu_queue] if cpu_queue in live else [])
             acted += _resend_if_lost(svc, celery, job_id, track, record, queue, present)
     return acted
 

@@ -16,6 +16,8 @@
 - A queue that falls idle takes over a track waiting behind a running one elsewhere (`rebalance`, on every
   worker heartbeat), when the track would be done sooner there: a song's second track, a queue whose worker
   came back after the others, never wait while a live GPU idles.
+- A stage that needs no GPU (`Stage.cpu`: export, prepare, mux) is sent to the queue's companion (`gpu0.cpu`,
+  app/core/queues.py) when the host's CPU-stage worker is live, else to the GPU queue (it runs in place there).
 - A chain starts at the track's first unfinished stage (a resumed music track skips what it already has);
   its task ids are those of the kind's last stages, so the id a waiting track expects is known.
 """
@@ -34,6 +36,7 @@ from app.control.broker import broker_lists, find_message
 from app.control.eta import done_in, finishes, new_track_seconds, queue_seconds
 from app.core.joblog import job_event
 from app.core.kinds import KINDS, JobKind, first_unfinished
+from app.core.queues import cpu_queue_of, is_cpu_queue
 from app.control.lifecycle import CREATED, PARKED, QUEUED, member, parse_member
 from app.core.priority import DEFAULT_PRIORITY, LATER_STAGE_PRIORITY, first_stage_priority
 from app.control.services import Services
@@ -49,9 +52,10 @@ def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
 
 
 def known_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
-    """Queues that ever had a track or have a live worker (no keyspace scan: this runs on every heartbeat)."""
+    """GPU queues that ever had a track or have a live worker (no keyspace scan: this runs on every heartbeat)."""
     workers = svc.workers.workers() if workers is None else workers
-    return sorted(svc.jobs.queues() | {queue for w in workers for queue in consumed_queues(w)})
+    queues = svc.jobs.queues() | {queue for w in workers for queue in consumed_queues(w)}
+    return sorted(queue for queue in queues if not is_cpu_queue(queue))
 
 
 def draining(svc: Services) -> set[str]:
@@ -60,8 +64,21 @@ def draining(svc: Services) -> set[str]:
 
 
 def routable_queues(svc: Services, workers: list[dict] | None = None) -> list[str]:
-    """Queues a new track may go to: a live consumer, and not drained by an operator."""
-    return sorted(set(svc.workers.live_queues(workers)) - draining(svc))
+    """Queues a new track may go to: a GPU queue with a live consumer, not drained by an operator."""
+    live = {queue for queue in svc.workers.live_queues(workers) if not is_cpu_queue(queue)}
+    return sorted(live - draining(svc))
+
+
+def companion(svc: Services, queue: str, workers: list[dict] | None = None) -> str | None:
+    """Where `queue`'s CPU stages go: its companion queue while a CPU-stage worker consumes it, else None (they
+    run in place, on the GPU queue)."""
+    cpu_queue = cpu_queue_of(queue)
+    return cpu_queue if cpu_queue in svc.workers.live_queues(workers) else None
+
+
+def queue_lists(queue: str, transport_options: dict[str, Any]) -> list[str]:
+    """The broker lists a track of `queue` may have a message in: its own and its companion's."""
+    return broker_lists(queue, transport_options) + broker_lists(cpu_queue_of(queue), transport_options)
 
 
 def pick_queue(svc: Services, workers: list[dict] | None = None, work: tuple[str, float] | None = None) -> str | None:
@@ -126,11 +143,12 @@ def build_chain(
     start: int = 0,
     priority: str = DEFAULT_PRIORITY,
     started: bool = False,
+    cpu_queue: str | None = None,
 ) -> tuple[chain, list[str]]:
-    """The chain of `kind`'s stages from index `start`, on `queue`, with fresh task ids; its first stage (when
-    the chain has it) is sent with `priority`'s level, later ones above every level. A `started` track (one
-    that ran before and restarts: its worker died) sends every stage above every level: it keeps its place
-    ahead of the jobs queued after it."""
+    """The chain of `kind`'s stages from index `start`, on `queue` (its CPU stages on `cpu_queue` when given),
+    with fresh task ids; its first stage (when the chain has it) is sent with `priority`'s level, later ones above
+    every level. A `started` track (one that ran before and restarts: its worker died) sends every stage above
+    every level: it keeps its place ahead of the jobs queued after it."""
     signatures, task_ids = [], []
     for index, stage in enumerate(kind.stages[start:], start):
         task_id = uuid.uuid4().hex
@@ -138,7 +156,12 @@ def build_chain(
         args = (ref,) if index == start else ()
         signatures.append(
             celery.signature(
-                stage.task, args=args, queue=queue, priority=message_priority, task_id=task_id, immutable=False
+                stage.task,
+                args=args,
+                queue=cpu_queue if stage.cpu and cpu_queue else queue,
+                priority=message_priority,
+                task_id=task_id,
+                immutable=False,
             )
         )
         task_ids.append(task_id)
@@ -167,6 +190,7 @@ def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue:
         first_unfinished(kind, record["stages"]),
         job_priority(job),
         started=int(record.get("restarts") or 0) > 0,
+        cpu_queue=companion(svc, queue),
     )
     outcome = svc.jobs.route(job_id, track, queue, task_ids)
     if outcome.canceled:
@@ -187,7 +211,15 @@ def resend(svc: Services, celery: Celery, job_id: str, track: int, record: dict[
         return False
     kind = KINDS[job["kind"]]
     start = first_unfinished(kind, record["stages"])
-    workflow, task_ids = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue, start, job_priority(job))
+    workflow, task_ids = build_chain(
+        celery,
+        kind,
+        {"job_id": job_id, "track": track},
+        queue,
+        start,
+        job_priority(job),
+        cpu_queue=companion(svc, queue),
+    )
     if not svc.jobs.transition("resend", job_id, track, {"detail": record["detail"]}, task_ids=json.dumps(task_ids)):
         return False
     workflow.apply_async()
@@ -279,7 +311,7 @@ def _unroute_one(svc: Services, celery: Celery, queue: str, job_id: str, track: 
     if record is None or record["status"] != QUEUED or not record["task_ids"]:
         return False
     found = find_message(
-        svc.redis, broker_lists(queue, dict(celery.conf.broker_transport_options or {})), record["task_ids"][0]
+        svc.redis, queue_lists(queue, dict(celery.conf.broker_transport_options or {})), record["task_ids"][0]
     )
     return found is not None and bool(
         svc.jobs.transition(
@@ -291,7 +323,7 @@ def _unroute_one(svc: Services, celery: Celery, queue: str, job_id: str, track: 
 def unroute_waiting(svc: Services, queue: str, transport_options: dict[str, Any]) -> list[str]:
     """Take every queued track off `queue` together with its first message (the `unroute` transition removes
     the message atomically, so a worker that took it meanwhile keeps the track). Returns the members moved."""
-    lists = broker_lists(queue, transport_options)
+    lists = queue_lists(queue, transport_options)
     moved = []
     for value in decoded_members(svc.redis.zrange(svc.jobs.waiting_key(queue), 0, -1)):
         job_id, track = parse_member(value)

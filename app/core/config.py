@@ -498,7 +498,9 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "worker_cache_dir": "each host's local scratch: lip-sync track intermediates (`tracks/`), running stages' "
     "temp folders (`work/`: a killed stage's is swept by the next heartbeat), local copies of `redis`- and "
     "`s3`-backend artifacts (`artifacts/`), the lip-sync source cache (`lipsync-sources/`)",
-    "music_profile": "`tiny` (random weights, for tests and the demo) or `khala` (the real checkpoints)",
+    "music_profile": "`tiny` (random weights, for tests and the demo), `shaped` (random weights, a backbone sized so "
+    "that a track's stage times split as an H200's do: `bench/throughput.py --profile shaped`) or `khala` (the real "
+    "checkpoints)",
     "model_dir": "where the profile's models live (unset: `models/<profile>`; for `khala`, a Khala checkout)",
     "model_paths": "where each model lies, when not in the profile's layout under `ENCORE_MODEL_DIR` (absolute, "
     "or relative to it; a `*` in the codec file picks the highest training step)",

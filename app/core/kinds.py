@@ -12,6 +12,7 @@ class Stage:
     state: str  # the track state shown while this stage runs
     task: str  # Celery task name
     unit: str  # what its progress counts
+    cpu: bool = False  # needs no GPU: runs on the host's CPU-stage worker when one is live (app/core/queues.py)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ MUSIC = JobKind(
         Stage("backbone", "backbone", "encore.music.backbone", "tokens"),
         Stage("superres", "superres", "encore.music.superres", "layers"),
         Stage("decode", "decoding", "encore.music.decode", "chunks"),
-        Stage("export", "exporting", "encore.music.export", "files"),
+        Stage("export", "exporting", "encore.music.export", "files", cpu=True),
     ),
     resumable=True,
 )
@@ -49,9 +50,9 @@ MUSIC = JobKind(
 LIPSYNC = JobKind(
     "lipsync",
     (
-        Stage("prepare", "preparing", "encore.lipsync.prepare", "steps"),
+        Stage("prepare", "preparing", "encore.lipsync.prepare", "steps", cpu=True),
         Stage("lipsync", "lipsync", "encore.lipsync.lipsync", "frames"),
-        Stage("mux", "muxing", "encore.lipsync.mux", "steps"),
+        Stage("mux", "muxing", "encore.lipsync.mux", "steps", cpu=True),
     ),
 )
 

@@ -172,6 +172,16 @@ def _tiny(model_dir: Path) -> MusicProfile:
     return replace(profile, max_duration_s=profile.longest_song_s)
 
 
+def _shaped(model_dir: Path) -> MusicProfile:
+    """Random weights, tiny vocabularies and codec, and a backbone big enough that a track's time splits between
+    the stages about as an H200 splits it at Khala sizes (backbone ~85 %, super-resolution ~10 %, codec ~3 %;
+    docs/performance.md): the CPU profile a scheduler is judged with (bench/throughput.py --profile shaped). Its
+    audio is noise."""
+    tiny = _tiny(model_dir)
+    backbone = replace(tiny.backbone, num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=704)
+    return replace(tiny, name="shaped", backbone=backbone)
+
+
 def _khala(model_dir: Path) -> MusicProfile:
     """The real models, in the layout the reference ships (a Khala checkout with its checkpoints/ downloaded):
     models/Tokenizer/, checkpoints/backbone/, checkpoints/superresolution/, checkpoints/dac_rvq_*.ckpt."""
@@ -213,7 +223,7 @@ def _training_step(path: Path) -> tuple[int, str]:
     return (int(digits[-1]) if digits else -1, path.name)
 
 
-PROFILES = {"tiny": _tiny, "khala": _khala}
+PROFILES = {"tiny": _tiny, "shaped": _shaped, "khala": _khala}
 
 
 def load_profile(

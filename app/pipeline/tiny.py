@@ -20,13 +20,14 @@ from app.pipeline.profiles import load_lipsync_profile, load_profile
 MARKER = ".complete"
 
 
-def write_tiny_models(out: Path, seed: int = 1234, force: bool = False) -> Path:
-    """Write every tiny model under `out` (skipped when a previous run completed, unless `force`)."""
+def write_tiny_models(out: Path, seed: int = 1234, force: bool = False, profile_name: str = "tiny") -> Path:
+    """Write every model of a random-weight profile (`tiny`, or `shaped`: bench/throughput.py's) under `out`
+    (skipped when a previous run completed, unless `force`)."""
     if (out / MARKER).exists() and not force:
         return out
     from app.pipeline.music import codec, megatron_backend, prompt
 
-    profile = load_profile("tiny", out)
+    profile = load_profile(profile_name, out)
     out.mkdir(parents=True, exist_ok=True)
     prompt.write_tiny_tokenizer(profile, profile.tokenizer_dir)
     megatron_backend.write_tiny_checkpoint(profile.backbone, profile.backbone_dir, causal=True, seed=seed)

@@ -34,7 +34,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence, cast
 
+from app.adapters.celery_app import celery
 from app.control.lifecycle import parse_member
+from app.control.routing import companion, resend
 from app.control.services import Services
 from app.core.ids import TrackRef
 from app.core.joblog import job_event
@@ -346,11 +348,31 @@ class BackboneEngine:
         return self._record_finish(held, BACKBONE, finished.share_s, loaded, info)
 
     def _go_on(self, held: Held) -> None:
-        """The track's next stages, here and now (module docstring, point 2)."""
+        """The track's next stages, here and now (module docstring, point 2); from the first that needs no GPU on,
+        on the host's CPU-stage worker while one is live."""
         for stage_name, work in self.follow_ups:
+            if self.run.kind.stage(stage_name).cpu and self._hand_to_cpu_worker(held, stage_name):
+                return
             if not self._run_stage(held, stage_name, work):
                 return
         self._let_go(held.ref)
+
+    def _hand_to_cpu_worker(self, held: Held, stage_name: str) -> bool:
+        """Send the rest of the track's chain (from `stage_name`, which it waits for) to its queue's companion,
+        its old messages left stale; False when no CPU-stage worker is live (the stage runs here)."""
+        svc, run, ref = self.svc, self.run, held.ref
+        if companion(svc, run.queue) is None:
+            return False
+        record = svc.jobs.track(*ref)
+        if (
+            record is None
+            or record["status"] != f"waiting:{stage_name}"
+            or not resend(svc, celery, *ref, record, run.queue)
+        ):
+            return False
+        job_event(log, "handed_to_cpu_worker", ref.job_id, track=ref.track, queue=run.queue, stage=stage_name)
+        self._let_go(ref)
+        return True
 
     def _run_stage(self, held: Held, stage_name: str, work: StageWork) -> bool:
         """One later stage of a held track, in this child, recorded as its own stage run would record it."""

@@ -17,6 +17,7 @@ from app.adapters import tracing
 from app.adapters.celery_app import celery
 from app.adapters.gpu import GpuProbe
 from app.core.kinds import KINDS
+from app.core.queues import is_cpu_queue
 from app.control.recovery import reap, release_dead_leases
 from app.control.routing import dispatch_unrouted, rebalance
 from app.control.services import Services, services
@@ -32,17 +33,25 @@ def _consumed_queues() -> list[str]:
     return sorted(celery.amqp.queues.consume_from or celery.amqp.queues)
 
 
+def cpu_role() -> bool:
+    """This worker consumes only companion queues: the host's CPU-stage worker (no models, no GPU)."""
+    queues = _consumed_queues()
+    return bool(queues) and all(is_cpu_queue(queue) for queue in queues)
+
+
 def _worker_info(svc: Services, hostname: str) -> dict[str, object]:
     """What the heartbeat registers (app/control/workers.py), read once at start."""
     return {
         "queue": ",".join(_consumed_queues()),
+        "role": "cpu" if cpu_role() else "gpu",
         "pid": os.getpid(),
         "hostname": hostname,
         "runtime_mode": svc.settings.runtime_mode,
         "profile": svc.settings.music_profile,
         "music_engine": svc.settings.music_engine,
-        "kinds": ",".join(sorted(KINDS)),
-        "preload": int(svc.settings.preload_models),  # ready only once its child loaded them (readiness, rebalance)
+        "kinds": "" if cpu_role() else ",".join(sorted(KINDS)),
+        # ready only once its child loaded them (readiness, rebalance); the CPU-stage worker loads none
+        "preload": int(svc.settings.preload_models and not cpu_role()),
         "pinned_to": _device_claim(),
         "started_at": time.time(),
     }
@@ -171,7 +180,7 @@ def init_child(sender=None, **_: object) -> None:
 
     if svc.settings.torch_threads > 0:
         torch.set_num_threads(svc.settings.torch_threads)
-    if svc.settings.preload_models:
+    if svc.settings.preload_models and not cpu_role():  # the CPU-stage worker runs no model
         from app.tasks import lipsync, music
 
         loaded: list[str] = []
