@@ -30,6 +30,7 @@ to models/shaped on first use; `tiny` (the default) has the backbone at ~50 %, w
 `--tiny` (3 songs, 1 video, short lengths, the tiny models) runs in the test suite; its numbers are noise.
 
     python bench/throughput.py [--tiny] [--profile tiny|shaped] [--music 16] [--lipsync 4] [--song-s 10] [--clip-s 2]
+                               [--modes today,engine] [--arrivals burst|poisson --per-hour N --seed 1]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -241,6 +243,26 @@ def media(root: Path, clip_s: float) -> tuple[Path, Path]:
     return write_clip(root / "face.mp4", clip_s), write_voice(root / "voice.wav", clip_s)
 
 
+def schedule(args: argparse.Namespace) -> list[tuple[tuple[str, int], float]]:
+    """When each job is offered, in seconds from the start: music and lip-sync interleaved; all at once
+    (`--arrivals burst`), or a Poisson process of `--per-hour` jobs an hour (seeded: every mode gets the same
+    schedule)."""
+    jobs = [
+        (kind, index)
+        for index in range(max(args.music, args.lipsync))
+        for kind, count in (("music", args.music), ("lipsync", args.lipsync))
+        if index < count
+    ]
+    if args.arrivals == "burst":
+        return [(job, 0.0) for job in jobs]
+    rng = random.Random(args.seed)
+    offsets, clock = [], 0.0
+    for job in jobs:
+        offsets.append((job, clock))
+        clock += rng.expovariate(args.per_hour / 3600.0)
+    return offsets
+
+
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"encore-throughput-{mode}-"))
     deployment = Deployment(root, MODE_ENV[mode], args.profile)
@@ -250,11 +272,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         warm = [deployment.submit_music(1.0, 0)] + ([deployment.submit_lipsync(video, audio)] if args.lipsync else [])
         deployment.wait_all(warm, args.limit_s)  # models loaded, kernels warm: not counted
         submitted: dict[str, float] = {}
-        for index in range(max(args.music, args.lipsync)):  # interleaved: a mixed load from the start
-            if index < args.music:
-                submitted[deployment.submit_music(args.song_s, 100 + index)] = time.time()
-            if index < args.lipsync:
-                submitted[deployment.submit_lipsync(video, audio)] = time.time()
+        start = time.monotonic()
+        for (kind, index), offset in schedule(args):
+            time.sleep(max(0.0, start + offset - time.monotonic()))  # an arrival schedule, not a wait for state
+            job_id = deployment.submit_music(args.song_s, 100 + index) if kind == "music" else None
+            submitted[job_id or deployment.submit_lipsync(video, audio)] = time.time()
         records = deployment.wait_all(list(submitted), args.limit_s)
         return {"mode": mode, **summarize(records, submitted)}
     finally:
@@ -270,10 +292,17 @@ def main() -> None:
     parser.add_argument("--song-s", type=float, default=10.0)
     parser.add_argument("--clip-s", type=float, default=2.0)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--arrivals", default="burst", choices=("burst", "poisson"), help="all at once, or spread")
+    parser.add_argument(
+        "--per-hour", type=float, default=0.0, help="poisson: jobs offered per hour (e.g. 0.8x today's)"
+    )
+    parser.add_argument("--seed", type=int, default=1, help="poisson: the arrival schedule's seed")
     parser.add_argument("--limit-s", type=float, default=1800.0, help="give up when the jobs have not ended by then")
     args = parser.parse_args()
     if args.tiny:
         args.music, args.lipsync, args.song_s, args.clip_s = min(args.music, 3), min(args.lipsync, 1), 2.0, 1.2
+    if args.arrivals == "poisson" and args.per_hour <= 0:
+        parser.error("--arrivals poisson needs --per-hour > 0")
     modes = [mode for mode in args.modes.split(",") if mode]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -290,6 +319,8 @@ def main() -> None:
                 "lipsync_jobs": args.lipsync,
                 "song_s": args.song_s,
                 "clip_s": args.clip_s,
+                "arrivals": args.arrivals,
+                **({"per_hour": args.per_hour, "seed": args.seed} if args.arrivals == "poisson" else {}),
                 "load_average": [round(x, 2) for x in os.getloadavg()],
                 "wall_s": round(time.time() - started, 1),
                 "results": results,

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from bench.throughput import covered_less, summarize, union_seconds
+import argparse
+
+from bench.throughput import covered_less, schedule, summarize, union_seconds
 from tests.support.processes import run_bench
 
 
@@ -42,6 +44,17 @@ def test_occupancy_leaves_out_a_cpu_stage_run_while_the_engine_holds_other_track
     figures = summarize(records, {"a": 0.0, "b": 0.0})
     assert figures["gpu_stage_occupancy"] == round(10 / 12, 3)  # 12 s of GPU intervals, 2 of them export
     assert covered_less([(0, 4), (2, 6)], [(3, 4), (5, 9)]) == pytest.approx(4.0)
+
+
+def test_every_mode_is_offered_the_same_jobs_at_the_same_times():
+    args = argparse.Namespace(music=3, lipsync=1, arrivals="poisson", per_hour=3600.0, seed=5)
+    spread = schedule(args)
+    assert spread == schedule(args)  # seeded: the same schedule for `today` and `engine`
+    assert [job for job, _ in spread] == [("music", 0), ("lipsync", 0), ("music", 1), ("music", 2)]
+    offsets = [offset for _, offset in spread]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] > 0
+    args.arrivals = "burst"
+    assert {offset for _, offset in schedule(args)} == {0.0}
 
 
 @pytest.mark.slow  # a real worker per mode, 3 songs and a video at tiny size each (~4 min here)

@@ -153,3 +153,41 @@ def test_kill_9_of_a_worker_with_tracks_of_three_jobs_in_its_engine_restarts_eac
     assert sorted(finished) == sorted((job_id, str(t)) for job_id in jobs for t in range(3))
     assert set(finished.values()) == {1}, finished  # none ran twice
     faults.assert_nothing_left(stack)
+
+
+@pytest.mark.slow
+def test_a_second_tenant_starts_at_the_next_free_slot_not_behind_the_first_tenants_backlog(make_stack, tmp_path):
+    from tests.support.tenants import bearer, write_tenants_file
+
+    tokens = {"token-a": "alpha", "token-b": "beta", "token-ops": "ops"}
+    stack = make_stack(ENCORE_TENANTS_FILE=str(write_tenants_file(tmp_path / "tenants.json", tokens)))
+    stack.auth = bearer("token-ops")  # the helpers' status reads are an admin's
+    stack.start_worker(0, ENCORE_BACKBONE_SLOTS="2")
+
+    def submit(token: str, seed: int, duration_s: float) -> str:
+        body = {"mode": "instrumental", "tags": "lo-fi", "duration_s": duration_s, "num_tracks": 1, "seed": seed}
+        reply = stack.client.post("/api/v1/music", json=body, headers=bearer(token))
+        assert reply.status_code == 202, reply.get_json()
+        return reply.get_json()["job_id"]
+
+    def state(token: str, job_id: str) -> dict:
+        return stack.client.get(f"/api/v1/jobs/{job_id}", headers=bearer(token)).get_json()["tracks"][0]
+
+    backlog = [submit("token-a", seed, 100.0) for seed in range(8)]
+    wait_until(lambda: state("token-a", backlog[1])["state"] == "backbone", 60, 0.02, "alpha filling both slots")
+    offered = time.time()
+    newcomer = submit("token-b", 99, 2.0)
+    done = wait_until(
+        lambda: (lambda t: t if t["state"] == "done" else None)(state("token-b", newcomer)), 180, 0.05, "beta's song"
+    )
+    started = done["stages"]["backbone"]["started_at"]
+    later = [
+        t
+        for t in (state("token-a", job_id) for job_id in backlog)
+        if t["state"] == "queued" or t["stages"]["backbone"]["started_at"] > offered
+    ]
+    assert len(later) >= 4, "alpha's backlog was not waiting when beta's song came"
+    # beta's song took one of the first two slots that freed after it came (both of alpha's songs in the engine
+    # end together): at most one song of alpha's backlog started before it; in queue order all of them would have
+    ahead = [t for t in later if t["state"] != "queued" and t["stages"]["backbone"]["started_at"] < started]
+    assert len(ahead) <= 1, ahead

@@ -157,7 +157,7 @@ class BackboneEngine:
         self._hold(Held(own, job, record))
         try:
             self._join(self.held[own])
-            while self.held:
+            while True:  # until a boundary leaves no track in the engine (it admits before it looks)
                 self._boundary()
                 if not self.runner.keys:
                     break
