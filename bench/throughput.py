@@ -8,22 +8,24 @@ as one JSON object:
   songs_per_hour, videos_per_hour      jobs done / makespan (submission of the first to the end of the last)
   tracks_per_hour                      music tracks done / makespan
   backbone_tracks_per_hour             backbone stages finished / the wall time the worker spent in backbone
-                                       (the union of its backbone intervals: a batched pass counts once)
+                                       (the union of its backbone intervals, a batched pass counted once, less
+                                       the time the engine ran other stages between its blocks)
   job_latency_s p50 / p95              submission to the job's last stage's end, per kind
   gpu_stage_occupancy                  the share of the wall time, from the first submission until the last GPU
                                        stage ends (GPU work waits all along under this load), that the worker
                                        spends in GPU stages (backbone, superres, decode, lipsync) and not in
                                        CPU stages (export, prepare, mux) or idle: the union of the GPU stages'
-                                       intervals less the time CPU stages ran in the same child (the engine runs
-                                       a finished track's export while its other tracks wait)
+                                       intervals less the time CPU stages ran in the same child
   stage_seconds                        total seconds per stage, to see where the time goes
 
-Modes, side by side in one run (each its own Redis and worker, one after the other):
-  today    ENCORE_BACKBONE_SLOTS=1: the worker as it ran before the engine (one song's tracks per backbone pass,
-           every stage a delivery of its own)
-  engine   the in-flight backbone engine (ENCORE_BACKBONE_SLOTS=16): tracks of any jobs decoded together, a
-           finished track's later stages at once (app/tasks/engine.py). The CPU-stage worker (issue 35, item 5)
-           is not built yet: export still runs in the GPU child, and occupancy counts that time as the GPU's idle.
+Modes, side by side in one run (each its own Redis and workers, one after the other):
+  today           the worker as it ran before issue 35: no engine (ENCORE_BACKBONE_SLOTS=1: one song's tracks per
+                  backbone pass, every stage a delivery of its own) and no CPU-stage worker (ENCORE_WORKER_ROLE=gpu:
+                  export, prepare and mux in the GPU child)
+  engine          the in-flight backbone engine (16 slots, exact per-track products) and the CPU-stage worker beside
+                  the GPU worker, as worker_entrypoint.sh starts them (app/tasks/engine.py, app/core/queues.py)
+  engine-batched  the same with ENCORE_ENGINE_MATMUL=batched (one product over 16-row tiles for all slots)
+The default runs `today,engine`.
 `--profile shaped` runs the music models of the `shaped` profile (app/pipeline/profiles.py: random weights, a
 backbone big enough that a track's stage times split as an H200's do at Khala sizes, ~80/12/7 % here), written
 to models/shaped on first use; `tiny` (the default) has the backbone at ~50 %, which misjudges a scheduler.
@@ -52,8 +54,13 @@ from bench.common import start_redis  # noqa: E402
 
 GPU_STAGES = frozenset({"backbone", "superres", "decode", "lipsync"})
 ENDED = ("done", "failed", "canceled", "partial")
-MODES = ("today", "engine")
-MODE_ENV = {"today": {"ENCORE_BACKBONE_SLOTS": "1"}, "engine": {"ENCORE_BACKBONE_SLOTS": "16"}}
+MODES = ("today", "engine", "engine-batched")
+DEFAULT_MODES = ("today", "engine")
+MODE_ENV = {
+    "today": {"ENCORE_BACKBONE_SLOTS": "1", "ENCORE_WORKER_ROLE": "gpu"},
+    "engine": {"ENCORE_BACKBONE_SLOTS": "16", "ENCORE_ENGINE_MATMUL": "exact"},
+    "engine-batched": {"ENCORE_BACKBONE_SLOTS": "16", "ENCORE_ENGINE_MATMUL": "batched"},
+}
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -121,9 +128,16 @@ def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> 
         ends = [run["end"] for run in stage_runs([record])]
         latency[record["kind"]].append(max(ends) - submitted_at[record["job_id"]])
     gpu_runs = [(run["start"], run["end"]) for run in runs if run["stage"] in GPU_STAGES]
-    cpu_runs = [(run["start"], run["end"]) for run in runs if run["stage"] not in GPU_STAGES]
+    cpu_runs = [  # CPU stages that ran in the GPU worker's child (not those of the CPU-stage worker beside it)
+        (run["start"], run["end"])
+        for run in runs
+        if run["stage"] not in GPU_STAGES and not run["worker"].startswith("cpu")
+    ]
     gpu_window = max((end for _, end in gpu_runs), default=first) - first
     backbone = [(run["start"], run["end"]) for run in runs if run["stage"] == "backbone"]
+    others = [  # what the GPU child ran between the engine's blocks
+        (run["start"], run["end"]) for run in runs if run["stage"] != "backbone" and not run["worker"].startswith("cpu")
+    ]
     stage_seconds: dict[str, float] = {}
     for run in runs:
         stage_seconds[run["stage"]] = round(stage_seconds.get(run["stage"], 0.0) + run["end"] - run["start"], 2)
@@ -134,7 +148,7 @@ def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> 
         "songs_per_hour": round(len(music) * 3600 / makespan, 1),
         "videos_per_hour": round(len(videos) * 3600 / makespan, 1),
         "tracks_per_hour": round(sum(len(r["tracks"]) for r in music) * 3600 / makespan, 1),
-        "backbone_tracks_per_hour": round(len(backbone) * 3600 / max(union_seconds(backbone), 1e-9), 1)
+        "backbone_tracks_per_hour": round(len(backbone) * 3600 / max(covered_less(backbone, others), 1e-9), 1)
         if backbone
         else None,
         "job_latency_s": {
@@ -291,7 +305,7 @@ def main() -> None:
     parser.add_argument("--lipsync", type=int, default=4, help="concurrent lip-sync jobs")
     parser.add_argument("--song-s", type=float, default=10.0)
     parser.add_argument("--clip-s", type=float, default=2.0)
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {MODES}")
     parser.add_argument("--arrivals", default="burst", choices=("burst", "poisson"), help="all at once, or spread")
     parser.add_argument(
         "--per-hour", type=float, default=0.0, help="poisson: jobs offered per hour (e.g. 0.8x today's)"

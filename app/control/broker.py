@@ -24,6 +24,19 @@ def _message_id(payload: str) -> str | None:
         return None
 
 
+def waiting_tasks(svc: Services, queue: str, transport_options: dict[str, Any], limit: int = 32) -> list[str]:
+    """The task names of the first `limit` messages in `queue`'s top-priority list (where started tracks' later
+    stages wait: app/core/priority.py), oldest first."""
+    top = broker_lists(queue, transport_options)[0]
+    names = []
+    for payload in decoded(svc.redis.lrange(top, -limit, -1)):  # kombu pushes on the left, pops on the right
+        try:
+            names.append(str((json.loads(payload).get("headers") or {}).get("task") or ""))
+        except (ValueError, AttributeError):
+            continue
+    return names
+
+
 def find_message(client: Any, lists: list[str], task_id: str) -> tuple[str, str] | None:
     """(list key, exact payload) of the queued message of `task_id`, or None once a worker took it."""
     for key in lists:

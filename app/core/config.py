@@ -236,6 +236,7 @@ class Settings:
     runtime_mode: str = field(default_factory=lambda: _env("ENCORE_RUNTIME_MODE", "keep_loaded"))
     batch_tracks: int = field(default_factory=lambda: _int("ENCORE_BATCH_TRACKS", "2"))
     backbone_slots: int = field(default_factory=lambda: _int("ENCORE_BACKBONE_SLOTS", "0"))
+    engine_matmul: str = field(default_factory=lambda: _env("ENCORE_ENGINE_MATMUL", "exact"))
     music_engine: str = field(default_factory=lambda: _env("ENCORE_MUSIC_ENGINE", "torch"))
     preload_models: bool = field(default_factory=lambda: _env("ENCORE_PRELOAD", "0") == "1")
     torch_threads: int = field(default_factory=lambda: _int("ENCORE_TORCH_THREADS", "0"))
@@ -393,6 +394,8 @@ class Settings:
             raise ValueError(f"ENCORE_RUNTIME_MODE must be keep_loaded or one_shot, not {self.runtime_mode!r}")
         if self.music_engine not in ("torch", "megatron"):
             raise ValueError(f"ENCORE_MUSIC_ENGINE must be torch or megatron, not {self.music_engine!r}")
+        if self.engine_matmul not in ("exact", "batched"):
+            raise ValueError(f"ENCORE_ENGINE_MATMUL must be exact or batched, not {self.engine_matmul!r}")
         if self.song_end not in (None, "model", "duration"):
             raise ValueError(f"ENCORE_SONG_END must be model or duration, not {self.song_end!r}")
         if self.lipsync_mask not in LIPSYNC_MASKS:
@@ -512,6 +515,10 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "super-resolution and codec are freed after their stage",
     "batch_tracks": "with `ENCORE_BACKBONE_SLOTS=1`: how many tracks of one song waiting on the same worker share "
     "one batched backbone pass (1: none); needs the `torch` engine",
+    "engine_matmul": "how the engine's slots share a linear layer: `exact` (once per track, the very product the "
+    "track makes alone: its codes equal the reference loop's; every track reads the weights again) or `batched` "
+    "(one product over fixed 16-row tiles of all slots: batch-invariant, so a seed still means a song in every "
+    "engine, but not bitwise the reference loop's; what a memory-bound GPU needs)",
     "backbone_slots": "tracks (of any jobs) a GPU worker's in-flight backbone engine decodes together, joining and "
     "leaving between blocks (`docs/performance.md`); 0: as many as a track's KV cache at the model's full length "
     "fits in 80 % of the device's free memory, at most 16, halved on out-of-memory; 1: no engine (one song's tracks "

@@ -20,8 +20,9 @@ one runs when the engine drains, so no other work waits behind an engine that ke
 higher priority first; within a priority, the tenant holding the fewest tracks in the engine first (round robin
 between tenants), then submission order (FIFO within a tenant).
 
-The engine stops admitting (and drains) when its worker is shutting down, its queue is drained, or it has run
-for half the backbone's soft time limit (the last tracks it admitted must finish before the limit).
+The engine stops admitting (and drains) when its worker is shutting down, its queue is drained, another GPU stage
+waits on its queue (a lip-sync: it runs as soon as the engine's tracks are through, not after a music backlog), or
+it has run for half the backbone's soft time limit (the last tracks it admitted must finish before the limit).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, cast
 
 from app.adapters.celery_app import celery
+from app.control.broker import waiting_tasks
 from app.control.lifecycle import parse_member
 from app.control.routing import companion, resend
 from app.control.services import Services
@@ -186,7 +188,16 @@ class BackboneEngine:
         pipe.hget(self.svc.workers.keys.worker(self.run.worker), "stopping")
         pipe.sismember(self.svc.jobs.keys.draining, self.run.queue)
         stopping, draining = pipe.execute()
-        return not stopping and not draining
+        return not stopping and not draining and not self._other_gpu_work_waits()
+
+    def _other_gpu_work_waits(self) -> bool:
+        """A started track's GPU stage that the engine does not run (a lip-sync, a music track's superres resumed
+        elsewhere) waits on this queue: the engine drains so that it runs next, instead of waiting behind an
+        engine that keeps admitting. Backbone messages are the engine's own business (it takes those tracks from
+        the waiting set; their messages are dropped as stale)."""
+        options = dict(celery.conf.broker_transport_options or {})
+        backbone = self.run.kind.stage(BACKBONE).task
+        return any(name and name != backbone for name in waiting_tasks(self.svc, self.run.queue, options))
 
     # -- tracks joining -------------------------------------------------------------------------------------
     def _admit_waiting(self) -> None:

@@ -67,7 +67,8 @@ def backbone_work(run: StageRun) -> None:
         from app.tasks.engine import BackboneEngine
 
         assert run.watch is not None
-        runner = InFlightBackbone(models(), slots, run.loaded)
+        batched = run.svc.settings.engine_matmul == "batched"
+        runner = InFlightBackbone(models(), slots, run.loaded, batched_matmul=batched)
         follow_ups = [("superres", superres_work), ("decode", decode_work), ("export", export_work)]
         BackboneEngine(run, run.watch, runner, follow_ups).serve()
         return

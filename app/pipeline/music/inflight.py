@@ -11,8 +11,10 @@ knows about jobs or Celery: a track is a caller's key and a BackboneTrack.
     for done in block.finished: ...                       # codes saved to its `out`; its slot is free
     runner.drop(key)                                      # a canceled track leaves; the others go on
 
-A track's codes are bitwise those it gets alone (SlotDecoder's guarantee: per-row matmuls by default), so a seed
-still means a song whatever joins or leaves around it.
+A track's codes are bitwise the same whatever joins or leaves around it (SlotDecoder's guarantee), so a seed still
+means a song: with `batched_matmul` (products over fixed 16-row tiles) the same in every engine of the deployment;
+without it (per-row products) also the same as the reference loop alone, at the price of reading every weight once
+per track (slots.py).
 """
 
 from __future__ import annotations
@@ -91,12 +93,14 @@ class InFlightBackbone:
         slots: int,
         loaded: list[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        batched_matmul: bool = False,
     ):
         lm = models.backbone(loaded)
         if not isinstance(lm, TorchCausalLM):
             raise TypeError("the in-flight engine needs the torch backbone engine (ENCORE_MUSIC_ENGINE=torch)")
         self.models, self.loaded, self.clock = models, loaded, clock
-        self.decoder: SlotDecoder = open_slot_decoder(lm, lm.model.shape.max_len, slots)
+        self.decoder: SlotDecoder = open_slot_decoder(lm, lm.model.shape.max_len, slots, batched_matmul=batched_matmul)
         self._seats: dict[Hashable, _Seat] = {}
 
     @property

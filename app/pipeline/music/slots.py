@@ -537,6 +537,7 @@ def open_slot_decoder(
     *,
     memory_bytes: int | None = None,
     check_every: int = DEFAULT_CHECK_EVERY,
+    batched_matmul: bool = False,
 ) -> SlotDecoder:
     """A SlotDecoder of `slots` slots, or fewer (halving) when its cache does not fit: on a real out-of-memory
     error, or, when `memory_bytes` is given, when the cache would take more than that (a budget: e.g. what the
@@ -548,7 +549,7 @@ def open_slot_decoder(
                 raise torch.OutOfMemoryError(
                     f"{slots} slots need {slots * per_track} bytes of KV cache; the budget is {memory_bytes}"
                 )
-            return SlotDecoder(lm, slots, max_len, check_every=check_every)
+            return SlotDecoder(lm, slots, max_len, check_every=check_every, batched_matmul=batched_matmul)
         except torch.OutOfMemoryError:
             if slots <= 1:
                 raise
