@@ -44,7 +44,7 @@ def _where(record: dict) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("slots", ["1", "16"])  # without and with the backbone engine
 def test_cpu_stages_run_on_the_cpu_worker_and_gpu_stages_in_the_gpu_child(make_stack, tmp_path, slots):
-    stack = make_stack(ENCORE_BACKBONE_SLOTS=slots)
+    stack = make_stack(ENCORE_BACKBONE_SLOTS=slots, ENCORE_WORKER_ROLE="both")  # as worker_entrypoint.sh deploys
     stack.start_worker(0)
     wait_until(lambda: _cpu_worker_idle(stack), 60, 0.1, "the CPU-stage worker")
     assert sorted(q for w in [_worker_of(stack, "cpu0@")] for q in w["queue"].split(",")) == ["gpu0.cpu"]

@@ -281,7 +281,7 @@ def status_reply(svc: Services, transport_options: dict[str, Any]) -> dict[str, 
     """GPUs (live workers), idle ones, jobs being processed (a track started, not all ended) and jobs
     waiting (no track started yet), one Redis round trip whatever the number of jobs."""
     snapshot = take_snapshot(svc, transport_options, KHALA_STATUS_PARTS, job_states=("running", QUEUED))
-    workers = snapshot.workers
+    workers = [w for w in snapshot.workers if w.get("role") != "cpu"]  # a host's CPU-stage worker is no GPU
     live = [w for w in workers if w["status"] != "offline"]
     counts = snapshot.jobs
     return {

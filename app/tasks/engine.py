@@ -146,6 +146,12 @@ class BackboneEngine:
         self.admitted = 0
         self.loads_recorded = 0  # how many of the run's model loads a finished backbone has recorded
 
+    def _event(self, event: str, ref: TrackRef, level: int = logging.INFO, **fields: Any) -> None:
+        """A job event of one held track, naming this engine's queue and worker."""
+        job_event(
+            log, event, ref.job_id, track=ref.track, queue=self.run.queue, worker=self.run.worker, level=level, **fields
+        )
+
     # -- the loop -------------------------------------------------------------------------------------------
     def serve(self) -> None:
         """Run until no track is left; on an error, the tracks still held go back to wait (the run's own fails
@@ -259,15 +265,7 @@ class BackboneEngine:
             self._end(held, "fail", f"backbone failed: {exc}")
             return
         self.admitted += 1
-        job_event(
-            log,
-            "engine_joined",
-            ref.job_id,
-            track=ref.track,
-            queue=self.run.queue,
-            worker=self.run.worker,
-            tracks=len(self.runner.keys),
-        )
+        self._event("engine_joined", ref, tracks=len(self.runner.keys))
 
     def _hold(self, held: Held) -> None:
         self.held[held.ref] = held
@@ -294,7 +292,7 @@ class BackboneEngine:
             if self.svc.jobs.lease(*ref) == self.run.lease_owner:
                 self.watch.lost_refs.discard(ref)
             elif ref in self.held:
-                job_event(log, "engine_lost", ref.job_id, track=ref.track, worker=self.run.worker)
+                self._event("engine_lost", ref, logging.WARNING)
                 self._let_go(ref)
 
     def _drop_canceled(self) -> None:
@@ -314,18 +312,10 @@ class BackboneEngine:
         drop_scratch(self.svc, ref.job_id, ref.track)
         if how == "cancel":
             self.svc.jobs.cancel(ref.job_id, ref.track, message, owner=owner)
-            job_event(log, "canceled", ref.job_id, track=ref.track, worker=self.run.worker, stage=held.stage)
+            self._event("canceled", ref, stage=held.stage)
         else:
             self.svc.jobs.fail(ref.job_id, ref.track, message, owner=owner)
-            job_event(
-                log,
-                "failed",
-                ref.job_id,
-                track=ref.track,
-                worker=self.run.worker,
-                stage=held.stage,
-                level=logging.ERROR,
-            )
+            self._event("failed", ref, logging.ERROR, stage=held.stage)
 
     def _give_back(self) -> None:
         """After an error of the engine itself: every track still held (but the run's own, which the stage fails)
@@ -381,7 +371,7 @@ class BackboneEngine:
             or not resend(svc, celery, *ref, record, run.queue)
         ):
             return False
-        job_event(log, "handed_to_cpu_worker", ref.job_id, track=ref.track, queue=run.queue, stage=stage_name)
+        self._event("handed_to_cpu_worker", ref, stage=stage_name)
         self._let_go(ref)
         return True
 
@@ -401,7 +391,7 @@ class BackboneEngine:
         )
         if not taken:
             if taken.canceled:
-                job_event(log, "canceled", ref.job_id, track=ref.track, worker=run.worker, stage=stage_name)
+                self._event("canceled", ref, stage=stage_name)
             self._let_go(ref)
             drop_scratch(svc, ref.job_id, ref.track)
             return False
@@ -450,6 +440,7 @@ class BackboneEngine:
         stages = held.record["stages"]
         stages[stage_name] = {"started_at": time.time(), "worker": self.run.worker, "in_engine": True}
         self.svc.jobs.report(held.ref.job_id, held.ref.track, self.run.lease_owner, stages=stages)
+        self._event("stage_started", held.ref, stage=stage_name, in_engine=1)
 
     def _record_finish(
         self, held: Held, stage_name: str, seconds: float, loaded: list[str], info: dict[str, Any]
@@ -477,19 +468,9 @@ class BackboneEngine:
             self._let_go(ref)
             drop_scratch(svc, ref.job_id, ref.track)
             return False
-        job_event(
-            log,
-            "stage_finished",
-            ref.job_id,
-            track=ref.track,
-            queue=run.queue,
-            worker=run.worker,
-            stage=stage_name,
-            duration_s=f"{seconds:.3f}",
-            in_engine=1,
-        )
+        self._event("stage_finished", ref, stage=stage_name, duration_s=f"{seconds:.3f}", in_engine=1)
         if run.kind.next_stage(stage_name) is None:
-            job_event(log, "track_done", ref.job_id, track=ref.track, queue=run.queue, worker=run.worker)
+            self._event("track_done", ref)
         return True
 
 

@@ -88,6 +88,8 @@ class Stack:
             "ENCORE_LOG_DIR": str(root / "logs"),
             "ENCORE_TORCH_THREADS": "1",
             "ENCORE_HEARTBEAT_S": "0.5",
+            # the GPU worker alone unless a test asks for its CPU-stage worker too (tests/test_cpu_worker.py)
+            "ENCORE_WORKER_ROLE": "gpu",
             "PYTHONUNBUFFERED": "1",
             **env,
         }
