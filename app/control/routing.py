@@ -173,10 +173,12 @@ def job_priority(job: dict[str, Any]) -> str:
     return str(job["params"].get("priority", DEFAULT_PRIORITY))
 
 
-def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue: str) -> bool:
+def enqueue_track(
+    svc: Services, celery: Celery, job_id: str, track: int, queue: str, workers: list[dict] | None = None
+) -> bool:
     """Route a created or parked track to `queue` (the `route` transition) and send its chain; a pending cancel ends it
     instead. A process that dies between the two leaves a queued track with no message: the reaper sends it
-    again (app/control/recovery.py)."""
+    again (app/control/recovery.py). `workers`: the registry when the caller read it already."""
     job = svc.jobs.job(job_id)
     record = svc.jobs.track(job_id, track)
     if job is None or record is None or record["status"] not in (CREATED, PARKED):
@@ -190,7 +192,7 @@ def enqueue_track(svc: Services, celery: Celery, job_id: str, track: int, queue:
         first_unfinished(kind, record["stages"]),
         job_priority(job),
         started=int(record.get("restarts") or 0) > 0,
-        cpu_queue=companion(svc, queue),
+        cpu_queue=companion(svc, queue, workers),
     )
     outcome = svc.jobs.route(job_id, track, queue, task_ids)
     if outcome.canceled:
@@ -229,27 +231,30 @@ def resend(svc: Services, celery: Celery, job_id: str, track: int, record: dict[
 def route_job(svc: Services, celery: Celery, job_id: str, num_tracks: int) -> None:
     """Route every created track of a job now, in order; with no live worker they are parked."""
     work = track_work(svc, job_id, 0)  # a job's tracks are alike
+    workers = svc.workers.workers()  # read once for the job: each track is placed by the loads, which move
     for track in range(num_tracks):
-        queue = pick_queue(svc, work=work)
+        queue = pick_queue(svc, workers, work=work)
         if queue is None:
             if svc.jobs.transition(
                 "park", job_id, track, {"detail": "waiting for a worker"}, cancel_detail="canceled before it started"
             ):
                 job_event(log, "parked", job_id, track=track, reason="no live worker")
         else:
-            enqueue_track(svc, celery, job_id, track, queue)
+            enqueue_track(svc, celery, job_id, track, queue, workers)
 
 
 def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:
     """Route parked tracks, highest priority first and within a level oldest submission first (the order of
     `{p}:unrouted`), while a worker is live; returns how many were routed."""
     routed = 0
-    for value in decoded_members(svc.redis.zrange(svc.jobs.keys.unrouted, 0, limit - 1)):
+    parked = decoded_members(svc.redis.zrange(svc.jobs.keys.unrouted, 0, limit - 1))
+    workers = svc.workers.workers() if parked else []  # read once for the pass (it runs on every heartbeat)
+    for value in parked:
         job_id, track = parse_member(value)
-        queue = pick_queue(svc, work=track_work(svc, job_id, track))
+        queue = pick_queue(svc, workers, work=track_work(svc, job_id, track))
         if queue is None:
             break
-        routed += enqueue_track(svc, celery, job_id, track, queue)
+        routed += enqueue_track(svc, celery, job_id, track, queue, workers)
     return routed
 
 

@@ -27,6 +27,7 @@ it has run for half the backbone's soft time limit (the last tracks it admitted 
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -36,11 +37,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, cast
 
 from app.adapters.celery_app import celery
+from app.adapters.redis_conn import decoded
 from app.control.broker import waiting_tasks
-from app.control.lifecycle import parse_member
+from app.control.lifecycle import Outcome, parse_member
 from app.control.routing import companion, resend
 from app.control.services import Services
 from app.core.ids import TrackRef
+from app.core.kinds import first_unfinished
 from app.core.joblog import job_event
 from app.core.priority import RANK_SPAN
 from app.core.tenants import DEFAULT_TENANT
@@ -212,7 +215,7 @@ class BackboneEngine:
             list[tuple[Any, float]],
             svc.redis.zrange(svc.jobs.waiting_key(queue), 0, ADMISSION_SCAN - 1, withscores=True),
         )
-        members = [(_text(value), float(score)) for value, score in raw]
+        members = [(decoded(value), float(score)) for value, score in raw]
         if not members:
             return
         refs = [TrackRef(*parse_member(value)) for value, _ in members]
@@ -224,27 +227,16 @@ class BackboneEngine:
         candidates = []
         for index, (ref, (_, score)) in enumerate(zip(refs, members, strict=True)):
             (kind, tenant), stages = answers[2 * index], answers[2 * index + 1]
-            if _text(kind) != self.run.kind.name or _has_finished(stages, BACKBONE):
+            # the adopt transition's own rule (queued@first): the track's first unfinished stage is the backbone
+            if decoded(kind) != self.run.kind.name or first_unfinished(self.run.kind, json.loads(stages or "{}")):
                 break  # the engine cannot take it: it runs when the engine drains, and so does all behind it
-            candidates.append(Candidate(ref, score, _text(tenant) or DEFAULT_TENANT))
+            candidates.append(Candidate(ref, score, decoded(tenant) or DEFAULT_TENANT))
         held = Counter(held.tenant for held in self.held.values())
         for candidate in admission_order(candidates, held, self.runner.free):
             self._adopt(candidate.ref)
 
     def _adopt(self, ref: TrackRef) -> None:
-        run = self.run
-        outcome = self.svc.jobs.transition(
-            "adopt",
-            ref.job_id,
-            ref.track,
-            {"detail": "backbone in the engine", "progress": 0.0},
-            stage=BACKBONE,
-            queue_is=run.queue,
-            owner=run.lease_owner,
-            worker=run.worker,
-            lease_ms=int(self.svc.settings.lease_s * 1000),
-        )
-        if not outcome:
+        if not self._take(ref, BACKBONE, "backbone in the engine"):
             return  # taken meanwhile (another GPU's rebalance, its own message), or canceled
         record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
         if record is None or job is None:
@@ -253,6 +245,21 @@ class BackboneEngine:
         self._hold(held)
         self._record_start(held, BACKBONE)
         self._join(held)
+
+    def _take(self, ref: TrackRef, stage: str, detail: str) -> Outcome:
+        """The `adopt` transition: the track, waiting on this queue for `stage`, runs it under this run's lease."""
+        run = self.run
+        return self.svc.jobs.transition(
+            "adopt",
+            ref.job_id,
+            ref.track,
+            {"detail": detail, "progress": 0.0},
+            stage=stage,
+            queue_is=run.queue,
+            owner=run.lease_owner,
+            worker=run.worker,
+            lease_ms=int(self.svc.settings.lease_s * 1000),
+        )
 
     def _join(self, held: Held) -> None:
         """Prefill the track into a free slot; a track whose prompt cannot run fails alone."""
@@ -378,17 +385,7 @@ class BackboneEngine:
     def _run_stage(self, held: Held, stage_name: str, work: StageWork) -> bool:
         """One later stage of a held track, in this child, recorded as its own stage run would record it."""
         svc, run, ref = self.svc, self.run, held.ref
-        taken = svc.jobs.transition(
-            "adopt",
-            ref.job_id,
-            ref.track,
-            {"detail": f"{stage_name} after the backbone engine", "progress": 0.0},
-            stage=stage_name,
-            queue_is=run.queue,
-            owner=run.lease_owner,
-            worker=run.worker,
-            lease_ms=int(svc.settings.lease_s * 1000),
-        )
+        taken = self._take(ref, stage_name, f"{stage_name} after the backbone engine")
         if not taken:
             if taken.canceled:
                 self._event("canceled", ref, stage=stage_name)
@@ -472,17 +469,3 @@ class BackboneEngine:
         if run.kind.next_stage(stage_name) is None:
             self._event("track_done", ref)
         return True
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")
-
-
-def _has_finished(stages: Any, stage: str) -> bool:
-    """Whether a track's stages JSON (as stored) says `stage` finished."""
-    import json
-
-    if not stages:
-        return False
-    entry = json.loads(_text(stages)).get(stage) or {}
-    return bool(entry.get("finished_at"))
