@@ -17,6 +17,13 @@ as one JSON object:
                                        CPU stages (export, prepare, mux) or idle: the union of the GPU stages'
                                        intervals less the time CPU stages ran in the same child
   stage_seconds                        total seconds per stage, to see where the time goes
+  eta_error                            per kind, |latency - eta_s at submission| / latency: p50 and p90 (how
+                                       true the first ETA a client reads is)
+
+`--scenario fairness` (per mode): tenant B's song alone, then tenant A's `--music` songs at once and B's song
+once A's fill the GPU: B's latency amid A's backlog over its latency alone (the target is <= 2), how long B's
+backbone waited after the first slot that freed once B came (`b_start_after_free_slot_s`: within one block
+under the engine), and B's queue_position at submission.
 
 Modes, side by side in one run (each its own Redis and workers, one after the other):
   today           the worker as it ran before issue 35: no engine (ENCORE_BACKBONE_SLOTS=1: one song's tracks per
@@ -33,6 +40,7 @@ to models/shaped on first use; `tiny` (the default) has the backbone at ~50 %, w
 
     python bench/throughput.py [--tiny] [--profile tiny|shaped] [--music 16] [--lipsync 4] [--song-s 10] [--clip-s 2]
                                [--modes today,engine] [--arrivals burst|poisson --per-hour N --seed 1]
+                               [--scenario throughput|fairness]
 """
 
 from __future__ import annotations
@@ -114,6 +122,20 @@ def percentile(values: list[float], fraction: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))], 2)
 
 
+def eta_errors(
+    records: list[dict[str, Any]], submitted_at: dict[str, float], eta_at_submit: dict[str, float | None]
+) -> dict[str, dict[str, float | None]]:
+    """Per kind, p50 and p90 of |latency - eta_s at submission| / latency over the jobs done."""
+    errors: dict[str, list[float]] = {"music": [], "lipsync": []}
+    for record in records:
+        predicted = eta_at_submit.get(record["job_id"])
+        if record["state"] != "done" or predicted is None:
+            continue
+        latency = max(run["end"] for run in stage_runs([record])) - submitted_at[record["job_id"]]
+        errors[record["kind"]].append(abs(latency - predicted) / max(latency, 1e-9))
+    return {kind: {"p50": percentile(v, 0.5), "p90": percentile(v, 0.9)} for kind, v in errors.items()}
+
+
 def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> dict[str, Any]:
     """The figures above, from the ended jobs' records and when each was submitted."""
     runs = stage_runs(records)
@@ -180,8 +202,12 @@ class Deployment:
             "ENCORE_SONG_END": "duration",
             "ENCORE_SUBMIT_RATE_LIMIT": "off",
             "ENCORE_MIN_VIDEO_S": "1",
+            "API_TOKEN": ",".join(TENANT_TOKENS.values()),  # a tenant per token (fairness); polls as the admin
+            "ENCORE_ADMIN_TOKENS": ADMIN_TOKEN,
             **mode_env,
         }
+        self.eta_at_submit: dict[str, float | None] = {}
+        self.position_at_submit: dict[str, int] = {}
         os.environ.update(self.env)
         from app.core.config import load_settings
         from app.web import create_app
@@ -198,20 +224,27 @@ class Deployment:
 
     def wait_for_worker(self, limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
-        while not any(w.get("status") == "idle" for w in self.client.get("/api/v1/status").get_json()["workers"]):
+        while not any(w.get("status") == "idle" for w in self.get("/api/v1/status")["workers"]):
             if time.monotonic() > deadline or self.worker.poll() is not None:
                 log = self.root / "logs" / "worker_0.log"
                 raise SystemExit("worker did not come up: " + (log.read_text()[-2000:] if log.exists() else ""))
             time.sleep(0.2)
 
-    def submit_music(self, song_s: float, seed: int) -> str:
-        reply = self.client.post(
-            "/api/v1/music",
-            json={"mode": "instrumental", "tags": "ambient", "duration_s": song_s, "num_tracks": 2, "seed": seed},
-        )
+    def get(self, path: str) -> dict[str, Any]:
+        return self.client.get(path, headers=_bearer(ADMIN_TOKEN)).get_json()
+
+    def _accepted(self, kind: str, reply: Any) -> str:
         if reply.status_code != 202:
-            raise SystemExit(f"music submit answered {reply.status_code}: {reply.get_json()}")
-        return reply.get_json()["job_id"]
+            raise SystemExit(f"{kind} submit answered {reply.status_code}: {reply.get_json()}")
+        body = reply.get_json()
+        self.eta_at_submit[body["job_id"]] = body.get("eta_s")
+        self.position_at_submit[body["job_id"]] = body.get("queue_position") or 0
+        return body["job_id"]
+
+    def submit_music(self, song_s: float, seed: int, tenant: str = "a") -> str:
+        body = {"mode": "instrumental", "tags": "ambient", "duration_s": song_s, "num_tracks": 2, "seed": seed}
+        headers = _bearer(TENANT_TOKENS[tenant])
+        return self._accepted("music", self.client.post("/api/v1/music", json=body, headers=headers))
 
     def submit_lipsync(self, video: Path, audio: Path) -> str:
         with open(video, "rb") as v, open(audio, "rb") as a:
@@ -219,17 +252,16 @@ class Deployment:
                 "/api/v1/lipsync",
                 data={"video": (v, "face.mp4"), "audio": (a, "voice.wav")},
                 content_type="multipart/form-data",
+                headers=_bearer(TENANT_TOKENS["a"]),
             )
-        if reply.status_code != 202:
-            raise SystemExit(f"lipsync submit answered {reply.status_code}: {reply.get_json()}")
-        return reply.get_json()["job_id"]
+        return self._accepted("lipsync", reply)
 
     def wait_all(self, job_ids: list[str], limit_s: float) -> list[dict[str, Any]]:
         deadline = time.monotonic() + limit_s
         pending, records = set(job_ids), {}
         while pending and time.monotonic() < deadline:
             for job_id in list(pending):
-                record = self.client.get(f"/api/v1/jobs/{job_id}").get_json()
+                record = self.get(f"/api/v1/jobs/{job_id}")
                 if record["state"] in ENDED:
                     records[job_id] = record
                     pending.discard(job_id)
@@ -241,6 +273,14 @@ class Deployment:
     def close(self) -> None:
         os.killpg(self.worker.pid, 9)
         self.redis.terminate()
+
+
+TENANT_TOKENS = {"a": "bench-tenant-a", "b": "bench-tenant-b"}
+ADMIN_TOKEN = "bench-admin"
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 def music_models(profile: str) -> Path:
@@ -292,7 +332,55 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             job_id = deployment.submit_music(args.song_s, 100 + index) if kind == "music" else None
             submitted[job_id or deployment.submit_lipsync(video, audio)] = time.time()
         records = deployment.wait_all(list(submitted), args.limit_s)
-        return {"mode": mode, **summarize(records, submitted)}
+        errors = eta_errors(records, submitted, deployment.eta_at_submit)
+        return {"mode": mode, **summarize(records, submitted), "eta_error": errors}
+    finally:
+        deployment.close()
+
+
+def _backbone_ends(record: dict[str, Any]) -> list[float]:
+    return [float(t["stages"]["backbone"]["finished_at"]) for t in record["tracks"] if "backbone" in t["stages"]]
+
+
+def run_fairness(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Tenant B's song alone, then amid tenant A's backlog of `--music` songs (see the module doc)."""
+    root = Path(tempfile.mkdtemp(prefix=f"encore-fairness-{mode}-"))
+    deployment = Deployment(root, MODE_ENV[mode], args.profile)
+    try:
+        deployment.wait_for_worker(180)
+        deployment.wait_all([deployment.submit_music(1.0, 0)], args.limit_s)  # models loaded: not counted
+        alone_at = time.time()
+        alone = deployment.wait_all([deployment.submit_music(args.song_s, 7, tenant="b")], args.limit_s)[0]
+        alone_latency = max(run["end"] for run in stage_runs([alone])) - alone_at
+        backlog = [deployment.submit_music(args.song_s, 100 + index, tenant="a") for index in range(args.music)]
+        deadline = time.monotonic() + args.limit_s
+        while not any(  # A's songs hold the GPU: B comes while A's backlog waits
+            t["state"] == "backbone" and t["progress"] > 0.1
+            for t in deployment.get(f"/api/v1/jobs/{backlog[0]}")["tracks"]
+        ):
+            if time.monotonic() > deadline:
+                raise SystemExit("tenant A's first song never started")
+            time.sleep(0.05)
+        offered = time.time()
+        newcomer = deployment.submit_music(args.song_s, 7, tenant="b")
+        record = deployment.wait_all([newcomer], args.limit_s)[0]
+        latency = max(run["end"] for run in stage_runs([record])) - offered
+        started = min(float(t["stages"]["backbone"]["started_at"]) for t in record["tracks"])
+        a_records = deployment.wait_all(backlog, args.limit_s)
+        freed = [end for r in a_records for end in _backbone_ends(r) if end > offered]
+        first_free = min(freed, default=offered)
+        return {
+            "mode": mode,
+            "a_songs": args.music,
+            "b_latency_alone_s": round(alone_latency, 2),
+            "b_latency_amid_s": round(latency, 2),
+            "b_latency_ratio": round(latency / max(alone_latency, 1e-9), 2),
+            "b_queue_position_at_submit": deployment.position_at_submit[newcomer],
+            "b_start_after_free_slot_s": round(max(0.0, started - first_free), 2),
+            "a_songs_done_before_b_started": sum(
+                1 for r in a_records if r["state"] == "done" and max(_backbone_ends(r), default=0) < started
+            ),
+        }
     finally:
         deployment.close()
 
@@ -312,6 +400,7 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=1, help="poisson: the arrival schedule's seed")
     parser.add_argument("--limit-s", type=float, default=1800.0, help="give up when the jobs have not ended by then")
+    parser.add_argument("--scenario", default="throughput", choices=("throughput", "fairness"), help="module doc")
     args = parser.parse_args()
     if args.tiny:
         args.music, args.lipsync, args.song_s, args.clip_s = min(args.music, 3), min(args.lipsync, 1), 2.0, 1.2
@@ -323,11 +412,12 @@ def main() -> None:
         parser.error(f"unknown modes {unknown}; built: {list(MODES)}")
     music_models(args.profile)  # before any worker starts: a Megatron save must not race a worker's load
     started = time.time()
-    results = [run_mode(mode, args) for mode in modes]
+    run = run_fairness if args.scenario == "fairness" else run_mode
+    results = [run(mode, args) for mode in modes]
     print(
         json.dumps(
             {
-                "benchmark": "throughput",
+                "benchmark": "throughput" if args.scenario == "throughput" else "fairness",
                 "profile": args.profile,
                 "music_jobs": args.music,
                 "lipsync_jobs": args.lipsync,

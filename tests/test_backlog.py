@@ -12,6 +12,7 @@ import pytest
 
 from app.control import eta
 from app.control.backlog import FENWICK_SIZE
+from app.core.priority import FAIR_SPAN, RANK_SPAN
 from app.adapters.celery_app import make_celery
 from app.core.kinds import KINDS
 from app.control.lifecycle import parse_member
@@ -166,10 +167,12 @@ def _reference(svc, queue: str, now: float) -> dict[str, float]:
     return finish
 
 
-@pytest.mark.parametrize("first_seq", [0, FENWICK_SIZE - 1000])
-def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_seq):
-    svc.redis.set(svc.jobs.keys.seq, first_seq)  # also near the top of the Fenwick trees' range
-    jobs = _fill(svc, seed=first_seq % 97)
+@pytest.mark.parametrize("first_round", [0, 2**27 - 100])
+def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_round):
+    # also near the top of the fair tags' range (app/core/priority.py), inside the Fenwick trees'
+    assert (first_round + 100) * FAIR_SPAN < min(FENWICK_SIZE, RANK_SPAN)
+    svc.redis.set(svc.jobs.keys.fair_now, first_round)
+    jobs = _fill(svc, seed=first_round % 97)
     now = time.time()
     read = svc.jobs.estimates.read(now, eta.running_heads(svc), jobs=jobs, queues=QUEUES, schedules=QUEUES)
     expected = {queue: _reference(svc, queue, now) for queue in QUEUES}

@@ -9,7 +9,7 @@ import pytest
 
 import argparse
 
-from bench.throughput import covered_less, schedule, summarize, union_seconds
+from bench.throughput import covered_less, eta_errors, schedule, summarize, union_seconds
 from tests.support.processes import run_bench
 
 
@@ -46,6 +46,17 @@ def test_occupancy_leaves_out_a_cpu_stage_run_while_the_engine_holds_other_track
     assert covered_less([(0, 4), (2, 6)], [(3, 4), (5, 9)]) == pytest.approx(4.0)
 
 
+def test_eta_error_is_the_distance_from_the_submitted_eta_over_the_latency():
+    def record(job_id: str, kind: str, end: float) -> dict:
+        stages = {"backbone": {"started_at": 0.5, "finished_at": end, "worker": "gpu0@h"}}
+        return {"job_id": job_id, "kind": kind, "state": "done", "tracks": [{"stages": stages}]}
+
+    records = [record("a", "music", 10.0), record("b", "music", 20.0), record("c", "lipsync", 4.0)]
+    errors = eta_errors(records, {"a": 0.0, "b": 0.0, "c": 0.0}, {"a": 5.0, "b": 20.0, "c": None})
+    assert errors["music"] == {"p50": 0.5, "p90": 0.5}  # |10 - 5| / 10 and 0: sorted [0, 0.5]
+    assert errors["lipsync"] == {"p50": None, "p90": None}  # no ETA was given
+
+
 def test_every_mode_is_offered_the_same_jobs_at_the_same_times():
     args = argparse.Namespace(music=3, lipsync=1, arrivals="poisson", per_hour=3600.0, seed=5)
     spread = schedule(args)
@@ -68,3 +79,17 @@ def test_throughput_bench_runs_every_job_through_a_real_worker_in_each_mode():
         assert 0 < result["gpu_stage_occupancy"] <= 1
         assert set(result["stage_seconds"]) == {"backbone", "superres", "decode", "export", "prepare", "lipsync", "mux"}
         assert result["songs_per_hour"] > 0 and result["videos_per_hour"] > 0
+        assert all(error["p50"] is not None and error["p50"] >= 0 for error in result["eta_error"].values())
+
+
+@pytest.mark.slow  # tenant B's song alone and amid tenant A's 3 songs, engine mode only (~2 min here)
+def test_fairness_scenario_runs_a_second_tenants_song_alone_and_amid_a_backlog():
+    run = run_bench("throughput.py", "--tiny", "--scenario", "fairness", "--modes", "engine")
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["benchmark"] == "fairness"
+    (result,) = report["results"]
+    assert result["a_songs"] == 3
+    assert result["b_latency_alone_s"] > 0 and result["b_latency_amid_s"] > 0
+    assert result["b_queue_position_at_submit"] >= 1  # A's songs held the GPU when B came
+    assert result["b_start_after_free_slot_s"] >= 0

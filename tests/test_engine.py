@@ -9,32 +9,7 @@ from collections import Counter
 
 import pytest
 
-from app.core.ids import TrackRef
-from app.core.priority import RANK, RANK_SPAN
-from app.tasks.engine import Candidate, admission_order
 from tests.support.processes import wait_until
-
-
-def _candidate(job: str, seq: int, tenant: str, priority: str = "normal") -> Candidate:
-    return Candidate(TrackRef(job, 0), RANK[priority] * RANK_SPAN + seq, tenant)
-
-
-def test_a_newcomer_tenant_joins_at_the_next_free_slot_not_behind_a_backlog():
-    backlog = [_candidate(f"a{i}", i, "A") for i in range(40)]
-    newcomer = _candidate("b0", 41, "B")
-    picked = admission_order([*backlog, newcomer], Counter({"A": 3}), free=1)
-    assert picked == [newcomer]
-    # with no one of A's in the engine, the two tenants alternate; each tenant's own tracks stay in order
-    picked = admission_order([*backlog, newcomer], Counter(), free=4)
-    assert [c.ref.job_id for c in picked] == ["a0", "b0", "a1", "a2"]
-
-
-def test_priority_comes_before_fair_share_and_fifo_within_a_tenant():
-    normal_b = _candidate("b0", 1, "B")
-    high_a = [_candidate("a-high0", 5, "A", "high"), _candidate("a-high1", 6, "A", "high")]
-    low_c = _candidate("c0", 0, "C", "low")
-    picked = admission_order([low_c, normal_b, *high_a], Counter({"A": 10}), free=4)
-    assert [c.ref.job_id for c in picked] == ["a-high0", "a-high1", "b0", "c0"]
 
 
 def _wav(stack, job_id: str, track: int = 0) -> bytes:

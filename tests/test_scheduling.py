@@ -199,3 +199,30 @@ def _ready(stack, gpu: int) -> bool:
     """The worker of gpu<n> has its models loaded (GET /readyz lists each live worker)."""
     workers = stack.client.get("/readyz").get_json()["workers"]
     return any(w["name"].startswith(f"gpu{gpu}@") and w["ready"] for w in workers)
+
+
+@pytest.mark.slow
+def test_an_idle_gpu_takes_a_dead_workers_running_track_before_the_tracks_waiting_behind_it(make_stack):
+    """Issue 35, item 6: gpu0's worker runs song 0 with songs 1-3 waiting behind it and is killed (not
+    restarted); gpu1 takes work again once gpu0's worker is offline but before song 0's lease ends. gpu1 runs
+    song 0 first (when the reaper restarts it), then 1, 2, 3: it does not take the waiting songs past it (the
+    order was 1, 2, 0, 3). Before the dead worker's heartbeat lapses nothing can tell it from a live one."""
+    stack = make_stack(ENCORE_LEASE_S="24")
+    stack.start_worker(1)
+    stack.client.post("/api/v1/queues/gpu1/drain", headers=stack.auth)
+    stack.start_worker(0, ENCORE_BACKBONE_SLOTS="1", ENCORE_BATCH_TRACKS="1")
+    songs = [stack.submit_music(duration_s=20.0, num_tracks=1, seed=i + 1) for i in range(4)]
+    wait_until(lambda: stack.job(songs[0])["tracks"][0]["progress"] > 0.02, 120, 0.05, "song 0's backbone")
+    behind = [stack.job(song)["tracks"][0] for song in songs[1:]]
+    assert [(t["queue"], t["state"]) for t in behind] == [("gpu0", "queued")] * 3
+    stack.stop_worker(0)  # kill -9 of master and child
+    wait_until(lambda: (stack.worker_status(0) or {}).get("status") == "offline", 30, 0.2, "gpu0's worker offline")
+    assert stack.job(songs[0])["tracks"][0]["state"] == "backbone"  # its lease still holds it
+    stack.client.delete("/api/v1/queues/gpu1/drain", headers=stack.auth)  # gpu1 idle, gpu0's worker gone
+    records = [stack.wait_job(song, timeout=300) for song in songs]
+    assert [r["state"] for r in records] == ["done"] * 4, records
+    tracks = [r["tracks"][0] for r in records]
+    assert [t["restarts"] for t in tracks] == [1, 0, 0, 0]
+    assert all(t["worker"].startswith("gpu1@") for t in tracks)
+    started = [t["stages"]["backbone"]["started_at"] for t in tracks]
+    assert started == sorted(started), started

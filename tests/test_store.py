@@ -71,6 +71,61 @@ def test_queue_positions_follow_submission_order(client):
     assert [jobs.record(j)["queue_position"] for j in ids] == [0, 1, 2]
 
 
+def _positions(jobs: JobStore, ids: list[str]) -> list[list[int]]:
+    return [[t["queue_position"] for t in jobs.record(j)["tracks"]] for j in ids]
+
+
+def _song(jobs: JobStore, tenant: str, priority: str = "normal") -> str:
+    """A 2-track song of `tenant`, routed to gpu0 (each track's message ids its own)."""
+    job_id = jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=1.0, priority=priority, tenant=tenant)
+    for track in range(2):
+        assert jobs.route(job_id, track, "gpu0", [f"{job_id}-{track}"])
+    return job_id
+
+
+def _start_first(jobs: JobStore, n: int) -> None:
+    """Start the first `n` waiting tracks of gpu0 in queue order, as the engine admits them."""
+    for value in jobs.redis.zrange(jobs.keys.waiting("gpu0"), 0, n - 1):
+        job_id, _, track = value.rpartition(":")
+        assert jobs.transition(
+            "start",
+            job_id,
+            int(track),
+            stage="backbone",
+            owner=OWNER,
+            task_id=f"{job_id}-{track}",
+            worker="gpu0@a",
+            lease_ms=60_000,
+        )
+
+
+def test_a_second_tenants_song_waits_behind_one_track_per_tenant_not_behind_a_backlog(client):
+    jobs = JobStore(client, "t", ttl_s=60)
+    backlog = [_song(jobs, "alpha") for _ in range(40)]  # 80 tracks: more than one engine's slots and scan
+    _start_first(jobs, 2)  # alpha's first song fills two slots
+    assert _positions(jobs, backlog[:3]) == [[0, 0], [1, 2], [3, 4]]
+    newcomer = _song(jobs, "beta")
+    # beta's tracks join the round that runs now: its first is next for a slot, its second one round later
+    assert _positions(jobs, [newcomer]) == [[1, 3]]
+    assert _positions(jobs, backlog[1:3]) == [[2, 4], [5, 6]]  # alpha's own order holds
+    _start_first(jobs, 1)
+    assert jobs.track(newcomer, 0)["state"] == "backbone"
+    # a third tenant arriving later is again not behind either backlog
+    third = _song(jobs, "gamma")
+    assert _positions(jobs, [third]) == [[1, 4]]
+
+
+def test_priority_comes_before_fair_share_and_one_tenant_alone_is_fifo(client):
+    jobs = JobStore(client, "t", ttl_s=60)
+    alone = [_song(jobs, "alpha") for _ in range(3)]
+    assert _positions(jobs, alone) == [[1, 2], [3, 4], [5, 6]]
+    urgent = _song(jobs, "alpha", priority="high")  # alpha's own later job, but of a higher priority
+    low = _song(jobs, "beta", priority="low")
+    assert _positions(jobs, [urgent]) == [[1, 2]]
+    assert _positions(jobs, [low]) == [[9, 10]]  # a low priority waits behind every normal track
+    assert _positions(jobs, alone) == [[3, 4], [5, 6], [7, 8]]
+
+
 def test_record_is_one_round_trip_with_positions_cancel_flag_and_worker_status(client):
     jobs = JobStore(client, "t", ttl_s=60)
     job_id = jobs.create("music", {}, [{"seed": 1}, {"seed": 2}], cost=1.0)

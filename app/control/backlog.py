@@ -6,7 +6,8 @@ cost units still need every stage of `kind` from stage `index` on" (running:S an
 track from its first unfinished stage). Seconds come on read, from the queue's learned rates (app/control/eta.py), so a
 rate that changes never needs the index rebuilt. Every track is in one *group*, in the order the worker takes
 them: `r` running, `w` waiting for its next stage, then `q0`, `q1`, `q2`: queued, by priority rank
-(app/core/priority.py); within a group by submission order (`seq`).
+(app/core/priority.py); within a group by fair tag (`seq`: submission order within a tenant, round robin
+between tenants; app/core/priority.py).
 
 Per queue `q` (under the prefix `{p}`):
   {p}:queue:{q}:backlog        hash "job:track" -> "group|class|milli|seq" (a running track's also
@@ -42,7 +43,7 @@ import redis
 
 from app.control.scripts import script
 
-FENWICK_SIZE = 2**40  # seq stays below it (app/priority.RANK_SPAN already assumes fewer than 10**12)
+FENWICK_SIZE = 2**40  # seq stays below it (a fair tag stays below RANK_SPAN, app/core/priority.FAIR_SPAN)
 GROUP_ORDER = {"r": 0, "w": 1, "q0": 2, "q1": 3, "q2": 4}
 
 

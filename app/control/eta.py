@@ -31,6 +31,7 @@ from app.control.scripts import script
 from app.control.services import Services
 from app.core.tenants import OPEN_TENANT, Tenant
 from app.core.kinds import TERMINAL_STATES
+from app.pipeline.music.options import DEFAULT_SLOT_CAP
 
 
 def field_name(queue: str, kind: str, stage: str) -> str:
@@ -75,9 +76,14 @@ def parse_rates(raw: dict[str, str] | list[str]) -> dict[tuple[str, str, str], f
 
 
 def running_heads(svc: Services) -> int:
-    """How many running tracks per queue (the first by seq) an estimate reads for their elapsed time: a worker
-    runs one batch (ENCORE_BATCH_TRACKS tracks) at a time; any other running track's worker died."""
-    return max(1, svc.settings.batch_tracks)
+    """How many running tracks per queue (the first by fair tag) an estimate reads for their elapsed time: what
+    one GPU worker runs at once, its engine's slots (ENCORE_BACKBONE_SLOTS; when sized from free memory, at most
+    DEFAULT_SLOT_CAP), or without the engine one batch (ENCORE_BATCH_TRACKS); any other running track's worker
+    died. An engine's tracks each count their share of its blocks (what the ETA learns there), so the sum over
+    them is the engine's work left: the queue drains at that rate."""
+    slots = svc.settings.backbone_slots
+    engine = 1 if svc.settings.music_engine != "torch" else DEFAULT_SLOT_CAP if slots == 0 else slots
+    return max(1, svc.settings.batch_tracks, engine)
 
 
 def job_etas(svc: Services, records: list[dict[str, Any]]) -> list[float | None]:

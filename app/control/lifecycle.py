@@ -34,9 +34,9 @@ Layout (prefix `encore` by default; job keys expire with the job):
   {p}:jobs:{kind}:{state}      zset of job ids in that overall state, scored by expiry (gauges: ZCOUNT)
   {p}:created                  zset of created "job:track" by creation time (the reaper parks any the
                                submitter never routed: it died in between)
-  {p}:unrouted                 zset of parked "job:track" by priority, then submission order (the order
-                               they are dispatched in)
-  {p}:queue:{q}:waiting        zset of queued "job:track" by priority, then submission order (queue positions)
+  {p}:unrouted                 zset of parked "job:track" by priority, then fair tag (the order they are
+                               dispatched in)
+  {p}:queue:{q}:waiting        zset of queued "job:track" by priority, then fair tag (queue positions)
   {p}:queue:{q}:load           zset of "job:track" not finished on q, scored by estimated cost
   {p}:queue:{q}:cost           the sum of that set's scores, in thousandths (the status page's estimated_load)
   {p}:queue:{q}:backlog*       the backlog index: per class and group the cost still to run, and the sums ahead
@@ -45,6 +45,8 @@ Layout (prefix `encore` by default; job keys expire with the job):
   {p}:queues                   set of every queue a track was assigned to
   {p}:draining                 set of queues an operator drained
   {p}:seq                      submission counter
+  {p}:fair:last, {p}:fair:now  each tenant's latest fair round, and the round of the latest track that started:
+                               a new track's fair tag, its `seq` (app/core/priority.py)
   {p}:events:{id}              pub/sub channel: every transition of the job's tracks
   {p}:job:{id}:events          stream of the same events (the newest ENCORE_EVENTS_MAXLEN), expiring with the
                                job: its entry ids are the SSE event ids a client resumes from
@@ -81,7 +83,7 @@ from app.control.views import lua_view
 from app.core.tenants import DEFAULT_TENANT
 from app.core.keys import Layout
 from app.core.kinds import KINDS, TERMINAL_STATES
-from app.core.priority import DEFAULT_PRIORITY, RANK, RANK_SPAN
+from app.core.priority import DEFAULT_PRIORITY, FAIR_SPAN, RANK, RANK_SPAN
 
 CREATED, PARKED, QUEUED, DONE, FAILED, CANCELED = "created", "parked", "queued", "done", "failed", "canceled"
 RUNNING, WAITING = "running", "waiting"
@@ -274,7 +276,7 @@ def lua_tables() -> str:
     return (
         f"local T = {_lua_table(table)}\n{lua_stages()}"
         f"local DISPLAY = {_lua_table(display)}\nlocal STRUCTURAL = {_lua_table({f: True for f in STRUCTURAL})}\n"
-        f"local RANK = {_lua_table(ranks)}\nlocal RANK_SPAN = {RANK_SPAN}\n"
+        f"local RANK = {_lua_table(ranks)}\nlocal RANK_SPAN = {RANK_SPAN}\nlocal FAIR_SPAN = {FAIR_SPAN}\n"
         f"local DEFAULT_RANK = {RANK[DEFAULT_PRIORITY]}\n"
         f"local DEFAULT_TENANT = '{DEFAULT_TENANT}'\n"
     )

@@ -12,10 +12,12 @@
   priority: the first stage gets its job's level (high 3, normal 6, low 9), later stages the highest (0), so
   a started job's next stage overtakes the first stage of any other job, whatever its priority (FIFO across
   stages), and first stages run by level, then in submission order (app/core/priority.py).
-- Parked tracks are dispatched by priority, then submission order (the order of `{p}:unrouted`).
-- A queue that falls idle takes over a track waiting behind a running one elsewhere (`rebalance`, on every
-  worker heartbeat), when the track would be done sooner there: a song's second track, a queue whose worker
-  came back after the others, never wait while a live GPU idles.
+- Parked tracks are dispatched by priority, then fair tag (the order of `{p}:unrouted`, app/core/priority.py).
+- A queue that falls idle takes over a track waiting behind a running one elsewhere, or on a queue whose
+  worker is offline (`rebalance`, on every worker heartbeat), when the track would be done sooner there: a
+  song's second track, a queue whose worker came back after the others, never wait while a live GPU idles. A
+  dead worker's running track goes before the tracks that waited behind it (they stay until the reaper has
+  restarted it).
 - A stage that needs no GPU (`Stage.cpu`: export, prepare, mux) is sent to the queue's companion (`gpu0.cpu`,
   app/core/queues.py) when the host's CPU-stage worker is live, else to the GPU queue (it runs in place there).
 - A chain starts at the track's first unfinished stage (a resumed music track skips what it already has);
@@ -271,9 +273,11 @@ def rebalance(svc: Services, celery: Celery) -> int:
         ready = {queue for w in workers if _takes_work_now(w) for queue in consumed_queues(w)}
         queues = [queue for queue in _with_room(svc, routable_queues(svc, workers)) if queue in ready]
         idle = [queue for queue in queues if not svc.redis.zcard(svc.jobs.load_key(queue))]
+        live = {w["name"] for w in workers if w["status"] != "offline"}
+        served = set(svc.workers.live_queues(workers))
         moved = 0
         for queue in idle:
-            moved += _take_one_waiting(svc, celery, queue)
+            moved += _take_one_waiting(svc, celery, queue, live, served)
         return moved
     finally:
         svc.redis.delete(lock)
@@ -287,14 +291,23 @@ def _takes_work_now(worker: dict[str, Any]) -> bool:
     return worker.get("preload", "0") in ("0", "") or worker_readiness(worker)["ready"]
 
 
-def _take_one_waiting(svc: Services, celery: Celery, idle: str) -> int:
-    """The longest-waiting first track of the busy queues, moved to `idle` if it is done sooner there."""
+def _take_one_waiting(svc: Services, celery: Celery, idle: str, live: set[str], served: set[str]) -> int:
+    """The first waiting track of the queues that are busy or lost their worker, moved to `idle` if it is done
+    sooner there (the first by priority and fair tag across those queues). A queue with a running track whose
+    worker is offline gives nothing yet: that track goes first, when its lease ends and the reaper restarts it
+    (its fair tag puts it ahead of the tracks that waited behind it); taking the waiting ones now would run them
+    before it."""
     heads: list[tuple[float, str, str]] = []
     for queue in known_queues(svc):
-        if queue == idle or not svc.redis.zcard(svc.jobs.keys.running(queue)):
+        if queue == idle:
             continue
+        running = decoded_members(svc.redis.zrange(svc.jobs.keys.running(queue), 0, -1))
+        if _held_by_the_dead(svc, running, live):
+            continue
+        if not running and queue in served:
+            continue  # not busy, and a live worker takes what waits there
         first = cast(list[tuple[Any, float]], svc.redis.zrange(svc.jobs.waiting_key(queue), 0, 0, withscores=True))
-        for value, score in first:  # its place: priority rank, then submission order (app/core/priority.py)
+        for value, score in first:  # its place: priority rank, then fair tag (app/core/priority.py)
             heads.append((float(score), queue, value.decode() if isinstance(value, bytes) else str(value)))
     for _, donor, value in sorted(heads):
         job_id, track = parse_member(value)
@@ -308,6 +321,15 @@ def _take_one_waiting(svc: Services, celery: Celery, idle: str) -> int:
             job_event(log, "rerouting", job_id, track=track, queue=donor, reason=f"{idle} idle")
             return int(enqueue_track(svc, celery, job_id, track, idle))
     return 0
+
+
+def _held_by_the_dead(svc: Services, running: list[str], live: set[str]) -> bool:
+    """Some of these running tracks ("job:track") are held by a worker that is not live (dead, its lease not yet
+    expired)."""
+    pipe = svc.redis.pipeline(transaction=False)
+    for value in running:
+        pipe.hget(svc.jobs.keys.track(*parse_member(value)), "worker")
+    return any(worker and decoded(worker) not in live for worker in pipe.execute())
 
 
 def _unroute_one(svc: Services, celery: Celery, queue: str, job_id: str, track: int, detail: str) -> bool:

@@ -34,19 +34,21 @@ KEYS: dict[str, str] = {
     "tenant_streams": "tenant:{tenant}:streams",  # zset: one tenant's open event streams by expiry (app/control/streams.py)
     "created": "created",  # zset: tracks written, not routed yet
     "cancels": "cancels",  # zset: canceled jobs a live stage still held, by when (app/control/recovery.py)
-    "unrouted": "unrouted",  # zset: parked tracks by priority, then submission
-    "seq": "seq",  # counter: submission order
+    "unrouted": "unrouted",  # zset: parked tracks by priority, then fair tag
+    "seq": "seq",  # counter: submissions (the low part of a track's fair tag, app/core/priority.py)
+    "fair_last": "fair:last",  # hash: tenant -> the fair round of its latest track (app/core/priority.py)
+    "fair_now": "fair:now",  # string: the fair round of the latest track that started
     # queues
     "queues": "queues",  # set: every queue a track was assigned to
     "draining": "draining",  # set: queues an operator drained
-    "waiting": "queue:{queue}:waiting",  # zset: queued tracks by priority, then submission
+    "waiting": "queue:{queue}:waiting",  # zset: queued tracks by priority, then fair tag
     "load": "queue:{queue}:load",  # zset: tracks not finished on the queue, by cost
     "cost": "queue:{queue}:cost",  # counter: that set's scores summed, in thousandths
     "queue_live_at": "queue:{queue}:live_at",  # string: when a consumer was last seen
     "backlog": "queue:{queue}:backlog",  # hash: the backlog index (app/control/backlog.py)
     "backlog_sums": "queue:{queue}:backlog:sums",  # hash: its totals per group and class
     "backlog_tree": "queue:{queue}:backlog:tree",  # hash: its Fenwick trees over submission order
-    "running": "queue:{queue}:running",  # zset: running tracks by submission order
+    "running": "queue:{queue}:running",  # zset: running tracks by fair tag
     # workers
     "workers": "workers",  # set: registered worker names
     "worker": "worker:{name}",  # hash: a worker's heartbeat, with an expiry
@@ -153,6 +155,14 @@ class Layout:
     @property
     def seq(self) -> str:
         return self.key("seq")
+
+    @property
+    def fair_last(self) -> str:
+        return self.key("fair_last")
+
+    @property
+    def fair_now(self) -> str:
+        return self.key("fair_now")
 
     @property
     def queues(self) -> str:

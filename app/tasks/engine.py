@@ -14,11 +14,11 @@ and ends when no track is left. Each track's stages are recorded in its own reco
 its own progress; its seconds are its share of each block (a block's time over the tracks in it), which is what
 the ETA learns and what its tenant is charged.
 
-Admission order (`admission_order`): the queue's waiting tracks in their queue order (priority, then submission)
-up to the first track the engine cannot take (another kind, or a music track resuming past its backbone): that
-one runs when the engine drains, so no other work waits behind an engine that keeps admitting. Among those, a
-higher priority first; within a priority, the tenant holding the fewest tracks in the engine first (round robin
-between tenants), then submission order (FIFO within a tenant).
+Admission order: the queue's waiting tracks in their queue order, which is the fair order (priority, then each
+track's fair tag: round robin between tenants, FIFO within one; app/core/priority.py), so a track's
+`queue_position` is its place in line for a slot. The engine takes them up to the first track it cannot take
+(another kind, or a music track resuming past its backbone): that one runs when the engine drains, so no other
+work waits behind an engine that keeps admitting.
 
 The engine stops admitting (and drains) when its worker is shutting down, its queue is drained, another GPU stage
 waits on its queue (a lip-sync: it runs as soon as the engine's tracks are through, not after a music backlog), or
@@ -31,13 +31,12 @@ import json
 import logging
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Sequence
 
 from app.adapters.celery_app import celery
-from app.adapters.redis_conn import decoded
+from app.adapters.redis_conn import decoded, decoded_members
 from app.control.broker import waiting_tasks
 from app.control.lifecycle import Outcome, parse_member
 from app.control.routing import companion, resend
@@ -45,8 +44,6 @@ from app.control.services import Services
 from app.core.ids import TrackRef
 from app.core.kinds import first_unfinished
 from app.core.joblog import job_event
-from app.core.priority import RANK_SPAN
-from app.core.tenants import DEFAULT_TENANT
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.music.inflight import Block, FinishedTrack, InFlightBackbone, tokens_detail
 from app.pipeline.music.stages import BackboneTrack
@@ -59,38 +56,10 @@ from app.tasks.track_moves import finish_stage, release_adopted
 
 log = logging.getLogger("encore.jobs")
 
-ADMISSION_SCAN = 64  # waiting tracks read per boundary: the head of the queue
 ADMIT_FOR = 0.5  # of the backbone's soft time limit: how long an engine admits new tracks
 BACKBONE = "backbone"
 
 StageWork = Callable[[StageRun], None]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A waiting track the engine may take: its place in the queue and its owner."""
-
-    ref: TrackRef
-    score: float  # priority rank * RANK_SPAN + submission order (app/core/priority.py)
-    tenant: str
-
-    @property
-    def rank(self) -> int:
-        return int(self.score // RANK_SPAN)
-
-
-def admission_order(candidates: list[Candidate], held_by_tenant: Counter[str], free: int) -> list[Candidate]:
-    """Who joins next, for `free` slots: a higher priority first; within one, the tenant holding the fewest
-    tracks in the engine (counting those picked here), then queue order. Pure: tests/test_engine.py."""
-    held = Counter(held_by_tenant)
-    left = sorted(candidates, key=lambda c: c.score)
-    picked: list[Candidate] = []
-    while left and len(picked) < free:
-        best = min(left, key=lambda c: (c.rank, held[c.tenant], c.score))
-        left.remove(best)
-        picked.append(best)
-        held[best.tenant] += 1
-    return picked
 
 
 class PolledCancel:
@@ -117,10 +86,6 @@ class Held:
     record: dict[str, Any]
     stage: str = BACKBONE
     workdir: Path | None = None  # its backbone's temp folder while it is in the engine
-
-    @property
-    def tenant(self) -> str:
-        return str(self.job.get("tenant") or DEFAULT_TENANT)
 
     @property
     def cost(self) -> float:
@@ -210,30 +175,22 @@ class BackboneEngine:
 
     # -- tracks joining -------------------------------------------------------------------------------------
     def _admit_waiting(self) -> None:
-        svc, queue = self.svc, self.run.queue
-        raw = cast(
-            list[tuple[Any, float]],
-            svc.redis.zrange(svc.jobs.waiting_key(queue), 0, ADMISSION_SCAN - 1, withscores=True),
-        )
-        members = [(decoded(value), float(score)) for value, score in raw]
-        if not members:
-            return
-        refs = [TrackRef(*parse_member(value)) for value, _ in members]
+        """Take the head of the queue's waiting tracks (the fair order) into the free slots, up to the first track
+        the engine cannot take."""
+        svc = self.svc
+        head = decoded_members(svc.redis.zrange(svc.jobs.waiting_key(self.run.queue), 0, self.runner.free - 1))
+        refs = [TrackRef(*parse_member(value)) for value in head]
         pipe = svc.redis.pipeline(transaction=False)
         for ref in refs:
-            pipe.hmget(svc.jobs.keys.job(ref.job_id), "kind", "tenant")
+            pipe.hget(svc.jobs.keys.job(ref.job_id), "kind")
             pipe.hget(svc.jobs.keys.track(ref.job_id, ref.track), "stages")
         answers = pipe.execute()
-        candidates = []
-        for index, (ref, (_, score)) in enumerate(zip(refs, members, strict=True)):
-            (kind, tenant), stages = answers[2 * index], answers[2 * index + 1]
+        for index, ref in enumerate(refs):
+            kind, stages = answers[2 * index], answers[2 * index + 1]
             # the adopt transition's own rule (queued@first): the track's first unfinished stage is the backbone
             if decoded(kind) != self.run.kind.name or first_unfinished(self.run.kind, json.loads(stages or "{}")):
                 break  # the engine cannot take it: it runs when the engine drains, and so does all behind it
-            candidates.append(Candidate(ref, score, decoded(tenant) or DEFAULT_TENANT))
-        held = Counter(held.tenant for held in self.held.values())
-        for candidate in admission_order(candidates, held, self.runner.free):
-            self._adopt(candidate.ref)
+            self._adopt(ref)
 
     def _adopt(self, ref: TrackRef) -> None:
         if not self._take(ref, BACKBONE, "backbone in the engine"):

@@ -102,7 +102,7 @@ local function leave(s, q)
     end
   end
 end
-local function order()  -- parked and queued tracks: the job's priority first, then submission order
+local function order()  -- parked and queued tracks: the job's priority first, then fair tag (app/core/priority.py)
   local rank = tonumber(RANK[redis.call('HGET', job_key, 'priority') or ''] or DEFAULT_RANK)
   return string.format('%.0f', rank * RANK_SPAN + tonumber(seq))
 end
@@ -118,8 +118,17 @@ local function enter(s, q)
   end
 end
 
+-- a new track's fair tag (app/core/priority.py): its tenant's next round, never behind the round that runs now
+local function fair_tag()
+  local tenant = redis.call('HGET', job_key, 'tenant') or DEFAULT_TENANT
+  local round = math.max(tonumber(redis.call('GET', K.fair_now()) or '0'),
+                         tonumber(redis.call('HGET', K.fair_last(), tenant) or '-1') + 1)
+  redis.call('HSET', K.fair_last(), tenant, round)
+  return round * FAIR_SPAN + redis.call('INCR', K.seq()) % FAIR_SPAN
+end
+
 if event == 'submit' then
-  seq = redis.call('INCR', K.seq())
+  seq = fair_tag()
   cost = tonumber(a.cost or '0')
   milli = math.floor(cost * 1000 + 0.5)
   redis.call('HSET', key, 'track', track, 'seq', seq, 'cost', cost, 'queue', '', 'worker', '', 'task_ids', '[]',
@@ -137,6 +146,10 @@ end
 
 -- the lease and the worker's current stage
 local tk, ts = split(target)
+if status == 'queued' and tk == 'running' then  -- the fair round now: the latest started track's
+  local round = math.floor(tonumber(seq) / FAIR_SPAN)
+  if round > tonumber(redis.call('GET', K.fair_now()) or '0') then redis.call('SET', K.fair_now(), round) end
+end
 if tk == 'running' then
   if event == 'start' or event == 'adopt' then
     redis.call('SET', lease_key, owner, 'PX', a.lease_ms)

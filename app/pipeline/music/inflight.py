@@ -25,7 +25,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from app.pipeline.music.slots import DEFAULT_SLOT_CAP, SlotDecoder, default_slots, kv_bytes_per_track, open_slot_decoder
+from app.pipeline.music.options import DEFAULT_SLOT_CAP
+from app.pipeline.music.slots import SlotDecoder, default_slots, kv_bytes_per_track, open_slot_decoder
 from app.pipeline.music.stages import BackboneTrack, MusicModels, SongLength, _save_codes, backbone_request
 from app.pipeline.music.torch_engine import TorchCausalLM
 from app.pipeline.profiles import COARSE_CODEBOOKS

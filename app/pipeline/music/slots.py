@@ -63,11 +63,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from app.pipeline.music.options import DEFAULT_SLOT_CAP
 from app.pipeline.music.decode_loop import DEFAULT_CHECK_EVERY, SongPlan
 from app.pipeline.music.torch_engine import Attention, Block, FeedForward, TorchCausalLM, apply_rope, rope_tables
 from app.pipeline.profiles import COARSE_CODEBOOKS
-
-DEFAULT_SLOT_CAP = 16  # slots at most by default: the target concurrency
 
 
 @dataclass(frozen=True)
