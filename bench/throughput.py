@@ -17,6 +17,7 @@ as one JSON object:
                                        CPU stages (export, prepare, mux) or idle: the union of the GPU stages'
                                        intervals less the time CPU stages ran in the same child
   stage_seconds                        total seconds per stage, to see where the time goes
+  cpu_worker_stage_runs                stages the CPU-stage worker ran (0 in `today`)
   eta_error                            per kind, |latency - eta_s at submission| / latency: p50 and p90 (how
                                        true the first ETA a client reads is)
 
@@ -40,7 +41,7 @@ to models/shaped on first use; `tiny` (the default) has the backbone at ~50 %, w
 
     python bench/throughput.py [--tiny] [--profile tiny|shaped] [--music 16] [--lipsync 4] [--song-s 10] [--clip-s 2]
                                [--modes today,engine] [--arrivals burst|poisson --per-hour N --seed 1]
-                               [--scenario throughput|fairness]
+                               [--scenario throughput|fairness] [--records DIR]
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ GPU_STAGES = frozenset({"backbone", "superres", "decode", "lipsync"})
 ENDED = ("done", "failed", "canceled", "partial")
 MODES = ("today", "engine", "engine-batched")
 DEFAULT_MODES = ("today", "engine")
-MODE_ENV = {
-    "today": {"ENCORE_BACKBONE_SLOTS": "1", "ENCORE_WORKER_ROLE": "gpu"},
-    "engine": {"ENCORE_BACKBONE_SLOTS": "16", "ENCORE_ENGINE_MATMUL": "exact"},
-    "engine-batched": {"ENCORE_BACKBONE_SLOTS": "16", "ENCORE_ENGINE_MATMUL": "batched"},
+MODE_ENV = {  # every mode names every variable: one mode's must not leak into the next (the web reads os.environ)
+    "today": {"ENCORE_BACKBONE_SLOTS": "1", "ENCORE_WORKER_ROLE": "gpu", "ENCORE_ENGINE_MATMUL": "exact"},
+    "engine": {"ENCORE_BACKBONE_SLOTS": "16", "ENCORE_WORKER_ROLE": "both", "ENCORE_ENGINE_MATMUL": "exact"},
+    "engine-batched": {"ENCORE_BACKBONE_SLOTS": "16", "ENCORE_WORKER_ROLE": "both", "ENCORE_ENGINE_MATMUL": "batched"},
 }
 
 
@@ -178,6 +179,7 @@ def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> 
         },
         "gpu_stage_occupancy": round(covered_less(gpu_runs, cpu_runs) / gpu_window, 3) if gpu_window > 0 else None,
         "stage_seconds": stage_seconds,
+        "cpu_worker_stage_runs": sum(1 for run in runs if run["worker"].startswith("cpu")),
     }
 
 
@@ -224,7 +226,13 @@ class Deployment:
 
     def wait_for_worker(self, limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
-        while not any(w.get("status") == "idle" for w in self.get("/api/v1/status")["workers"]):
+        wanted = ("gpu", "cpu") if self.env.get("ENCORE_WORKER_ROLE") == "both" else ("gpu",)
+
+        def up() -> bool:
+            idle = [w["name"] for w in self.get("/api/v1/status")["workers"] if w.get("status") == "idle"]
+            return all(any(name.startswith(role) for name in idle) for role in wanted)
+
+        while not up():
             if time.monotonic() > deadline or self.worker.poll() is not None:
                 log = self.root / "logs" / "worker_0.log"
                 raise SystemExit("worker did not come up: " + (log.read_text()[-2000:] if log.exists() else ""))
@@ -332,6 +340,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             job_id = deployment.submit_music(args.song_s, 100 + index) if kind == "music" else None
             submitted[job_id or deployment.submit_lipsync(video, audio)] = time.time()
         records = deployment.wait_all(list(submitted), args.limit_s)
+        if args.records:  # every job's record and submission time, for a look at the timeline
+            Path(args.records).mkdir(parents=True, exist_ok=True)
+            dump = {"submitted": submitted, "eta_at_submit": deployment.eta_at_submit, "records": records}
+            (Path(args.records) / f"{mode}.json").write_text(json.dumps(dump))
         errors = eta_errors(records, submitted, deployment.eta_at_submit)
         return {"mode": mode, **summarize(records, submitted), "eta_error": errors}
     finally:
@@ -400,6 +412,7 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=1, help="poisson: the arrival schedule's seed")
     parser.add_argument("--limit-s", type=float, default=1800.0, help="give up when the jobs have not ended by then")
+    parser.add_argument("--records", default="", help="a folder to write each mode's job records to (JSON)")
     parser.add_argument("--scenario", default="throughput", choices=("throughput", "fairness"), help="module doc")
     args = parser.parse_args()
     if args.tiny:

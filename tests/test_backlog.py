@@ -128,12 +128,14 @@ def _per_unit(rates: dict, queue: str, kind: str, stage: str) -> float:
     return sum(fleet) / len(fleet) if fleet else 1 / len(KINDS[kind].stages)
 
 
-def _reference(svc, queue: str, now: float) -> dict[str, float]:
-    """{member: finish} by the rule, from every open track's hash: running tracks, then waiting ones, in
-    submission order, then queued ones in queue-position order; each its stages' seconds from its current (or
-    first unfinished) stage, a running one among the queue's first running_heads less what its stage already
-    ran (or its progress leaves)."""
+def _reference(svc, queue: str, now: float) -> tuple[dict[str, float], float]:
+    """({member: finish}, the queue's seconds) by the rule, from every open track's hash: running tracks, then
+    waiting ones, in submission order, then queued ones in queue-position order; each its stages' seconds from its
+    current (or first unfinished) stage, a running one among the queue's first running_heads less what its stage
+    already ran (or its progress leaves). The engine's stage (a music backbone) on a queue whose engine has S
+    slots: the tracks behind wait 1/S of it, its own track waits it whole."""
     rates = eta.learned(svc)
+    slots = int(svc.redis.get(svc.jobs.keys.queue_slots(queue)) or 1)
     members = svc.redis.zrange(svc.jobs.keys.load(queue), 0, -1)
     running = sorted(
         (svc.jobs.track(*parse_member(value))["seq"], value)
@@ -146,6 +148,10 @@ def _reference(svc, queue: str, now: float) -> dict[str, float]:
         job_id, index = parse_member(value)
         track, kind = svc.jobs.track(job_id, index), svc.jobs.job(job_id)["kind"]
         names = [stage.name for stage in KINDS[kind].stages]
+
+        def share(name: str, kind: str = kind) -> float:
+            return 1 / slots if (kind, name) == ("music", "backbone") else 1.0
+
         state, _, stage = track["status"].partition(":")
         group = {"running": 0, "waiting": 1}.get(state, 2)
         order = svc.redis.zscore(svc.jobs.keys.waiting(queue), value) if group == 2 else track["seq"]
@@ -154,32 +160,41 @@ def _reference(svc, queue: str, now: float) -> dict[str, float]:
             if stage in names
             else next((n for n, name in enumerate(names) if not track["stages"].get(name, {}).get("finished_at")), 0)
         )
-        left = sum(_per_unit(rates, queue, kind, name) * track["cost"] for name in names[start:])
+        left = sum(_per_unit(rates, queue, kind, name) * track["cost"] * share(name) for name in names[start:])
+        own = sum(_per_unit(rates, queue, kind, name) * track["cost"] * (1 - share(name)) for name in names[start:])
         if state == "running" and value in heads:
             whole = _per_unit(rates, queue, kind, stage) * track["cost"]
             elapsed = now - track["stages"][stage]["started_at"]
-            left += max(whole - elapsed, whole * (1 - min(max(track["progress"], 0.0), 1.0))) - whole
-        rows.append(((group, order), value, left))
+            correction = max(whole - elapsed, whole * (1 - min(max(track["progress"], 0.0), 1.0))) - whole
+            left += correction * share(stage)
+            own += correction * (1 - share(stage))
+        rows.append(((group, order), value, left, own))
     finish, clock = {}, 0.0
-    for _, value, left in sorted(rows):
+    for _, value, left, own in sorted(rows):
         clock += left
-        finish[value] = clock
-    return finish
+        finish[value] = clock + own
+    return finish, clock
 
 
-@pytest.mark.parametrize("first_round", [0, 2**27 - 100])
-def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_round):
+@pytest.mark.parametrize(
+    "first_round, gpu1_slots",
+    [(0, 1), (2**27 - 100, 1), (0, 4)],
+    ids=["fair tags from 0", "fair tags near their top", "gpu1 runs an engine of 4 slots"],
+)
+def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_round, gpu1_slots):
     # also near the top of the fair tags' range (app/core/priority.py), inside the Fenwick trees'
     assert (first_round + 100) * FAIR_SPAN < min(FENWICK_SIZE, RANK_SPAN)
     svc.redis.set(svc.jobs.keys.fair_now, first_round)
+    eta.announce_slots(svc, "gpu1", gpu1_slots)
     jobs = _fill(svc, seed=first_round % 97)
     now = time.time()
     read = svc.jobs.estimates.read(now, eta.running_heads(svc), jobs=jobs, queues=QUEUES, schedules=QUEUES)
-    expected = {queue: _reference(svc, queue, now) for queue in QUEUES}
+    references = {queue: _reference(svc, queue, now) for queue in QUEUES}
+    expected = {queue: finish for queue, (finish, _) in references.items()}
     for queue in QUEUES:
         assert dict(read["schedules"][queue]) == pytest.approx(expected[queue], rel=1e-9, abs=1e-9)
         assert list(dict(read["schedules"][queue])) == list(expected[queue])  # in the worker's order
-        assert read["queues"][queue][0] == pytest.approx(max(expected[queue].values(), default=0.0), rel=1e-9)
+        assert read["queues"][queue][0] == pytest.approx(references[queue][1], rel=1e-9, abs=1e-9)
     assert sum(map(len, expected.values())) > 20  # the fill left work on both queues
     assert svc.redis.zcard(svc.jobs.keys.running("gpu1")) > eta.running_heads(svc)
     for job_id in jobs:
@@ -197,7 +212,9 @@ def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_r
     assert any(v is None for v in read["jobs"].values()) and any(read["jobs"].values())
 
 
-def test_a_poll_reads_its_eta_in_the_same_round_trip_as_its_record(svc):
+@pytest.mark.parametrize("gpu1_slots", [1, 4])
+def test_a_poll_reads_its_eta_in_the_same_round_trip_as_its_record(svc, gpu1_slots):
+    eta.announce_slots(svc, "gpu1", gpu1_slots)  # a poll's cached ETA shares an engine's stage as the estimator
     jobs = _fill(svc, seed=5)
     _live(svc)
     eta.polled_record(svc, jobs[0])  # the script is loaded once per server

@@ -80,6 +80,9 @@ def test_throughput_bench_runs_every_job_through_a_real_worker_in_each_mode():
         assert set(result["stage_seconds"]) == {"backbone", "superres", "decode", "export", "prepare", "lipsync", "mux"}
         assert result["songs_per_hour"] > 0 and result["videos_per_hour"] > 0
         assert all(error["p50"] is not None and error["p50"] >= 0 for error in result["eta_error"].values())
+    today, engine = report["results"]
+    assert today["cpu_worker_stage_runs"] == 0  # export, prepare and mux in the GPU child, as before issue 35
+    assert engine["cpu_worker_stage_runs"] == 3 * 2 + 2  # each track's export, the video's prepare and mux
 
 
 @pytest.mark.slow  # tenant B's song alone and amid tenant A's 3 songs, engine mode only (~2 min here)

@@ -26,6 +26,11 @@ queue's rate per cost unit (learned there, else the fleet's mean, else the stage
 track among its queue's first `heads` (by seq) counts its stage's estimate less what already ran (or, past the
 estimate, what its progress leaves of it); a further running one (left by a dead worker until the reaper restarts
 it) counts its whole stage. A job's ETA is its last open track's finish; a queue's seconds are all of its tracks'.
+A queue whose GPU worker runs an engine of S slots (`{p}:queue:{q}:slots`, written when a backbone starts:
+eta.announce_slots) runs its engine stage (ENGINE_STAGES: the music backbone) for S tracks side by side, and
+learns that stage's rate from how long a track took in it beside the others (app/tasks/engine.py): the tracks
+behind a track wait 1/S of its engine stage (the queue drains S of them at a time), and the track itself waits
+its own whole (`own_extra`). Without an engine S is 1 and both are the serial rule above.
 
 The Lua lives in app/control/lua/: backlog_write.lua, the write side, is a chunk of the transition script
 (app/control/lifecycle.py) and runs in the same atomic step as the move, after the state machine's tables (STAGES,
@@ -42,16 +47,19 @@ from typing import Any, Sequence
 import redis
 
 from app.control.scripts import script
+from app.core.kinds import MUSIC
 
+ENGINE_STAGES = {MUSIC.name: MUSIC.stages[0].name}  # the stage a GPU worker's engine runs for many tracks at once
 FENWICK_SIZE = 2**40  # seq stays below it (a fair tag stays below RANK_SPAN, app/core/priority.FAIR_SPAN)
 GROUP_ORDER = {"r": 0, "w": 1, "q0": 2, "q1": 3, "q2": 4}
 
 
 def lua_backlog() -> str:
-    """The backlog's constants as Lua locals (FENWICK_SIZE, GROUP_ORDER), for the chunks lua/backlog_write.lua and
+    """The backlog's constants as Lua locals (FENWICK_SIZE, GROUP_ORDER, ENGINE_STAGE), for the chunks lua/backlog_write.lua and
     lua/estimate.lua."""
     order = ", ".join(f"{group} = {rank}" for group, rank in GROUP_ORDER.items())
-    return f"local FENWICK_SIZE = {FENWICK_SIZE}\nlocal GROUP_ORDER = {{{order}}}\n"
+    engine = ", ".join(f"{kind} = '{stage}'" for kind, stage in ENGINE_STAGES.items())
+    return f"local FENWICK_SIZE = {FENWICK_SIZE}\nlocal GROUP_ORDER = {{{order}}}\nlocal ENGINE_STAGE = {{{engine}}}\n"
 
 
 def _dict(value: Any) -> dict:

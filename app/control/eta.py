@@ -58,6 +58,23 @@ def learn(
     return float(reply)
 
 
+SLOTS_TTL_S = 7 * 24 * 3600  # an engine's slot count outlives its worker a while: a restart keeps the estimates
+
+
+def announce_slots(svc: Services, queue: str, slots: int) -> None:
+    """How many tracks `queue`'s worker runs through the backbone at once (its engine's slots; 1 without one),
+    written when a backbone stage starts: the estimates share the backbone's seconds by it (app/control/backlog.py).
+    A change counts as a change of the rates, so cached ETAs are recomputed."""
+    key = svc.jobs.keys.queue_slots(queue)
+    if svc.redis.get(key) != str(slots):
+        pipe = svc.redis.pipeline(transaction=False)
+        pipe.set(key, str(slots), ex=SLOTS_TTL_S)
+        pipe.hincrby(svc.jobs.keys.estimate_versions, "rates", 1)
+        pipe.execute()
+    else:
+        svc.redis.expire(key, SLOTS_TTL_S)
+
+
 def learned(svc: Services) -> dict[tuple[str, str, str], float]:
     """Every learned rate: {(queue, kind, stage): seconds per cost unit} (the per-stage throughput)."""
     return parse_rates(decoded(svc.redis.hgetall(svc.jobs.keys.throughput)))

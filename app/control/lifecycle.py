@@ -55,6 +55,7 @@ Layout (prefix `encore` by default; job keys expire with the job):
   {p}:webhooks:in-flight:{w}   those webhook worker w took; {p}:webhooks:seq their counter;
   {p}:job:{id}:webhooks        the job's delivery attempts (app/adapters/webhooks.py)
   {p}:workers, {p}:worker:{name}, {p}:worker:{name}:current, {p}:queue:{q}:live_at   worker registry
+  {p}:queue:{q}:slots          how many tracks q's backbone engine runs at once (app/control/eta.announce_slots)
   {p}:metrics:*                stage-duration histograms, submission counters
   {p}:throughput               hash "queue|kind|stage" -> learned seconds per cost unit (+ "|n" samples, "|cold"
                                when it came from a stage that loaded models): the ETA and routing (app/control/eta.py)

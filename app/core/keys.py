@@ -45,6 +45,7 @@ KEYS: dict[str, str] = {
     "load": "queue:{queue}:load",  # zset: tracks not finished on the queue, by cost
     "cost": "queue:{queue}:cost",  # counter: that set's scores summed, in thousandths
     "queue_live_at": "queue:{queue}:live_at",  # string: when a consumer was last seen
+    "queue_slots": "queue:{queue}:slots",  # string: how many tracks its worker's backbone engine runs at once
     "backlog": "queue:{queue}:backlog",  # hash: the backlog index (app/control/backlog.py)
     "backlog_sums": "queue:{queue}:backlog:sums",  # hash: its totals per group and class
     "backlog_tree": "queue:{queue}:backlog:tree",  # hash: its Fenwick trees over submission order
@@ -196,6 +197,9 @@ class Layout:
 
     def queue_live_at(self, queue: str) -> str:
         return self.key("queue_live_at", queue=queue)
+
+    def queue_slots(self, queue: str) -> str:
+        return self.key("queue_slots", queue=queue)
 
     @property
     def workers(self) -> str:

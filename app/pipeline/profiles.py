@@ -173,12 +173,16 @@ def _tiny(model_dir: Path) -> MusicProfile:
 
 
 def _shaped(model_dir: Path) -> MusicProfile:
-    """Random weights, tiny vocabularies and codec, and a backbone big enough that a track's time splits between
-    the stages about as an H200 splits it at Khala sizes (backbone ~85 %, super-resolution ~10 %, codec ~3 %;
-    docs/performance.md): the CPU profile a scheduler is judged with (bench/throughput.py --profile shaped). Its
-    audio is noise."""
+    """Random weights, tiny vocabularies and codec, and a backbone shaped so that a CPU meets the two facts of an
+    H200 at Khala sizes a scheduler is judged by (docs/performance.md): a song's GPU time is mostly backbone
+    (~85 % here in a worker without the engine, ~87 % on an H200), and its decode is memory-bound, so a step of 16
+    slots with the batched product costs little more than a step of one (~1.1x here; the H200's target is <= 2x).
+    Wide and shallow for that: 2 layers of width 1024 (~100 MB of fp32 weights, read from memory at every step).
+    The CPU profile a scheduler is measured with (bench/throughput.py --profile shaped). Its audio is noise."""
     tiny = _tiny(model_dir)
-    backbone = replace(tiny.backbone, num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=704)
+    backbone = replace(
+        tiny.backbone, num_layers=2, hidden_size=1024, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=2816
+    )
     return replace(tiny, name="shaped", backbone=backbone)
 
 

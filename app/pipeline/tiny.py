@@ -22,19 +22,20 @@ MARKER = ".complete"
 
 def write_tiny_models(out: Path, seed: int = 1234, force: bool = False, profile_name: str = "tiny") -> Path:
     """Write every model of a random-weight profile (`tiny`, or `shaped`: bench/throughput.py's) under `out`
-    (skipped when a previous run completed, unless `force`)."""
-    if (out / MARKER).exists() and not force:
+    (skipped when a previous run completed with the same seed and shapes, unless `force`)."""
+    profile = load_profile(profile_name, out)
+    written = f"seed={seed}\nbackbone={profile.backbone}\nsuperres={profile.superres}\n"  # a changed shape rewrites
+    if (out / MARKER).exists() and (out / MARKER).read_text() == written and not force:
         return out
     from app.pipeline.music import codec, megatron_backend, prompt
 
-    profile = load_profile(profile_name, out)
     out.mkdir(parents=True, exist_ok=True)
     prompt.write_tiny_tokenizer(profile, profile.tokenizer_dir)
     megatron_backend.write_tiny_checkpoint(profile.backbone, profile.backbone_dir, causal=True, seed=seed)
     megatron_backend.write_tiny_checkpoint(profile.superres, profile.superres_dir, causal=False, seed=seed + 1)
     profile.codec_path.parent.mkdir(parents=True, exist_ok=True)
     codec.write_tiny_codec(profile.codec, profile.codec_path, seed=seed + 2)
-    (out / MARKER).write_text(f"seed={seed}\n")
+    (out / MARKER).write_text(written)
     return out
 
 

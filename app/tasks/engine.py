@@ -310,7 +310,7 @@ class BackboneEngine:
         info = {"prompt_tokens": finished.prompt_tokens, "frames": finished.song["frames"], "in_engine": True}
         loaded = self.run.loaded[self.loads_recorded :]  # the loads made since, recorded by the first track after
         self.loads_recorded = len(self.run.loaded)
-        return self._record_finish(held, BACKBONE, finished.share_s, loaded, info)
+        return self._record_finish(held, BACKBONE, finished.share_s, loaded, info, took_s=finished.wall_s)
 
     def _go_on(self, held: Held) -> None:
         """The track's next stages, here and now (module docstring, point 2); from the first that needs no GPU on,
@@ -397,10 +397,17 @@ class BackboneEngine:
         self._event("stage_started", held.ref, stage=stage_name, in_engine=1)
 
     def _record_finish(
-        self, held: Held, stage_name: str, seconds: float, loaded: list[str], info: dict[str, Any]
+        self,
+        held: Held,
+        stage_name: str,
+        seconds: float,
+        loaded: list[str],
+        info: dict[str, Any],
+        took_s: float | None = None,
     ) -> bool:
-        """Stage done for the track (the `finish` transition) and its seconds accounted; False when the track
-        left meanwhile (canceled, or its lease taken)."""
+        """Stage done for the track (the `finish` transition) and its seconds accounted (`took_s`: how long a
+        backbone took beside the others, what the ETA learns); False when the track left meanwhile (canceled, or
+        its lease taken)."""
         svc, run, ref = self.svc, self.run, held.ref
         stage = run.kind.stage(stage_name)
         stages = held.record["stages"]
@@ -417,6 +424,7 @@ class BackboneEngine:
             {ref: held.cost},
             own=ref,
             cold=bool(loaded) and svc.settings.runtime_mode == "keep_loaded",
+            took_s=took_s,
         )
         if not finish_stage(svc, run.kind, ref.job_id, ref.track, stage, stages, run.lease_owner):
             self._let_go(ref)

@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from app.core.kinds import MUSIC
+from app.control.eta import announce_slots
 from app.control.services import services
 from app.tasks.stage import StageRun, stage_task
 
@@ -69,9 +70,11 @@ def backbone_work(run: StageRun) -> None:
         assert run.watch is not None
         batched = run.svc.settings.engine_matmul == "batched"
         runner = InFlightBackbone(models(), slots, run.loaded, batched_matmul=batched)
+        announce_slots(run.svc, run.queue, runner.slots)  # halved on out-of-memory: the ones it has
         follow_ups = [("superres", superres_work), ("decode", decode_work), ("export", export_work)]
         BackboneEngine(run, run.watch, runner, follow_ups).serve()
         return
+    announce_slots(run.svc, run.queue, 1)
     batched_backbone_work(run)
 
 

@@ -19,7 +19,7 @@ end
 -- An estimator at time `now` reading the first `heads` running tracks of each queue (K: the script's key table).
 local function estimator(K, now, heads)
   local E = {}
-  local per_unit_cache, from_cache, queues = {}, {}, {}
+  local per_unit_cache, from_cache, queues, slots_cache = {}, {}, {}, {}
   -- seconds per cost unit of a stage on q: learned there, else the fleet's mean, else its share (every stage of
   -- the kind read at once, in one HMGET)
   function E.per_unit(q, kind, stage)
@@ -40,15 +40,41 @@ local function estimator(K, now, heads)
     end
     return per_unit_cache[key]
   end
-  -- seconds per cost unit of every stage of kind from index (0-based) on
+  -- how many tracks q's worker runs through its engine stage at once (its engine's slots; 1 without one)
+  function E.slots(q)
+    if slots_cache[q] == nil then
+      slots_cache[q] = math.max(1, tonumber(redis.call('GET', K.queue_slots(q)) or '1') or 1)
+    end
+    return slots_cache[q]
+  end
+  -- the part of a stage's seconds that the tracks behind it wait: 1 / slots for the engine's stage (its tracks
+  -- run side by side, the queue drains `slots` of them at a time), else all of it
+  function E.share(q, kind, stage)
+    if ENGINE_STAGE[kind] == stage then return 1 / E.slots(q) end
+    return 1
+  end
+  -- seconds per cost unit of every stage of kind from index (0-based) on, as the tracks behind wait for them
   function E.seconds_from(q, kind, index)
     local key = q .. '|' .. kind .. '|' .. index
     if from_cache[key] == nil then
       local total, names = 0, STAGES[kind]
-      for n = index + 1, #names do total = total + E.per_unit(q, kind, names[n]) end
+      for n = index + 1, #names do total = total + E.per_unit(q, kind, names[n]) * E.share(q, kind, names[n]) end
       from_cache[key] = total
     end
     return from_cache[key]
+  end
+  -- what a track's own finish adds to its class's seconds: the rest of its engine stage, which it runs whole
+  -- (beside the others) when it still has it from its class's stage on
+  function E.own_extra(q, e)
+    local kind, index = string.match(e.cls, '^(.*):(%d+)$')
+    local names, engine = STAGES[kind or ''], ENGINE_STAGE[kind or '']
+    if not names or not engine then return 0 end
+    for n = tonumber(index) + 1, #names do
+      if names[n] == engine then
+        return E.per_unit(q, kind, engine) * (1 - E.share(q, kind, engine)) * e.milli / 1000
+      end
+    end
+    return 0
   end
   function E.class_seconds(q, cls, milli)
     local kind, index = string.match(cls, '^(.*):(%d+)$')
@@ -62,9 +88,17 @@ local function estimator(K, now, heads)
     if e.group ~= 'r' or not names then return false end
     return E.per_unit(q, kind, names[tonumber(index) + 1]) * (e.milli / 1000)
   end
-  function E.correction(q, e)
+  -- a head's stage as the tracks behind it wait for it: its share (1 / slots of the engine's stage)
+  function E.head_share(q, e)
+    local kind, index = string.match(e.cls, '^(.*):(%d+)$')
+    local names = STAGES[kind or '']
+    return names and E.share(q, kind, names[tonumber(index) + 1]) or 1
+  end
+  -- what a running head's elapsed time takes off the seconds the tracks behind it wait (`own`: off its own)
+  function E.correction(q, e, own)
     local estimate = E.head_estimate(q, e)
-    return estimate and elapsed_correction(estimate, e, now) or 0
+    if not estimate then return 0 end
+    return elapsed_correction(estimate, e, now) * (own and 1 or E.head_share(q, e))
   end
   function E.head_correction(q, head)  -- head: {seq, member, entry}, its correction kept as head[4]
     if head[4] == nil then head[4] = E.correction(q, head[3]) end
@@ -95,9 +129,9 @@ local function estimator(K, now, heads)
     for _, head in ipairs(Q.heads) do total = total + E.head_correction(q, head) end
     return math.max(total, 0)
   end
-  -- track m of q's finish in two parts: the seconds of the work it waits for (and its own) as if no running
-  -- track had started yet, and the running heads it comes after (itself, when it is one), whose elapsed time
-  -- comes off; false when it is not in q's backlog
+  -- track m of q's finish in two parts: the seconds of the work it waits for (and its own, its engine stage
+  -- whole) as if no running track had started yet, and the running heads it comes after (itself, when it is one),
+  -- whose elapsed time comes off; false when it is not in q's backlog
   function E.finish_parts(q, m)
     local Q = E.queue(q)
     local value = redis.call('HGET', Q.base, m)
@@ -128,13 +162,18 @@ local function estimator(K, now, heads)
     for _, head in ipairs(Q.heads) do
       if e.group ~= 'r' or head[1] <= e.seq then after[#after + 1] = head end
     end
-    return total, after
+    return total + E.own_extra(q, e), after
+  end
+  -- the correction of `head` in the finish of track m: the whole of its own, a share of another's
+  function E.correction_in(q, head, m)
+    if head[2] == m then return E.correction(q, head[3], true) end
+    return E.head_correction(q, head)
   end
   -- seconds until track m of q is done (false when it is not in q's backlog)
   function E.finish(q, m)
     local total, after = E.finish_parts(q, m)
     if not total then return false end
-    for _, head in ipairs(after) do total = total + E.head_correction(q, head) end
+    for _, head in ipairs(after) do total = total + E.correction_in(q, head, m) end
     return math.max(total, 0)
   end
   -- a job's ETA from its tracks ({index, status, queue}): its last open track's finish; 0 when every track
@@ -158,11 +197,13 @@ local function estimator(K, now, heads)
     for _, t in ipairs(tracks) do
       if is_open(t[2]) then
         if t[3] == '' then return false end
-        local total, after = E.finish_parts(t[3], job_id .. ':' .. t[1])
+        local m = job_id .. ':' .. t[1]
+        local total, after = E.finish_parts(t[3], m)
         if not total then return false end
         local heads_after = {}
         for n, head in ipairs(after) do
-          heads_after[n] = {head[2], seconds_text(E.head_estimate(t[3], head[3])) or ''}
+          local share = head[2] == m and 1 or E.head_share(t[3], head[3])
+          heads_after[n] = {head[2], seconds_text(E.head_estimate(t[3], head[3])) or '', seconds_text(share)}
         end
         parts[#parts + 1] = {t[3], seconds_text(total), heads_after}
       end
@@ -182,7 +223,11 @@ local function estimator(K, now, heads)
     for _, head in ipairs(Q.heads) do corrections[head[2]] = E.head_correction(q, head) end
     for _, row in ipairs(rows) do
       clock = clock + math.max(E.class_seconds(q, row[4].cls, row[4].milli) + (corrections[row[3]] or 0), 0)
-      out[#out + 1] = {row[3], string.format('%.17g', clock)}
+      local own = E.own_extra(q, row[4])  -- its engine stage whole, beside what comes after it
+      if corrections[row[3]] and own > 0 then
+        own = own + E.correction(q, row[4], true) - corrections[row[3]]
+      end
+      out[#out + 1] = {row[3], string.format('%.17g', clock + math.max(own, 0))}
     end
     return out
   end
@@ -232,7 +277,9 @@ local function cached_job_eta(K, now, heads, job_id, tracks, cache)
       if not value then  -- cannot be while the stamp holds
         return estimator(K, now, heads).job_eta(job_id, tracks), nil
       end
-      if head[2] ~= '' then total = total + elapsed_correction(tonumber(head[2]), parse_entry(value), now) end
+      if head[2] ~= '' then
+        total = total + elapsed_correction(tonumber(head[2]), parse_entry(value), now) * tonumber(head[3] or '1')
+      end
     end
     eta = math.max(eta, math.max(total, 0))
   end

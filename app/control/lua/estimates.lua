@@ -16,7 +16,10 @@ for _, job_id in ipairs(what.jobs or {}) do
 end
 for _, q in ipairs(what.queues or {}) do
   local new = 0
-  if what.kind and STAGES[what.kind] then new = E.seconds_from(q, what.kind, 0) * tonumber(what.cost) end
+  if what.kind and STAGES[what.kind] then  -- a new track's own seconds: its engine stage whole
+    local cost = tonumber(what.cost)
+    new = E.seconds_from(q, what.kind, 0) * cost + E.own_extra(q, {cls = what.kind .. ':0', milli = cost * 1000})
+  end
   out.queues[q] = {seconds_text(E.queue_seconds(q)), seconds_text(new)}
 end
 for _, q in ipairs(what.schedules or {}) do out.schedules[q] = E.schedule(q) end

@@ -41,6 +41,7 @@ class _Seat:
     length: SongLength
     prompt_tokens: int
     share_s: float = 0.0  # its share of the engine's time so far: each block's seconds over the tracks in it
+    wall_s: float = 0.0  # the seconds of the blocks it was in: how long its backbone took beside the others
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class FinishedTrack:
     key: Hashable
     song: dict[str, Any]  # frames, duration_s, ended_by (SongLength.describe)
     prompt_tokens: int
-    share_s: float
+    share_s: float  # what it cost: its share of each block (its owner is charged this)
+    wall_s: float  # how long it took: the blocks it was in (what the ETA learns: app/control/backlog.py)
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class InFlightBackbone:
             key = update.request.tag
             seat = self._seats[key]
             seat.share_s += share
+            seat.wall_s += seconds
             if not update.finished:
                 progress[key] = (update.frames, seat.length.expected_frames)
                 continue
@@ -151,7 +154,7 @@ class InFlightBackbone:
             _save_codes(update.codes, seat.track.out)
             del self._seats[key]
             song = seat.length.describe(int(update.codes.shape[1]), self.models.profile)
-            finished.append(FinishedTrack(key, song, seat.prompt_tokens, seat.share_s))
+            finished.append(FinishedTrack(key, song, seat.prompt_tokens, seat.share_s, seat.wall_s))
         return Block(seconds, progress, finished)
 
     def close(self) -> None:
