@@ -204,6 +204,9 @@ class Deployment:
             "ENCORE_SONG_END": "duration",
             "ENCORE_SUBMIT_RATE_LIMIT": "off",
             "ENCORE_MIN_VIDEO_S": "1",
+            # the "GPU" is one core in every mode: on a GPU host the model runs on the device, not on the cores
+            # the CPU-stage worker uses; two torch threads on a 2-core machine would fight its ffmpeg instead
+            "ENCORE_TORCH_THREADS": "1",
             "API_TOKEN": ",".join(TENANT_TOKENS.values()),  # a tenant per token (fairness); polls as the admin
             "ENCORE_ADMIN_TOKENS": ADMIN_TOKEN,
             **mode_env,

@@ -137,8 +137,10 @@ def _reference(svc, queue: str, now: float) -> tuple[dict[str, float], float]:
     rates = eta.learned(svc)
     slots = int(svc.redis.get(svc.jobs.keys.queue_slots(queue)) or 1)
     members = svc.redis.zrange(svc.jobs.keys.load(queue), 0, -1)
+    place = "seq" if slots > 1 else "fifo"  # the fair tag where an engine admits, else the submission number
+
     running = sorted(
-        (svc.jobs.track(*parse_member(value))["seq"], value)
+        (svc.jobs.track(*parse_member(value))[place], value)
         for value in members
         if svc.jobs.track(*parse_member(value))["status"].startswith("running:")
     )
@@ -154,7 +156,7 @@ def _reference(svc, queue: str, now: float) -> tuple[dict[str, float], float]:
 
         state, _, stage = track["status"].partition(":")
         group = {"running": 0, "waiting": 1}.get(state, 2)
-        order = svc.redis.zscore(svc.jobs.keys.waiting(queue), value) if group == 2 else track["seq"]
+        order = svc.redis.zscore(svc.jobs.keys.waiting(queue), value) if group == 2 else track[place]
         start = (
             names.index(stage)
             if stage in names
@@ -178,8 +180,8 @@ def _reference(svc, queue: str, now: float) -> tuple[dict[str, float], float]:
 
 @pytest.mark.parametrize(
     "first_round, gpu1_slots",
-    [(0, 1), (2**27 - 100, 1), (0, 4)],
-    ids=["fair tags from 0", "fair tags near their top", "gpu1 runs an engine of 4 slots"],
+    [(0, 1), (2**27 - 100, 4), (0, 4)],
+    ids=["no engine: submission order", "an engine on gpu1, fair tags near their top", "an engine on gpu1"],
 )
 def test_estimates_from_the_index_equal_a_count_of_every_open_track(svc, first_round, gpu1_slots):
     # also near the top of the fair tags' range (app/core/priority.py), inside the Fenwick trees'

@@ -101,8 +101,14 @@ def test_a_job_streams_every_change_to_its_end_and_resumes_after_the_last_id(mak
     # From the last id: nothing to replay, and the job has ended.
     assert [m[0] for m in EventReader(url, job_id, last_id=ids[-1]).read_to_end(10)] == ["end"]
 
-    bad = requests.get(f"{url}/api/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "yesterday"}, timeout=10)
-    assert bad.status_code == 400 and bad.json()["field"] == "Last-Event-ID"
+    for wrong in ("yesterday", f"{2**64}-0", f"0-{2**64}"):  # not an id, or a part past Redis's 64 bits
+        bad = requests.get(f"{url}/api/v1/jobs/{job_id}/events", headers={"Last-Event-ID": wrong}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["field"] == "Last-Event-ID", wrong
+    top = requests.get(
+        f"{url}/api/v1/jobs/{job_id}/events", headers={"Last-Event-ID": f"{2**64 - 1}-{2**64 - 1}"}, timeout=10
+    )
+    assert top.status_code == 200  # the largest id Redis knows: nothing after it yet
+    top.close()
     assert requests.get(f"{url}/api/v1/jobs/{'0' * 32}/events", timeout=10).status_code == 404
     # The stream lives and dies with the job record.
     ttl = stack.redis.ttl(f"encore:job:{job_id}:events")

@@ -174,8 +174,9 @@ def test_the_events_server_refuses_as_the_web_does(deployment):
     gone = requests.get(f"{events_url}{events_path(job_id)}", params={"ticket": ticket}, timeout=5)
     assert gone.status_code == 404 and gone.json() == {"error": f"job {job_id} not found", "field": "job_id"}
     # A bad Last-Event-ID: the web's 400.
-    bad_id = direct(other_job, **bearer("acme-1"), **{"Last-Event-ID": "nope"})
-    assert bad_id.status_code == 400 and bad_id.json()["field"] == "Last-Event-ID"
+    for wrong in ("nope", f"{2**64}-0"):
+        bad_id = direct(other_job, **bearer("acme-1"), **{"Last-Event-ID": wrong})
+        assert bad_id.status_code == 400 and bad_id.json()["field"] == "Last-Event-ID", wrong
     # Its own liveness, and the CORS preflight a page on the web's origin makes after the redirect.
     assert requests.get(f"{events_url}/healthz", timeout=5).json() == {"events": "ok", "redis": "ok", "streams": 0}
     preflight = requests.options(f"{events_url}{events_path(job_id)}", timeout=5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import subprocess
 import wave
 from pathlib import Path
@@ -133,6 +134,22 @@ def test_a_bad_ffmpeg_is_a_clear_export_error_shaped_like_the_lipsync_ones(tmp_p
         extract_audio(wav_path, tmp_path / "16k.wav", tools=tools)
     assert str(failed.value) == f"{lipsync}: {said}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken-ffmpeg", "song.wav"]
+
+
+@pytest.mark.parametrize("ffmpeg", ["/bin/false", "killed"])
+def test_a_failed_or_killed_mp3_encode_leaves_nothing_in_the_temp_folder(tmp_path, monkeypatch, ffmpeg):
+    """Issue 36, item 2: pydub's export copied the song to $TMPDIR first and left it there when ffmpeg failed."""
+    temp = tmp_path / "tmpdir"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    if ffmpeg == "killed":
+        ffmpeg = _script(tmp_path / "killed-ffmpeg", "kill -9 $$\n")
+    wav_path = write_wav(stereo(44100), tmp_path / "song.wav", 44100)
+    with pytest.raises(ExportError, match=r"^encoding song\.wav to MP3 at 320k: .*(false|killed-ffmpeg) "):
+        write_mp3(wav_path, tmp_path / "song.mp3", tools=MediaTools(ffmpeg=ffmpeg))
+    assert list(temp.iterdir()) == []
+    assert not (tmp_path / "song.mp3").exists() and not list(tmp_path.glob(".song.mp3.*"))
 
 
 def test_the_export_runs_the_ffmpeg_and_ffprobe_it_is_given(tmp_path):

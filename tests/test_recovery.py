@@ -305,3 +305,36 @@ def test_a_zombie_process_is_not_alive():
     finally:
         child.wait()
     assert pid_alive(os.getpid()) and not pid_alive(child.pid)
+
+
+def test_the_heartbeats_sweep_takes_an_ended_tracks_scratch_and_a_dead_stages_workdir(svc, tmp_path):
+    """Issue 36, items 1 and 3: a lip-sync track canceled while its worker was dead kept its scratch folder (only
+    expired jobs' went), and a killed child's workdir waited for the 300 s sweep. The heartbeat's sweep takes
+    both; an open track's scratch and a live process's workdir stay."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from app.tasks.scratch import sweep_scratch, sweep_workdirs
+
+    svc.settings = dataclasses.replace(svc.settings, worker_cache_dir=tmp_path / "cache")
+    canceled = svc.jobs.create("lipsync", {}, [{}], cost=2.0)
+    running = svc.jobs.create("lipsync", {}, [{}], cost=2.0)
+    assert svc.jobs.route(canceled, 0, "gpu0", ["c0"]) and svc.jobs.route(running, 0, "gpu0", ["r0"])
+    assert svc.jobs.cancel(canceled, 0, "canceled while its worker was dead")
+    folders = {job_id: tmp_path / "cache" / "tracks" / f"{job_id}-0" for job_id in (canceled, running, "0" * 32)}
+    for folder in folders.values():
+        folder.mkdir(parents=True)
+        (folder / "frames.bin").write_bytes(b"x" * 1024)
+    assert sorted(sweep_scratch(svc)) == sorted([f"{canceled}-0", f"{'0' * 32}-0"])  # ended, and expired
+    assert [f.exists() for f in folders.values()] == [False, True, False]
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True
+    )
+    work = tmp_path / "cache" / "work"
+    gone = work / f"{running}-0-lipsync-{int(dead.stdout)}-abc"
+    kept = work / f"{running}-0-lipsync-{os.getpid()}-def"
+    gone.mkdir(parents=True)
+    kept.mkdir()
+    assert sweep_workdirs(svc) == [gone.name] and kept.exists()

@@ -269,6 +269,25 @@ def test_a_killed_stages_temp_folder_is_swept_when_its_worker_starts_again(make_
     wait_until(lambda: not live[0].exists(), 30, 0.1, "the canceled stage to remove its folder")
 
 
+def test_a_killed_childs_temp_folder_goes_at_the_next_heartbeat_while_its_master_lives(make_stack):
+    """Issue 36, item 3: with the master alive, a killed child's folder waited for the 300 s sweep; the
+    configuration table says the next heartbeat, and so it is now."""
+
+    stack = make_stack(ENCORE_LEASE_S="60", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=30.0)
+    faults.wait_running(stack, job_id)
+    work = stack.root / "cache" / "work"
+    [killed] = [folder for folder in work.iterdir() if folder.name.startswith(f"{job_id}-0-backbone-")]
+    child = stack.child_pid(0)
+    assert child is not None and str(child) in killed.name
+    os.kill(child, signal.SIGKILL)
+    wait_until(lambda: not killed.exists(), 20, 0.1, "the killed child's folder to be swept by a heartbeat")
+    assert stack.workers[0].poll() is None  # by the master that lives on, not by a restart
+    stack.client.delete(f"/api/v1/jobs/{job_id}", headers=stack.auth)
+    assert stack.wait_job(job_id, timeout=90)["state"] == "canceled"
+
+
 def test_a_job_running_when_its_worker_was_killed_restarts_ahead_of_the_jobs_queued_after_it(make_stack):
     """Issue 24, loose end 11: FIFO after a crash. A runs, B and C wait behind it; the worker is killed (master
     and child) and started again under the same name. The lease is long (60 s), so nothing waits for it: the new

@@ -24,6 +24,29 @@ def test_an_api_token_setting_with_an_empty_or_broken_entry_is_refused(monkeypat
         load_settings()
 
 
+@pytest.mark.parametrize("value", ["tök", "tok\x85", "a,b\u00a0c", "tok\x7f"])
+def test_an_api_token_that_is_not_printable_ascii_is_refused(monkeypatch, value):
+    monkeypatch.setenv("API_TOKEN", value)
+    with pytest.raises(ValueError, match="API_TOKEN: entry [12] holds (white space|a character that is not printable)"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("OFF", "write `off` \\(lower case\\)"),
+        ("Off", "write `off`"),
+        ("0/minute", "lets no request through"),
+        ("10/minute;0/day", "lets no request through"),
+        ("lots", "couldn't parse"),
+    ],
+)
+def test_a_submit_rate_that_would_refuse_every_submit_or_is_not_off_is_refused(monkeypatch, value, message):
+    monkeypatch.setenv("ENCORE_SUBMIT_RATE_LIMIT", value)
+    with pytest.raises(ValueError, match=f"ENCORE_SUBMIT_RATE_LIMIT.*{message}"):
+        load_settings()
+
+
 @pytest.mark.parametrize("value, tokens", [("", ()), ("a", ("a",)), ("a, b", ("a", "b")), (" a ", ("a",))])
 def test_api_tokens_are_read_as_written(monkeypatch, value, tokens):
     monkeypatch.setenv("API_TOKEN", value)

@@ -101,6 +101,7 @@ def _start_first(jobs: JobStore, n: int) -> None:
 
 def test_a_second_tenants_song_waits_behind_one_track_per_tenant_not_behind_a_backlog(client):
     jobs = JobStore(client, "t", ttl_s=60)
+    client.set(jobs.keys.queue_slots("gpu0"), "16")  # gpu0's worker runs the engine, which admits in fair order
     backlog = [_song(jobs, "alpha") for _ in range(40)]  # 80 tracks: more than one engine's slots and scan
     _start_first(jobs, 2)  # alpha's first song fills two slots
     assert _positions(jobs, backlog[:3]) == [[0, 0], [1, 2], [3, 4]]
@@ -117,6 +118,7 @@ def test_a_second_tenants_song_waits_behind_one_track_per_tenant_not_behind_a_ba
 
 def test_priority_comes_before_fair_share_and_one_tenant_alone_is_fifo(client):
     jobs = JobStore(client, "t", ttl_s=60)
+    client.set(jobs.keys.queue_slots("gpu0"), "16")
     alone = [_song(jobs, "alpha") for _ in range(3)]
     assert _positions(jobs, alone) == [[1, 2], [3, 4], [5, 6]]
     urgent = _song(jobs, "alpha", priority="high")  # alpha's own later job, but of a higher priority
@@ -124,6 +126,18 @@ def test_priority_comes_before_fair_share_and_one_tenant_alone_is_fifo(client):
     assert _positions(jobs, [urgent]) == [[1, 2]]
     assert _positions(jobs, [low]) == [[9, 10]]  # a low priority waits behind every normal track
     assert _positions(jobs, alone) == [[3, 4], [5, 6], [7, 8]]
+
+
+def test_without_an_engine_a_queue_position_is_the_submission_order_its_worker_takes(client):
+    """A worker without the engine (ENCORE_BACKBONE_SLOTS=1, the megatron engine) takes first stages in the
+    broker's order, by submission: there a position counts every track submitted before, of any tenant."""
+    jobs = JobStore(client, "t", ttl_s=60)
+    client.set(jobs.keys.queue_slots("gpu0"), "1")
+    backlog = [_song(jobs, "alpha") for _ in range(3)]
+    newcomer = _song(jobs, "beta")
+    assert _positions(jobs, [*backlog, newcomer]) == [[1, 2], [3, 4], [5, 6], [7, 8]]
+    _start_first(jobs, 2)
+    assert _positions(jobs, [newcomer]) == [[5, 6]]
 
 
 def test_record_is_one_round_trip_with_positions_cancel_flag_and_worker_status(client):

@@ -154,6 +154,18 @@ def test_api_token_lists_are_client_tenants_and_admins_are_named(make_stack):
     assert call(named, "GET", "/api/v1/status", "alpha").status_code == 403
 
 
+def test_a_token_matches_as_its_exact_bytes_padded_only_by_spaces_and_tabs(make_stack):
+    two = make_stack(API_TOKEN="alpha,beta")
+    job_id = submit(two, "alpha")
+    path = f"/api/v1/jobs/{job_id}"
+    for padding in (" ", "\t", "  \t"):
+        assert two.client.get(path, headers={"Authorization": f"Bearer alpha{padding}"}).status_code == 200
+    for padding in ("\x85", "\xa0", "\x0b", "\x1c"):  # whitespace to str.strip(), never to HTTP
+        for header in (f"Bearer alpha{padding}", f"Bearer {padding}alpha"):
+            reply = two.client.get(path, headers={"Authorization": header})
+            assert reply.status_code == 401 and reply.get_json()["field"] == "authorization", repr(header)
+
+
 def test_one_token_and_no_token_keep_working_as_one_admin_tenant(make_stack):
     one = make_stack(API_TOKEN="solo")
     job_id = submit(one, "solo")
@@ -385,6 +397,24 @@ def test_usage_is_a_tenants_own_and_an_admins_for_all(make_stack, tmp_path):
     assert 'encore_tenant_open_tracks{tenant="beta"} 1.0' in admin
 
 
+@pytest.mark.parametrize("name", ["admin", "default", "token-0123456789ab"])
+def test_a_tenants_file_name_another_source_gives_is_refused_naming_it(tmp_path, name):
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": {name: {"token_sha256": ["a" * 64]}}}))
+    with pytest.raises(ValueError, match=f"ENCORE_TENANTS_FILE: tenant name '{name}' is reserved"):
+        Settings(tenants_file=path)
+
+
+def test_a_tenant_given_twice_in_a_tenants_file_is_refused_not_dropped(tmp_path):
+    path = tmp_path / "tenants.json"
+    twice = '{"tenants": {"acme": {"token_sha256": ["%s"]}, "acme": {"token_sha256": ["%s"]}}}' % ("a" * 64, "b" * 64)
+    path.write_text(twice)
+    with pytest.raises(ValueError, match="ENCORE_TENANTS_FILE: .*the key 'acme' is given twice"):
+        Settings(tenants_file=path)
+    path.write_text(twice.replace('"acme": {"token_sha256": ["b', '"beta": {"token_sha256": ["b'))
+    assert {t.name for t in Settings(tenants_file=path).tenants.tenants} == {"acme", "beta"}
+
+
 @pytest.mark.parametrize(
     "limits, message",
     [
@@ -393,6 +423,7 @@ def test_usage_is_a_tenants_own_and_an_admins_for_all(make_stack, tmp_path):
         ({"max_priority": "urgent"}, "limits.max_priority"),
         ({"submit_rate_limit": "lots"}, "limits.submit_rate_limit"),
         ({"submit_rate_limit": ""}, "limits.submit_rate_limit"),
+        ({"submit_rate_limit": "0/minute"}, "limits.submit_rate_limit: 0 per 1 minute lets no request through"),
         ({"max_song_s": 0}, "limits.max_song_s"),
         ({"max_video_s": "long"}, "limits.max_video_s"),
         ({"speed": 1}, "limits may hold"),

@@ -330,6 +330,9 @@ def test_cancel_button_cancels_a_running_job(make_stack, browser):
     assert record["state"] == "canceled" and record["tracks"][0]["state"] == "canceled", record
     article = css(browser, job_selector(job_id))[0]
     assert page_state(browser, job_id, "track") == "canceled"
+    head = css(article, ".track-head")[0].text
+    assert head.split().count("canceled") == 1, head  # the badge says it; the detail does not say it again
+    assert css(article, ".track-head .info")[0].text.split()[0] in ("during", "before"), head  # why, still said
     assert "canceled" in [b.get_attribute("data-status") for b in css(article, ".stage")]
     assert not css(article, ".cancel")[0].is_displayed() and not css(article, "audio")
     # The worker dropped the stage: the page shows it idle again.

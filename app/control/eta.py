@@ -29,6 +29,7 @@ from typing import Any, Iterable
 from app.adapters.redis_conn import decoded
 from app.control.scripts import script
 from app.control.services import Services
+from app.core.config import Settings
 from app.core.tenants import OPEN_TENANT, Tenant
 from app.core.kinds import TERMINAL_STATES
 from app.pipeline.music.options import DEFAULT_SLOT_CAP
@@ -98,9 +99,15 @@ def running_heads(svc: Services) -> int:
     DEFAULT_SLOT_CAP), or without the engine one batch (ENCORE_BATCH_TRACKS); any other running track's worker
     died. An engine's tracks each count their share of its blocks (what the ETA learns there), so the sum over
     them is the engine's work left: the queue drains at that rate."""
-    slots = svc.settings.backbone_slots
-    engine = 1 if svc.settings.music_engine != "torch" else DEFAULT_SLOT_CAP if slots == 0 else slots
-    return max(1, svc.settings.batch_tracks, engine)
+    return max(1, svc.settings.batch_tracks, configured_slots(svc.settings))
+
+
+def configured_slots(settings: Settings) -> int:
+    """The slots a GPU worker's backbone engine gets by its settings (1: no engine; sized from free memory: at most
+    DEFAULT_SLOT_CAP, which the engine corrects when it starts): what a worker announces for its queues."""
+    if settings.music_engine != "torch" or settings.backbone_slots == 1:
+        return 1
+    return settings.backbone_slots or DEFAULT_SLOT_CAP
 
 
 def job_etas(svc: Services, records: list[dict[str, Any]]) -> list[float | None]:

@@ -14,7 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.core.tenants import PRIORITY_LEVELS, TenantDirectory, tenant_directory
+from app.core.tenants import PRIORITY_LEVELS, TenantDirectory, check_rate, tenant_directory
 from app.pipeline.lipsync.options import LIPSYNC_MASKS, LIPSYNC_PATHS, LIPSYNC_PRECISIONS  # the pipeline's own
 
 if TYPE_CHECKING:
@@ -89,12 +89,17 @@ def _api_tokens(text: str, variable: str = "API_TOKEN") -> tuple[str, ...]:
     authentication off, or drop a token, without a word."""
     if text == "":
         return ()
-    tokens = tuple(part.strip() for part in text.split(","))
+    tokens = tuple(part.strip(" \t") for part in text.split(","))  # str.strip() would also eat 0x85 and 0xA0
     for number, token in enumerate(tokens, 1):
         if not token:
             raise ValueError(f"{variable}: entry {number} of {len(tokens)} is empty (unset {variable} for no tokens)")
         if any(c.isspace() for c in token):
             raise ValueError(f"{variable}: entry {number} holds white space, which a bearer token cannot carry")
+        if not token.isascii() or not token.isprintable():
+            raise ValueError(
+                f"{variable}: entry {number} holds a character that is not printable ASCII, which a "
+                "bearer token sent in an HTTP header cannot carry the same way to every server"
+            )
     return tokens
 
 
@@ -108,7 +113,9 @@ def _rate_limit(text: str) -> str:
     text = text.strip()
     if not text:
         raise ValueError("ENCORE_SUBMIT_RATE_LIMIT is empty: give a rate such as 10/minute, or `off` for none")
-    return "" if text.lower() == "off" else text
+    if text.lower() == "off" and text != "off":
+        raise ValueError(f"ENCORE_SUBMIT_RATE_LIMIT: {text!r}: write `off` (lower case) for no limit")
+    return "" if text == "off" else text
 
 
 # Every numeric setting's bounds: (least, whether the least itself is allowed, most or None). Zero is allowed only
@@ -426,12 +433,7 @@ class Settings:
                 f"not {self.rate_limit_strategy!r}"
             )
         if self.submit_rate_limit:
-            from limits import parse_many
-
-            try:
-                parse_many(self.submit_rate_limit)
-            except ValueError as exc:
-                raise ValueError(f"ENCORE_SUBMIT_RATE_LIMIT: {exc}") from None
+            check_rate(self.submit_rate_limit, "ENCORE_SUBMIT_RATE_LIMIT")
         if self.tenant_max_priority not in PRIORITY_LEVELS:
             raise ValueError(
                 f"ENCORE_TENANT_MAX_PRIORITY must be one of {', '.join(PRIORITY_LEVELS)}, not {self.tenant_max_priority!r}"
@@ -498,12 +500,13 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "s3_secret_key": "S3 credentials (the standard variable; unset: boto3's own chain)",
     "s3_presign_s": "with `ENCORE_S3_PRESIGN=1`, downloads are answered 302 to a URL presigned for "
     "`ENCORE_S3_PRESIGN_S` seconds instead of streamed through the web",
-    "worker_cache_dir": "each host's local scratch: lip-sync track intermediates (`tracks/`), running stages' "
+    "worker_cache_dir": "each host's local scratch: lip-sync track intermediates (`tracks/`: an ended track's, "
+    "also one canceled while its worker was dead, are swept by the next heartbeat), running stages' "
     "temp folders (`work/`: a killed stage's is swept by the next heartbeat), local copies of `redis`- and "
     "`s3`-backend artifacts (`artifacts/`), the lip-sync source cache (`lipsync-sources/`)",
-    "music_profile": "`tiny` (random weights, for tests and the demo), `shaped` (random weights, a backbone sized so "
-    "that a track's stage times split as an H200's do: `bench/throughput.py --profile shaped`) or `khala` (the real "
-    "checkpoints)",
+    "music_profile": "`tiny` (random weights, for tests and the demo), `shaped` (random weights, a memory-bound "
+    "backbone whose share of a song's time and whose batching cost are an H200's: `bench/throughput.py --profile "
+    "shaped`) or `khala` (the real checkpoints)",
     "model_dir": "where the profile's models live (unset: `models/<profile>`; for `khala`, a Khala checkout)",
     "model_paths": "where each model lies, when not in the profile's layout under `ENCORE_MODEL_DIR` (absolute, "
     "or relative to it; a `*` in the codec file picks the highest training step)",

@@ -17,6 +17,9 @@ gets the round the queue is at now: its track waits behind one track per tenant 
 not behind the backlog. Rounds are counted in tracks, not GPU-seconds: a track's cost is known only roughly
 before it runs, and a slot of the engine holds one track whatever its length. Ties within a round go by the
 counter (wrapping every FAIR_SPAN submissions, which only reorders two tenants' tracks of the same round).
+A track also keeps its submission number (`fifo`): a queue whose worker runs no engine orders by it instead, since
+that worker takes first stages in the broker's FIFO (lua/backlog_write.lua's place_on; each GPU worker announces
+its engine's slots for its queues at its first heartbeat, app/control/eta.announce_slots).
 The levels sit on kombu's default priority steps (0, 3, 6, 9), so they keep their order with those too.
 """
 

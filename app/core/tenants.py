@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,9 +120,10 @@ class TenantDirectory:
         if self.open:
             return OPEN_TENANT
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
+        token = given.strip(" \t")  # HTTP's optional whitespace only: str.strip() also drops 0x85 and 0xA0
+        if scheme.lower() != "bearer" or not token:
             return None
-        return self.for_token(given.strip().encode("latin-1", "replace"))
+        return self.for_token(token.encode("latin-1", "replace"))
 
 
 def tenant_directory(
@@ -148,14 +150,29 @@ def tenant_directory(
     return TenantDirectory(by_digest)
 
 
+RESERVED_NAMES = re.compile(r"admin|default|token-[0-9a-f]{12}", re.ASCII)  # matched whole: names other sources give
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose every key is given once (json.loads keeps the last of two silently)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"the key {key!r} is given twice in one object")
+        seen[key] = value
+    return seen
+
+
 def _from_file(path: Path) -> list[tuple[str, Tenant, str]]:
     where = "ENCORE_TENANTS_FILE"
     try:
-        document = json.loads(path.read_text())
+        document = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
     except OSError as exc:
         raise ValueError(f"{where}: cannot read {path}: {exc.strerror or exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{where}: {path} is not JSON: {exc}") from None
+    except ValueError as exc:  # a key given twice (_unique_keys): one of the two would be dropped without a word
+        raise ValueError(f"{where}: {path}: {exc}") from None
     tenants = document.get("tenants") if isinstance(document, dict) else None
     if not isinstance(tenants, dict) or not tenants:
         raise ValueError(f'{where}: {path} must hold {{"tenants": {{name: {{"role", "token_sha256"}}}}}}')
@@ -164,6 +181,11 @@ def _from_file(path: Path) -> list[tuple[str, Tenant, str]]:
         if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
             raise ValueError(
                 f"{where}: tenant name {name!r}: 1 to 63 of a-z 0-9 _ . - (starting with a letter or digit)"
+            )
+        if RESERVED_NAMES.fullmatch(name):
+            raise ValueError(
+                f"{where}: tenant name {name!r} is reserved: `admin` is ENCORE_ADMIN_TOKENS' tenant, `default` the "
+                "single API_TOKEN's and older jobs', `token-<12 hex>` an API_TOKEN entry's (it would read their jobs)"
             )
         if not isinstance(spec, dict) or set(spec) - {"role", "token_sha256", "limits"}:
             raise ValueError(f'{where}: tenant {name!r}: an object with "role", "token_sha256" and "limits" only')
@@ -202,12 +224,21 @@ def _limits(name: str, spec: object, where: str) -> TenantLimits:
         raise ValueError(f"{where}: tenant {name!r}: limits.max_priority must be one of {', '.join(PRIORITY_LEVELS)}")
     rate = spec.get("submit_rate_limit")
     if rate is not None:
-        from limits import parse_many
-
         if not isinstance(rate, str) or not rate.strip():
             raise ValueError(f"{where}: tenant {name!r}: limits.submit_rate_limit must be a rate such as 10/minute")
-        try:
-            parse_many(rate)
-        except ValueError as exc:
-            raise ValueError(f"{where}: tenant {name!r}: limits.submit_rate_limit: {exc}") from None
+        check_rate(rate, f"{where}: tenant {name!r}: limits.submit_rate_limit")
     return TenantLimits(**spec)
+
+
+def check_rate(rate: str, where: str) -> None:
+    """A submit rate in the `limits` notation (`10/minute;200/day`), each item allowing at least one request (a
+    `0/minute` would refuse every submit); ValueError naming `where` otherwise."""
+    from limits import parse_many
+
+    try:
+        items = parse_many(rate)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    for item in items:
+        if item.amount < 1:
+            raise ValueError(f"{where}: {item} lets no request through; give at least 1 per window")

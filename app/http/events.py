@@ -82,8 +82,12 @@ def read_timeout_s(heartbeat_s: float) -> float:
     return heartbeat_s + 5
 
 
+EVENT_ID_PART_MAX = 2**64 - 1  # each part of a Redis Stream id is an unsigned 64-bit number
+
+
 def valid_event_id(value: str) -> bool:
-    return bool(EVENT_ID.fullmatch(value))
+    """A Redis Stream entry id: `<ms>-<seq>`, each part at most 2**64 - 1 (Redis refuses more)."""
+    return bool(EVENT_ID.fullmatch(value)) and all(int(part) <= EVENT_ID_PART_MAX for part in value.split("-"))
 
 
 def frame(data: dict[str, Any], event_id: str | None = None, event: str | None = None) -> str:

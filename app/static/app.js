@@ -394,6 +394,14 @@ function createTrackView(job, index) {
   return tv;
 }
 
+// The track's detail beside its state badge, without the state's own word ("canceled during backbone" next to
+// the badge "canceled" reads "during backbone"), nothing when the detail is only the state.
+function detailAfterState(track) {
+  const detail = track.detail || "";
+  if (detail === track.state) return "";
+  return detail.startsWith(`${track.state} `) ? detail.slice(track.state.length + 1) : detail;
+}
+
 function updateTrackView(view, tv, job, track) {
   tv.root.dataset.state = track.state;
   tv.state.className = `badge s-${track.state}`;
@@ -402,7 +410,7 @@ function updateTrackView(view, tv, job, track) {
   if (track.state === "queued") {
     info.push(track.queue ? `queue ${track.queue}` : "", track.queue_position ? `position ${track.queue_position}` : "");
   }
-  info.push(track.detail && track.detail !== track.state ? track.detail : "", track.worker || "");
+  info.push(detailAfterState(track), track.worker || "");
   if (track.worker_status === "offline") info.push("worker offline");
   if (track.retries > 0) info.push(`retried ${track.retries}×`);
   tv.info.textContent = info.filter(Boolean).join(" · ");

@@ -155,6 +155,7 @@ def export_work(run: StageRun) -> None:
         {**metadata, "job_id": run.job_id, "track": run.track},
         run.control,
         tools=run.svc.media,
+        ffmpeg_timeout_s=run.svc.settings.ffmpeg_timeout_s,
     )
     run.publish(mp3.name, mp3)
     run.publish(meta.name, meta)

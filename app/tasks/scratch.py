@@ -10,6 +10,7 @@ from pathlib import Path
 
 from app.control.services import Services
 from app.control.workers import pid_alive
+from app.core.kinds import TERMINAL_STATES
 
 
 def track_scratch(svc: Services, job_id: str, track: int) -> Path:
@@ -21,12 +22,15 @@ def drop_scratch(svc: Services, job_id: str, track: int) -> None:
 
 
 def sweep_scratch(svc: Services) -> list[str]:
-    """Scratch folders of jobs whose record expired (a worker that died mid-track cannot clean up)."""
+    """Scratch folders of tracks that ended (done, failed, canceled: also while the worker that held them was dead,
+    which could not clean up) or whose job expired; run on every heartbeat. A retried track starts again from
+    what the artifact store keeps, never from this host's scratch."""
     root = svc.settings.worker_cache_dir / "tracks"
     removed = []
     for folder in root.iterdir() if root.is_dir() else []:
-        job_id = folder.name.split("-")[0]
-        if svc.jobs.job(job_id) is None:
+        job_id, _, track = folder.name.rpartition("-")
+        record = svc.jobs.track(job_id, int(track)) if job_id and track.isdigit() else None
+        if record is None or record["status"] in TERMINAL_STATES:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder.name)
     return removed

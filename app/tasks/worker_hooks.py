@@ -18,6 +18,7 @@ from app.adapters.celery_app import celery
 from app.adapters.gpu import GpuProbe
 from app.core.kinds import KINDS
 from app.core.queues import is_cpu_queue
+from app.control.eta import announce_slots, configured_slots
 from app.control.recovery import reap, release_dead_leases
 from app.control.routing import dispatch_unrouted, rebalance
 from app.control.services import Services, services
@@ -62,19 +63,24 @@ def _heartbeat_loop(hostname: str) -> None:
     info = _worker_info(svc, hostname)
     gpus = GpuProbe(svc.settings.cuda_visible_devices)  # NVML, not CUDA: safe in the forking master
     last_sweep: float | None = None  # the first heartbeat sweeps: a restarted worker cleans up after its last run
+    announced = cpu_role()  # a GPU worker says at its first beat whether its queues run the engine (their order)
     unreachable_since: float | None = None  # Redis down: said once when it goes and once when it is back
     while not _stop.is_set():
         try:
             svc.workers.heartbeat(hostname, {**info, **gpus.heartbeat_fields()})
+            if not announced:
+                for queue in _consumed_queues():
+                    announce_slots(svc, queue, configured_slots(svc.settings))
+                announced = True
             reap(svc, celery)
             dispatch_unrouted(svc, celery)  # parked tracks, including those the reaper just parked
             rebalance(svc, celery)  # an idle queue takes a track waiting behind a running one elsewhere
+            removed = sweep_scratch(svc) + sweep_workdirs(svc)  # this host's folders: a few reads, every beat
             if last_sweep is None or time.monotonic() - last_sweep > SWEEP_EVERY_S:
                 last_sweep = time.monotonic()
-                removed = svc.artifacts.sweep(lambda job_id: svc.jobs.job(job_id) is not None)
-                removed += sweep_scratch(svc) + sweep_workdirs(svc)
-                if removed:
-                    log.info("event=sweep removed=%d", len(removed))
+                removed += svc.artifacts.sweep(lambda job_id: svc.jobs.job(job_id) is not None)
+            if removed:
+                log.info("event=sweep removed=%d", len(removed))
             if unreachable_since is not None:
                 log.warning("event=redis_back after_s=%.1f", time.monotonic() - unreachable_since)
                 unreachable_since = None

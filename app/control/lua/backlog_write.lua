@@ -58,12 +58,19 @@ local function backlog_leave(K, q, m)
   redis.call('HDEL', base, m)
   if group == 'r' then redis.call('ZREM', K.running(q), m) end
 end
--- Put a track into q's backlog as its hash now says (status, stages, cost, seq, progress; its job's kind and
+-- A track's place in q's order (app/core/priority.py), from its fair tag `seq` and its submission number `fifo`:
+-- the fair tag where q's worker runs the backbone engine (it admits in that order), the submission number where
+-- it does not (that worker takes the broker's FIFO, and a queue position says what it does). Parked: the fair tag.
+local function place_on(K, q, seq, fifo)
+  if q == '' or not fifo or tonumber(redis.call('GET', K.queue_slots(q)) or '1') > 1 then return tonumber(seq) end
+  return tonumber(fifo)
+end
+-- Put a track into q's backlog as its hash now says (status, stages, cost, place, progress; its job's kind and
 -- priority).
 local function backlog_enter(K, q, m)
   local job_id, track = track_parts(m)
   local job_key = K.job(job_id)
-  local h = redis.call('HMGET', K.track(job_id, track), 'status', 'stages', 'cost', 'seq', 'progress')
+  local h = redis.call('HMGET', K.track(job_id, track), 'status', 'stages', 'cost', 'seq', 'progress', 'fifo')
   local j = redis.call('HMGET', job_key, 'kind', 'priority')
   local names = STAGES[j[1] or '']
   if not h[1] or not names then return end
@@ -82,7 +89,7 @@ local function backlog_enter(K, q, m)
   end
   local milli = math.floor(tonumber(h[3] or '0') * 1000 + 0.5)
   local extras = group == 'r' and running_extras(h[2], stage, h[5]) or ''
-  backlog_add(K, q, m, group, j[1] .. ':' .. index, milli, tonumber(h[4] or '0'), extras)
+  backlog_add(K, q, m, group, j[1] .. ':' .. index, milli, place_on(K, q, h[4] or '0', h[6]), extras)
 end
 -- A running track that stays where it is but started again or reported progress: its entry's extras anew.
 local function backlog_touch(K, q, m)

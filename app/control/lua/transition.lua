@@ -102,15 +102,17 @@ local function leave(s, q)
     end
   end
 end
-local function order()  -- parked and queued tracks: the job's priority first, then fair tag (app/core/priority.py)
+-- parked and queued tracks: the job's priority first, then its place on q (the fair tag, or where q's worker runs
+-- no engine the submission number: lua/backlog_write.lua's place_on)
+local function order(q)
   local rank = tonumber(RANK[redis.call('HGET', job_key, 'priority') or ''] or DEFAULT_RANK)
-  return string.format('%.0f', rank * RANK_SPAN + tonumber(seq))
+  return string.format('%.0f', rank * RANK_SPAN + place_on(K, q, seq, redis.call('HGET', key, 'fifo')))
 end
 local function enter(s, q)
   if s == 'created' then redis.call('ZADD', K.created(), now, m) end
-  if s == 'parked' then redis.call('ZADD', K.unrouted(), order(), m) end
+  if s == 'parked' then redis.call('ZADD', K.unrouted(), order(''), m) end
   if s == 'queued' then
-    redis.call('ZADD', K.waiting(q), order(), m)
+    redis.call('ZADD', K.waiting(q), order(q), m)
     redis.call('SADD', K.queues(), q)
   end
   if in_load(s) and redis.call('ZADD', K.load(q), cost, m) == 1 then
@@ -118,20 +120,22 @@ local function enter(s, q)
   end
 end
 
+local fifo = nil  -- a new track's submission number
 -- a new track's fair tag (app/core/priority.py): its tenant's next round, never behind the round that runs now
 local function fair_tag()
   local tenant = redis.call('HGET', job_key, 'tenant') or DEFAULT_TENANT
   local round = math.max(tonumber(redis.call('GET', K.fair_now()) or '0'),
                          tonumber(redis.call('HGET', K.fair_last(), tenant) or '-1') + 1)
   redis.call('HSET', K.fair_last(), tenant, round)
-  return round * FAIR_SPAN + redis.call('INCR', K.seq()) % FAIR_SPAN
+  return round * FAIR_SPAN + fifo % FAIR_SPAN
 end
 
 if event == 'submit' then
+  fifo = redis.call('INCR', K.seq())
   seq = fair_tag()
   cost = tonumber(a.cost or '0')
   milli = math.floor(cost * 1000 + 0.5)
-  redis.call('HSET', key, 'track', track, 'seq', seq, 'cost', cost, 'queue', '', 'worker', '', 'task_ids', '[]',
+  redis.call('HSET', key, 'track', track, 'seq', seq, 'fifo', fifo, 'cost', cost, 'queue', '', 'worker', '', 'task_ids', '[]',
              'restarts', 0, 'retries', 0, 'attempts', 0, 'stage', '', 'error', '', 'progress', '0.0', 'artifacts', '[]',
              'stages', '{}')
   redis.call('EXPIRE', key, redis.call('TTL', job_key))

@@ -1,16 +1,16 @@
 """Writing a decoded song to disk: 16-bit stereo WAV, MP3 via pydub/ffmpeg, JSON metadata.
 
 Every writer goes through a temporary file in the target folder and renames it into place, so a failed or
-interrupted export never leaves a truncated or empty file under the final name. pydub runs the ffmpeg of the
-`MediaTools` it is given (the worker's: ENCORE_FFMPEG), and its failures read like every other ffmpeg failure (app/pipeline/media/ffmpeg.py):
-what was being done, the tool, its exit code and the tail of its stderr.
+interrupted export never leaves a truncated or empty file under the final name, nor anything outside it. The MP3
+encode runs the ffmpeg of the `MediaTools` it is given (the worker's: ENCORE_FFMPEG) through Encore's runner, so
+its failures read like every other ffmpeg failure (app/pipeline/media/ffmpeg.py): what was being done, the tool,
+its exit code and the tail of its stderr.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import warnings
 import wave
@@ -24,9 +24,9 @@ import torch
 with warnings.catch_warnings():  # pydub imports audioop, deprecated since Python 3.11
     warnings.simplefilter("ignore", DeprecationWarning)
     from pydub import AudioSegment
-    from pydub.exceptions import CouldntDecodeError, CouldntEncodeError
+    from pydub.exceptions import CouldntDecodeError
 
-from app.pipeline.media.ffmpeg import ON_PATH, MediaError, MediaTools, exit_message, not_found_message
+from app.pipeline.media.ffmpeg import ON_PATH, MediaError, MediaTools, not_found_message, run
 from app.pipeline.media.probe import probe
 
 # ffprobe's duration of an MP3 may exceed the audio's by the encoder delay (LAME: 576 + 529 samples)
@@ -83,41 +83,38 @@ def probe_duration(path: str | os.PathLike, *, tools: MediaTools = ON_PATH) -> f
         raise ExportError(str(exc)) from exc
 
 
-# pydub's CouldntEncodeError carries ffmpeg's exit code and whole stderr inside one formatted message.
-_PYDUB_FAILURE = re.compile(r"returned error code: (-?\d+).*?Output from ffmpeg/avlib:\n\n(.*)\Z", re.S)
-
-
-def _encode_failure(what: str, binary: str, error: CouldntEncodeError) -> str:
-    """pydub's encode failure in the shape of the media runner's: what, the tool, exit code, stderr tail."""
-    found = _PYDUB_FAILURE.search(str(error))
-    if found is None:  # a pydub that words it differently: keep all it said
-        return f"{what}: {os.path.basename(binary)} failed: {error}"
-    return exit_message(what, binary, int(found.group(1)), found.group(2))
+MP3_TIMEOUT_S = 600.0  # an encode of the longest song takes seconds; this only stops a hung ffmpeg
 
 
 def write_mp3(
-    wav_path: str | os.PathLike, mp3_path: str | os.PathLike, bitrate: str = "320k", *, tools: MediaTools = ON_PATH
+    wav_path: str | os.PathLike,
+    mp3_path: str | os.PathLike,
+    bitrate: str = "320k",
+    *,
+    tools: MediaTools = ON_PATH,
+    timeout_s: float = MP3_TIMEOUT_S,
 ) -> Path:
-    """Encode a WAV to MP3 with `tools`' ffmpeg (through pydub) and check the result is a playable MP3 of the
-    WAV's duration. pydub leaves an empty file when ffmpeg fails; here failure always raises."""
+    """Encode a WAV to MP3 with `tools`' ffmpeg and check the result is a playable MP3 of the WAV's duration.
+    ffmpeg runs through Encore's runner (app/pipeline/media/ffmpeg.run: its timeout, its error shape) and writes
+    next to the final file: pydub's own export would first copy the song to a temporary WAV in $TMPDIR and leave
+    it there whenever ffmpeg failed or the stage was killed (~32 MB per 3-minute song), out of reach of Encore's
+    sweeps. pydub still reads the WAV (its length is what the MP3 must last)."""
     ffmpeg = tools.ffmpeg
     what = f"encoding {Path(wav_path).name} to MP3 at {bitrate}"
     if shutil.which(ffmpeg) is None:
         raise ExportError(not_found_message(what, ffmpeg))
-    AudioSegment.converter = ffmpeg  # pydub's own lookup (avconv first, then ffmpeg on PATH) ignores the setting
     try:
         song = AudioSegment.from_wav(str(wav_path))
     except (OSError, CouldntDecodeError) as exc:
         raise ExportError(f"cannot read WAV {wav_path}: {exc}") from exc
     expected = song.frame_count() / song.frame_rate
     with _atomic_path(mp3_path) as tmp:
+        argv = [ffmpeg, "-nostdin", "-v", "error", "-y", "-i", str(wav_path), "-vn", "-codec:a", "libmp3lame"]
         try:
-            song.export(str(tmp), format="mp3", bitrate=bitrate).close()
-        except CouldntEncodeError as exc:
-            raise ExportError(_encode_failure(what, ffmpeg, exc)) from exc
-        except OSError as exc:  # ffmpeg not executable after all, or the output not writable
-            raise ExportError(f"{what}: {exc}") from exc
-        if tmp.stat().st_size == 0:
+            run([*argv, "-b:a", bitrate, "-f", "mp3", str(tmp)], timeout_s=timeout_s, what=what)
+        except MediaError as exc:
+            raise ExportError(str(exc)) from exc
+        if not tmp.exists() or tmp.stat().st_size == 0:
             raise ExportError(f"{what}: ffmpeg wrote an empty MP3")
         got = probe_duration(tmp, tools=tools)
         slack = (MP3_FRAME_SAMPLES + MP3_ENCODER_DELAY_SAMPLES) / song.frame_rate + 1e-3

@@ -388,10 +388,11 @@ def run_export(
     control: StageControl,
     *,
     tools: MediaTools = ON_PATH,
+    ffmpeg_timeout_s: float = export.MP3_TIMEOUT_S,
 ) -> None:
-    """WAV → 320 kb/s MP3 (with `tools`' ffmpeg) plus a JSON metadata file."""
+    """WAV → 320 kb/s MP3 (with `tools`' ffmpeg, stopped past `ffmpeg_timeout_s`) plus a JSON metadata file."""
     control.step(0, 2, "files")
-    export.write_mp3(wav_path, mp3_out, bitrate="320k", tools=tools)
+    export.write_mp3(wav_path, mp3_out, bitrate="320k", tools=tools, timeout_s=ffmpeg_timeout_s)
     control.step(1, 2, "files")
     export.write_metadata(meta_out, metadata)
     control.step(2, 2, "files")
