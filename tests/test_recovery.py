@@ -338,3 +338,44 @@ def test_the_heartbeats_sweep_takes_an_ended_tracks_scratch_and_a_dead_stages_wo
     gone.mkdir(parents=True)
     kept.mkdir()
     assert sweep_workdirs(svc) == [gone.name] and kept.exists()
+
+
+def test_a_restart_compares_the_version_it_read_and_leaves_a_track_that_moved_on(svc, celery_app):
+    """Issue 36, item 16: the reaper reads a record, then restarts the track in a second call; a stage that
+    finished in between was restarted anyway. The restart now names the version it read (compare and set)."""
+    job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
+    owner = _running(svc, job_id, "backbone")
+    read = svc.jobs.track(job_id, 0)
+    stages = {"backbone": {"started_at": 1.0, "finished_at": 2.0}}
+    assert svc.jobs.transition("finish", job_id, 0, {"stages": stages}, stage="backbone", owner=owner)
+    assert restart_track(svc, celery_app, job_id, 0, read, "its lease expired") == ""  # stale: left alone
+    track = svc.jobs.track(job_id, 0)
+    assert (track["status"], track["restarts"]) == ("waiting:superres", 0)
+    assert restart_track(svc, celery_app, job_id, 0, track, "its worker went away") == "restarted"  # current
+    assert svc.jobs.track(job_id, 0)["restarts"] == 1
+
+
+def test_the_reaper_and_rebalance_never_free_a_lock_they_no_longer_hold(svc, celery_app, monkeypatch):
+    """Issue 36, item 16: both freed their lock with a bare DEL; one whose lock expired while it ran (and was
+    taken by another process) freed the other's. They hold redis-py Locks now, released by token."""
+    import app.control.recovery as recovery
+    import app.control.routing as routing
+
+    for name, module, step, run in (
+        ("reap", recovery, "_park_abandoned", reap),
+        ("rebalance", routing, "routable_queues", rebalance),
+    ):
+        key = svc.jobs.keys.lock(name)
+        original = getattr(module, step)
+
+        def taken_meanwhile(*args, key=key, original=original, **kwargs):
+            svc.redis.set(key, "another-process")  # the lock expired and another process took it
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, step, taken_meanwhile)
+        run(svc, celery_app)
+        assert svc.redis.get(key) == "another-process", name
+        svc.redis.delete(key)
+        monkeypatch.setattr(module, step, original)
+        run(svc, celery_app)  # a lock it holds it frees
+        assert svc.redis.get(key) is None, name

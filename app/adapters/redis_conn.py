@@ -18,6 +18,8 @@ from urllib.parse import quote, urlsplit
 import redis
 import redis.asyncio
 import redis.asyncio.sentinel
+from redis.exceptions import LockError
+from redis.lock import Lock
 from redis.sentinel import Sentinel
 from redis.typing import ZSetRangeResponse
 
@@ -152,3 +154,12 @@ def decoded(reply: Any) -> Any:
 def decoded_members(reply: ZSetRangeResponse) -> list[str]:
     """A text client's ZRANGE (or ZRANGEBYSCORE, ZREVRANGE) reply without scores: the members."""
     return cast(list[str], reply)
+
+
+def release_lock(lock: Lock) -> None:
+    """Free a redis-py Lock this process holds; one that expired meanwhile (and may be another's now) is left
+    alone: Lock.release checks its token, where a bare DEL would free another process's lock."""
+    try:
+        lock.release()
+    except LockError:
+        pass

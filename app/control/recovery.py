@@ -31,7 +31,7 @@ from typing import Any
 
 from celery import Celery
 
-from app.adapters.redis_conn import decoded_members
+from app.adapters.redis_conn import decoded_members, release_lock
 from app.control.broker import drop_messages, drop_unacked, messages_present
 from app.core.joblog import job_event
 from app.core.kinds import KINDS
@@ -69,7 +69,9 @@ def restart_track(
 ) -> str:
     """Park a started track to run again (the `restart` transition: refused while anyone holds its lease),
     drop its old chain's messages, and route it: to `back_to` when given and live, else where routing picks.
-    Returns "restarted", "failed" (too many restarts), "canceled" (a cancel was pending) or "" (left alone)."""
+    Returns "restarted", "failed" (too many restarts), "canceled" (a cancel was pending) or "" (left alone: also
+    when the track changed since `record` was read, a compare and set on its version: a stage that finished in
+    between released its lease with its finish, it did not die; tests/test_recovery.py forces that interleaving)."""
     kept = finished_stages(svc, job_id, record)
     resume = f"after {', '.join(kept)}" if kept else "from its first stage"
     restarts = int(record.get("restarts", 0))
@@ -83,6 +85,7 @@ def restart_track(
             "detail": f"restarting {resume}: {why} during {record['stage'] or 'its chain'}",
         },
         max_restarts=svc.settings.max_deliveries,
+        **({"version_is": str(record["version"])} if record.get("version") is not None else {}),
         cancel_detail=f"canceled during {record['stage'] or 'its chain'}",
         give_up=f"its stage died {restarts + 1} times ({why}, last on {record['worker'] or record['queue']}); "
         f"giving up",
@@ -191,8 +194,8 @@ def release_dead_leases(svc: Services, worker: str) -> int:
 def reap(svc: Services, celery: Celery) -> int:
     """One pass over every unfinished track on every queue (see the module doc); returns how many tracks it
     moved, restarted, resent or ended. One process at a time (a short Redis lock)."""
-    lock = svc.jobs.keys.lock("reap")
-    if not svc.redis.set(lock, "1", nx=True, ex=60):
+    lock = svc.redis.lock(svc.jobs.keys.lock("reap"), timeout=60)  # token-checked: never frees another's
+    if not lock.acquire(blocking=False):
         return 0
     try:
         acted = 0
@@ -208,7 +211,7 @@ def reap(svc: Services, celery: Celery) -> int:
             acted += _reap_queue(svc, celery, queue, live, check_stalls)
         return acted + _park_abandoned(svc)  # the heartbeat routes what is parked next
     finally:
-        svc.redis.delete(lock)
+        release_lock(lock)
 
 
 def _park_abandoned(svc: Services) -> int:
@@ -260,7 +263,7 @@ def _reap_queue(svc: Services, celery: Celery, queue: str, live: set[str], check
             continue
         status = record["status"]
         if status.startswith("running:"):
-            if svc.jobs.lease(job_id, track) is None and _unchanged(svc, job_id, track, record):
+            if svc.jobs.lease(job_id, track) is None:  # restart_track compares the version it read
                 acted += _lease_expired(svc, celery, job_id, track, record, queue, live)
         elif dead and record["queue"] == queue:
             outcome = restart_track(svc, celery, job_id, track, record, f"{queue} has no live worker")
@@ -274,10 +277,7 @@ def _reap_queue(svc: Services, celery: Celery, queue: str, live: set[str], check
 
 
 def _unchanged(svc: Services, job_id: str, track: int, record: dict[str, Any]) -> bool:
-    """The track is still as `record` showed it (same version). A running stage that finished between the
-    read of its record and the look at its lease released the lease with its finish: it did not die, and
-    taking it for dead would restart a healthy track and drop its next message (another job's first stage
-    then overtook it: tests/test_recovery.py forces that interleaving)."""
+    """The track is still as `record` showed it (same version): a stage that moved it on since was not lost."""
     current = svc.jobs.track(job_id, track)
     return current is not None and current.get("version") == record.get("version")
 

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from celery import Celery, chain
 
-from app.adapters.redis_conn import decoded, decoded_members
+from app.adapters.redis_conn import decoded, decoded_members, release_lock
 from app.control.broker import broker_lists, find_message
 from app.control.eta import done_in, finishes, new_track_seconds, queue_seconds
 from app.core.joblog import job_event
@@ -265,8 +265,8 @@ def rebalance(svc: Services, celery: Celery) -> int:
     stage), when that track would be done sooner on the idle queue than where it waits; returns how many moved.
     The move takes the track's first message out of the broker in the same step (`unroute`), so a worker that
     took it meanwhile keeps it. One process at a time (a short Redis lock)."""
-    lock = svc.jobs.keys.lock("rebalance")
-    if not svc.redis.set(lock, "1", nx=True, ex=30):
+    lock = svc.redis.lock(svc.jobs.keys.lock("rebalance"), timeout=30)  # token-checked: never frees another's
+    if not lock.acquire(blocking=False):
         return 0
     try:
         workers = svc.workers.workers()
@@ -280,7 +280,7 @@ def rebalance(svc: Services, celery: Celery) -> int:
             moved += _take_one_waiting(svc, celery, queue, live, served)
         return moved
     finally:
-        svc.redis.delete(lock)
+        release_lock(lock)
 
 
 def _takes_work_now(worker: dict[str, Any]) -> bool:

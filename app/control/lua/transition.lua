@@ -45,6 +45,9 @@ elseif lease and lease ~= owner and lease ~= (a.steal or '') then
 end
 local queue = redis.call('HGET', key, 'queue') or ''
 if a.queue_is and a.queue_is ~= queue then return {0, status, 'the track is not on ' .. a.queue_is} end
+if a.version_is and a.version_is ~= (redis.call('HGET', key, 'version') or '0') then  -- compare and set
+  return {0, status, 'the track changed since it was read'}
+end
 local task_ids = redis.call('HGET', key, 'task_ids') or '[]'
 if a.task_id and not string.find(task_ids, '"' .. a.task_id .. '"', 1, true) then
   return {0, status, 'the delivery is not of the track\'s current chain'}
