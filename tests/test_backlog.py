@@ -167,7 +167,11 @@ def _reference(svc, queue: str, now: float) -> tuple[dict[str, float], float]:
         if state == "running" and value in heads:
             whole = _per_unit(rates, queue, kind, stage) * track["cost"]
             elapsed = now - track["stages"][stage]["started_at"]
-            correction = max(whole - elapsed, whole * (1 - min(max(track["progress"], 0.0), 1.0))) - whole
+            progress = min(max(track["progress"], 0.0), 1.0)
+            if progress >= 0.1 and elapsed > 0:  # its pace shown: what it leaves
+                correction = elapsed * (1 - progress) / progress - whole
+            else:
+                correction = max(whole - elapsed, whole * (1 - progress)) - whole
             left += correction * share(stage)
             own += correction * (1 - share(stage))
         rows.append(((group, order), value, left, own))
@@ -231,11 +235,12 @@ def test_a_poll_reads_its_eta_in_the_same_round_trip_as_its_record(svc, gpu1_slo
         svc.redis.execute_command = original
     assert len(calls) == 2 * len(jobs), calls
     assert [json.loads(text)["eta_s"] for text in texts] == pytest.approx(
-        [None if value is None else round(value, 1) for _, value in polled], abs=time.monotonic() - began + 0.1
+        [None if value is None else round(value, 1) for _, value in polled], abs=9 * (time.monotonic() - began) + 0.1
     )
     by_records = eta.job_etas(svc, [record for record, _ in polled])
     ran = time.monotonic() - began  # running stages' estimates shrink as they run
-    assert [value for _, value in polled] == pytest.approx(by_records, abs=ran + 0.1 + 1e-9)
+    # a running stage's estimate shrinks up to 9 s per second while its progress is low (its pace: 0.9 / 0.1)
+    assert [value for _, value in polled] == pytest.approx(by_records, abs=9 * (ran + 0.1) + 1e-9)
     assert any(value for value in by_records) and None in by_records  # open jobs, and parked ones
 
 
@@ -333,8 +338,9 @@ def test_the_reaper_lowers_the_load_of_a_track_whose_job_expired(svc):
 
 
 def test_a_running_stage_counts_from_its_latest_start_and_its_progress(svc):
-    """A running stage has left the larger of its estimate less the time it ran and what its progress leaves
-    of the estimate; a stage delivered again where it runs starts its clock anew."""
+    """A running stage that has not shown its pace yet has left the larger of its estimate less the time it ran
+    and what its progress leaves of the estimate; once it has (progress >= 0.1), what its own pace leaves,
+    whatever was learned; a stage delivered again where it runs starts its clock anew."""
     eta.learn(svc, "gpu0", "music", "backbone", seconds=100.0, cost=1.0)  # 100 s per song second
     job_id = svc.jobs.create("music", {}, [{"seed": 1}], cost=1.0)
     _route(svc, job_id, 0, "gpu0")
@@ -345,12 +351,39 @@ def test_a_running_stage_counts_from_its_latest_start_and_its_progress(svc):
 
     _start(svc, job_id, 0, "backbone", "gpu0", started_ago=60)
     assert eta_now() == pytest.approx(100 + later, abs=0.01)  # no progress yet: the whole estimate
+    assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.05)
+    assert eta_now() == pytest.approx(100 * 0.95 + later, abs=0.01)  # too little to judge its pace by
     assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.5)
-    assert eta_now() == pytest.approx(50 + later, abs=0.01)  # half done, though 60 s of 100 ran
+    assert eta_now() == pytest.approx(60 + later, abs=0.05)  # half done in 60 s: 60 s more at its pace
     _start(svc, job_id, 0, "backbone", "gpu0", started_ago=10)
-    assert eta_now() == pytest.approx(90 + later, abs=1.0)  # started again 10 s ago
+    assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.0)  # a start begins at 0, as a worker's does
+    assert eta_now() == pytest.approx(100 + later, abs=0.01)  # started again, no progress yet: the whole
+    assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.05)
+    assert eta_now() == pytest.approx(95 + later, abs=0.01)  # 10 s in: too early to judge, its estimate less that
     assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=0.95)
-    assert eta_now() == pytest.approx(90 + later, abs=1.0)  # its clock says more is left than its progress
+    assert eta_now() == pytest.approx(10 * 0.05 / 0.95 + later, abs=0.1)  # far faster than learned: its pace
+
+
+def test_a_lip_sync_slower_or_faster_than_its_queue_learned_is_estimated_by_its_own_frames(svc):
+    """Issue 36, item 18: a lip-sync's ETA read 2 s at 60 of 106 frames of a stage that ran 159 s (the learned
+    estimate less the time it ran, floored near 0), and 125 s at 84 of 106 frames of a faster one that ended 4 s
+    later. The frames done give the pace."""
+    eta.learn(svc, "gpu0", "lipsync", "lipsync", seconds=4.0, cost=4.0)  # the queue learned 1 s per audio second
+    job_id = svc.jobs.create("lipsync", {}, [{}], cost=4.0)
+    _route(svc, job_id, 0, "gpu0")
+    _start(svc, job_id, 0, "prepare", "gpu0")
+    _finish(svc, job_id, 0, "prepare")
+    _start(svc, job_id, 0, "lipsync", "gpu0", started_ago=159)
+    assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=60 / 106)
+    read = svc.jobs.estimates.read(time.time(), eta.running_heads(svc), jobs=[job_id])["jobs"][job_id]
+    left = 159 * (46 / 106) / (60 / 106)
+    assert left <= read <= left + 5  # ~122 s and the mux's share, not 2 s
+    eta.learn(svc, "gpu0", "lipsync", "lipsync", seconds=160.0, cost=4.0, alpha=1.0)  # then a slow one taught 40 s/s
+    _start(svc, job_id, 0, "lipsync", "gpu0", started_ago=35)
+    assert svc.jobs.report(job_id, 0, _owner(job_id, 0), progress=84 / 106)
+    read = svc.jobs.estimates.read(time.time(), eta.running_heads(svc), jobs=[job_id])["jobs"][job_id]
+    left = 35 * (22 / 106) / (84 / 106)
+    assert left <= read <= left + 5, read  # ~9 s, not 125
 
 
 def test_the_fleet_mean_counts_rates_learned_before_it_was_kept(svc):

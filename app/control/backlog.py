@@ -23,8 +23,9 @@ Each field is deleted when it reaches zero, so a queue whose tracks all ended ho
 The estimates (ESTIMATE, Lua, one implementation for every read): a track's finish is the seconds of every track
 the worker takes before it and of itself; a track's seconds are its stages' from its class's stage on, at the
 queue's rate per cost unit (learned there, else the fleet's mean, else the stage's share of the cost); a running
-track among its queue's first `heads` (by seq) counts its stage's estimate less what already ran (or, past the
-estimate, what its progress leaves of it); a further running one (left by a dead worker until the reaper restarts
+track among its queue's first `heads` (by seq) counts what its own pace leaves once its progress shows one
+(at least 10 %: elapsed x (1 - progress) / progress, whatever its queue learned), before that its stage's estimate
+less what already ran (or, past the estimate, what its progress leaves of it); a further running one (left by a dead worker until the reaper restarts
 it) counts its whole stage. A job's ETA is its last open track's finish; a queue's seconds are all of its tracks'.
 A queue whose GPU worker runs an engine of S slots (`{p}:queue:{q}:slots`, written when a backbone starts:
 eta.announce_slots) runs its engine stage (ENGINE_STAGES: the music backbone) for S tracks side by side, and

@@ -9,10 +9,17 @@ end
 
 local function seconds_text(value) return value and string.format('%.17g', value) or false end
 
--- what a running track's elapsed time at `now` (or its progress) takes off its stage's whole `estimate` (<= 0)
+-- what a running track's elapsed time at `now` and its progress make of its stage's whole `estimate`: the
+-- correction to add (the seconds left less the estimate). Once the stage has shown its pace (progress at least
+-- PACE_FROM), what is left is what that pace leaves, elapsed x (1 - progress) / progress, whatever was learned
+-- (a stage slower or faster than the last one of its queue is seen as such: a lip-sync at 60 of 106 frames after
+-- 159 s has about 120 s left, not the 2 s a learned 4 s estimate leaves); before that, the estimate less the
+-- elapsed time, or less the progress made, whichever leaves more.
+local PACE_FROM = 0.1
 local function elapsed_correction(estimate, e, now)
   local elapsed = e.started ~= '' and math.max(0, now - tonumber(e.started)) or 0
   local progress = math.min(math.max(tonumber(e.progress) or 0, 0), 1)
+  if progress >= PACE_FROM and elapsed > 0 then return elapsed * (1 - progress) / progress - estimate end
   return math.max(estimate - elapsed, estimate * (1 - progress)) - estimate
 end
 
