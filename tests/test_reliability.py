@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -246,15 +247,29 @@ def test_a_cancel_ends_a_dead_stages_track_while_no_worker_is_live(make_stack):
     faults.assert_nothing_left(stack)  # the dead stage's delivery too (not restored by kombu in an hour)
 
 
+def _backbone_folders(stack, job_id: str) -> list[Path]:
+    """The temp folders of the job's backbone stage runs on this host (app/tasks/scratch.stage_workdir)."""
+    return [
+        folder
+        for folder in (stack.root / "cache" / "work").iterdir()
+        if folder.name.startswith(f"{job_id}-0-backbone-")
+    ]
+
+
+def _a_running_backbone(stack) -> tuple[str, Path]:
+    """A 30 s song submitted to worker 0 (started here), once its backbone runs: its job id and its stage's folder."""
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=30.0)
+    faults.wait_running(stack, job_id)
+    [folder] = _backbone_folders(stack, job_id)
+    return job_id, folder
+
+
 def test_a_killed_stages_temp_folder_is_swept_when_its_worker_starts_again(make_stack):
     """Issue 24, loose end 10: a stage's temp folder, left behind when its worker was killed mid-stage, is
     removed by the next worker on that host at its first heartbeat; a live stage's folder is kept."""
     stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
-    stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=30.0)
-    faults.wait_running(stack, job_id)
-    work = stack.root / "cache" / "work"
-    [killed] = [folder for folder in work.iterdir() if folder.name.startswith(f"{job_id}-0-backbone-")]
+    job_id, killed = _a_running_backbone(stack)
     stack.stop_worker(0)
     assert killed.is_dir()  # the killed stage could not clean up
 
@@ -262,7 +277,7 @@ def test_a_killed_stages_temp_folder_is_swept_when_its_worker_starts_again(make_
     wait_until(lambda: not killed.exists(), 30, 0.1, "the dead stage's folder to be swept")
     wait_until(lambda: stack.job(job_id)["tracks"][0]["restarts"] >= 1, 60, 0.1, "the track to restart")
     faults.wait_running(stack, job_id)
-    live = [folder for folder in work.iterdir() if folder.name.startswith(f"{job_id}-0-backbone-")]
+    live = _backbone_folders(stack, job_id)
     assert len(live) == 1 and live[0] != killed  # the restarted stage's own folder, not swept under it
     stack.client.delete(f"/api/v1/jobs/{job_id}", headers=stack.auth)
     stack.wait_job(job_id, timeout=60)
@@ -272,13 +287,8 @@ def test_a_killed_stages_temp_folder_is_swept_when_its_worker_starts_again(make_
 def test_a_killed_childs_temp_folder_goes_at_the_next_heartbeat_while_its_master_lives(make_stack):
     """Issue 36, item 3: with the master alive, a killed child's folder waited for the 300 s sweep; the
     configuration table says the next heartbeat, and so it is now."""
-
     stack = make_stack(ENCORE_LEASE_S="60", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
-    stack.start_worker(0)
-    job_id = stack.submit_music(duration_s=30.0)
-    faults.wait_running(stack, job_id)
-    work = stack.root / "cache" / "work"
-    [killed] = [folder for folder in work.iterdir() if folder.name.startswith(f"{job_id}-0-backbone-")]
+    job_id, killed = _a_running_backbone(stack)
     child = stack.child_pid(0)
     assert child is not None and str(child) in killed.name
     os.kill(child, signal.SIGKILL)

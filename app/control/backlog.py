@@ -27,8 +27,7 @@ track among its queue's first `heads` (by seq) counts what its own pace leaves o
 (at least 10 %: elapsed x (1 - progress) / progress, whatever its queue learned), before that its stage's estimate
 less what already ran (or, past the estimate, what its progress leaves of it); a further running one (left by a dead worker until the reaper restarts
 it) counts its whole stage. A job's ETA is its last open track's finish; a queue's seconds are all of its tracks'.
-A queue whose GPU worker runs an engine of S slots (`{p}:queue:{q}:slots`, written when a backbone starts:
-eta.announce_slots) runs its engine stage (ENGINE_STAGES: the music backbone) for S tracks side by side, and
+A queue whose GPU worker runs an engine of S slots (`{p}:queue:{q}:slots`, eta.announce_slots) runs its engine stage (ENGINE_STAGES: the music backbone) for S tracks side by side, and
 learns that stage's rate from how long a track took in it beside the others (app/tasks/engine.py): the tracks
 behind a track wait 1/S of its engine stage (the queue drains S of them at a time), and the track itself waits
 its own whole (`own_extra`). Without an engine S is 1 and both are the serial rule above.

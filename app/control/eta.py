@@ -59,21 +59,19 @@ def learn(
     return float(reply)
 
 
-SLOTS_TTL_S = 7 * 24 * 3600  # an engine's slot count outlives its worker a while: a restart keeps the estimates
-
-
 def announce_slots(svc: Services, queue: str, slots: int) -> None:
     """How many tracks `queue`'s worker runs through the backbone at once (its engine's slots; 1 without one),
-    written when a backbone stage starts: the estimates share the backbone's seconds by it (app/control/backlog.py).
-    A change counts as a change of the rates, so cached ETAs are recomputed."""
+    said by the worker at its first heartbeat (from its settings) and by each backbone stage (what its child has:
+    an engine sized from free memory, or halved on out-of-memory). The queue's order (lua/backlog_write.lua's
+    place_on) and the estimates (app/control/backlog.py) follow it. One read when nothing changed; a change counts
+    as a change of the rates, so cached ETAs are recomputed. Like the other queue keys it lives as long as the
+    deployment."""
     key = svc.jobs.keys.queue_slots(queue)
     if svc.redis.get(key) != str(slots):
         pipe = svc.redis.pipeline(transaction=False)
-        pipe.set(key, str(slots), ex=SLOTS_TTL_S)
+        pipe.set(key, str(slots))
         pipe.hincrby(svc.jobs.keys.estimate_versions, "rates", 1)
         pipe.execute()
-    else:
-        svc.redis.expire(key, SLOTS_TTL_S)
 
 
 def learned(svc: Services) -> dict[tuple[str, str, str], float]:
@@ -94,11 +92,10 @@ def parse_rates(raw: dict[str, str] | list[str]) -> dict[tuple[str, str, str], f
 
 
 def running_heads(svc: Services) -> int:
-    """How many running tracks per queue (the first by fair tag) an estimate reads for their elapsed time: what
+    """How many running tracks per queue (the first in its order) an estimate reads for their elapsed time: what
     one GPU worker runs at once, its engine's slots (ENCORE_BACKBONE_SLOTS; when sized from free memory, at most
     DEFAULT_SLOT_CAP), or without the engine one batch (ENCORE_BATCH_TRACKS); any other running track's worker
-    died. An engine's tracks each count their share of its blocks (what the ETA learns there), so the sum over
-    them is the engine's work left: the queue drains at that rate."""
+    died."""
     return max(1, svc.settings.batch_tracks, configured_slots(svc.settings))
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CLIENT, ADMIN = "client", "admin"
 ROLES = (CLIENT, ADMIN)

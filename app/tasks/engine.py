@@ -11,8 +11,8 @@ just the first to join; the runner is app/pipeline/music/inflight.py). Between t
      soonest; docs/performance.md);
   3. admits waiting backbone tracks into the free slots, in the admission order below;
 and ends when no track is left. Each track's stages are recorded in its own record, under the run's lease, with
-its own progress; its seconds are its share of each block (a block's time over the tracks in it), which is what
-the ETA learns and what its tenant is charged.
+its own progress; its tenant is charged its share of each block (a block's time over the tracks in it), and the
+ETA learns how long its backbone took beside the others (the blocks it was in; app/control/backlog.py).
 
 Admission order: the queue's waiting tracks in their queue order, which is the fair order (priority, then each
 track's fair tag: round robin between tenants, FIFO within one; app/core/priority.py), so a track's

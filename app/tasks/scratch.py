@@ -26,11 +26,13 @@ def sweep_scratch(svc: Services) -> list[str]:
     which could not clean up) or whose job expired; run on every heartbeat. A retried track starts again from
     what the artifact store keeps, never from this host's scratch."""
     root = svc.settings.worker_cache_dir / "tracks"
+    folders = [(folder, *folder.name.rpartition("-")[::2]) for folder in (root.iterdir() if root.is_dir() else [])]
+    pipe = svc.redis.pipeline(transaction=False)  # one round trip for the host's folders: it runs every beat
+    for _, job_id, track in folders:
+        pipe.hget(svc.jobs.keys.track(job_id, int(track)) if job_id and track.isdigit() else "", "status")  # "": none
     removed = []
-    for folder in root.iterdir() if root.is_dir() else []:
-        job_id, _, track = folder.name.rpartition("-")
-        record = svc.jobs.track(job_id, int(track)) if job_id and track.isdigit() else None
-        if record is None or record["status"] in TERMINAL_STATES:
+    for (folder, _, _), status in zip(folders, pipe.execute() if folders else [], strict=True):
+        if status is None or status in TERMINAL_STATES:  # no such track (its job expired), or it ended
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder.name)
     return removed

@@ -23,6 +23,14 @@ local function elapsed_correction(estimate, e, now)
   return math.max(estimate - elapsed, estimate * (1 - progress)) - estimate
 end
 
+-- a backlog class `kind:index`: its kind, its stage index (0-based) and the kind's stage names; nil for an unknown kind
+local function class_parts(cls)
+  local kind, index = string.match(cls, '^(.*):(%d+)$')
+  local names = STAGES[kind or '']
+  if not names then return nil end
+  return kind, tonumber(index), names
+end
+
 -- An estimator at time `now` reading the first `heads` running tracks of each queue (K: the script's key table).
 local function estimator(K, now, heads)
   local E = {}
@@ -73,10 +81,10 @@ local function estimator(K, now, heads)
   -- what a track's own finish adds to its class's seconds: the rest of its engine stage, which it runs whole
   -- (beside the others) when it still has it from its class's stage on
   function E.own_extra(q, e)
-    local kind, index = string.match(e.cls, '^(.*):(%d+)$')
-    local names, engine = STAGES[kind or ''], ENGINE_STAGE[kind or '']
-    if not names or not engine then return 0 end
-    for n = tonumber(index) + 1, #names do
+    local kind, index, names = class_parts(e.cls)
+    local engine = kind and ENGINE_STAGE[kind]
+    if not engine then return 0 end
+    for n = index + 1, #names do
       if names[n] == engine then
         return E.per_unit(q, kind, engine) * (1 - E.share(q, kind, engine)) * e.milli / 1000
       end
@@ -84,22 +92,20 @@ local function estimator(K, now, heads)
     return 0
   end
   function E.class_seconds(q, cls, milli)
-    local kind, index = string.match(cls, '^(.*):(%d+)$')
-    if not STAGES[kind or ''] then return 0 end
-    return E.seconds_from(q, kind, tonumber(index)) * milli / 1000
+    local kind, index = class_parts(cls)
+    if not kind then return 0 end
+    return E.seconds_from(q, kind, index) * milli / 1000
   end
   -- a running track's whole estimate for its stage (false for a track that does not run)
   function E.head_estimate(q, e)
-    local kind, index = string.match(e.cls, '^(.*):(%d+)$')
-    local names = STAGES[kind or '']
-    if e.group ~= 'r' or not names then return false end
-    return E.per_unit(q, kind, names[tonumber(index) + 1]) * (e.milli / 1000)
+    local kind, index, names = class_parts(e.cls)
+    if e.group ~= 'r' or not kind then return false end
+    return E.per_unit(q, kind, names[index + 1]) * (e.milli / 1000)
   end
   -- a head's stage as the tracks behind it wait for it: its share (1 / slots of the engine's stage)
   function E.head_share(q, e)
-    local kind, index = string.match(e.cls, '^(.*):(%d+)$')
-    local names = STAGES[kind or '']
-    return names and E.share(q, kind, names[tonumber(index) + 1]) or 1
+    local kind, index, names = class_parts(e.cls)
+    return kind and E.share(q, kind, names[index + 1]) or 1
   end
   -- what a running head's elapsed time takes off the seconds the tracks behind it wait (`own`: off its own)
   function E.correction(q, e, own)
