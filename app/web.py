@@ -53,7 +53,7 @@ def build_context(settings: Settings) -> WebContext:
         transport_options=transport_options,
         metrics=make_registry(services, transport_options),
         tags=khala.load_catalogue(settings.tags_file),
-        streams=StreamGate.for_threads(settings.web_threads),
+        streams=StreamGate.for_threads(settings.web_threads, shared=not settings.tenants.open),
         stream_redis=redis_client(
             settings, decode_responses=True, read_timeout_s=read_timeout_s(settings.sse_heartbeat_s)
         ),

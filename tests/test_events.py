@@ -15,6 +15,7 @@ import pytest
 
 from app.clients.cli import sse_messages
 from tests.support.processes import wait_until
+from tests.support.tenants import bearer, write_tenants_file
 
 pytestmark = pytest.mark.slow  # event streams of whole jobs (~15 s here)
 
@@ -155,3 +156,52 @@ def test_a_stream_is_bounded_and_a_gone_client_frees_its_thread(make_stack):
         return b"200 OK" in head
 
     wait_until(admitted, 1.5, 0.1, "the place freed by the gone client (before its stream's 4 s bound)")
+
+
+def test_web_stream_places_are_shared_between_tenants_and_a_gone_client_frees_its_place_within_a_second(
+    make_stack, tmp_path
+):
+    """Issue 36, item 9: without the events server, one tenant holds at most half of a web process's stream places
+    (the other tenants' first streams still open), and a place comes back about a second after its client closes
+    the connection, not at the next heartbeat's failed write (15 s here)."""
+    tokens = {"tok-a": "alpha", "tok-b": "beta"}
+    stack = make_stack(
+        ENCORE_TENANTS_FILE=str(write_tenants_file(tmp_path / "tenants.json", tokens)), ENCORE_SSE_HEARTBEAT_S="15"
+    )
+    url = stack.start_gunicorn(ENCORE_WEB_WORKERS="1", ENCORE_WEB_THREADS="8")  # 4 stream places, 2 per tenant
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+
+    def parked_job(token: str) -> str:
+        body = {"mode": "instrumental", "tags": "x", "duration_s": 2.0, "num_tracks": 1}
+        reply = requests.post(f"{url}/api/v1/music", json=body, headers=bearer(token), timeout=10)
+        assert reply.status_code == 202, reply.text
+        return reply.json()["job_id"]
+
+    jobs = {token: parked_job(token) for token in tokens}
+
+    def open_raw(token: str) -> tuple[socket.socket, bytes]:
+        sock = socket.create_connection((host, port), timeout=5)
+        request = f"GET /api/v1/jobs/{jobs[token]}/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n"
+        sock.sendall(request.encode())
+        return sock, sock.recv(300)
+
+    held = [open_raw("tok-a") for _ in range(2)]
+    assert all(b"200 OK" in head for _, head in held)
+    # alpha's third stream: past its share, though two places are free.
+    refused = requests.get(f"{url}/api/v1/jobs/{jobs['tok-a']}/events", headers=bearer("tok-a"), timeout=10)
+    assert refused.status_code == 429 and refused.json()["field"] == "streams", refused.text
+    assert "alpha" in refused.json()["error"] and "share" in refused.json()["error"]
+    other, head = open_raw("tok-b")
+    assert b"200 OK" in head, head  # beta's stream opens however many alpha asked for
+    other.close()
+
+    held[0][0].close()  # a tab that went away
+
+    def admitted() -> bool:
+        sock, head = open_raw("tok-a")
+        sock.close()
+        return b"200 OK" in head
+
+    # Well before the stream's first heartbeat (15 s after it opened), whose failed write would free it otherwise.
+    wait_until(admitted, 10, 0.1, "alpha's place freed by its gone client")
+    held[1][0].close()

@@ -331,8 +331,8 @@ class Settings:
     web_workers: int = field(default_factory=lambda: _int("ENCORE_WEB_WORKERS", "2"))
     web_threads: int = field(default_factory=lambda: _int("ENCORE_WEB_THREADS", "32"))
     body_idle_s: float = field(default_factory=lambda: _float("ENCORE_BODY_IDLE_S", "30"))
-    # Server-sent events (GET /api/v1/jobs/<id>/events): a comment this often (it is also when a gone client is
-    # noticed), and the longest one stream holds its gthread thread before it ends (the client resumes with
+    # Server-sent events (GET /api/v1/jobs/<id>/events): a comment this often (the events server notices a gone
+    # client at its failed write; the web, by a look at the connection about every second), and the longest one stream holds its gthread thread before it ends (the client resumes with
     # Last-Event-ID); the job's stream keeps its newest ENCORE_EVENTS_MAXLEN events for replay.
     sse_heartbeat_s: float = field(default_factory=lambda: _float("ENCORE_SSE_HEARTBEAT_S", "15"))
     sse_max_s: float = field(default_factory=lambda: _float("ENCORE_SSE_MAX_S", "3600"))
@@ -598,10 +598,11 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "demo_web_url": "where the demo looks for (or starts) the web server",
     "web_bind": "the web server's bind address (`gunicorn.conf.py`)",
     "web_workers": "gthread processes of the web server (compose runs 4)",
-    "web_threads": "threads per web process (an event stream the web serves itself holds one: at most half of them)",
+    "web_threads": "threads per web process (an event stream the web serves itself holds one: at most half of them, "
+    "and with tenants at most half of those for one tenant)",
     "body_idle_s": "a request body that sends nothing this long is answered 408 and dropped",
-    "sse_heartbeat_s": "a `: heartbeat` comment on an idle event stream this often (also when a gone client is "
-    "noticed)",
+    "sse_heartbeat_s": "a `: heartbeat` comment on an idle event stream this often (on the events server, also when a "
+    "gone client is noticed)",
     "sse_max_s": "the longest one event stream stays open (the client resumes with `Last-Event-ID`)",
     "events_maxlen": "events kept per job for replay (the stream `encore:job:<id>:events`, expiring with the job)",
     "events_bind": "the events server's bind address (`python -m app events`: event streams on one asyncio loop)",

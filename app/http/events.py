@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 import redis
@@ -38,25 +40,42 @@ STREAMS_RETRY_S = 5  # Retry-After of a 429 `streams`: streams end (and free the
 class StreamGate:
     """The most event streams one web process serves at once: each holds a gthread thread for as long as it is
     open, so past `limit` a stream is refused (429) rather than let streams take the threads /healthz and the
-    polls need. Not needed behind the events server (ENCORE_EVENTS_URL), where the web only redirects."""
+    polls need. Not needed behind the events server (ENCORE_EVENTS_URL), where the web only redirects.
 
-    def __init__(self, limit: int):
+    The places are shared between tenants: one tenant holds at most `per_tenant` of them (half, where the
+    deployment has tenants), so another tenant's first stream still finds a place however many one tenant opens."""
+
+    def __init__(self, limit: int, per_tenant: int | None = None):
         self.limit = limit
+        self.per_tenant = limit if per_tenant is None else per_tenant
         self.open = 0
+        self.held: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     @classmethod
-    def for_threads(cls, threads: int) -> "StreamGate":
-        """At most half of a process's threads (and at least one stream)."""
-        return cls(max(1, threads // 2))
+    def for_threads(cls, threads: int, shared: bool = True) -> "StreamGate":
+        """At most half of a process's threads (and at least one stream); when `shared` (several tenants), at most
+        half of those for one tenant."""
+        limit = max(1, threads // 2)
+        return cls(limit, max(1, limit // 2) if shared else limit)
 
-    def enter(self) -> Callable[[], None] | None:
-        """A place for one stream, or None when all are taken. The place is given back by the function returned,
-        which may be called any number of times (the body's end and the server's close both call it)."""
+    def refusal(self, tenant: str) -> str | None:
+        """Why `tenant` would be refused a place now (None: it would get one)."""
+        if self.open >= self.limit:
+            return f"this web process already serves {self.limit} event streams (half its threads)"
+        if self.held[tenant] >= self.per_tenant:
+            return f"tenant {tenant} already holds {self.per_tenant} of this web process's event streams (its share)"
+        return None
+
+    def enter(self, tenant: str = "default") -> Callable[[], None] | None:
+        """A place for one of `tenant`'s streams, or None when all are taken or the tenant holds its share. The
+        place is given back by the function returned, which may be called any number of times (the body's end and
+        the server's close both call it)."""
         with self._lock:
-            if self.open >= self.limit:
+            if self.refusal(tenant) is not None:
                 return None
             self.open += 1
+            self.held[tenant] += 1
         left = threading.Event()
 
         def leave() -> None:
@@ -64,6 +83,9 @@ class StreamGate:
                 if not left.is_set():
                     left.set()
                     self.open -= 1
+                    self.held[tenant] -= 1
+                    if not self.held[tenant]:
+                        del self.held[tenant]
 
         return leave
 
@@ -167,6 +189,28 @@ class EventCursor:
         return [HEARTBEAT]
 
 
+CLIENT_CHECK_S = 1.0  # how often a stream the web serves looks whether its client is still there
+
+
+def client_gone_probe(environ: dict[str, Any]) -> Callable[[], bool]:
+    """Whether the client of this request has gone (closed its end), asked without reading or blocking: a peek at
+    the connection's socket (gunicorn's and werkzeug's servers put it in the environ) reads end-of-file. A server
+    that gives no socket, or a TLS socket (no peeking), leaves it to the heartbeat's failed write."""
+    sock = environ.get("gunicorn.socket") or environ.get("werkzeug.socket")
+    if type(sock) is not socket.socket:  # (an ssl.SSLSocket refuses flags)
+        return lambda: False
+
+    def gone() -> bool:
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False  # nothing to read: the client is there, waiting
+        except OSError:
+            return True  # reset, or closed under us
+
+    return gone
+
+
 def job_events(
     jobs: JobStore,
     job_id: str,
@@ -177,18 +221,50 @@ def job_events(
     max_s: float,
     clock: Callable[[], float] = time.monotonic,
     reader: redis.Redis | None = None,
+    client_gone: Callable[[], bool] = lambda: False,
+    check_s: float = CLIENT_CHECK_S,
 ) -> Iterator[str]:
     """The SSE body, read with the web's blocking client (see EventCursor for what it holds); `reader`: the client
-    of the blocking reads (one whose read timeout outlasts them, `read_timeout_s`), by default the store's."""
+    of the blocking reads (one whose read timeout outlasts them, `read_timeout_s`), by default the store's. A read
+    waits at most `check_s` at a time, and the body ends as soon as `client_gone` says so: the stream's thread
+    and place serve another client within about `check_s` of a tab closing, not at the next heartbeat's failed
+    write (up to two heartbeats later)."""
     yield OPENING
     cursor = EventCursor(job_id, after, job_state=job_state, heartbeat_s=heartbeat_s, max_s=max_s, clock=clock)
     try:
         while not cursor.over:
-            yield from cursor.take(jobs.events_after(job_id, cursor.last, block_ms=cursor.block_ms(), client=reader))
+            entries = _events_or_gone(jobs, job_id, cursor, reader, client_gone, check_s, clock)
+            if entries is None:
+                return
+            yield from cursor.take(entries)
             if cursor.needs_state:
                 yield from cursor.idle(_current_state(jobs, job_id))
     except redis.RedisError:
         return  # the client reconnects and resumes once Redis answers again
+
+
+def _events_or_gone(
+    jobs: JobStore,
+    job_id: str,
+    cursor: EventCursor,
+    reader: redis.Redis | None,
+    client_gone: Callable[[], bool],
+    check_s: float,
+    clock: Callable[[], float],
+) -> list[tuple[str, dict[str, Any]]] | None:
+    """The next events after the cursor, waiting as long as the cursor allows in reads of at most `check_s`, and
+    looking after each empty one whether the client is gone (None then)."""
+    block_ms = cursor.block_ms()
+    if block_ms is None:
+        return jobs.events_after(job_id, cursor.last, block_ms=None, client=reader)
+    until = clock() + block_ms / 1000
+    while True:
+        wait_ms = max(1, int(min(check_s, until - clock()) * 1000))
+        entries = jobs.events_after(job_id, cursor.last, block_ms=wait_ms, client=reader)
+        if client_gone():
+            return None
+        if entries or clock() >= until:
+            return entries
 
 
 def _current_state(jobs: JobStore, job_id: str) -> str | None:

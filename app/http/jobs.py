@@ -14,7 +14,14 @@ from flask.typing import ResponseReturnValue
 from app.control.eta import job_readings, polled_record
 from app.control.views import JOBS_URL, PRIVATE_TRACK_FIELDS
 from app.control.streams import TICKET_S, make_ticket, ticket_secret
-from app.http.events import HEADERS as SSE_HEADERS, STREAMS_RETRY_S, job_events, released, valid_event_id
+from app.http.events import (
+    HEADERS as SSE_HEADERS,
+    STREAMS_RETRY_S,
+    client_gone_probe,
+    job_events,
+    released,
+    valid_event_id,
+)
 from app.http.context import context
 from app.http.guards import tenant
 from app.control.tenant_limits import limits_for, tenant_admission
@@ -170,14 +177,15 @@ def get_job(job_id: str) -> ResponseReturnValue:
         307: ("to the events server (ENCORE_EVENTS_URL), with a ticket in the query", None),
         400: "Last-Event-ID is not an event id",
         404: "unknown job",
-        429: "`streams`: this web process serves as many streams as it may (Retry-After)",
+        429: "`streams`: this web process serves as many streams as it may, or the tenant holds its share (Retry-After)",
     },
 )
 def job_events_stream(job_id: str) -> ResponseReturnValue:
     """Every transition of the job's tracks as SSE; a reconnect with Last-Event-ID replays what it missed. Behind
     the events server (ENCORE_EVENTS_URL) the checks are made here and the stream is a 307 there, with a ticket
     that stands for the token (a redirect to another origin drops the Authorization header); otherwise this
-    process serves it, at most half its threads' worth of streams at once (429 `streams` past that)."""
+    process serves it, at most half its threads' worth of streams at once and at most half of those for one tenant
+    (429 `streams` past that)."""
     shared = context()
     viewer = tenant()
     record = shared.services.jobs.record(job_id, viewer=viewer)
@@ -188,14 +196,10 @@ def job_events_stream(job_id: str) -> ResponseReturnValue:
         return error(400, "Last-Event-ID: expected an event id such as 1700000000000-0", "Last-Event-ID")
     if shared.settings.events_url:
         return _to_events_server(shared.settings.events_url, job_id, viewer.name)
-    leave = shared.streams.enter()
+    leave = shared.streams.enter(viewer.name)
     if leave is None:
-        reply, status = error(
-            429,
-            f"streams: this web process already serves {shared.streams.limit} event streams "
-            "(half its threads); retry later, or poll the job",
-            "streams",
-        )
+        why = shared.streams.refusal(viewer.name) or "no event stream place is free"
+        reply, status = error(429, f"streams: {why}; retry later, or poll the job", "streams")
         reply.headers["Retry-After"] = str(STREAMS_RETRY_S)
         return reply, status
     stream = job_events(
@@ -206,6 +210,7 @@ def job_events_stream(job_id: str) -> ResponseReturnValue:
         heartbeat_s=shared.settings.sse_heartbeat_s,
         max_s=shared.settings.sse_max_s,
         reader=shared.stream_redis,
+        client_gone=client_gone_probe(request.environ),
     )
     response = Response(released(stream, leave), mimetype="text/event-stream", headers=SSE_HEADERS)
     response.call_on_close(leave)  # the server closes the body when it ends or its client is gone
