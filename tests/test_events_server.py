@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -181,6 +182,51 @@ def test_the_events_server_refuses_as_the_web_does(deployment):
     assert requests.get(f"{events_url}/healthz", timeout=5).json() == {"events": "ok", "redis": "ok", "streams": 0}
     preflight = requests.options(f"{events_url}{events_path(job_id)}", timeout=5)
     assert preflight.status_code == 204 and "Last-Event-ID" in preflight.headers["Access-Control-Allow-Headers"]
+
+
+def test_malformed_requests_get_json_errors_and_log_one_line_without_what_they_sent(deployment):
+    """Issue 36, item 11: what aiohttp refuses itself (a request it cannot parse) and what its router refuses (no
+    such route, another method) is answered in JSON like every other error; a client's malformed request logs one
+    line, no traceback, and nothing of what it sent (a ticket in its request line stays out of the log)."""
+    stack, web, events_url = deployment()
+    job_id = submit(stack, "acme-1")
+    ticket = (
+        requests.get(f"{web}{events_path(job_id)}", headers=bearer("acme-1"), allow_redirects=False, timeout=5)
+        .headers["Location"]
+        .split("ticket=")[1]
+    )
+    port = int(events_url.rsplit(":", 1)[1])
+    malformed = [
+        f"GET {events_path(job_id)}?ticket={ticket} HTTP/1.1\x01\r\nHost: x\r\n\r\n".encode(),  # bad request line
+        b"G\x00T / HTTP/1.1\r\n\r\n",  # bad method
+        f"GET {events_path(job_id)}?ticket={ticket} HTTP/1.1\r\nBad Header: y\r\n\r\n".encode(),
+        b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # a request line past aiohttp's limit
+        b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    ]
+    for raw in malformed:
+        status, headers, body = raw_exchange(port, raw)
+        assert status == 400 and "application/json" in headers, (raw[:60], status, headers)
+        assert json.loads(body)["field"] == "request" and ticket not in body, body
+    for method, path, status in (("GET", "/nope", 404), ("POST", events_path(job_id), 405)):
+        reply = requests.request(method, f"{events_url}{path}", timeout=5)
+        assert reply.status_code == status and reply.headers["Content-Type"].startswith("application/json")
+        assert reply.json()["error"].startswith(f"{method} {path}"), reply.text
+    log = stack.root / "logs" / f"events-{port}.log"
+    wait_until(lambda: log.read_text().count("refused a malformed request") == len(malformed), 10, 0.1, "the log")
+    text = log.read_text()
+    assert "Traceback" not in text and ticket not in text and ticket.split(".")[2] not in text, text[-2000:]
+
+
+def raw_exchange(port: int, raw: bytes) -> tuple[int, str, str]:
+    """Send `raw` bytes as a request and read the whole reply (the server closes the connection after an error):
+    its status, its header block and its body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(raw)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head.decode("latin-1").lower(), body.decode()
 
 
 def test_a_tenant_past_its_cap_gets_429_until_one_of_its_streams_closes(deployment):

@@ -18,12 +18,15 @@ import asyncio
 import json
 import logging
 import secrets
+import signal
 import time
 from typing import Any
 
 import redis
 import redis.asyncio
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from app.adapters.redis_conn import async_redis_client
 from app.control.streams import AsyncStreams, async_ticket_secret, slot_ttl_s, ticket_tenant
@@ -65,6 +68,63 @@ def _not_found(job_id: str) -> web.Response:
     return _error(404, f"job {job_id} not found", "job_id")
 
 
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The router's own refusals (no such route: 404; another method: 405) as JSON, like every other error."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return _error(exc.status, f"{request.method} {request.path}: {exc.reason.lower()}", None, allow)
+
+
+class JsonErrorsProtocol(RequestHandler):
+    """aiohttp's connection handler, answering what it refuses itself (a request it cannot parse, a handler that
+    timed out or failed) in JSON instead of plain text. A client's malformed request is logged as one line that
+    names its kind and nothing it sent (aiohttp's message quotes the raw request line, and with it a ticket), with
+    no traceback; a server fault keeps its traceback."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        kind = type(exc).__name__ if exc is not None else "error"
+        if status < 500:
+            log.info("refused a malformed request from %s (%d, %s)", request.remote, status, kind)
+            body = {"error": f"request: malformed HTTP ({kind})", "field": "request"}
+        else:
+            log.error("%d on %s %s", status, request.method, request.path, exc_info=exc)
+            body = {"error": f"internal error ({status}); retry, or poll the job"}
+        if request.writer.output_size > 0:  # the stream is under way: no second response can be sent
+            raise ConnectionError("response already under way")
+        response = _json(body, status)
+        response.force_close()
+        return response
+
+
+class JsonErrorsServer(web.Server):
+    """aiohttp's server, making a `JsonErrorsProtocol` for each connection."""
+
+    def __call__(self) -> RequestHandler:
+        return JsonErrorsProtocol(self, loop=self._loop, **self._kwargs)
+
+
+class EventsRunner(web.AppRunner):
+    """The application's runner, serving through a `JsonErrorsServer` (run_app has no way to name the
+    connection handler)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = JsonErrorsServer  # the same server, with the handler above for each connection
+        return server
+
+
 class EventsServer:
     """One process's handlers, over its asyncio Redis client."""
 
@@ -80,7 +140,7 @@ class EventsServer:
         self.open = 0  # streams open in this process (/healthz shows it)
 
     def application(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[json_errors])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get(ROUTE, self.events)
         app.router.add_route("OPTIONS", ROUTE, self.preflight)
@@ -217,14 +277,25 @@ def main(bind: str | None = None) -> int:
     host, port = bind_address(bind or settings.events_bind)
     server = EventsServer(settings)
     log.info("events server on %s:%d (at most %d streams per tenant)", host, port, settings.max_streams_per_tenant)
-    web.run_app(
-        server.application(),
-        host=host,
-        port=port,
-        backlog=LISTEN_BACKLOG,
+    asyncio.run(_serve(server.application(), host, port))
+    return 0
+
+
+async def _serve(app: web.Application, host: str, port: int) -> None:
+    """Listen until SIGINT or SIGTERM, then close: open streams are cut after SHUTDOWN_S."""
+    runner = EventsRunner(
+        app,
         handler_cancellation=True,  # a client that goes away frees its stream and slot at once
         shutdown_timeout=SHUTDOWN_S,
         access_log=None,  # a thousand open streams would each log on close; errors still log
-        print=None,
     )
-    return 0
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
