@@ -23,6 +23,7 @@ import requests
 from app.clients import cli
 from app.clients.cli import sse_messages
 from app.control.streams import AsyncStreams, make_ticket, ticket_tenant
+from app.http.events_server import IDLE_RELEASE_S, REDIS_CLIENT_NAME
 from tests.support.processes import free_port, wait_until
 from tests.support.tenants import bearer, write_tenants_file
 
@@ -227,6 +228,24 @@ def raw_exchange(port: int, raw: bytes) -> tuple[int, str, str]:
             reply += chunk
     head, _, body = reply.partition(b"\r\n\r\n")
     return int(head.split()[1]), head.decode("latin-1").lower(), body.decode()
+
+
+def test_the_redis_connections_of_ended_streams_are_closed(deployment):
+    """Issue 36, item 12: the pool keeps every connection it opened; the events server closes the idle ones every
+    IDLE_RELEASE_S, so after 40 streams end Redis holds a handful of its connections, not the 40."""
+    stack, web, events_url = deployment()
+    job_id = submit(stack, "acme-1")
+
+    def events_server_connections() -> int:
+        return sum(client.get("name") == REDIS_CLIENT_NAME for client in stack.redis.client_list())
+
+    readers = [Reader(f"{events_url}{events_path(job_id)}", bearer("acme-1")) for _ in range(40)]
+    assert all(reader.reply.status_code == 200 for reader in readers)
+    peak = wait_until(lambda: (n := events_server_connections()) >= 20 and n, 20, 0.1, "the streams' connections")
+    for reader in readers:
+        reader.close()
+    wait_until(lambda: events_server_connections() <= 3, 3 * IDLE_RELEASE_S + 10, 0.2, "idle connections closed")
+    assert requests.get(f"{events_url}/healthz", timeout=5).json()["redis"] == "ok", peak  # it reconnects at need
 
 
 def test_a_tenant_past_its_cap_gets_429_until_one_of_its_streams_closes(deployment):

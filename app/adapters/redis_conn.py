@@ -62,13 +62,20 @@ def _sentinel_kwargs(settings: Settings) -> dict[str, Any]:
     return {"socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S, "socket_timeout": SENTINEL_CONNECT_TIMEOUT_S, **auth}
 
 
-def async_redis_client(settings: Settings, max_connections: int, read_timeout_s: float) -> redis.asyncio.Redis:
+def async_redis_client(
+    settings: Settings, max_connections: int, read_timeout_s: float, client_name: str | None = None
+) -> redis.asyncio.Redis:
     """An asyncio text client of the same primary (the events server's): REDIS_URL's server, or the sentinels'; its
     pool opens at most `max_connections` (redis.asyncio's default, 100, would cap the blocked reads it serves), and
-    its reads time out after `read_timeout_s` (above its longest XREAD BLOCK; redis-py's default is 5 s)."""
+    its reads time out after `read_timeout_s` (above its longest XREAD BLOCK; redis-py's default is 5 s); each
+    connection names itself `client_name` (CLIENT LIST shows whose connections they are)."""
     if not settings.redis_sentinels:
         return redis.asyncio.Redis.from_url(
-            settings.redis_url, decode_responses=True, max_connections=max_connections, socket_timeout=read_timeout_s
+            settings.redis_url,
+            decode_responses=True,
+            max_connections=max_connections,
+            socket_timeout=read_timeout_s,
+            client_name=client_name,
         )
     sentinel = redis.asyncio.sentinel.Sentinel(
         list(settings.redis_sentinels), sentinel_kwargs=_sentinel_kwargs(settings)
@@ -82,6 +89,7 @@ def async_redis_client(settings: Settings, max_connections: int, read_timeout_s:
         socket_timeout=read_timeout_s,
         socket_connect_timeout=SENTINEL_CONNECT_TIMEOUT_S,
         socket_keepalive=True,
+        client_name=client_name,
     )
 
 
