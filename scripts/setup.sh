@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up shared by the demo and the tests: system tools, the virtual environment, tiny models.
+# Idempotent set-up shared by the demo and the tests: system tools, the virtual environment (with this project
+# installed in it: the `encore` command), tiny models.
 #   bash scripts/setup.sh           what the demo needs (ffmpeg, python3-venv, the venv, tiny models)
 #   bash scripts/setup.sh --test    and what the test suite needs besides (scripts/test.sh runs this):
 #                                   docker-compose (tests/test_deploy.py validates the compose file), Debian's
@@ -70,8 +71,23 @@ python_venv() {
   echo "$want" > "$stamp"
 }
 
+project_command() {  # this project into .venv, editable: the `encore` command (.venv/bin/encore) from any folder
+  local stamp=.venv/.encore-project want
+  want=$( (cat pyproject.toml; pwd) | sha256sum | cut -c1-16)  # an editable install points at this folder
+  if [ -x .venv/bin/encore ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  # --no-deps: requirements.txt's pins are in already; --no-build-isolation: with the venv's own setuptools (torch's
+  # dependency), nothing downloaded; an isolated build (setuptools from the index) only where that one cannot do it.
+  local log
+  if ! log=$(.venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . 2>&1) \
+    && ! log=$(.venv/bin/python -m pip install -q --no-deps -e . 2>&1); then
+    echo "$log" >&2; echo "[setup] could not install the project into .venv (pip install -e .)" >&2; exit 1
+  fi
+  echo "$want" > "$stamp"
+}
+
 install_system_packages
 python_venv
+project_command
 PYTHONWARNINGS=ignore .venv/bin/python -m app.pipeline.tiny --out models/tiny --lipsync-out models/lipsync-tiny >/dev/null
 if [ "$for_tests" = 1 ]; then
   bash scripts/install_browser.sh  # headless Chromium + chromedriver for tests/test_web_page.py

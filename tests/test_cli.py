@@ -1,18 +1,30 @@
 """`python -m app` as a real subprocess against a real stack (redis-server, one CPU worker, live HTTP server):
-submit music/lip-sync with --wait (progress, downloads, exit codes), status, jobs, cancel, HTTP errors, tokens."""
+submit music/lip-sync with --wait (progress, downloads, exit codes), status, jobs, cancel, HTTP errors, tokens;
+the bars on a real pseudo-terminal; the installed `encore` command, and the package a non-editable install
+ships."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
 import re
+import select
+import shutil
+import struct
 import subprocess
+import sys
+import termios
+import time
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.support import media
 from tests.support.cli import cli
-from tests.support.processes import free_port, wait_until
+from tests.support.processes import REPO, free_port, wait_until
 from tests.support.stack import REFERENCE_ENGINE, Stack
 
 pytestmark = pytest.mark.slow  # every test talks to a stack with a worker, two run jobs (~20 s here)
@@ -235,3 +247,201 @@ def test_wait_on_a_running_job_starts_at_its_current_state_and_only_moves_forwar
     assert states == sorted(states) and percents == sorted(percents), result.stderr  # forward only
     assert percents[0] >= 5, result.stderr  # a fifth of the backbone, the first of four parts, is done
     assert "waiting for the worker" not in result.stderr and not REPEATED_WORD.search(result.stderr), result.stderr
+
+
+# -- on a terminal ------------------------------------------------------------------------------------------------
+CSI = re.compile(r"\x1b\[([0-9;?]*)([@-~])")
+
+
+def screen(raw: bytes, columns: int, rows: int) -> list[str]:
+    """The lines a terminal `columns` x `rows` shows after `raw` (its scrollback included), as xterm draws them:
+    a character in the last column leaves the cursor there until the next one wraps; CR, LF, BS, cursor up and
+    down (CSI A/B, bounded by the screen) and erase in line (CSI K) are followed; other sequences are ignored."""
+    lines: list[list[str]] = [[]]
+    row = col = top = 0
+    text = raw.decode("utf-8", "replace")
+    i = 0
+
+    def line_feed() -> None:
+        nonlocal row, col, top
+        row, col = row + 1, min(col, columns - 1)
+        while len(lines) <= row:
+            lines.append([])
+        top = max(top, row - rows + 1)
+
+    while i < len(text):
+        ch = text[i]
+        if ch == "\x1b":
+            match = CSI.match(text, i)
+            if match is None:
+                i += 2  # a two-character escape (ESC 7, ESC =, ...)
+                continue
+            param, final = match.group(1), match.group(2)
+            count = int(param) if param.isdigit() else 1
+            if final == "A":
+                row, col = max(top, row - count), min(col, columns - 1)
+            elif final == "B":
+                for _ in range(count):
+                    if row < top + rows - 1:
+                        line_feed()
+            elif final == "K":
+                cells = lines[row]
+                if param in ("", "0"):
+                    del cells[col:]
+                elif param == "1":
+                    cells[: col + 1] = [" "] * min(col + 1, len(cells))
+                else:
+                    cells.clear()
+            i = match.end()
+            continue
+        i += 1
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            line_feed()
+        elif ch == "\b":
+            col = max(0, min(col, columns - 1) - 1)
+        elif ch >= " ":
+            if col >= columns:  # the previous character filled the last column: this one wraps
+                col = 0
+                line_feed()
+            cells = lines[row]
+            cells.extend(" " * (col + 1 - len(cells)))
+            cells[col] = ch
+            col += 1
+    return ["".join(cells).rstrip() for cells in lines]
+
+
+def on_terminal(
+    stack: Stack, *args: str, cwd: Path, columns: int = 120, rows: int = 30, timeout: float = 180
+) -> tuple[int, bytes]:
+    """Run the CLI with its standard output and error on a pseudo-terminal `columns` x `rows` (as in a terminal
+    window: tqdm sizes its bars from it); its exit status and every byte it wrote there."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    environ = {k: v for k, v in os.environ.items() if k not in ("ENCORE_API_TOKEN", "COLUMNS", "LINES")}
+    environ.update({"ENCORE_URL": stack.base_url, "PYTHONPATH": str(REPO), "TERM": "xterm"})
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "app", *args],
+            cwd=cwd,
+            env=environ,
+            stdin=subprocess.DEVNULL,
+            stdout=slave,
+            stderr=slave,
+        )
+    finally:
+        os.close(slave)
+    output = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it (the child ended)
+                break
+            if not chunk:
+                break
+            output += chunk
+        else:
+            child.kill()
+            pytest.fail(f"the CLI did not end within {timeout} s on its terminal: {bytes(output)[-2000:]!r}")
+        return child.wait(timeout=30), bytes(output)
+    finally:
+        os.close(master)
+
+
+TWO_TINY_TRACKS = [*TINY_MUSIC[: TINY_MUSIC.index("--tracks")], "--tracks", "2", "--seed", "5"]
+
+
+def test_on_a_terminal_the_following_line_has_a_screen_line_of_its_own(stack, tmp_path):
+    """Issue 36 #19: the "following job ... via server-sent events" line was printed while the first bar was
+    drawn, right after it on the bar's line (tqdm redraws in place, no newline): on a 120-column terminal
+    "... 0% 00:00f" / "ollowing job ...", left on screen. It goes above the bars now, a line of its own."""
+    stack.wait_worker(0, "idle")
+    status, raw = on_terminal(stack, *TWO_TINY_TRACKS, "--wait", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    lines = screen(raw, columns=120, rows=30)
+    shown = "\n".join(lines)
+    assert status == 0, shown
+    assert JOB_ID.match(lines[0]), shown
+    following = f"following job {lines[0][:8]} via server-sent events"
+    assert lines.count(following) == 1, shown  # a whole line, nothing of a bar before or after it
+    assert sum("ollowing" in line for line in lines) == 1, shown  # and no fragment of it anywhere else
+    assert "\r" in raw.decode(errors="replace") and re.search(r"\d% \d\d:\d\d", shown), shown  # bars were drawn
+    bars = [line for line in lines if re.search(r"\d+% \d\d:\d\d$", line)]
+    assert bars and all(re.match(r"track [01] ", line) for line in bars), shown  # every bar line is a bar alone
+    assert lines.index(following) < lines.index(bars[0]), shown  # above the bars
+    for track in (0, 1):  # what stays on screen of each track is its final bar, once
+        assert [line for line in lines if line.startswith(f"track {track} ")] == [
+            next(line for line in bars if line.startswith(f"track {track} done ") and " 100% " in line)
+        ], shown
+    assert f"job {lines[0]} done" in shown, shown
+
+
+# -- the installed command ----------------------------------------------------------------------------------------
+def run_in(cwd: Path, *command: str, **env: str) -> subprocess.CompletedProcess:
+    """A command run in `cwd` where `app` is importable only as installed: no PYTHONPATH to the project."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ENCORE_API_TOKEN")}
+    return subprocess.run(
+        command, cwd=cwd, env={**environ, **env}, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_the_encore_command_works_from_any_folder(stack, tmp_path):
+    """Issue 36 #20: `python -m app` worked only from the project's folder ("No module named app" elsewhere).
+    scripts/setup.sh installs the project into .venv: the `encore` command, and `python -m app`, from anywhere."""
+    encore = Path(sys.executable).parent / "encore"
+    assert encore.is_file(), "scripts/setup.sh installs the project into .venv: .venv/bin/encore"
+    helped = run_in(tmp_path, str(encore), "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: encore "), helped.stdout + helped.stderr
+    listed = run_in(tmp_path, str(encore), "status", ENCORE_URL=stack.base_url)
+    assert listed.returncode == 0 and "WORKERS" in listed.stdout and "gpu0" in listed.stdout, listed.stderr
+
+    module = run_in(tmp_path, sys.executable, "-m", "app", "jobs", ENCORE_URL=stack.base_url)
+    assert module.returncode == 0 and module.stdout.startswith(("ID", "no jobs")), (
+        module.stderr
+    )  # "No module named app"
+    helped = run_in(REPO, sys.executable, "-m", "app", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m app "), helped.stdout + helped.stderr
+
+
+def test_a_wheel_of_the_project_ships_every_file_of_app_and_the_command(tmp_path):
+    """`pip install .` (a client machine, an image) installs from a wheel, not from the work tree: every file of
+    app/ that git tracks must be in it (the Lua scripts, khala_tags.json, the page's static files, app.tasks
+    without an __init__.py), and the `encore` entry point. Built from the tracked files alone, as a clean clone."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "pyproject.toml", "app"], cwd=REPO, capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    source = tmp_path / "clone"
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (tmp_path / "dist").glob("encore-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        entry_points = next(archive.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
+    shipped = sorted(n for n in names if n.startswith("app/"))
+    assert shipped == sorted(n for n in tracked if n.startswith("app/")), set(tracked) ^ set(shipped)
+    assert re.search(r"^encore = app\.clients\.cli:main$", entry_points, re.M), entry_points

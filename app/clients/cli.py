@@ -1,8 +1,11 @@
 """Command-line client for Encore's HTTP API: submit, follow, download, cancel, inspect.
 
-    python -m app submit music --tags "lo-fi, piano" --mode instrumental --duration-s 10 --wait
-    python -m app submit lipsync face.mp4 speech.wav --fps 25 --wait --out out/synced
-    python -m app status | jobs | wait ID | cancel ID
+    encore submit music --tags "lo-fi, piano" --mode instrumental --duration-s 10 --wait
+    encore submit lipsync face.mp4 speech.wav --fps 25 --wait --out out/synced
+    encore status | jobs | wait ID | cancel ID
+
+`encore` is the command pyproject.toml installs (scripts/setup.sh installs the project into .venv); `python -m app`
+is the same client where the `app` package is importable (the project's folder, or any folder once installed).
 
 It only speaks HTTP (base URL from --url / ENCORE_URL, token from --token / ENCORE_API_TOKEN), so it works
 against any deployment; nothing heavy (torch, Flask, Redis) is imported. Exit codes: 0 the job is done (or
@@ -174,6 +177,7 @@ def between_stages(track: dict[str, Any]) -> bool:
 
 class Reporter(Protocol):
     def update(self, record: dict[str, Any]) -> None: ...
+    def note(self, message: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -204,6 +208,14 @@ class BarReporter:
             bar.set_description_str(text, refresh=False)
             bar.n = round(100 * track_fraction(track, record["kind"]))
             bar.refresh()
+
+    def note(self, message: str) -> None:
+        """A line of its own above the bars. Printed plainly it would land after the cursor, which sits at the end
+        of a bar (tqdm redraws a bar in place with \\r, no newline): the message glued to the bar, wrapped on a
+        narrow terminal, and left behind on screen as the bars moved on. tqdm.write clears the bars, prints the
+        line and draws them again below it."""
+        tqdm.write(message, file=self.stream)
+        self.stream.flush()
 
     def close(self) -> None:
         for bar in self.bars.values():
@@ -267,7 +279,7 @@ def follow(client: Client, job_id: str, reporter: Reporter, interval_s: float, e
         try:
             return follow_events(client, job_id, reporter, interval_s)
         except StreamUnavailable as exc:
-            print(f"following job {job_id[:8]} by polling ({exc})", file=sys.stderr)
+            reporter.note(f"following job {job_id[:8]} by polling ({exc})")
     return poll(client, job_id, reporter, interval_s)
 
 
@@ -318,7 +330,7 @@ def follow_events(client: Client, job_id: str, reporter: Reporter, interval_s: f
     reporter.update(record)
     if record["state"] in JOB_END_STATES:
         return record
-    print(f"following job {job_id[:8]} via server-sent events", file=sys.stderr)
+    reporter.note(f"following job {job_id[:8]} via server-sent events")
     last_id: str | None = None
     fetched, failures = time.monotonic(), 0
     while True:
@@ -393,7 +405,8 @@ def wait_and_download(client: Client, job_id: str, args: argparse.Namespace) -> 
         record = follow(client, job_id, reporter, args.interval, events=not args.poll)
     except KeyboardInterrupt:
         reporter.close()
-        print(f"\nstopped following; job {job_id} keeps running (python -m app cancel {job_id})", file=sys.stderr)
+        hint = f"{getattr(args, 'prog', 'encore')} cancel {job_id}"
+        print(f"\nstopped following; job {job_id} keeps running ({hint})", file=sys.stderr)
         return 130
     finally:
         reporter.close()  # idempotent; also closes the bars when an ApiError escapes
@@ -618,8 +631,9 @@ def add_priority_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m app", description="Encore command-line client (HTTP API)")
+def build_parser(prog: str = "encore") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Encore command-line client (HTTP API)")
+    parser.set_defaults(prog=prog)  # how the user calls it, for the hints printed later
     add_connection_options(parser, suppress=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
@@ -720,8 +734,9 @@ def cmd_hash_token(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "encore") -> int:
+    """The `encore` command (pyproject.toml's [project.scripts]); `python -m app` passes its own name."""
+    args = build_parser(prog).parse_args(argv)
     client = Client(args.url, args.token)
     handler: Callable[[Client, argparse.Namespace], int] = args.handler
     try:
