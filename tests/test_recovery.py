@@ -95,6 +95,50 @@ def test_a_track_restarted_too_often_fails_instead_of_moving_again(svc, celery_a
     assert svc.redis.zcard(svc.jobs.load_key("gpu3")) == 0
 
 
+def test_every_death_counts_whoever_notices_it_in_the_limit_and_the_message(svc, celery_app):
+    """Issue 36, item 4: a stage's deaths are noticed either by the next delivery of its message (a replacement child
+    takes it over) or by the reaper (its lease expired first: a restart, a new message). Both add up: in the
+    give-up message (5 kills were reported as 4 when counted per message or per restart) and in the limit."""
+    job_id = svc.jobs.create("lipsync", {}, [{}], cost=1.0)
+    most = svc.settings.max_deliveries
+
+    def redelivered() -> None:
+        """The killed delivery's lease runs out and the same message's next delivery starts (it died: counted)."""
+        svc.redis.delete(svc.jobs.lease_key(job_id, 0))
+        task_id = svc.jobs.track(job_id, 0)["task_ids"][1]
+        owner = f"gpu3@w|{task_id}|2"
+        assert svc.jobs.transition(
+            "start",
+            job_id,
+            0,
+            stage="lipsync",
+            owner=owner,
+            task_id=task_id,
+            worker="gpu3@w",
+            lease_ms=60_000,
+            died=True,
+        )
+
+    def reaped() -> str:
+        svc.redis.delete(svc.jobs.lease_key(job_id, 0))
+        return restart_track(svc, celery_app, job_id, 0, svc.jobs.track(job_id, 0), "gpu3@w went offline")
+
+    deaths = 0
+    while deaths < most - 1:  # in turn: a redelivery, then a restart, each one death
+        _running(svc, job_id, "lipsync", worker="gpu3@w", queue="gpu3")
+        redelivered()
+        assert reaped() == "restarted"
+        deaths += 2
+        assert svc.jobs.track(job_id, 0)["restarts"] == deaths // 2  # restarts alone would allow `most` of them
+    _running(svc, job_id, "lipsync", worker="gpu3@w", queue="gpu3")
+    redelivered()
+    deaths += 1
+    assert deaths >= most
+    assert reaped() == "failed"  # the death past the limit, counted across both kinds
+    track = svc.jobs.track(job_id, 0)
+    assert track["state"] == "failed" and f"its stage died {deaths + 1} times (gpu3@w went offline" in track["error"]
+
+
 def test_a_music_track_resumes_after_its_finished_stages_a_lipsync_one_starts_over(svc, celery_app):
     """Music intermediates are in the shared artifact store: a moved track keeps its finished stages (its new
     chain starts after them). Lip-sync's are in the dead worker's scratch."""

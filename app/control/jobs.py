@@ -290,10 +290,10 @@ class JobStore:
             cancel_detail="canceled before it started",
         )
 
-    def fail(self, job_id: str, track: int, message: str, owner: str = "", steal: str = "") -> bool:
-        return bool(
-            self.transition("fail", job_id, track, {"error": message, "detail": "failed"}, owner=owner, steal=steal)
-        )
+    def fail(self, job_id: str, track: int, message: str, owner: str = "", steal: str = "", died: bool = False) -> bool:
+        """End the track failed; `died`: because the stage's delivery before this one died (a death to count)."""
+        fields = {"error": message, "detail": "failed"}
+        return bool(self.transition("fail", job_id, track, fields, owner=owner, steal=steal, died=died))
 
     def cancel(self, job_id: str, track: int, detail: str, owner: str = "", steal: str = "") -> bool:
         return bool(self.transition("cancel", job_id, track, {"detail": detail}, owner=owner, steal=steal))

@@ -24,7 +24,7 @@ Layout (prefix `encore` by default; job keys expire with the job):
                                n_waiting/n_active/n_done/n_failed/n_canceled (tracks per category, kept by the
                                transition)
   {p}:job:{id}:track:{i}       hash: status, state, stage, queue, worker, progress, detail, error, task_ids,
-                               stages, artifacts, seq, cost, attempts, restarts, version, updated_at, ...
+                               stages, artifacts, seq, cost, attempts, restarts, deaths, version, updated_at, ...
   {p}:job:{id}:view            hash: what a poll answers of the job, rendered by the transitions, and its
                                cached ETA inputs (app/control/views.py, lua/job_view.lua)
   {p}:cancel:{id}              set once the job was canceled
@@ -208,6 +208,7 @@ JSON_FIELDS = (
     "track",
     "cost",
     "restarts",
+    "deaths",
     "retries",
     "song",
     "version",
@@ -225,6 +226,7 @@ STRUCTURAL = (
     "task_ids",
     "version",
     "restarts",
+    "deaths",
     "retries",
     "seq",
     "fifo",

@@ -74,7 +74,7 @@ def restart_track(
     between released its lease with its finish, it did not die; tests/test_recovery.py forces that interleaving)."""
     kept = finished_stages(svc, job_id, record)
     resume = f"after {', '.join(kept)}" if kept else "from its first stage"
-    restarts = int(record.get("restarts", 0))
+    deaths = int(record.get("deaths") or 0) + 1  # this one too: the lease expired
     outcome = svc.jobs.transition(
         "restart",
         job_id,
@@ -87,8 +87,7 @@ def restart_track(
         max_restarts=svc.settings.max_deliveries,
         **({"version_is": str(record["version"])} if record.get("version") is not None else {}),
         cancel_detail=f"canceled during {record['stage'] or 'its chain'}",
-        give_up=f"its stage died {restarts + 1} times ({why}, last on {record['worker'] or record['queue']}); "
-        f"giving up",
+        give_up=f"its stage died {deaths} times ({why}, last on {record['worker'] or record['queue']}); giving up",
     )
     if not outcome:
         return ""

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Iterable
 
 JOBS_URL = "/api/v1/jobs/"  # a job's download links are under it
-PRIVATE_TRACK_FIELDS = ("task_ids", "cost", "seq", "fifo", "params")  # internal bookkeeping: Celery ids, costs
+# Internal bookkeeping: Celery ids, costs, order tags, parameters, and the deaths count its error messages tell.
+PRIVATE_TRACK_FIELDS = ("task_ids", "cost", "seq", "fifo", "params", "deaths")
 
 
 def lua_view(json_fields: Iterable[str]) -> str:

@@ -539,7 +539,8 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "max_retries": "most retries of one track through `POST /api/v1/jobs/<id>/retry` (403 naming `retries` past it; "
     "0: none)",
     "max_deliveries": "a stage delivered (or restarted) more often than this, its worker dying each time, "
-    "fails the track",
+    "fails the track; its deaths count whoever noticed them (the next delivery or the reaper), and past this many "
+    "in all the next one fails it too",
     "cancel_grace_s": "after a cancel, how long a running stage may take to stop before its child is killed",
     "reroute_after_s": "move the open tracks of a queue whose every worker has been offline this long to live "
     "queues (0: never)",

@@ -236,9 +236,12 @@ class StageTask(Task):
         owner = f"{worker}|{self.request.id}|{os.getpid()}"
         steal = self._killed_child_lease(svc, job_id, track, worker)
         deliveries = svc.jobs.count_delivery(self.request.id)
-        if deliveries > svc.settings.max_deliveries:
+        # Too many deliveries of this message, or (a redelivery) too many deaths of the track in all: the reaper's
+        # rule, so that restarts and redeliveries in turn stop where either alone would.
+        most = svc.settings.max_deliveries
+        if deliveries > most or (deliveries > 1 and int(record.get("deaths") or 0) >= most):
             drop_scratch(svc, job_id, track)
-            svc.jobs.fail(job_id, track, _gave_up(self.stage.name, deliveries, record), steal=steal)
+            svc.jobs.fail(job_id, track, _gave_up(self.stage.name, record), steal=steal, died=True)
             job_event(
                 log,
                 "failed",
@@ -265,6 +268,7 @@ class StageTask(Task):
             pid=str(os.getpid()),
             lease_ms=int(svc.settings.lease_s * 1000),
             cancel_detail=f"canceled before {self.stage.name}",
+            died=deliveries > 1,  # a redelivery: the delivery before it died (the reaper restarts in a new message)
         )
         if outcome.canceled:
             drop_scratch(svc, job_id, track)
@@ -493,10 +497,11 @@ def stage_task(kind: JobKind, stage_name: str, work: Callable[[StageRun], None])
     )
 
 
-def _gave_up(stage: str, deliveries: int, record: dict[str, Any]) -> str:
-    """Why a stage delivered once too often fails its track. Deliveries are counted per message; a restart by
-    recovery (the lease expired first) sends a new message, so its interruptions are named apart, and the
-    interruptions a client counted add up."""
-    restarts = int(record.get("restarts") or 0)
-    earlier = f", after {restarts} restart{'s' if restarts != 1 else ''} of the track" if restarts else ""
-    return f"{stage} was interrupted {deliveries - 1} times (worker crashed or was killed){earlier}; giving up"
+def _gave_up(stage: str, record: dict[str, Any]) -> str:
+    """Why a stage delivered once too often fails its track: every death of the track's stages, the one that
+    brought this delivery included, whether a redelivery or the reaper noticed it (the track's `deaths`), so the
+    count is the kills a client made (counted per message it missed the ones before a restart)."""
+    deaths = int(record.get("deaths") or 0) + 1
+    return (
+        f"{stage} was interrupted {deaths} time{'s' if deaths != 1 else ''} (worker crashed or was killed); giving up"
+    )

@@ -70,7 +70,13 @@ elseif target == 'next' then
   for i, name in ipairs(names) do if name == stage and names[i + 1] then target = 'waiting:' .. names[i + 1] end end
 end
 local restarts = tonumber(redis.call('HGET', key, 'restarts') or '0')
-if event == 'restart' and restarts >= tonumber(a.max_restarts or '1000000') then
+-- Every death of the track's stage counts once, whoever notices it: the reaper (a `restart`, its lease expired) or
+-- the next delivery of the same message (a `start` or the worker's `fail` with `died`: the delivery before it died).
+-- A restart past the limit fails the track, counted in deaths (a track can also die by redeliveries in between).
+local deaths = tonumber(redis.call('HGET', key, 'deaths') or '0')
+local died = event == 'restart' or ((event == 'start' or event == 'fail') and a.died == true)
+if event == 'restart' and (restarts >= tonumber(a.max_restarts or '1000000')
+                           or deaths >= tonumber(a.max_restarts or '1000000')) then
   target = 'failed'
   fields.error = a.give_up or 'restarted too many times'
   fields.detail = 'failed'
@@ -139,7 +145,7 @@ if event == 'submit' then
   cost = tonumber(a.cost or '0')
   milli = math.floor(cost * 1000 + 0.5)
   redis.call('HSET', key, 'track', track, 'seq', seq, 'fifo', fifo, 'cost', cost, 'queue', '', 'worker', '', 'task_ids', '[]',
-             'restarts', 0, 'retries', 0, 'attempts', 0, 'stage', '', 'error', '', 'progress', '0.0', 'artifacts', '[]',
+             'restarts', 0, 'deaths', 0, 'retries', 0, 'attempts', 0, 'stage', '', 'error', '', 'progress', '0.0', 'artifacts', '[]',
              'stages', '{}')
   redis.call('EXPIRE', key, redis.call('TTL', job_key))
 end
@@ -223,9 +229,10 @@ redis.call('HSET', key, 'status', target, 'state', state, 'stage', new_stage, 'q
 if event == 'route' or event == 'resend' then redis.call('HSET', key, 'task_ids', a.task_ids) end
 if target == 'parked' then redis.call('HSET', key, 'task_ids', '[]') end
 if event == 'restart' and target == 'parked' then redis.call('HSET', key, 'restarts', restarts + 1) end
+if died then redis.call('HSET', key, 'deaths', deaths + 1) end
 if event == 'retry' then
   redis.call('HINCRBY', key, 'retries', 1)
-  redis.call('HSET', key, 'restarts', 0, 'worker', '')
+  redis.call('HSET', key, 'restarts', 0, 'deaths', 0, 'worker', '')
 end
 for name, value in pairs(fields) do redis.call('HSET', key, name, value) end
 if (target ~= status or new_queue ~= queue) and in_load(target) then  -- from the hash as it now is
