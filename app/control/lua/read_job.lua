@@ -56,13 +56,18 @@ local function overall(names)
 end
 
 if ARGV[6] == '1' then  -- a client's view
+  -- Whether the viewer may see the job, first, by one read that is the same for another tenant's job as for none:
+  -- any more work for a real id would let another tenant time which ids exist.
+  local owner = redis.call('HMGET', K.job(job_id), 'tenant', 'kind')
+  if not owner[2] then return false end
+  local tenant = (owner[1] and owner[1] ~= '') and owner[1] or ARGV[8]  -- none: older than tenants, the default's
+  if ARGV[7] ~= '' and tenant ~= ARGV[7] then return false end  -- as if it did not exist
   local view_key = K.job_view(job_id)
   local v = to_table(redis.call('HGETALL', view_key))
   if not v.head then  -- written before views existed: rendered now
     if not view_render(K, job_id) then return false end
     v = to_table(redis.call('HGETALL', view_key))
   end
-  if ARGV[7] ~= '' and (v.tenant or ARGV[8]) ~= ARGV[7] then return false end  -- as if it did not exist
   local tracks, states, displayed, waiting_at = {}, {}, {}, false
   for i = 0, tonumber(v.n) - 1 do
     local meta = v['m' .. i]
