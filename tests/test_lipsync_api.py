@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from app.pipeline.media.probe import probe
@@ -46,6 +48,18 @@ def _assert_rejected(stack, reply, status: int, field: str, words: str):
 
 def test_oversized_video_is_413(stack, clips):
     _assert_rejected(stack, upload(stack.client, clips["big"], clips["audio"]), 413, "video", "limit is 1 MB")
+
+
+def test_a_body_larger_than_both_limits_together_is_413_naming_body(stack, clips):
+    """Refused before it is read, as the form's other 413s are: naming `body` (it named no field)."""
+    most = int((1 + 0.5 + 1) * 2**20)  # ENCORE_MAX_VIDEO_MB + ENCORE_MAX_AUDIO_MB + 1
+    with open(clips["audio"], "rb") as audio:
+        reply = stack.client.post(
+            "/api/v1/lipsync",
+            data={"video": (io.BytesIO(b"\x00" * most), "face.mp4"), "audio": (audio, "voice.wav")},
+            content_type="multipart/form-data",
+        )
+    _assert_rejected(stack, reply, 413, "body", "larger than 2.5 MiB")
 
 
 def test_unreadable_mp4_is_400(stack, clips):

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import redis
 from flask import Response
 from flask_limiter.errors import RateLimitExceeded
-from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed
+from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from app.control import idempotency
 from app.http.context import context
@@ -23,6 +23,9 @@ Reply = tuple[Response, int]
 
 
 def http_error(exc: HTTPException) -> Reply:
+    """Werkzeug's refusals; one of a body too large (wherever it is read) names `body`, as Encore's own do."""
+    if isinstance(exc, RequestEntityTooLarge):
+        return error(413, f"body: {exc.description or exc.name}", "body")
     reply, status = error(exc.code or 500, exc.description or exc.name)
     if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
         reply.headers["Allow"] = ", ".join(sorted(exc.valid_methods))

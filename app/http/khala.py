@@ -24,8 +24,8 @@ from app.http.replies import KHALA_BLUEPRINTS
 from app.http.submit import IDEMPOTENCY_HEADER, idempotency_key, submit_once
 from app.http.http_input import BodyError, json_object
 from app.core.kinds import CANCELED, DONE, FAILED, MUSIC, QUEUED, first_unfinished
-from app.http.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented
-from app.http.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus
+from app.http.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented, forbidden_to_tenant
+from app.http.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus, untokenizable
 from app.control.eta import job_readings
 from app.control.services import Services
 from app.control.snapshot import KHALA_STATUS_PARTS, take_snapshot
@@ -90,6 +90,22 @@ def _real(body: dict[str, Any], field: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e9 < value < 1e9:
         raise RequestError(field, "must be a number")
     return float(value)
+
+
+def _bad_text(body: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, why) for the first of the reference's text fields (prompt, tags, lyrics) that is neither a string
+    nor null, or holds text the tokenizer cannot take, whichever of them this request uses (the reference's model
+    types them all as strings; a list of tags, nested or not, is refused as the document says); else None."""
+    for field in ("prompt", "tags", "lyrics"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            return field, "must be a string (or null)"
+        bad = untokenizable(value)
+        if bad is not None:
+            return field, bad
+    return None
 
 
 def _translate(body: dict[str, Any], longest_song: Callable[[dict[str, Any]], float]) -> dict[str, Any]:
@@ -362,6 +378,7 @@ def status() -> ResponseReturnValue:
             KhalaAccepted,
         ),
         400: "invalid field (named first in `error`)",
+        403: forbidden_to_tenant("song", "duration_s"),
         409: "the Idempotency-Key was used with a different body",
         429: TOO_MANY,
     },
@@ -374,6 +391,9 @@ def generate() -> ResponseReturnValue:
         body = json_object(request)
     except BodyError as exc:
         return _error(400, str(exc), exc.field)
+    bad_text = _bad_text(body)
+    if bad_text is not None:
+        return _error(400, f"{bad_text[0]}: {bad_text[1]}", bad_text[0])
     try:
         req = validate_music(
             _translate(body, lambda native: longest_song(native, shared.profile)), shared.settings, shared.profile

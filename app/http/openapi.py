@@ -20,6 +20,10 @@ from app.http import schemas
 from app.http.uploads import LipsyncForm
 
 JSON = "application/json"
+# A redirect's body is the short HTML page Werkzeug's `redirect` writes (flask.redirect: 302, 307).
+REDIRECTS = {301, 302, 303, 307, 308}
+REDIRECT_MEDIA = "text/html"
+REF_TEMPLATE = "#/components/schemas/{model}"
 IGNORED_METHODS = {"HEAD", "OPTIONS"}
 NO_REDIS = {"index", "openapi", "tags"}  # endpoints that answer without Redis (the tag catalogue is in memory)
 Reply = tuple[str, "type[BaseModel] | dict[str, Any] | None"]
@@ -51,6 +55,14 @@ TOO_MANY_HEADERS = {
         )
     },
 }
+
+
+def forbidden_to_tenant(media: str, length_field: str) -> str:
+    """The 403 of a submission its tenant may never make (app/control/tenant_limits.check_request)."""
+    return (
+        f"beyond what the token's tenant may ever ask for: a priority above its highest (`field`: priority), "
+        f"or a {media} longer than its limit (`field`: {length_field})"
+    )
 
 
 def documented(
@@ -87,31 +99,48 @@ def documented(
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"$ref": REF_TEMPLATE.format(model=model.__name__)}
 
 
-def _form_schema(form: type[BaseModel] | None, files: tuple[str, ...]) -> dict[str, Any]:
-    """One multipart object: the files and the optional form fields (numbers sent as text), nothing else."""
+def _form_schema(form: type[BaseModel] | None, files: tuple[str, ...], takes_webhooks: bool) -> dict[str, Any]:
+    """One multipart object: the files and the optional form fields (numbers sent as text), nothing else; its
+    webhook fields as this server takes them (schemas.webhook_form_fields)."""
     properties: dict[str, Any] = {name: {"type": "string", "format": "binary"} for name in files}
+    webhook_fields, webhook_rule = schemas.webhook_form_fields(takes_webhooks)
     if form is not None:
         for name, field in form.model_json_schema()["properties"].items():
-            typed = next(s for s in field.get("anyOf", [field]) if s.get("type") != "null")
-            properties[name] = {**typed, "description": field.get("description", "")}
-    return {"type": "object", "properties": properties, "required": list(files), "additionalProperties": False}
+            typed = [s for s in field.get("anyOf", [field]) if s.get("type") != "null"]  # a form field is text
+            described = {"description": field.get("description", "")}
+            one = typed[0] if len(typed) == 1 else {"anyOf": typed}  # fps: 0, or from 1 to 120
+            properties[name] = {**one, **described, **webhook_fields.get(name, {})}
+    rule = webhook_rule if "webhook_events" in properties else {}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(files),
+        "additionalProperties": False,
+        **rule,
+    }
 
 
-def _request_body(doc: dict[str, Any]) -> dict[str, Any] | None:
+def _request_body(doc: dict[str, Any], takes_webhooks: bool) -> dict[str, Any] | None:
     if doc["json_body"] is not None:
         return {"required": True, "content": {JSON: {"schema": _ref(doc["json_body"])}}}
     if doc["form"] is not None or doc["files"]:
-        return {
-            "required": True,
-            "content": {"multipart/form-data": {"schema": _form_schema(doc["form"], doc["files"])}},
-        }
+        schema = _form_schema(doc["form"], doc["files"], takes_webhooks)
+        return {"required": True, "content": {"multipart/form-data": {"schema": schema}}}
     return None
 
 
-def _success(description: str, model: type[BaseModel] | dict[str, Any] | None, media: tuple[str, ...]):
+def _success(
+    status: int, description: str, model: type[BaseModel] | dict[str, Any] | None, media: tuple[str, ...]
+) -> dict[str, Any]:
+    """A 2xx in the operation's media types; a redirect in Werkzeug's (its short HTML page, whatever the
+    operation serves once followed); a 304 with no body."""
+    if status == 304:
+        return {"description": description}
+    if status in REDIRECTS:
+        return {"description": description, "content": {REDIRECT_MEDIA: {}}}
     schema = _ref(model) if isinstance(model, type) else model
     return {"description": description, "content": {m: ({"schema": schema} if schema else {}) for m in media}}
 
@@ -127,7 +156,7 @@ def _path_parameter(name: str, converter: str) -> dict[str, Any]:
 
 
 def _operation(
-    endpoint: str, view: Callable, arguments: dict[str, str], protected: bool, operation_id: str
+    endpoint: str, view: Callable, arguments: dict[str, str], protected: bool, operation_id: str, takes_webhooks: bool
 ) -> dict[str, Any]:
     doc = getattr(view, "openapi", None)
     if doc is None:
@@ -137,10 +166,10 @@ def _operation(
         if status < 400:
             assert not isinstance(reply, str), f"{endpoint}: a {status} reply needs (description, model)"
             description, model = reply
-            responses[str(status)] = _success(description, model, doc["media"])
+            responses[str(status)] = _success(status, description, model, doc["media"])
         else:
             responses[str(status)] = _error(reply if isinstance(reply, str) else reply[0], status)
-    body = _request_body(doc)
+    body = _request_body(doc, takes_webhooks)
     implied = {401: "a valid bearer token is required"} if protected else {}
     if body:
         implied.update({400: "invalid field or body", 408: "the body stopped arriving", 413: "the body is too large"})
@@ -175,25 +204,19 @@ def openapi_path(rule: str) -> str:
     return re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule)
 
 
-REPLY_MODELS: tuple[type[BaseModel], ...] = (
-    schemas.Accepted,
-    schemas.ErrorReply,
-    schemas.TrackReply,
-    schemas.JobReply,
-    schemas.JobList,
-    schemas.WorkerReply,
-    schemas.StatusReply,
-    schemas.DrainReply,
-    schemas.HealthReply,
-    schemas.ReadyReply,
-    schemas.WorkerReadiness,
-    schemas.KhalaGenerate,
-    schemas.KhalaAccepted,
-    schemas.KhalaTrack,
-    schemas.KhalaJob,
-    schemas.KhalaWorker,
-    schemas.KhalaStatus,
-)
+def _models(doc: dict[str, Any]) -> list[type[BaseModel]]:
+    """The models an operation's description names: its JSON body's and its replies' (a form is written inline)."""
+    replies = [reply[1] for reply in doc["responses"].values() if isinstance(reply, tuple)]
+    return [m for m in (doc["json_body"], *replies) if isinstance(m, type) and issubclass(m, BaseModel)]
+
+
+def _with_nested(name: str, schema: dict[str, Any], components: dict[str, dict[str, Any]]) -> None:
+    """`schema` as component `name`, and the models it nests (pydantic's `$defs`, which its `$ref`s name as
+    components) as components of their own."""
+    schema = dict(schema)
+    for nested_name, nested in schema.pop("$defs", {}).items():
+        _with_nested(nested_name, nested, components)
+    components[name] = schema
 
 
 def build_spec(
@@ -204,7 +227,8 @@ def build_spec(
     title: str = "Encore",
     version: str = "1",
 ) -> dict[str, Any]:
-    """The document for `app` as configured: its duration and size limits, security where a token is
+    """The document for `app` as configured: its duration and size limits, whether it takes webhooks
+    (`music_limits["webhooks"]`: it has a secret to sign them), security where a token is
     required (`is_protected(endpoint)`; with no API_TOKEN nothing is), and each operation's id
     (`operation_id(endpoint)`)."""
     spec = APISpec(
@@ -214,10 +238,9 @@ def build_spec(
         info={"description": "GPU job service: music generation and lip-sync on Celery + Redis."},
         components={"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     )
-    spec.components.schema("MusicRequest", schemas.music_request_schema(music_limits))
-    models: tuple[type[BaseModel], ...] = (LipsyncForm, *REPLY_MODELS)
-    for model in models:
-        spec.components.schema(model.__name__, model.model_json_schema(ref_template="#/components/schemas/{model}"))
+    # Every model an operation names, every model those nest, the lip-sync form's fields and the error body:
+    # each `$ref` of the document names one of these components.
+    models: dict[str, type[BaseModel]] = {m.__name__: m for m in (LipsyncForm, schemas.ErrorReply)}
     paths: dict[str, dict[str, Any]] = {}
     for rule in app.url_map.iter_rules():
         if rule.endpoint == "static":
@@ -227,8 +250,24 @@ def build_spec(
         operations = paths.setdefault(openapi_path(rule.rule), {})
         for method in sorted((rule.methods or set()) - IGNORED_METHODS):
             operations[method.lower()] = _operation(
-                rule.endpoint, view, arguments, is_protected(rule.endpoint), operation_id(rule.endpoint)
+                rule.endpoint,
+                view,
+                arguments,
+                is_protected(rule.endpoint),
+                operation_id(rule.endpoint),
+                bool(music_limits.get("webhooks")),
             )
+            models.update((model.__name__, model) for model in _models(view.openapi))  # type: ignore[union-attr]
+    components: dict[str, dict[str, Any]] = {}
+    for name, model in sorted(models.items()):
+        schema = (
+            schemas.music_request_schema(music_limits)
+            if model is schemas.MusicRequest
+            else model.model_json_schema(ref_template=REF_TEMPLATE)
+        )
+        _with_nested(name, schema, components)
+    for name, schema in sorted(components.items()):
+        spec.components.schema(name, schema)
     for path, operations in sorted(paths.items()):
         spec.path(path=path, operations=operations)
     return spec.to_dict()

@@ -32,6 +32,18 @@ REAL_NUMBER_SCHEMA: JsonDict = {
     ]
 }
 TEXT_SCHEMA: JsonDict = {"anyOf": [{"type": "string", "pattern": TEXT_PATTERN}, {"type": "null"}]}
+# A webhook URL as the submit-time check takes it (app/adapters/webhooks.parse_url and refusal, with no
+# ENCORE_WEBHOOK_HOSTS): http(s), a DNS name (its last label not a number; not localhost), port 80 or 443, RFC 3986's
+# characters. A name is resolved at delivery, where an address that is not public is refused. (The check also takes
+# a public IP address, which this pattern leaves out.)
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_NOT_LOCALHOST = r"(?!([^/?#:]*\.)?[Ll][Oo][Cc][Aa][Ll][Hh][Oo][Ss][Tt]\.?([:/?#]|$))"  # loopback by RFC 6761
+WEBHOOK_URL = (
+    rf"[Hh][Tt][Tt][Pp][Ss]?://{_NOT_LOCALHOST}({_LABEL}\.)*[A-Za-z]([A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?\.?"
+    r"(:0*(80|443))?([/?#][A-Za-z0-9._~:/?#\[\]@!$&'()*+,;=%-]*)?"
+)
+WEBHOOK_EVENT = "(start|progress|completed|failed|canceled)"
+NO_WEBHOOKS = "this server has no ENCORE_WEBHOOK_SECRET: it takes no webhook (a 400 names `webhook`)"
 
 
 class MusicRequest(BaseModel):
@@ -49,6 +61,13 @@ class MusicRequest(BaseModel):
             ],
             "if": {"required": ["mode"], "properties": {"mode": {"const": "instrumental"}}},
             "else": {"required": ["lyrics"], "properties": {"lyrics": {"type": "string", "pattern": r"\w"}}},
+            # events to send need a URL to send them to
+            "dependentSchemas": {
+                "webhook_events": {
+                    "if": {"properties": {"webhook_events": {"type": "array"}}},
+                    "then": {"required": ["webhook"], "properties": {"webhook": {"type": "string"}}},
+                }
+            },
         },
     )
 
@@ -80,6 +99,15 @@ class MusicRequest(BaseModel):
         "GPU (high before normal before low, then by submission); a started job's later "
         "stages still run before any other job's first stage",
     )
+
+    @field_validator("num_tracks", "seed", "top_k", mode="before")
+    @classmethod
+    def _whole_number(cls, value: Any) -> Any:
+        """A whole number written with a fraction (315.0) is the integer it is: JSON Schema's `integer`, which the
+        document says, takes it; anything else is left to the strict check (2.5, "3" and true are refused)."""
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
 
     @field_validator("tags", "prompt", "lyrics")
     @classmethod
@@ -138,7 +166,30 @@ def music_request_schema(limits: dict[str, Any]) -> dict[str, Any]:
     for name, limit in (("tags", "max_text_chars"), ("prompt", "max_text_chars"), ("lyrics", "max_lyrics_chars")):
         fields[name]["anyOf"][0]["maxLength"] = limits[limit]
         fields[name]["anyOf"][0]["pattern"] = TEXT_PATTERN
+    if limits.get("webhooks"):
+        fields["webhook"]["anyOf"][0]["pattern"] = f"^{WEBHOOK_URL}$"
+    else:
+        for name in ("webhook", "webhook_events"):
+            fields[name] = {"type": "null", "description": NO_WEBHOOKS}
     return schema
+
+
+def webhook_form_fields(takes_webhooks: bool) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The lip-sync form's webhook fields as this server takes them ({field: schema}), and the rule they make
+    together (events only with a URL); an empty field is an absent one (app/http/uploads.py)."""
+    if not takes_webhooks:
+        fields = {
+            name: {"type": "string", "maxLength": 0, "description": NO_WEBHOOKS}
+            for name in ("webhook", "webhook_events")
+        }
+        return fields, {}
+    events = rf"\s*{WEBHOOK_EVENT}\s*(,\s*{WEBHOOK_EVENT}\s*)*"
+    fields = {
+        "webhook": {"type": "string", "maxLength": 2000, "pattern": f"^({WEBHOOK_URL})?$"},
+        "webhook_events": {"type": "string", "maxLength": 100, "pattern": f"^({events})?$"},
+    }
+    without_url = {"anyOf": [{"not": {"required": ["webhook"]}}, {"properties": {"webhook": {"maxLength": 0}}}]}
+    return fields, {"if": without_url, "then": {"properties": {"webhook_events": {"maxLength": 0}}}}
 
 
 def untokenizable(text: str) -> str | None:

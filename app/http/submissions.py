@@ -42,6 +42,7 @@ def music_limits(settings: Settings, profile: MusicProfile) -> dict[str, Any]:
         "max_lyrics_chars": settings.max_lyrics_chars,
         "max_text_chars": settings.max_text_chars,
         "profile": profile,
+        "webhooks": bool(settings.webhook_secret),  # the OpenAPI document's: without a secret, no webhook is taken
     }
 
 

@@ -14,7 +14,7 @@ from app.http.context import WebContext, context
 from app.http.guards import tenant
 from app.http.replies import error
 from app.http.http_input import BodyError, json_object
-from app.http.openapi import TOO_MANY, documented
+from app.http.openapi import TOO_MANY, documented, forbidden_to_tenant
 from app.control.routing import route_job
 from app.http.schemas import Accepted, MusicRequest
 from app.http.submissions import RequestError, create_job, submit_music as submit_music_job, validate_music
@@ -41,7 +41,12 @@ MAX_FORM_MEMORY_BYTES = 500_000
     "Submit a music job (one chain of stages per track)",
     json_body=MusicRequest,
     headers=IDEMPOTENCY_HEADER,
-    responses={202: ("accepted", Accepted), **IDEMPOTENT_REPLIES, 400: "invalid field (named in `field`)"},
+    responses={
+        202: ("accepted", Accepted),
+        **IDEMPOTENT_REPLIES,
+        400: "invalid field (named in `field`)",
+        403: forbidden_to_tenant("song", "duration_s"),
+    },
 )
 def submit_music() -> tuple[Response, int]:
     """A music job: the body checked against the profile's limits, one chain of stages per track."""
@@ -80,7 +85,8 @@ def submit_music() -> tuple[Response, int]:
         202: ("accepted", Accepted),
         **IDEMPOTENT_REPLIES,
         400: "invalid field or media (named in `field`)",
-        413: "a file, or the whole body, is too large",
+        403: forbidden_to_tenant("face video", "video"),
+        413: "a file (`field`: video or audio), or the whole body (`body`), is too large",
     },
 )
 def submit_lipsync() -> tuple[Response, int]:
@@ -94,9 +100,8 @@ def submit_lipsync() -> tuple[Response, int]:
         form, files = request.form.to_dict(), request.files.to_dict()
     except RequestEntityTooLarge:
         most = current_app.config["MAX_CONTENT_LENGTH"]
-        if (request.content_length or 0) > most:
-            raise
-        if getattr(request.stream, "is_exhausted", False):  # a chunked body (no length) read up to the limit
+        # a body whose length says more than the limit, or a chunked one (no length) read up to the limit
+        if (request.content_length or 0) > most or getattr(request.stream, "is_exhausted", False):
             return error(
                 413,
                 f"body: larger than {most / 2**20:g} MiB, the most both files and the fields may take "
@@ -111,9 +116,10 @@ def submit_lipsync() -> tuple[Response, int]:
         )
     try:
         # an empty form field is an absent one, as for every other field of the form (app/http/uploads.py)
-        webhook = check_target(
-            form.get("webhook") or None, split_events(form.get("webhook_events") or None), shared.settings
-        )
+        url, events = form.get("webhook") or None, form.get("webhook_events") or None
+        if url is None and events is not None:  # whatever it holds (" , " too): events need a URL to go to
+            raise WebhookRefused("webhook_events", "given without a webhook URL")
+        webhook = check_target(url, split_events(events), shared.settings)
         upload = receive_lipsync(form, files, shared.settings, shared.lipsync_profile)
     except WebhookRefused as exc:
         return error(400, str(exc), exc.field)

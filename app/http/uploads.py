@@ -46,7 +46,14 @@ class LipsyncForm(BaseModel):
         ge=0,
         le=FPS_LIMIT,
         description="output frame rate, 1 to 120; missing or 0 → the video's own (25 when unknown or above 120)",
-        json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": FPS_LEAST}},
+        # 0, or from 1 (the document's spelling; `not` the range between broke schemathesis's form generation)
+        json_schema_extra={
+            "anyOf": [
+                {"type": "number", "const": 0},
+                {"type": "number", "minimum": FPS_LEAST, "maximum": FPS_LIMIT},
+                {"type": "null"},
+            ]
+        },
     )
     extra_margin: int | None = Field(default=None, ge=0, le=200, description="pixels added below the face box")
     batch_size: int | None = Field(default=None, ge=1, le=256, description="frames per UNet batch")
