@@ -4,11 +4,14 @@ checked both ways: the served document's own schema (jsonschema_rs, 2020-12) and
 
 from __future__ import annotations
 
+import random
+import re
 from typing import Any
 
 import jsonschema_rs
 import pytest
 
+from app.http.events import valid_event_id
 from tests.support.media import face_video, tone, upload
 from tests.support.stack import Stack
 
@@ -237,3 +240,29 @@ def test_webhook_events_without_a_url_are_refused_by_both(signing, clips_dir):
 def clips_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("clips")
     return face_video(root / "face.mp4", 3.2), tone(root / "voice.wav", 2.0)
+
+
+def test_the_documented_last_event_id_is_exactly_what_the_server_takes(stack, document):
+    """The document's pattern for Last-Event-ID and the server's check are one expression: each part a number of at
+    most 2**64 - 1 (a 20-digit part above it matched the old [0-9]{1,20} pattern and was refused 400)."""
+    [header] = [
+        parameter
+        for parameter in document["paths"]["/api/v1/jobs/{job_id}/events"]["get"]["parameters"]
+        if parameter["name"] == "Last-Event-ID"
+    ]
+    pattern = re.compile(header["schema"]["pattern"])
+    top = 2**64 - 1
+    rng = random.Random(36)
+    parts = [0, 1, 9, top, top - 1, top + 1, 10**19, 10**19 - 1, 10**20 - 1, 2**65]
+    parts += [rng.randrange(0, 10**20) for _ in range(300)]
+    for part in parts:
+        for text in (str(part), str(part).zfill(20)):
+            event_id = f"{text}-0"
+            fits = len(text) <= 20 and part <= top
+            assert bool(pattern.fullmatch(event_id)) == fits == valid_event_id(event_id), event_id
+    assert pattern.fullmatch("") and not pattern.fullmatch("1-") and not pattern.fullmatch("-1")
+    job_id = stack.submit_music(duration_s=2.0)
+    for event_id, status in ((f"{top}-{top}", 200), (f"{top + 1}-0", 400), (f"0-{top + 1}", 400)):
+        reply = stack.client.get(f"/api/v1/jobs/{job_id}/events", headers={"Last-Event-ID": event_id}, buffered=False)
+        assert reply.status_code == status, (event_id, reply.status_code)
+        reply.close()

@@ -311,7 +311,7 @@ EXAMPLES = [
     # docs/operations.md
     Example(
         "docs/operations.md",
-        'python -m app submit music --tags "lo-fi, piano" --lyrics-file song.txt',
+        'encore submit music --tags "lo-fi, piano" --lyrics-file song.txt',
         timeout_s=360,
         expect=(
             r"job [0-9a-f]{32} done after[\s\S]*track1\.mp3",

@@ -26,7 +26,26 @@ import redis
 from app.control.jobs import JobStore
 from app.core.kinds import JOB_END_STATES
 
-EVENT_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}", re.ASCII)  # a Redis Stream entry id, matched whole
+
+def decimal_at_most(limit: int) -> str:
+    """A regular expression that matches exactly the decimal numerals (leading zeros allowed, as many digits as
+    `limit` has at most) whose value is at most `limit`: every shorter numeral, and of the full-width ones those
+    that fall below `limit` at their first differing digit, or are `limit` itself. One expression, so that the
+    server and the OpenAPI document (which has only a pattern to say it) refuse the same ids."""
+    digits = str(limit)
+    width = len(digits)
+    alternatives = [f"[0-9]{{1,{width - 1}}}"] if width > 1 else []
+    for index, digit in enumerate(digits):
+        if digit != "0":
+            rest = width - index - 1
+            alternatives.append(f"{digits[:index]}[0-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(digits)
+    return "(?:" + "|".join(alternatives) + ")"
+
+
+EVENT_ID_PART_MAX = 2**64 - 1  # each part of a Redis Stream id is an unsigned 64-bit number
+EVENT_ID_PATTERN = f"{decimal_at_most(EVENT_ID_PART_MAX)}-{decimal_at_most(EVENT_ID_PART_MAX)}"
+EVENT_ID = re.compile(EVENT_ID_PATTERN, re.ASCII)  # a Redis Stream entry id, matched whole
 RETRY_MS = 2000  # how long an EventSource waits before it reconnects (with Last-Event-ID)
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may buffer the stream
 FIRST = "0-0"
@@ -104,12 +123,9 @@ def read_timeout_s(heartbeat_s: float) -> float:
     return heartbeat_s + 5
 
 
-EVENT_ID_PART_MAX = 2**64 - 1  # each part of a Redis Stream id is an unsigned 64-bit number
-
-
 def valid_event_id(value: str) -> bool:
     """A Redis Stream entry id: `<ms>-<seq>`, each part at most 2**64 - 1 (Redis refuses more)."""
-    return bool(EVENT_ID.fullmatch(value)) and all(int(part) <= EVENT_ID_PART_MAX for part in value.split("-"))
+    return bool(EVENT_ID.fullmatch(value))
 
 
 def frame(data: dict[str, Any], event_id: str | None = None, event: str | None = None) -> str:

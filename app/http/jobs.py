@@ -15,6 +15,7 @@ from app.control.eta import job_readings, polled_record
 from app.control.views import JOBS_URL, PRIVATE_TRACK_FIELDS
 from app.control.streams import TICKET_S, make_ticket, ticket_secret
 from app.http.events import (
+    EVENT_ID_PATTERN,
     HEADERS as SSE_HEADERS,
     STREAMS_RETRY_S,
     client_gone_probe,
@@ -56,7 +57,7 @@ SSE_EVENT = {
 LAST_EVENT_ID = {
     "Last-Event-ID": {
         "type": "string",
-        "pattern": r"^([0-9]{1,20}-[0-9]{1,20})?$",  # empty: from the start
+        "pattern": f"^({EVENT_ID_PATTERN})?$",  # empty: from the start; each part at most 2**64 - 1
         "description": "the `id:` of the last event received: only later ones are sent",
     }
 }
