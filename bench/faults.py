@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.support.faults import ENDED, SCENARIOS, left_behind  # noqa: E402  (shared with tests/test_reliability.py)
+from tests.support.faults import ENDED, SCENARIOS, files_left_behind, left_behind  # noqa: E402  (shared with tests/test_reliability.py)
 from tests.support.processes import RedisServer, wait_until  # noqa: E402
 from tests.support.stack import REFERENCE_ENGINE, Stack  # noqa: E402
 
@@ -75,12 +75,17 @@ def run(name: str, redis: RedisServer, models: Path, root: Path, env: dict[str, 
             if len(states) == len(jobs):
                 break
             time.sleep(0.2)
-        left = []
+        left: list[str] = []
+        files: list[str] = []
         if len(states) == len(jobs):  # acks follow the records; give them a moment
             try:
                 wait_until(lambda: not left_behind(stack), 15, 0.2, "the bookkeeping to empty")
             except AssertionError:
                 left = left_behind(stack)
+            try:  # scratch goes when its stage ends, or at the next heartbeat of a worker started again
+                wait_until(lambda: not files_left_behind(stack), 30, 0.2, "the scratch to go")
+            except AssertionError:
+                files = files_left_behind(stack)
         counts = Counter(states.values())
         return {
             "scenario": name,
@@ -93,6 +98,7 @@ def run(name: str, redis: RedisServer, models: Path, root: Path, env: dict[str, 
             "duplicated": _duplicated(stack),
             "finished_too_late": _finished_too_late(stack),
             "left_behind": left,
+            "files_left_behind": files,
             "recovery_s": round(max(0.0, last_end - cleared), 1),
         }
     finally:
@@ -141,7 +147,10 @@ def main() -> None:
     for row in rows:
         print(
             "| "
-            + " | ".join(str(row[h]) if h != "left_behind" else (", ".join(row[h]) or "nothing") for h in header)
+            + " | ".join(
+                str(row[h]) if h != "left_behind" else (", ".join(row[h] + row["files_left_behind"]) or "nothing")
+                for h in header
+            )
             + " |"
         )
     print(json.dumps({"settings": "quick" if args.quick else "defaults", "rows": rows}))

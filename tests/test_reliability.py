@@ -18,7 +18,7 @@ from tests.support import faults
 from tests.support.processes import RedisServer, wait_until
 from tests.support.stack import REFERENCE_ENGINE, Stack
 
-pytestmark = pytest.mark.slow  # the fault matrix: workers and Redis killed mid-stage, 15 scenarios (~320 s here)
+pytestmark = pytest.mark.slow  # the fault matrix: workers and Redis killed mid-stage, 18 scenarios (~420 s here)
 
 LONG_S = 120.0
 
@@ -451,3 +451,36 @@ def test_cancel_storm_ends_every_job_and_leaves_nothing_behind(make_stack):
     states = [stack.wait_job(job_id, timeout=60)["state"] for job_id in jobs]
     assert set(states) <= {"canceled", "done"} and states.count("canceled") >= 55, states
     faults.assert_nothing_left(stack, timeout=60)
+
+
+def test_fault_a_lipsync_job_canceled_while_its_worker_is_dead_leaves_no_scratch(make_stack):
+    """Issue 36, item 1, as a fault scenario: killed mid-lipsync, canceled while dead, the worker started again."""
+    stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1")
+    fault = faults.lipsync_canceled_while_worker_dead(stack, None)
+    [job_id] = fault.jobs
+    assert stack.wait_job(job_id, timeout=60)["state"] == "canceled"
+    wait_until(lambda: not fault.facts["scratch"].exists(), 30, 0.2, "the canceled track's scratch to go")
+    assert not faults.files_left_behind(stack)
+    faults.assert_nothing_left(stack)
+
+
+def test_fault_every_failed_export_leaves_nothing_in_tmpdir(make_stack):
+    """Issue 36, item 2, as a fault scenario: the encoder fails every export; the song's copy in $TMPDIR goes."""
+    stack = make_stack(**REFERENCE_ENGINE)
+    fault = faults.export_fails(stack, None)
+    record = stack.wait_job(fault.jobs[0], timeout=120)
+    assert record["state"] == "failed" and "export" in record["tracks"][0]["error"], record["tracks"][0]
+    assert not faults.files_left_behind(stack), list(fault.facts["tmpdir"].iterdir())
+    faults.assert_nothing_left(stack)
+
+
+def test_fault_a_stage_killed_each_time_it_runs_fails_naming_every_kill(make_stack):
+    """Issue 36, item 4, as a fault scenario: kill after kill (some noticed by the next delivery, some by the reaper
+    once the 4 s lease ran out), the track fails and its message counts them all."""
+    stack = make_stack(ENCORE_LEASE_S="4", ENCORE_PRELOAD="1", **REFERENCE_ENGINE)
+    fault = faults.stage_killed_repeatedly(stack, None)
+    record = stack.wait_job(fault.jobs[0], timeout=120)
+    error = record["tracks"][0]["error"]
+    assert record["state"] == "failed" and f" {fault.facts['kills']} times" in error, (fault.facts, error)
+    assert fault.facts["kills"] >= stack.settings.max_deliveries
+    faults.assert_nothing_left(stack)

@@ -164,6 +164,62 @@ def worker_started_while_redis_down(stack: Stack, redis: RedisServer) -> Fault:
     return Fault([parked, stack.submit_music(duration_s=2.0)], cleared)
 
 
+def lipsync_canceled_while_worker_dead(stack: Stack, redis: RedisServer | None) -> Fault:
+    """Issue 36, item 1: a lip-sync job's worker is killed (master and child) mid-`lipsync`, the job canceled while
+    it is dead, the worker started again: the track ends canceled and its scratch folder
+    (`tracks/<job>-0`) goes with it (files_left_behind). facts: `scratch` (that folder)."""
+    from tests.support.media import face_video, tone, upload
+
+    media = stack.root / "media"
+    media.mkdir(parents=True, exist_ok=True)
+    video = face_video(media / "face.mp4", 8.0, 25)
+    voice = tone(media / "voice.wav", 8.0)
+    stack.start_worker(0)
+    reply = upload(stack.client, video, voice, fps=25)
+    assert reply.status_code == 202, reply.get_json()
+    job_id = reply.get_json()["job_id"]
+    wait_until(lambda: stack.job(job_id)["tracks"][0]["stage"] == "lipsync", 180, 0.1, "the lipsync stage")
+    scratch = stack.settings.worker_cache_dir / "tracks" / f"{job_id}-0"
+    stack.stop_worker(0)
+    stack.client.delete(f"/api/v1/jobs/{job_id}", headers=stack.auth)
+    stack.start_worker(0)
+    return Fault([job_id], time.monotonic(), {"scratch": scratch})
+
+
+def export_fails(stack: Stack, redis: RedisServer | None) -> Fault:
+    """Issue 36, item 2: every export's encoder fails (ENCORE_FFMPEG=/bin/false): the job fails with a message, and
+    nothing of the song is left in the worker's $TMPDIR (a folder of the stack's own: files_left_behind)."""
+    temp = stack.root / "tmp"
+    temp.mkdir(parents=True, exist_ok=True)
+    stack.start_worker(0, ENCORE_FFMPEG="/bin/false", TMPDIR=str(temp))
+    return Fault([stack.submit_music(duration_s=2.0)], time.monotonic(), {"tmpdir": temp})
+
+
+def stage_killed_repeatedly(stack: Stack, redis: RedisServer | None) -> Fault:
+    """Issue 36, item 4: the backbone's prefork child is killed each time the stage runs again, until the track
+    gives up: it fails, naming every kill. facts: `kills`."""
+    stack.start_worker(0)
+    job_id = stack.submit_music(duration_s=30.0)
+    killed: list[int] = []
+
+    def next_run() -> int | None:
+        """A live child running the backbone again (not one already killed), or 0 once the job has ended."""
+        record = stack.job(job_id)
+        if record["state"] in ENDED:
+            return 0
+        pid = stack.child_pid(0)
+        running = record["tracks"][0]["stage"] == "backbone" and record["tracks"][0]["progress"] > 0
+        return pid if running and pid and pid not in killed else None
+
+    while len(killed) < 10:
+        [pid] = wait_until(lambda: (found := next_run()) is not None and [found], 120, 0.1, "a run or the end")
+        if not pid:
+            break
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    return Fault([job_id], time.monotonic(), {"kills": len(killed)})
+
+
 SCENARIOS: dict[str, Callable[..., Fault]] = {
     f.__name__: f
     for f in (
@@ -176,6 +232,9 @@ SCENARIOS: dict[str, Callable[..., Fault]] = {
         child_killed,
         worker_killed_and_restarted,
         worker_started_while_redis_down,
+        lipsync_canceled_while_worker_dead,
+        export_fails,
+        stage_killed_repeatedly,
     )
 }
 
@@ -198,6 +257,22 @@ def left_behind(stack: Stack) -> list[str]:
             left.append(name)
     if r.hlen("unacked"):
         left.append("unacked")
+    return left
+
+
+def files_left_behind(stack: Stack) -> list[str]:
+    """What a fault left on disk: lip-sync tracks' scratch folders and stage temp folders in the worker cache,
+    and files in the stack's $TMPDIR (export_fails gives its worker one). Empty once every job has ended and its
+    worker (a restarted one, if it was killed) has swept; a killed worker's folders stay until one starts there."""
+    left = []
+    for sub in ("tracks", "work"):
+        folder = stack.settings.worker_cache_dir / sub
+        if folder.is_dir() and any(folder.iterdir()):
+            left.append(f"{sub}/: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+    temp = stack.root / "tmp"  # files only: a live worker keeps folders of its own there (pymp-*, torch's caches)
+    files = sorted(p.name for p in temp.iterdir() if p.is_file()) if temp.is_dir() else []
+    if files:
+        left.append(f"$TMPDIR: {', '.join(files)}")
     return left
 
 
