@@ -95,7 +95,7 @@ def test_a_stage_run_is_counted_in_its_histogram_units_and_last_rate(redis_base_
     observe_stage(svc, "music", "decode", 10.0, units=5.0)  # 2 s per song second
     observe_stage(svc, "music", "decode", 4.0, units=4.0)  # then 1
     observe_stage(svc, "music", "decode", 3.0)  # no units (unknown cost): duration only
-    raw = svc.redis.hgetall(svc.jobs.keys.metric("stage_seconds", "music", "decode"))
+    raw = svc.redis.hgetall(svc.jobs.keys.stage_seconds("music", "decode"))
     assert float(raw["units"]) == 9.0 and float(raw["last_s_per_unit"]) == 1.0
     assert (raw["count"], float(raw["sum"]), raw["5"], raw["10"]) == ("3", 17.0, "2", "3")
 

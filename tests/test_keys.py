@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -19,6 +20,8 @@ from app.control.scripts import LUA_DIR, lua_source
 from app.core.keys import KEYS, Layout, fields_of, lua_keys
 from app.core.kinds import KINDS, TERMINAL_STATES, first_unfinished
 
+REPO = Path(__file__).resolve().parents[1]
+
 SAMPLE_PARTS = {
     "job_id": "0123456789abcdef0123456789abcdef",
     "track": 1,
@@ -31,6 +34,7 @@ SAMPLE_PARTS = {
     "key_hash": "ab12",
     "worker": "webhooks@h",
     "tenant": "acme",
+    "stage": "decode",
 }
 
 
@@ -55,7 +59,7 @@ def test_every_key_is_the_same_in_python_and_in_lua(client):
 def test_layout_methods_fill_the_table_patterns():
     layout = Layout("encore")
     assert layout.lease("j", 0) == "encore:lease:j:0" and layout.waiting("gpu0") == "encore:queue:gpu0:waiting"
-    assert layout.metric("stage_seconds", "gpu0") == "encore:metrics:stage_seconds:gpu0"
+    assert layout.stage_seconds("music", "decode") == "encore:metrics:stage_seconds:music:decode"
     with pytest.raises(TypeError, match="takes"):
         layout.key("track", job_id="j")  # a missing part is refused, never formatted as a half key
 
@@ -94,6 +98,32 @@ def test_no_lua_script_spells_a_key_by_hand(client):
         assert source.startswith(generated) and not hand_spelled(source[len(generated) :]), source[-300:]
         assert used <= set(KEYS) and all(f"  K.{name} = function(" in generated for name in used)
         client.script_load(source)  # and compiles
+
+
+def key_literals_in_python(source: str) -> list[str]:
+    """The pieces of `KEYS` patterns (as `hand_spelled`) inside the string literals of Python `source` that could
+    be a key: those with no whitespace (prose in docstrings and messages names keys, it does not build them),
+    f-strings' literal parts included."""
+    pieces = {
+        p for pattern in KEYS.values() for p in pattern.replace("{", "}").split("}")[::2] if ":" in p and p != ":"
+    }
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and not re.search(r"\s", node.value):
+            found += [piece for piece in pieces if piece in node.value]
+    return sorted(found)
+
+
+def test_the_python_check_sees_a_key_spelled_by_hand():
+    assert key_literals_in_python('key = f"{self.prefix}:artifact:{job_id}:{name}"') == ["artifact:"]
+    assert key_literals_in_python('"""A job: its queue: the lock: prose."""\nmember = f"{job}:{track}"') == []
+
+
+def test_no_python_module_spells_a_key_by_hand():
+    """Keys in Python come from the layout (`Layout`, from `KEYS`), never from a literal of their own."""
+    for path in (REPO / "app").rglob("*.py"):
+        if path.name != "keys.py":
+            assert not key_literals_in_python(path.read_text()), path
 
 
 def test_no_lua_lives_in_python_strings():

@@ -31,7 +31,7 @@ def svc(redis_base_url, tmp_path):
                 worker=f"gpu{index % 2}@snap",
                 lease_ms=600_000,
             )
-    services.redis.hincrby(services.jobs.keys.metric("submitted"), "music", 6)
+    services.redis.hincrby(services.jobs.keys.submitted, "music", 6)
     return services
 
 

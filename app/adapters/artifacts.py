@@ -24,6 +24,7 @@ from typing import Callable, Protocol, cast
 import redis
 
 from app.core.ids import is_job_id
+from app.core.keys import Layout
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHUNK_BYTES = 1 << 20
@@ -124,15 +125,16 @@ class RedisStore(CachedStore):
     def __init__(self, client: redis.Redis, prefix: str, cache_dir: Path, read_batch_chunks: int = READ_BATCH_CHUNKS):
         self.redis = client
         self.prefix = prefix
+        self.layout = Layout(prefix)
         self.cache = DirectoryStore(cache_dir)
         self.read_batch_chunks = max(1, read_batch_chunks)
 
     def _key(self, job_id: str, name: str) -> str:
         check_name(job_id, name)
-        return f"{self.prefix}:artifact:{job_id}:{name}"
+        return self.layout.artifact(job_id, name)
 
     def _index_key(self, job_id: str) -> str:
-        return f"{self.prefix}:artifacts:{job_id}"
+        return self.layout.artifact_index(job_id)
 
     def put(self, job_id: str, name: str, source: Path, ttl_s: float) -> None:
         key, staging = self._key(job_id, name), self._key(job_id, name) + ":partial"

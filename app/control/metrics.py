@@ -32,13 +32,13 @@ STAGE_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, math.inf)
 def observe_stage(svc: Services, kind: str, stage: str, seconds: float, units: float = 0.0) -> None:
     """Count one finished stage in its duration buckets (cumulative, as Prometheus expects) and, when it got
     `units` of work through (cost units: song or audio seconds), in its throughput."""
-    key = svc.jobs.keys.metric("stage_seconds", kind, stage)
+    key = svc.jobs.keys.stage_seconds(kind, stage)
     buckets = [_bucket_label(bound) for bound in STAGE_BUCKETS if seconds <= bound]
     script(svc.redis, "observe_stage")(keys=[key], args=[repr(float(seconds)), repr(float(units)), *buckets])
 
 
 def count_submission(svc: Services, kind: str) -> None:
-    svc.redis.hincrby(svc.jobs.keys.metric("submitted"), kind, 1)
+    svc.redis.hincrby(svc.jobs.keys.submitted, kind, 1)
 
 
 def _bucket_label(bound: float) -> str:

@@ -106,7 +106,7 @@ def tenant_admission(svc: Services, tenant: Tenant, num_tracks: int) -> Iterator
         yield
         return
     busy = TenantLimitExceeded(429, "tracks", "other submissions of this tenant are being admitted; retry", 1)
-    with short_lock(svc, f"tenant:{tenant.name}", busy):
+    with short_lock(svc, f"admission-{tenant.name}", busy):
         svc.redis.zremrangebyscore(svc.jobs.keys.tenant_open(tenant.name), "-inf", time.time())
         held = open_tracks(svc, tenant.name)
         if held + num_tracks > cap:

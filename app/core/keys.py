@@ -65,7 +65,8 @@ KEYS: dict[str, str] = {
     "webhook_in_flight": "webhooks:in-flight:{worker}",  # list: messages a webhook worker is handing out
     "webhook_pending": "webhooks:pending",  # zset: messages handed out, not settled, by their lease's deadline
     "webhook_pending_data": "webhooks:pending:data",  # hash: each one's message, attempt and current task id
-    "metrics": "metrics",  # prefix of the metric counters (`metric(...)`)
+    "stage_seconds": "metrics:stage_seconds:{kind}:{stage}",  # hash: a stage's run-time histogram (app/control/metrics.py)
+    "submitted": "metrics:submitted",  # hash: submissions counted per kind
     "ticket_secret": "events:ticket-secret",  # string: the key of the event streams' tickets (app/control/streams.py)
 }
 
@@ -252,9 +253,12 @@ class Layout:
     def ticket_secret(self) -> str:
         return self.key("ticket_secret")
 
-    def metric(self, *parts: str) -> str:
-        """A metric counter: the metrics prefix and any number of parts (name, labels)."""
-        return ":".join((self.key("metrics"), *parts))
+    def stage_seconds(self, kind: str, stage: str) -> str:
+        return self.key("stage_seconds", kind=kind, stage=stage)
+
+    @property
+    def submitted(self) -> str:
+        return self.key("submitted")
 
 
 def lua_keys(names: Iterable[str] | None = None) -> str:

@@ -42,11 +42,10 @@ if wanted.jobs then
     out.jobs[#out.jobs + 1] = redis.call('ZCOUNT', K.jobs_in_state(pair[1], pair[2]), '(' .. now, '+inf')
   end
 end
-if wanted.submitted then out.submitted = to_table(redis.call('HGETALL', K.metrics() .. ':submitted')) end
+if wanted.submitted then out.submitted = to_table(redis.call('HGETALL', K.submitted())) end
 if wanted.stages then
   for _, pair in ipairs(spec.stages) do
-    out.stages[#out.stages + 1] = to_table(redis.call('HGETALL',
-      K.metrics() .. ':stage_seconds:' .. pair[1] .. ':' .. pair[2]))
+    out.stages[#out.stages + 1] = to_table(redis.call('HGETALL', K.stage_seconds(pair[1], pair[2])))
   end
 end
 if wanted.rates then out.rates = to_table(redis.call('HGETALL', K.throughput())) end
