@@ -71,7 +71,7 @@ def _number(value: Any) -> float | None:
 
 
 class Estimates:
-    """The estimate script, registered once per client (app/jobs.JobStore.estimates)."""
+    """The estimate script, registered once per client (app/control/jobs.py: each JobStore makes one)."""
 
     def __init__(self, client: redis.Redis, prefix: str, tables: str):
         self.prefix = prefix

@@ -159,7 +159,7 @@ def _queues_without_worker(svc: Services, records: list[dict[str, Any]]) -> set[
 
 
 def record_with_eta(svc: Services, job_id: str) -> tuple[dict[str, Any] | None, float | None]:
-    """A job's record (app/jobs.JobStore.record) and its `eta_s`, in one round trip: what a poll costs."""
+    """A job's record (app/control/jobs.JobStore.record) and its `eta_s`, in one round trip: what a poll costs."""
     record, eta = svc.jobs.record_with_eta(job_id, time.time(), running_heads(svc))
     return record, _rounded(eta)
 

@@ -109,7 +109,7 @@ class JobStore:
     ) -> str:
         """Write a job owned by `tenant` with one parked track per entry of `track_params` (one round trip); returns its
         unguessable id (`job_id` when the caller drew it first: an idempotent submit claims it before). The
-        caller routes it. `webhook` ({"url", "events"}, app/webhooks.check_target) is kept in the job hash,
+        caller routes it. `webhook` ({"url", "events"}, app/adapters/webhooks.check_target) is kept in the job hash,
         where the transitions read which events to send; so is `priority` (app/core/priority.py), which orders its
         tracks while they are parked or queued."""
         job_id = job_id or new_job_id()
@@ -204,7 +204,7 @@ class JobStore:
 
     def record_with_eta(self, job_id: str, now: float, heads: int) -> tuple[dict[str, Any] | None, float | None]:
         """The record and, in the same round trip, its job's ETA at `now` in seconds (None while a track waits
-        for a live worker, or its queue has had none for `offline_after_s`; app/control/backlog.py, app/eta.record_with_eta)."""
+        for a live worker, or its queue has had none for `offline_after_s`; app/control/backlog.py, app/control/eta.record_with_eta)."""
         raw = (
             self.lifecycle.read_job(job_id, eta_at=now, heads=heads, offline_after_s=self.offline_after_s)
             if is_job_id(job_id)
@@ -273,7 +273,7 @@ class JobStore:
             pipe.zcount(self.keys.jobs_in_state(kind, state), f"({now}", "+inf")
         return dict(zip(pairs, pipe.execute(), strict=True))
 
-    # -- transitions (app/lifecycle.TRANSITIONS) ------------------------------------------------------
+    # -- transitions (app/control/lifecycle.TRANSITIONS) ----------------------------------------------
     def transition(
         self, event: str, job_id: str, track: int, fields: dict[str, Any] | None = None, **args: Any
     ) -> Outcome:

@@ -72,7 +72,7 @@ class StageRun:
     queue: str = ""
     worker: str = ""
     adopted: list[TrackRef] = field(default_factory=list)  # other tracks (of any job) this run also serves
-    lease_owner: str = ""  # this run's lease (jobs.take_lease), also put on the tracks it adopts
+    lease_owner: str = ""  # this run's lease (taken by the `start` transition), also put on the tracks it adopts
     watch: CancelWatch | None = None  # the lease thread (the engine switches it to per-track cancels)
     handed_on: bool = False  # the work moved every track it held on itself (the engine): no finish, no chain
 

@@ -28,7 +28,7 @@ BASE_ARGS = ["-nostdin", "-hide_banner", "-v", "error", "-y"]  # every ffmpeg ca
 
 
 class NamesTheTools(Protocol):
-    """Whatever names the two binaries (app/config.Settings does: ENCORE_FFMPEG, ENCORE_FFPROBE)."""
+    """Whatever names the two binaries (app/core/config.Settings does: ENCORE_FFMPEG, ENCORE_FFPROBE)."""
 
     @property
     def ffmpeg(self) -> str: ...
