@@ -10,10 +10,11 @@ import random
 import pytest
 import redis
 
-from app.control.jobs import JobStore, overall_state
+from app.control.jobs import JobStore
 from app.control.lifecycle import TRANSITIONS
 from app.core.keys import Layout
 from tests.support.processes import wait_until
+from tests.support.records import expected_overall
 
 STATUSES = (
     "new",
@@ -352,7 +353,7 @@ def _check_bookkeeping(jobs: JobStore) -> None:
             if not status.startswith("running:"):
                 assert r.get(keys.lease(job_id, t["track"])) is None, (m, status)
         if len(tracks) == job["num_tracks"]:
-            state = overall_state([t["state"] for t in tracks])
+            state = expected_overall([t["state"] for t in tracks])
             counts.setdefault((job["kind"], state), set()).add(job_id)
     for q in queues:
         assert int(r.get(keys.cost(q)) or 0) == sum(round(c * 1000) for c in expected_load[q].values()), q

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 
+import itertools
+import json
 import time
 
 import pytest
 import redis
 
 from app.adapters.artifacts import CHUNK_BYTES, READ_BATCH_CHUNKS, DirectoryStore, RedisStore
-from app.control.jobs import JobStore, overall_state
+from app.control.jobs import JobStore
+from app.control.lifecycle import lua_stages
+from app.control.scripts import lua_source
 from tests.support.processes import wait_until
+from tests.support.records import expected_overall
 
 
 @pytest.fixture
@@ -204,12 +209,21 @@ def test_index_drops_expired_jobs_and_gauges_agree_with_records(client):
         assert jobs.record(job_id)["state"] == state
 
 
-def test_overall_state():
-    assert overall_state(["queued", "queued"]) == "queued"
-    assert overall_state(["backbone", "queued"]) == "running"
-    assert overall_state(["done", "done"]) == "done"
-    assert overall_state(["done", "failed"]) == "partial"
-    assert overall_state(["canceled", "failed"]) == "canceled"
+def test_the_overall_state_has_one_rule_the_reads_and_the_writes_share(client):
+    """lua/tracks.lua's overall_of (what reads answer) on every mix of up to three tracks, and the state the
+    transitions keep (the job indexes) and a read answer for real jobs (test_job_counts_... above)."""
+    names = ["queued", "backbone", "decoding", "done", "failed", "canceled"]
+    mixes = [list(m) for n in range(4) for m in itertools.product(names, repeat=n)]
+    code = (
+        lua_source("tracks", lua_stages())
+        + """
+local out = {}
+for n, states in ipairs(cjson.decode(ARGV[1])) do out[n] = overall_of(states) end
+return cjson.encode(out)"""
+    )
+    got = json.loads(client.eval(code, 0, json.dumps(mixes)))
+    assert got == [expected_overall(mix) for mix in mixes]
+    assert got[:2] == ["failed", "queued"]
 
 
 @pytest.fixture(params=["dir", "redis"])

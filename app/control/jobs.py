@@ -16,7 +16,7 @@ import redis
 from app.adapters.redis_conn import decoded, decoded_members
 from app.control.backlog import Estimates
 from app.core.ids import is_job_id, new_job_id
-from app.core.kinds import CANCELED, FAILED, KINDS, QUEUED, TERMINAL_STATES
+from app.core.kinds import KINDS, QUEUED
 from app.control.lifecycle import JSON_FIELDS, Lifecycle, Outcome, is_open, lua_stages
 from app.control.scripts import script
 from app.core.keys import Layout
@@ -224,7 +224,7 @@ class JobStore:
         job = _decode_job(job_id, raw["job"])
         tracks = raw["tracks"]  # decoded by the read
         job["tracks"] = tracks
-        job["state"] = overall_state([t["state"] for t in tracks])
+        job["state"] = raw["state"]  # by the read, with the rule the transitions keep (lua/tracks.lua)
         waiting = [t["queue_position"] for t in tracks if t["state"] == QUEUED]
         job["queue_position"] = min(waiting) if waiting else 0
         job["cancel_requested"] = bool(raw["cancel"])
@@ -395,17 +395,3 @@ def stream_entries(reply: Any) -> list[tuple[str, dict[str, Any]]]:
     (entry id, event) pairs."""
     entries = cast(list[list[Any]], reply)[0][1] if reply else []
     return [(entry_id, json.loads(fields["data"])) for entry_id, fields in entries]
-
-
-def overall_state(states: list[str]) -> str:
-    """queued | running | done | failed | canceled | partial (some tracks done, others not)."""
-    if not states:
-        return "failed"
-    if all(s == QUEUED for s in states):
-        return QUEUED
-    if any(s not in TERMINAL_STATES for s in states):
-        return "running"
-    unique = set(states)
-    if len(unique) == 1:
-        return states[0]
-    return "partial" if "done" in unique else (CANCELED if CANCELED in unique else FAILED)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -11,8 +12,7 @@ from urllib.parse import urlencode
 from flask import Blueprint, Response, jsonify, redirect, request, send_file
 from flask.typing import ResponseReturnValue
 
-from app.control.eta import job_readings, polled_record
-from app.control.views import JOBS_URL, PRIVATE_TRACK_FIELDS
+from app.control.eta import polled_record
 from app.control.streams import TICKET_S, make_ticket, ticket_secret
 from app.http.events import (
     EVENT_ID_PATTERN,
@@ -123,11 +123,11 @@ def list_jobs() -> ResponseReturnValue:
     owner = None if viewer.is_admin else viewer.name
     if not words:
         ids = svc.jobs.recent_job_ids(offset + limit, tenant=owner)[offset:]
-        records = [r for r in (svc.jobs.record(job_id, viewer=viewer) for job_id in ids) if r]
     else:
-        records = _search(svc, svc.jobs.recent_job_ids(MAX_SEARCHED, tenant=owner), viewer, words, offset + limit)
-        records = records[offset:]
-    return jsonify({"jobs": _with_eta(svc, records)})
+        found = _search(svc, svc.jobs.recent_job_ids(MAX_SEARCHED, tenant=owner), viewer, words, offset + limit)
+        ids = [record["job_id"] for record in found[offset:]]
+    bodies = [body for body in (polled_record(svc, job_id, viewer) for job_id in ids) if body is not None]
+    return Response('{"jobs":[' + ",".join(bodies) + "]}\n", mimetype="application/json")
 
 
 def _search(svc: Services, ids: list[str], viewer: Tenant, words: list[str], wanted: int) -> list[dict[str, Any]]:
@@ -157,7 +157,7 @@ def get_job(job_id: str) -> ResponseReturnValue:
     body = polled_record(context().services, job_id, tenant())
     if body is None:
         return job_not_found(job_id)
-    # Built by the read itself (app/control/lua/read_job.lua), equal to public_record's: served as it is.
+    # Built by the read itself (app/control/lua/read_job.lua): served as it is.
     return Response(body, mimetype="application/json")
 
 
@@ -243,10 +243,10 @@ def cancel_job(job_id: str) -> ResponseReturnValue:
     if task_ids:
         shared.celery.control.revoke(task_ids)
     job_event(log, "cancel_requested", job_id)
-    record = svc.jobs.record(job_id)
-    if record is None:  # expired since the check above
+    body = polled_record(svc, job_id)
+    if body is None:  # expired since the check above
         return job_not_found(job_id)
-    return jsonify(_with_eta(svc, [record])[0])
+    return Response(body, mimetype="application/json")
 
 
 @blueprint.post("/api/v1/jobs/<job_id>/retry")
@@ -277,11 +277,10 @@ def retry(job_id: str) -> ResponseReturnValue:
         return error(403, f"retries: {exc}", "retries")
     except RetryRefused as exc:
         return error(409, f"job: {exc}", "job")
-    record = shared.services.jobs.record(job_id)
-    if record is None:  # expired since the retry
+    body = polled_record(shared.services, job_id)
+    if body is None:  # expired since the retry
         return job_not_found(job_id)
-    reply = _with_eta(shared.services, [record])[0]
-    return jsonify({**reply, "retried": retried})
+    return jsonify({**json.loads(body), "retried": retried})
 
 
 @blueprint.get("/api/v1/jobs/<job_id>/tracks/<file_name>")
@@ -320,34 +319,3 @@ def _serve_artifact(svc: Services, job_id: str, index: int, name: str, fmt: str)
         return redirect(presigned, code=302)
     path = svc.artifacts.local_path(job_id, name)
     return send_file(path, mimetype=MEDIA_TYPES[fmt], conditional=True, download_name=download_name)
-
-
-def _with_eta(svc: Services, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records as clients see them, each with its `eta_s` and `worker_offline` (one read of their queues for
-    all of them)."""
-    readings = job_readings(svc, records)
-    return [public_record(record, eta, offline) for record, (eta, offline) in zip(records, readings, strict=True)]
-
-
-def public_record(record: dict[str, Any], eta_s: float | None, worker_offline: bool = False) -> dict[str, Any]:
-    """The record as clients see it: internal bookkeeping (Celery ids, costs) left out; a track whose stage
-    runs (or last ran) on a worker has that worker's status (read with the record), so a client sees
-    `offline` when it died. The reference for the poll's reply, which the read script builds itself."""
-    tracks = []
-    for track in record["tracks"]:
-        public = {k: v for k, v in track.items() if k not in PRIVATE_TRACK_FIELDS}
-        public["seed"] = track["params"].get("seed")
-        public["downloads"] = download_urls(record["job_id"], track)
-        tracks.append(public)
-    return {**record, "tracks": tracks, "eta_s": eta_s, "worker_offline": worker_offline}
-
-
-def download_urls(job_id: str, track: dict[str, Any]) -> dict[str, str]:
-    """A track's download links, by format, from the files it has."""
-    urls = {}
-    for name in track["artifacts"]:
-        if name == "output.mp4":
-            urls["mp4"] = f"{JOBS_URL}{job_id}/video.mp4"
-        elif TRACK_FILE.fullmatch(name.removeprefix("track")):
-            urls[name.rsplit(".", 1)[1]] = f"{JOBS_URL}{job_id}/tracks/{name.removeprefix('track')}"
-    return urls

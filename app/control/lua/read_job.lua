@@ -3,7 +3,7 @@
 -- (app/core/tenants.py); with the ETA, ARGV[9]: seconds after which a queue unseen has no live worker.
 -- Without the view: the job, its tracks with queue positions and their workers' status, the cancel flag (and the
 -- job's ETA): one JSON document, built here so that Python parses it once. With it: the record exactly as a poll
--- answers it (app/http/jobs.public_record is the reference; a parity test holds them together), so the web serves
+-- answers it (tests/support/records.public_record is the reference; a parity test holds them together), so the web serves
 -- this text as it is, with no parse and no second encoding: from the job's view (lua/job_view.lua, rendered by
 -- the writes) and what moves without a write to the job (queue positions, workers' status, the cancel flag,
 -- webhook deliveries, the ETA from its cache). Track fields stored as JSON are spliced in as they are (cjson would
@@ -38,21 +38,6 @@ local function queues_live(states, now)
     end
   end
   return true
-end
-
--- The job's overall state from its tracks' display states (app/control/jobs.overall_state).
-local function overall(names)
-  if #names == 0 then return 'failed' end
-  local all_queued, seen, kinds = true, {}, 0
-  for _, s in ipairs(names) do if s ~= 'queued' then all_queued = false end end
-  if all_queued then return 'queued' end
-  for _, s in ipairs(names) do
-    if not is_terminal(s) then return 'running' end
-    if not seen[s] then seen[s] = true; kinds = kinds + 1 end
-  end
-  if kinds == 1 then return names[1] end
-  if seen.done then return 'partial' end
-  return seen.canceled and 'canceled' or 'failed'
 end
 
 if ARGV[6] == '1' then  -- a client's view
@@ -91,7 +76,7 @@ if ARGV[6] == '1' then  -- a client's view
   if fresh then redis.call('HSET', view_key, 'eta', fresh) end
   local live = queues_live(states, tonumber(ARGV[5]))
   if not live then seconds = false end
-  local out = {v.head, table.concat(tracks, ','), '],"state":"', overall(displayed), '","queue_position":',
+  local out = {v.head, table.concat(tracks, ','), '],"state":"', overall_of(displayed), '","queue_position":',
     tostring(waiting_at or 0), ',"cancel_requested":',
     redis.call('EXISTS', K.cancel(job_id)) == 1 and 'true' or 'false'}
   if v.hook then
@@ -110,11 +95,13 @@ if not job.kind then return false end
 
 local tracks = {}
 local states = {}  -- {index, status, queue} of each track, for the ETA
+local displayed = {}  -- each track's state as clients see it, for the job's
 for i = 0, tonumber(job.num_tracks) - 1 do
   local flat = redis.call('HGETALL', K.track(job_id, i))
   local t = to_table(flat)
   if t.status then
     states[#states + 1] = {i, t.status, t.queue or ''}
+    displayed[#displayed + 1] = t.state or ''
     local parts = {}
     for j = 1, #flat, 2 do
       local value = json_field[flat[j]] and flat[j + 1] or cjson.encode(flat[j + 1])
@@ -135,5 +122,5 @@ if ARGV[5] and ARGV[5] ~= '' then  -- the job's ETA at time ARGV[5], in this sam
   eta = ',"eta_s":' .. (seconds and string.format('%.17g', seconds) or 'null')
 end
 local cancel = redis.call('EXISTS', K.cancel(job_id))
-return '{"job":' .. cjson.encode(job) .. ',"tracks":[' .. table.concat(tracks, ',') .. '],"cancel":' .. cancel ..
-  eta .. '}'
+return '{"job":' .. cjson.encode(job) .. ',"tracks":[' .. table.concat(tracks, ',') .. '],"state":"' ..
+  overall_of(displayed) .. '","cancel":' .. cancel .. eta .. '}'

@@ -188,16 +188,7 @@ local function overall()
   for _, name in ipairs({'waiting', 'active', 'done', 'failed', 'canceled'}) do
     c[name] = tonumber(redis.call('HGET', job_key, 'n_' .. name) or '0')
   end
-  local n = c.waiting + c.active + c.done + c.failed + c.canceled
-  if n == 0 then return nil end
-  if c.waiting == n then return 'queued' end
-  if c.waiting + c.active > 0 then return 'running' end
-  if c.done == n then return 'done' end
-  if c.failed == n then return 'failed' end
-  if c.canceled == n then return 'canceled' end
-  if c.done > 0 then return 'partial' end
-  if c.canceled > 0 then return 'canceled' end
-  return 'failed'
+  return overall_state(c)
 end
 local before_cat, after_cat = category(status), category(target)
 local job_before, job_after = nil, nil
