@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.core.config import NUMERIC_BOUNDS, load_settings
+from app.core.config import Settings, declarations, load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,30 +76,63 @@ def _numeric_fields() -> list[str]:
     ]
 
 
-def test_every_numeric_setting_has_bounds_and_is_read_from_the_variable_its_message_names():
-    source = (REPO / "app" / "core" / "config.py").read_text()
-    fields = _numeric_fields()
-    assert sorted(fields) == sorted(NUMERIC_BOUNDS), "a numeric setting without bounds, or bounds of no setting"
-    for name in fields:
-        assert re.search(
-            rf'^\s+{name}: [^=\n]*= field\(\s*default_factory=lambda: _(int|float)\(\s*"ENCORE_{name.upper()}"',
-            source,
-            re.M,
-        ), f"{name} is not read as ENCORE_{name.upper()} by _int/_float"
+BOUNDED = {name: declared for name, declared in declarations().items() if declared.bounds is not None}
+ENVIRONMENT_NAME = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)+")
 
 
-@pytest.mark.parametrize("name", sorted(NUMERIC_BOUNDS))
+def test_every_setting_is_declared_once_with_its_variables_defaults_and_description():
+    """One declaration per field, none of them sharing a variable with another: the table, the parser and the
+    bounds all come from it."""
+    undeclared = [f.name for f in dataclasses.fields(Settings) if "declaration" not in f.metadata]
+    assert undeclared == [], "a Settings field not declared by setting() or its kin"
+    variables = [variable for declared in declarations().values() for variable, _ in declared.variables]
+    assert len(variables) == len(set(variables)), "a variable read by two settings"
+    for name, declared in declarations().items():
+        assert declared.variables, name
+        for variable, default in declared.variables:
+            assert ENVIRONMENT_NAME.fullmatch(variable), (name, variable)
+            assert default is None or isinstance(default, str), (name, default)  # None: read without a default
+        assert declared.description.strip(), f"{name} has no description"
+
+
+def test_every_numeric_setting_and_only_those_have_bounds():
+    assert sorted(_numeric_fields()) == sorted(BOUNDED), "a numeric setting without bounds, or bounds of no number"
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDED))
 def test_a_numeric_setting_below_its_bound_refuses_to_start_naming_the_variable(monkeypatch, name):
-    least, least_allowed, most = NUMERIC_BOUNDS[name]
-    variable = f"ENCORE_{name.upper()}"
+    bounds, variable = BOUNDED[name].bounds, BOUNDED[name].variable
     monkeypatch.setenv("ENCORE_S3_PRESIGN", "1")  # ENCORE_S3_PRESIGN_S is read only then
-    monkeypatch.setenv(variable, str(int(least) - 1) if least_allowed else str(int(least)))
-    with pytest.raises(ValueError, match=variable):
+    monkeypatch.setenv(variable, str(int(bounds.least) - 1) if bounds.least_allowed else str(int(bounds.least)))
+    with pytest.raises(ValueError, match=f"^{variable} must be "):
         load_settings()
-    if most is not None:
-        monkeypatch.setenv(variable, str(int(most) + 1))
-        with pytest.raises(ValueError, match=variable):
+    if bounds.most is not None:
+        monkeypatch.setenv(variable, str(int(bounds.most) + 1))
+        with pytest.raises(ValueError, match=f"^{variable} must be <= "):
             load_settings()
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDED))
+def test_a_numeric_setting_that_is_not_a_number_refuses_to_start_naming_the_variable(monkeypatch, name):
+    variable = BOUNDED[name].variable
+    monkeypatch.setenv("ENCORE_S3_PRESIGN", "1")  # ENCORE_S3_PRESIGN_S is read only then
+    monkeypatch.setenv(variable, "soon")
+    with pytest.raises(ValueError, match=f"^{variable} must be (an integer|a number), not 'soon'"):
+        load_settings()
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDED))
+def test_a_bound_holds_for_a_keyword_override_too(name):
+    bounds = BOUNDED[name].bounds
+    with pytest.raises(ValueError, match=f"^{BOUNDED[name].variable} must be "):
+        Settings(**{name: bounds.least - 1})
+
+
+@pytest.mark.parametrize("value", ["backbone=soon", "backbone", "decode=60/"])
+def test_a_time_limit_that_is_not_a_number_refuses_to_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("ENCORE_TIME_LIMITS", value)
+    with pytest.raises(ValueError, match="^ENCORE_TIME_LIMITS: "):
+        load_settings()
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "soon", ""])
