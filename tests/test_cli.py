@@ -408,6 +408,31 @@ def test_the_encore_command_works_from_any_folder(stack, tmp_path):
     assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m app "), helped.stdout + helped.stderr
 
 
+def test_events_runs_the_http_layers_server_entry_under_both_names(tmp_path):
+    """Issue 37 #7: the events server's entry and its --bind live in the HTTP layer (app/http/events_server.py),
+    which `python -m app events` reaches through app/__main__.py; `encore events` hands its arguments over to it
+    (the client imports no server code). Both show the server's own options and reach its bind check; the client's
+    help still lists `events`, and its other commands refuse the server's options. The server really serving is
+    tests/test_events_server.py's (started as tests/support/stack.py does, `python -m app events --bind`)."""
+    encore = str(Path(sys.executable).parent / "encore")
+    for command in (
+        (sys.executable, "-m", "app", "events"),
+        (encore, "events"),
+        (encore, "--url", "http://127.0.0.1:9", "events"),
+    ):
+        helped = run_in(tmp_path, *command, "--help")
+        assert helped.returncode == 0, helped.stderr
+        assert helped.stdout.startswith("usage: python -m app events [-h] [--bind BIND]"), helped.stdout
+        refused = run_in(tmp_path, *command, "--bind", "nowhere")
+        assert refused.returncode != 0 and "ENCORE_EVENTS_BIND: 'nowhere' is not host:port" in refused.stderr, (
+            refused.stderr
+        )
+    listed = run_in(tmp_path, sys.executable, "-m", "app", "--help")
+    assert listed.returncode == 0 and "run the events server" in listed.stdout and "--bind" not in listed.stdout
+    mistaken = run_in(tmp_path, encore, "jobs", "--bind", "127.0.0.1:8001")
+    assert mistaken.returncode == 2 and "unrecognized arguments: --bind 127.0.0.1:8001" in mistaken.stderr
+
+
 def test_a_wheel_of_the_project_ships_every_file_of_app_and_the_command(tmp_path):
     """`pip install .` (a client machine, an image) installs from a wheel, not from the work tree: every file of
     app/ that git tracks must be in it (the Lua scripts, khala_tags.json, the page's static files, app.tasks

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import requests
 import pytest
 
-from app.clients.cli import sse_messages
+from app.clients.http_client import sse_messages
 from tests.support.processes import wait_until
 from tests.support.tenants import bearer, write_tenants_file
 

@@ -20,8 +20,9 @@ import pytest
 import redis.asyncio
 import requests
 
-from app.clients import cli
-from app.clients.cli import sse_messages
+from app.clients.following import follow_events
+from app.clients.http_client import Client, sse_messages
+from app.clients.reporters import LineReporter
 from app.control.streams import AsyncStreams, make_ticket, ticket_tenant
 from app.http.events_server import IDLE_RELEASE_S, REDIS_CLIENT_NAME
 from tests.support.processes import free_port, wait_until
@@ -123,10 +124,10 @@ def test_a_stream_sends_heartbeats_ends_after_its_bound_and_frees_its_slot(deplo
 def test_the_cli_follows_a_job_through_the_redirect(deployment):
     stack, web, _ = deployment()
     job_id = submit(stack, "acme-1")
-    client = cli.Client(web, "acme-1")
+    client = Client(web, "acme-1")
     result: dict = {}
     follower = threading.Thread(
-        target=lambda: result.update(cli.follow_events(client, job_id, cli.LineReporter(), 60)), daemon=True
+        target=lambda: result.update(follow_events(client, job_id, LineReporter(), 60)), daemon=True
     )
     follower.start()
     # Cancel only once the CLI's stream is open at the events server (its tenant holds a slot there).

@@ -1,6 +1,7 @@
 """Import directions between Encore's layers, checked on the source: a module may import its own layer and the
 layers below it, never one above it, and the two top-level peers (the HTTP layer and the workers) never import
-each other. A module outside every layer fails the test too, so a new file has to say where it belongs."""
+each other. The clients speak HTTP: they import no part of the server side, whatever its rank. A module outside
+every layer fails the test too, so a new file has to say where it belongs."""
 
 from __future__ import annotations
 
@@ -17,8 +18,14 @@ LAYERS: dict[str, tuple[int, tuple[str, ...]]] = {
     "control": (3, ("app.control",)),
     "http": (4, ("app.http", "app.web")),
     "workers": (4, ("app.tasks",)),
-    "clients": (5, ("app.clients", "app.__main__")),
+    "clients": (5, ("app.clients",)),
+    # `python -m app`: hands `events` to the HTTP layer's server entry and every other command to the client.
+    "entry": (6, ("app.__main__",)),
 }
+# What a client never imports though it sits above them: the servers (the HTTP layer, the events server in it, the
+# workers) and the job store they share. A client machine has none of their packages, and `encore events` execs
+# `python -m app events` rather than importing the server.
+SERVER_SIDE: dict[str, tuple[str, ...]] = {"clients": ("adapters", "control", "http", "workers")}
 PACKAGE_ROOT = "app"  # app/__init__.py exposes the Celery app for `celery -A app`; it belongs to no layer
 
 
@@ -72,18 +79,19 @@ def violations(root: Path = REPO) -> list[str]:
             target = layer_of(target_module)
             if target == source:
                 continue
-            if target is None or LAYERS[target][0] >= rank:
+            if target is None or LAYERS[target][0] >= rank or target in SERVER_SIDE.get(source, ()):
                 problems.append(f"{path.relative_to(root)}:{line}: {source} imports {target_module} ({target})")
     return problems
 
 
-def test_no_layer_imports_a_layer_above_it_or_a_peer():
+def test_no_layer_imports_a_layer_above_it_or_a_peer_and_no_client_imports_a_server():
     assert violations() == []
 
 
 def test_the_check_sees_upward_and_peer_imports_and_unplaced_modules(tmp_path):
     """The rule is not vacuous: on a small tree of the same shape it reports an upward import (even a lazy one),
-    a peer import between the HTTP layer and the workers, and a module in no layer; downward imports pass."""
+    a peer import between the HTTP layer and the workers, a client importing a server (the events server, lazily,
+    as the CLI once did), and a module in no layer; downward imports pass, and `python -m app` may import both."""
     files = {
         "app/__init__.py": "",
         "app/pipeline/model.py": "def f():\n    from app.control.jobs import JobStore\n    return JobStore\n",
@@ -91,12 +99,16 @@ def test_the_check_sees_upward_and_peer_imports_and_unplaced_modules(tmp_path):
         "app/core/ids.py": "",
         "app/tasks/stage.py": "from app.http import schemas\nfrom app.control import jobs\n",
         "app/http/schemas.py": "",
+        "app/http/events_server.py": "",
+        "app/clients/cli.py": "from app.core import ids\ndef events():\n    from app.http.events_server import main\n",
+        "app/__main__.py": "from app.http import events_server\nfrom app.clients import cli\n",
         "app/stray.py": "",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert violations(tmp_path) == [
+        "app/clients/cli.py:3: clients imports app.http.events_server (http)",
         "app/pipeline/model.py:2: pipeline imports app.control.jobs (control)",
         "app.stray: in no layer (tests/test_layers.py LAYERS)",
         "app/tasks/stage.py:1: workers imports app.http.schemas (http)",

@@ -13,7 +13,9 @@ import re
 import pytest
 import requests
 
-from app.clients.cli import LineReporter, describe, ended_reason, sse_messages, submitted_line, track_fraction
+from app.clients.cli import submitted_line
+from app.clients.http_client import sse_messages
+from app.clients.reporters import LineReporter, describe, ended_reason, track_fraction
 from app.core.kinds import MUSIC
 from app.http import khala
 from app.pipeline.control import StageControl

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 
-from app.clients.cli import sse_messages, with_event
+from app.clients.following import with_event
+from app.clients.http_client import sse_messages
 from app.http.events import EventCursor, end_frame
 
 

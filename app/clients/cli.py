@@ -7,6 +7,11 @@
 `encore` is the command pyproject.toml installs (scripts/setup.sh installs the project into .venv); `python -m app`
 is the same client where the `app` package is importable (the project's folder, or any folder once installed).
 
+This module is the argument parsing and the commands; the pieces they use live by concern beside it: the HTTP
+client and the event-stream format (http_client.py), following a job (following.py), the progress display
+(reporters.py) and saving results (downloads.py). `events` runs a server, not a client: its entry is the HTTP
+layer's (app/http/events_server.py, reached through app/__main__.py), and this module never imports it.
+
 It only speaks HTTP (base URL from --url / ENCORE_URL, token from --token / ENCORE_API_TOKEN), so it works
 against any deployment; nothing heavy (torch, Flask, Redis) is imported. Exit codes: 0 the job is done (or
 the command succeeded), 1 the job ended failed / canceled / partial, 2 usage or HTTP error.
@@ -19,382 +24,19 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, cast
+from typing import Any, BinaryIO, Callable, Sequence
 
-import requests
-from tqdm import tqdm
-
+from app.clients.downloads import download_results
+from app.clients.following import fetch_record, follow
+from app.clients.http_client import ApiError, Client, ClientSettings
+from app.clients.reporters import LineReporter, describe, make_reporter
 from app.core.config import DEFAULT_WEB_URL
-from app.core.kinds import JOB_END_STATES, KINDS, QUEUED, TERMINAL_STATES
+from app.core.kinds import QUEUED
 from app.core.priority import PRIORITIES
 from app.core.tenants import token_digest
 
 EXIT_OK, EXIT_JOB_NOT_DONE, EXIT_ERROR = 0, 1, 2
-RETRY_WINDOW_S = 30.0  # while following a job, ride out a web restart or a network blip this long
-
-
-class ApiError(Exception):
-    """An HTTP error or an unreachable server, with the server's own `error` message when it sent one."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-    @property
-    def transient(self) -> bool:
-        return self.status is None or self.status >= 500
-
-
-@dataclass(frozen=True)
-class ClientSettings:
-    """The client's own two settings, read alone: a client machine's environment may hold the server's
-    variables too (a shared .env, a worker host), and their values are none of the client's business."""
-
-    url: str = DEFAULT_WEB_URL  # ENCORE_URL
-    token: str | None = None  # ENCORE_API_TOKEN
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "ClientSettings":
-        return cls(url=environ.get("ENCORE_URL", DEFAULT_WEB_URL), token=environ.get("ENCORE_API_TOKEN") or None)
-
-
-# -- HTTP ---------------------------------------------------------------------------------------------------
-@dataclass
-class Client:
-    """Thin wrapper over requests: base URL, bearer token, and errors turned into ApiError."""
-
-    base_url: str
-    token: str | None = None
-    timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        self.base_url = self.base_url.rstrip("/")
-        self.session = requests.Session()
-        if self.token:
-            self.session.headers["Authorization"] = f"Bearer {self.token}"
-
-    def url(self, path: str) -> str:
-        return path if path.startswith(("http://", "https://")) else f"{self.base_url}{path}"
-
-    def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        kwargs.setdefault("timeout", self.timeout_s)
-        try:
-            reply = self.session.request(method, self.url(path), **kwargs)
-        except requests.RequestException as exc:
-            raise ApiError(f"cannot reach Encore at {self.base_url} ({_reason(exc)})") from exc
-        if reply.status_code >= 400:
-            raise ApiError(_error_message(reply), reply.status_code)
-        return reply
-
-    def json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        return self.request(method, path, **kwargs).json()
-
-    def download(self, path: str, target: Path) -> int:
-        """Stream a file to `target` (via a .part file, so a broken transfer never looks complete)."""
-        part = target.with_name(target.name + ".part")
-        with self.request("GET", path, stream=True) as reply, open(part, "wb") as out:
-            for chunk in reply.iter_content(1 << 20):
-                out.write(chunk)
-        part.replace(target)
-        return target.stat().st_size
-
-
-def _reason(exc: requests.RequestException) -> str:
-    """The innermost cause in a few words (urllib3's wrapped messages are a paragraph long)."""
-    cause: BaseException = exc
-    while cause.__context__ is not None and cause.__context__ is not cause:
-        cause = cause.__context__
-    text = str(cause).split("] ", 1)[-1] if "] " in str(cause) else str(cause)
-    return text[:160] or type(exc).__name__
-
-
-def _error_message(reply: requests.Response) -> str:
-    try:
-        body = reply.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and body.get("error"):
-        return f"{body['error']} (HTTP {reply.status_code})"
-    return f"HTTP {reply.status_code}: {reply.text.strip()[:200] or reply.reason}"
-
-
-# -- progress ------------------------------------------------------------------------------------------------
-def describe(track: dict[str, Any], kind: str) -> str:
-    """One line for a track: its state, where a queued track stands, or the running stage and its detail."""
-    state, index = track["state"], track["track"]
-    if state == QUEUED:
-        position, queue = track.get("queue_position") or 0, track.get("queue") or ""
-        if not queue:
-            return f"track {index} queued ({track.get('detail') or 'waiting for a worker'})"
-        return f"track {index} queued #{position} on {queue}" if position else f"track {index} queued on {queue}"
-    if state in ("failed", "canceled"):
-        return f"track {index} {ended_reason(track)}"
-    states = stage_states(kind)
-    if state in states:
-        return f"track {index} {state} [{states.index(state) + 1}/{len(states)}] {track.get('detail') or ''}".rstrip()
-    return f"track {index} {state}"
-
-
-def ended_reason(track: dict[str, Any]) -> str:
-    """A failed or canceled track's state and why, the state word said once: the lifecycle's details already
-    start with it ("canceled during backbone"), and a cancel leaves `error` empty (its reason is the detail)."""
-    state = track["state"]
-    reason = str(track.get("error") or track.get("detail") or "").strip()
-    if not reason or reason == state:
-        return state
-    return reason if reason.split()[0].rstrip(":") == state else f"{state}: {reason}"
-
-
-def stage_states(kind: str) -> list[str]:
-    """The track states of `kind`'s stages, in order (none for a kind this client does not know)."""
-    return [stage.state for stage in KINDS[kind].stages] if kind in KINDS else []
-
-
-def track_fraction(track: dict[str, Any], kind: str) -> float:
-    """How far the track is through its whole chain, 0..1: stages finished plus the running stage's own
-    progress, each stage an equal part (the line says which, [k/n]). It only grows as stages follow each other
-    (a stage's end and the next one's start are the same figure), where the stage's own progress falls back to
-    0 at each new stage; a track that waits to resume counts the stages it has finished."""
-    states = stage_states(kind)
-    if track["state"] == "done" or not states:
-        return 1.0 if track["state"] == "done" else 0.0
-    if track["state"] in states:
-        progress = min(max(float(track.get("progress") or 0), 0.0), 1.0)
-        return (states.index(track["state"]) + progress) / len(states)
-    finished = sum(
-        1 for run in (track.get("stages") or {}).values() if isinstance(run, dict) and run.get("finished_at")
-    )
-    return min(finished, len(states)) / len(states)
-
-
-def between_stages(track: dict[str, Any]) -> bool:
-    """True while a track whose stage finished waits for its next one to start (status `waiting:<stage>`): a
-    moment with nothing to report (its detail says only "waiting for the worker", at 0 % of a stage not begun)."""
-    return str(track.get("status") or "").startswith("waiting:")
-
-
-class Reporter(Protocol):
-    def update(self, record: dict[str, Any]) -> None: ...
-    def note(self, message: str) -> None: ...
-    def close(self) -> None: ...
-
-
-class BarReporter:
-    """One tqdm bar per track showing its progress over its whole chain (track_fraction, so the bar never runs
-    back at a stage change); the description is state + detail."""
-
-    WIDTH = 52
-
-    def __init__(self, stream: Any = None) -> None:
-        self.stream = stream or sys.stderr
-        self.bars: dict[int, tqdm] = {}
-
-    def update(self, record: dict[str, Any]) -> None:
-        for track in record["tracks"]:
-            text = describe(track, record["kind"])[: self.WIDTH].ljust(self.WIDTH)
-            bar = self.bars.get(track["track"])
-            if bar is None:
-                bar = self.bars[track["track"]] = tqdm(
-                    desc=text,
-                    total=100,
-                    position=track["track"],
-                    leave=True,
-                    file=self.stream,
-                    dynamic_ncols=True,
-                    bar_format="{desc} {bar} {percentage:3.0f}% {elapsed}",
-                )
-            bar.set_description_str(text, refresh=False)
-            bar.n = round(100 * track_fraction(track, record["kind"]))
-            bar.refresh()
-
-    def note(self, message: str) -> None:
-        """A line of its own above the bars. Printed plainly it would land after the cursor, which sits at the end
-        of a bar (tqdm redraws a bar in place with \\r, no newline): the message glued to the bar, wrapped on a
-        narrow terminal, and left behind on screen as the bars moved on. tqdm.write clears the bars, prints the
-        line and draws them again below it."""
-        tqdm.write(message, file=self.stream)
-        self.stream.flush()
-
-    def close(self) -> None:
-        for bar in self.bars.values():
-            bar.close()
-
-
-class LineReporter:
-    """For logs and pipes: one line per track whenever its state, its queue position or whether its stage is
-    loading a model changes. A track between two stages prints nothing (the next stage's start does)."""
-
-    def __init__(self, stream: Any = None) -> None:
-        self.stream = stream or sys.stderr
-        self.seen: dict[int, tuple[Any, ...]] = {}
-
-    def update(self, record: dict[str, Any]) -> None:
-        for track in record["tracks"]:
-            if between_stages(track):
-                continue
-            loading = str(track.get("detail") or "").startswith("loading ")
-            key = (track["state"], track.get("queue_position"), track.get("queue"), loading)
-            if self.seen.get(track["track"]) != key:
-                self.seen[track["track"]] = key
-                self.note(describe(track, record["kind"]) + _percent(track, record["kind"]))
-
-    def note(self, message: str) -> None:
-        print(message, file=self.stream, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-def _percent(track: dict[str, Any], kind: str) -> str:
-    """The track's progress over its chain while it is open; nothing once it has ended (it would only confuse)."""
-    return "" if track["state"] in TERMINAL_STATES else f" ({100 * track_fraction(track, kind):.0f}%)"
-
-
-def make_reporter(mode: str) -> Reporter:
-    """Bars on a terminal, plain lines otherwise (or as forced with --progress)."""
-    if mode == "bars" or (mode == "auto" and sys.stderr.isatty()):
-        return BarReporter()
-    return LineReporter()
-
-
-# -- following and downloading --------------------------------------------------------------------------------
-def fetch_record(client: Client, job_id: str) -> dict[str, Any]:
-    """GET the job record, retrying transient failures (server down, 5xx) for RETRY_WINDOW_S."""
-    deadline = time.monotonic() + RETRY_WINDOW_S
-    while True:
-        try:
-            return client.json("GET", f"/api/v1/jobs/{job_id}")
-        except ApiError as exc:
-            if not exc.transient or time.monotonic() > deadline:
-                raise
-        time.sleep(1.0)
-
-
-def follow(client: Client, job_id: str, reporter: Reporter, interval_s: float, events: bool = True) -> dict[str, Any]:
-    """Follow the job until it ends, feeding records to the reporter: through its server-sent events, or by
-    polling when the server has none (an older Encore, a proxy that refuses streams) or `events` is off."""
-    if events:
-        try:
-            return follow_events(client, job_id, reporter, interval_s)
-        except StreamUnavailable as exc:
-            reporter.note(f"following job {job_id[:8]} by polling ({exc})")
-    return poll(client, job_id, reporter, interval_s)
-
-
-def poll(client: Client, job_id: str, reporter: Reporter, interval_s: float) -> dict[str, Any]:
-    """Poll the job until it ends, feeding every record to the reporter."""
-    while True:
-        record = fetch_record(client, job_id)
-        reporter.update(record)
-        if record["state"] in JOB_END_STATES:
-            return record
-        time.sleep(interval_s)
-
-
-class StreamUnavailable(Exception):
-    """The server answers no event stream for the job (or it keeps failing): poll instead."""
-
-
-EVENT_STREAM_READ_S = 60.0  # several heartbeats: a stream silent this long is dead, and is reopened
-EVENT_STREAM_RETRIES = 3
-
-
-def sse_messages(lines: Iterable[str]) -> Iterator[tuple[str, str | None, str]]:
-    """(event name, id, data) per server-sent message; comments (heartbeats) and `retry:` skipped."""
-    event: str = "message"
-    event_id: str | None = None
-    data: list[str] = []
-    for line in lines:
-        if not line:
-            if data:
-                yield event, event_id, "\n".join(data)
-            event, event_id, data = "message", None, []
-            continue
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if name == "event":
-            event = value
-        elif name == "id":
-            event_id = value
-        elif name == "data":
-            data.append(value)
-
-
-def follow_events(client: Client, job_id: str, reporter: Reporter, interval_s: float) -> dict[str, Any]:
-    """Follow GET /api/v1/jobs/<id>/events to `event: end`: each event updates its track in the last record
-    (a full record is fetched at most every `interval_s`, and at the end); a dropped stream is reopened with
-    Last-Event-ID, so nothing is missed."""
-    record = fetch_record(client, job_id)
-    reporter.update(record)
-    if record["state"] in JOB_END_STATES:
-        return record
-    reporter.note(f"following job {job_id[:8]} via server-sent events")
-    last_id: str | None = None
-    fetched, failures = time.monotonic(), 0
-    while True:
-        headers = {"Accept": "text/event-stream", **({"Last-Event-ID": last_id} if last_id else {})}
-        try:
-            with client.session.get(
-                client.url(f"/api/v1/jobs/{job_id}/events"),
-                headers=headers,
-                stream=True,
-                timeout=(client.timeout_s, EVENT_STREAM_READ_S),
-            ) as reply:
-                if reply.status_code != 200 or not reply.headers.get("Content-Type", "").startswith(
-                    "text/event-stream"
-                ):
-                    raise StreamUnavailable(f"events answered HTTP {reply.status_code}")
-                # chunk_size=None: each line as soon as it arrives (requests allows it; its stubs do not)
-                lines = cast(Iterator[str], reply.iter_lines(chunk_size=None, decode_unicode=True))  # type: ignore[call-overload]
-                for event, event_id, data in sse_messages(lines):
-                    if event == "end":
-                        record = fetch_record(client, job_id)
-                        reporter.update(record)
-                        return record
-                    last_id, failures = event_id or last_id, 0
-                    if time.monotonic() - fetched >= interval_s:
-                        record, fetched = fetch_record(client, job_id), time.monotonic()
-                    else:
-                        record = with_event(record, json.loads(data))
-                    reporter.update(record)
-        except requests.RequestException as exc:
-            failures += 1
-            if failures > EVENT_STREAM_RETRIES:
-                raise StreamUnavailable(f"the event stream kept failing: {_reason(exc)}") from exc
-            time.sleep(1.0)
-        # the stream ended without `end` (its server-side bound, a restart): reopen it where it stopped
-
-
-def with_event(record: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
-    """The record with one track event applied (its state, progress, detail, error, version), and the job's
-    state. An event no newer than what the record shows of its track (the track's `version`) changes nothing: a
-    stream opened from its start replays the job's history, and what a client shows only moves forward."""
-    track = next((t for t in record["tracks"] if t["track"] == event.get("track")), None)
-    if track is None or int(event.get("version") or 0) <= int(track.get("version") or 0):
-        return record
-    fields = ("state", "status", "stage", "progress", "detail", "error", "version")
-    tracks = [dict(t, **{k: event[k] for k in fields if k in event}) if t is track else t for t in record["tracks"]]
-    return {**record, "tracks": tracks, "state": event.get("job_state", record["state"])}
-
-
-def output_name(kind: str, track: int, fmt: str) -> str:
-    return "lipsync.mp4" if kind == "lipsync" and fmt == "mp4" else f"track{track}.{fmt}"
-
-
-def download_results(client: Client, record: dict[str, Any], out: Path) -> list[Path]:
-    """Every file of every finished track, named track<i>.<fmt> (music) or lipsync.mp4."""
-    out.mkdir(parents=True, exist_ok=True)
-    saved = []
-    for track in record["tracks"]:
-        if track["state"] != "done":
-            continue
-        for fmt, url in sorted(track.get("downloads", {}).items()):
-            target = out / output_name(record["kind"], track["track"], fmt)
-            client.download(url, target)
-            saved.append(target)
-    return saved
 
 
 def wait_and_download(client: Client, job_id: str, args: argparse.Namespace) -> int:
@@ -710,23 +352,25 @@ def build_parser(prog: str = "encore") -> argparse.ArgumentParser:
     hash_token.set_defaults(handler=cmd_hash_token)
     events = commands.add_parser(
         "events",
+        add_help=False,  # its --help and --bind are the server's own (app/http/events_server.py)
         help="run the events server: jobs' event streams on one asyncio loop (ENCORE_EVENTS_BIND, :8001)",
     )
-    events.add_argument("--bind", help="host:port (default: ENCORE_EVENTS_BIND)")
     events.set_defaults(handler=cmd_events)
     return parser
 
 
 def cmd_events(client: Client, args: argparse.Namespace) -> int:
-    """The events server (app/http/events_server.py), imported here only: the client stays light."""
-    from app.http.events_server import main as serve_events
-
-    return serve_events(args.bind)
+    """`encore events [--bind host:port]`: this process becomes `python -m app events` with the same arguments,
+    whose entry is the HTTP layer's (app/__main__.py hands `events` to app/http/events_server.py). The client
+    never imports server code (aiohttp, Redis): it hands the command over, under the same process id."""
+    os.execv(sys.executable, [sys.executable, "-m", "app", "events", *args.server_args])
 
 
 def cmd_hash_token(client: Client, args: argparse.Namespace) -> int:
     """The digest a tenants file stores for a token (app/core/tenants.py). The token is read from standard input,
-    never from the command line, where shell history and `ps` would keep it."""
+    never from the command line, where shell history and `ps` would keep it. A client command, unlike `events`: it
+    starts nothing and needs nothing of the server (the digest is core's, standard library only), so it runs
+    wherever `encore` is installed, and whoever holds a token can hash it there."""
     token = sys.stdin.readline().strip()
     if not token or any(c.isspace() for c in token):
         raise UsageError("give the token on standard input: one line, no white space inside")
@@ -735,8 +379,13 @@ def cmd_hash_token(client: Client, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "encore") -> int:
-    """The `encore` command (pyproject.toml's [project.scripts]); `python -m app` passes its own name."""
-    args = build_parser(prog).parse_args(argv)
+    """The `encore` command (pyproject.toml's [project.scripts]); `python -m app` passes its own name. Arguments
+    no command knows are an error, as argparse makes them, except after `events`: those are the server's."""
+    parser = build_parser(prog)
+    args, server_args = parser.parse_known_args(argv)
+    if server_args and args.command != "events":
+        parser.error(f"unrecognized arguments: {' '.join(server_args)}")
+    args.server_args = server_args
     client = Client(args.url, args.token)
     handler: Callable[[Client, argparse.Namespace], int] = args.handler
     try:

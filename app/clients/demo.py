@@ -23,7 +23,10 @@ from urllib.parse import urlparse
 import redis
 import requests
 
-from app.clients import cli
+from app.clients.downloads import download_results
+from app.clients.following import follow
+from app.clients.http_client import ApiError, Client
+from app.clients.reporters import make_reporter
 from app.core.config import load_settings
 from app.pipeline.media.ffmpeg import MediaTools
 
@@ -123,7 +126,7 @@ def visible_gpus() -> int:
     return sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
 
 
-def ensure_workers(services: Services, env: dict[str, str], client: cli.Client) -> None:
+def ensure_workers(services: Services, env: dict[str, str], client: Client) -> None:
     status = client.json("GET", "/api/v1/status")
     if any(w["status"] != "offline" for w in status["workers"]):
         print(f"[demo] using {sum(w['status'] != 'offline' for w in status['workers'])} live worker(s)")
@@ -209,7 +212,7 @@ def wait_for(check, timeout: float, what: str) -> None:
         time.sleep(0.3)
 
 
-def submit_music(client: cli.Client, duration_s: float, tracks: int) -> str:
+def submit_music(client: Client, duration_s: float, tracks: int) -> str:
     body = {
         "mode": "vocal",
         "tags": "synthpop, female vocal, 120 bpm",
@@ -225,7 +228,7 @@ def submit_music(client: cli.Client, duration_s: float, tracks: int) -> str:
     return job_id
 
 
-def submit_lipsync(client: cli.Client, out: Path, tools: MediaTools) -> str:
+def submit_lipsync(client: Client, out: Path, tools: MediaTools) -> str:
     """Build a talking-head clip from a real photo and a spoken line (with `tools`' ffmpeg), and submit it."""
     import cv2
     import skimage.data
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     env["REDIS_URL"] = ensure_redis(services, env)
     ensure_web(services, env, args.web, settings.events_bind)
     # The token the web may require (API_TOKEN) is the one the demo sends.
-    client = cli.Client(args.web, settings.client_token or next(iter(settings.api_tokens), None))
+    client = Client(args.web, settings.client_token or next(iter(settings.api_tokens), None))
     ensure_workers(services, env, client)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -281,12 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append(submit_lipsync(client, args.out, MediaTools.of(settings)))
     states = []
     for job_id in jobs:
-        reporter = cli.make_reporter("auto")  # bars on a terminal, one line per change otherwise
+        reporter = make_reporter("auto")  # bars on a terminal, one line per change otherwise
         try:
-            record = cli.follow(client, job_id, reporter, interval_s=0.25)
+            record = follow(client, job_id, reporter, interval_s=0.25)
         finally:
             reporter.close()
-        cli.download_results(client, record, args.out)
+        download_results(client, record, args.out)
         states.append(record["state"])
         print(f"[demo] {record['kind']} job {job_id} {record['state']}")
     print(f"[demo] files in {args.out}")
@@ -298,5 +301,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except cli.ApiError as exc:
+    except ApiError as exc:
         sys.exit(f"[demo] {exc}")

@@ -14,6 +14,7 @@ open across every events-server process (429 `streams` past it), counted in Redi
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -21,7 +22,7 @@ import logging
 import secrets
 import signal
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import redis
 import redis.asyncio
@@ -305,6 +306,14 @@ def main(bind: str | None = None) -> int:
     log.info("events server on %s:%d (at most %d streams per tenant)", host, port, settings.max_streams_per_tenant)
     asyncio.run(_serve(server.application(), host, port))
     return 0
+
+
+def command_line(argv: Sequence[str] | None = None) -> int:
+    """`python -m app events [--bind host:port]`: app/__main__.py hands the command here, so the server's entry and
+    its arguments live with the server (`encore events` becomes this command too; the client imports none of it)."""
+    parser = argparse.ArgumentParser(prog="python -m app events")
+    parser.add_argument("--bind", help="host:port (default: ENCORE_EVENTS_BIND)")
+    return main(parser.parse_args(argv).bind)
 
 
 async def _serve(app: web.Application, host: str, port: int) -> None:
