@@ -78,7 +78,7 @@ def submit_music(
     **extra: Any,
 ) -> str:
     """Create the job record (one track per requested track, seeds seed+i), owned by `tenant`, and route its
-    tracks; `job_id` when the caller drew it (an idempotent submit); `webhook` as app/webhooks.check_target gives
+    tracks; `job_id` when the caller drew it (an idempotent submit); `webhook` as app/adapters/webhooks.check_target gives
     it."""
     if req.duration_s is None:  # validate_music sets it (the deployment's default when the body has none)
         raise ValueError("submit_music needs a validated MusicRequest: duration_s is unset")
