@@ -52,8 +52,9 @@ def models(tiny_profile):
 
 @pytest.mark.slow  # ~50 s: every track decoded twice, batched and alone
 @pytest.mark.parametrize("song_end", ["duration", "model"])
-def test_tracks_of_other_songs_batched_get_their_codes_alone(models, tiny_profile, tmp_path, song_end):
-    models.profile = dataclasses.replace(tiny_profile, song_end=song_end)
+def test_tracks_of_other_songs_batched_get_their_codes_alone(models, tiny_profile, tmp_path, song_end, monkeypatch):
+    # The module's models, loaded once, with this case's song end: put back after it (monkeypatch).
+    monkeypatch.setattr(models, "profile", dataclasses.replace(tiny_profile, song_end=song_end))
     tracks = [BackboneTrack(SONGS[i % len(SONGS)], seed=10 + i, out=tmp_path / f"batched{i}.pt") for i in range(5)]
     finished: list[int] = []
     songs = run_backbone_slots(models, tracks, slots=3, on_finished=lambda track, song: finished.append(track.seed))
