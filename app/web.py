@@ -80,7 +80,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         app.register_error_handler(exception, handler)
     app.before_request(guards.arm_body_timeout)
     app.before_request(guards.authenticate)  # every request gets its tenant; protected routes need one
-    install_rate_limits(app, settings)  # after the token check: an unauthenticated request counts against nobody
+    install_rate_limits(app, settings)  # the submit views consult it
     khala.register(app, settings.compat_prefix)
     for blueprint in NATIVE_BLUEPRINTS:
         app.register_blueprint(blueprint)

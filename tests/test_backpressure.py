@@ -111,6 +111,19 @@ def test_the_rate_limit_is_429_with_its_headers_per_token_across_the_submit_rout
     assert list(limited.redis.scan_iter("encore:ratelimit:*"))  # its windows live in Redis, under the prefix
 
 
+def test_a_submit_past_the_rate_is_refused_before_its_body_is_read(limited):
+    """The limit is the submit views' first step: a spent window refuses a body that would be 400, unread."""
+    alpha = {"Authorization": "Bearer alpha"}
+    assert [limited.client.post("/api/v1/music", json=MUSIC, headers=alpha).status_code for _ in range(2)] == [202] * 2
+    garbled = {"content_type": "multipart/form-data; boundary=x", "data": b"not a form", "headers": alpha}
+    lipsync = limited.client.post("/api/v1/lipsync", **garbled)
+    music = limited.client.post("/api/v1/music", data=b"{not json", content_type="application/json", headers=alpha)
+    for refused in (lipsync, music):
+        assert refused.status_code == 429 and refused.get_json()["field"] == "authorization", refused.get_json()
+        assert refused.get_json()["error"].startswith("rate limit: this tenant's submissions are limited to 2 per")
+        assert refused.headers["X-RateLimit-Remaining"] == "0" and 1 <= retry_after(refused) <= 60
+
+
 def test_the_openapi_document_lists_the_429s_and_their_headers(make_stack):
     spec = make_stack().client.get("/api/v1/openapi.json").get_json()
     for path in ("/api/v1/music", "/api/v1/lipsync", "/generate", "/api/generate"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import os
+import random
 import signal
 import json
 import socket
@@ -143,9 +144,28 @@ def test_the_target_is_checked_at_submit():
     for entry in ("10.0.0.1/8", "hooks.example.com", "[::1", "127.0.0.1:70000"):
         with pytest.raises(ValueError, match="ENCORE_WEBHOOK_ALLOW_PRIVATE"):
             Settings(webhook_allow_private=(entry,))
-    assert [
-        webhooks.backoff_s(n, settings(webhook_backoff_s=1.0, webhook_backoff_cap_s=5.0)) for n in (1, 2, 3, 4)
-    ] == [1.0, 2.0, 4.0, 5.0]
+
+
+def test_retry_delays_are_jittered_between_the_schedules_steps_and_never_past_its_cap():
+    """Attempt n waits between base × 2^(n-1) and twice that, both capped: never sooner than the doubling schedule,
+    never longer than the cap, and two deliveries that failed together draw different delays."""
+    config = settings(webhook_backoff_s=1.0, webhook_backoff_cap_s=5.0)
+    rng = random.Random(37)
+    steps = {1: (1.0, 2.0), 2: (2.0, 4.0), 3: (4.0, 5.0), 4: (5.0, 5.0), 8: (5.0, 5.0)}
+    for attempt, (least, most) in steps.items():
+        draws = [webhooks.backoff_s(attempt, config, rng) for _ in range(200)]
+        assert all(least <= delay <= most for delay in draws), attempt
+        assert max(draws) - min(draws) >= 0.8 * (most - least), attempt  # spread over the step, not one point
+
+    def schedule(seed: int) -> list[float]:
+        seeded = random.Random(seed)
+        return [webhooks.backoff_s(attempt, config, seeded) for attempt in range(1, 9)]
+
+    assert schedule(7) == schedule(7) != schedule(8)  # reproducible from its seed, and a seed's own
+    assert all(1.0 <= delay <= 5.0 for delay in schedule(7)) and schedule(7) == sorted(schedule(7))
+    assert len(set(schedule(7)[:3])) == 3 and webhooks.backoff_s(1, config, rng) != webhooks.backoff_s(1, config, rng)
+    assert 1.0 <= webhooks.backoff_s(1, settings()) <= 2.0  # the module's own generator, the default base
+    assert webhooks.backoff_s(1, settings(webhook_backoff_s=10.0, webhook_backoff_cap_s=5.0)) == 5.0
 
 
 def test_a_signature_verifies_with_the_standard_library_and_fails_when_tampered():
@@ -320,8 +340,10 @@ def test_a_delivery_record_keeps_the_status_and_time_never_what_the_target_sent(
             client.hset(layout.job(job_id), mapping={"webhook": url})
             message = {"id": f"msg_{job_id}_1", "type": "completed", "at": time.time(), "job_id": job_id, "data": {}}
             started = time.time()
-            assert webhooks.deliver(client, layout, config, message, 1) == (False, 1.0)
+            delivered, retry_in = webhooks.deliver(client, layout, config, message, 1)
+            assert not delivered and retry_in is not None and 1.0 <= retry_in <= 2.0  # the first step, jittered
             [records[job_id]] = [json.loads(raw) for raw in client.lrange(layout.webhook_deliveries(job_id), 0, -1)]
+            assert records[job_id]["retry_in_s"] == retry_in  # the record says when the retry comes
             assert started - 1 <= records[job_id]["at"] <= time.time() + 1 and not records[job_id]["delivered"]
             assert "inside-secret" not in json.dumps(records[job_id]), records[job_id]
         assert len(hooks.requests) == 1 and records["j-http"]["status"] == 500, records["j-http"]
@@ -388,7 +410,7 @@ def test_events_are_signed_filtered_and_retried_with_backoff(make_stack, receive
     deliveries = record["webhook"]["deliveries"]
     first = [d for d in deliveries if d["id"] == deliveries[0]["id"]]
     assert [d["attempt"] for d in first][:2] == [1, 2] and first[0]["status"] == 500 and not first[0]["delivered"]
-    assert first[0]["retry_in_s"] == 0.4
+    assert 0.4 <= first[0]["retry_in_s"] <= 0.8  # the first step, jittered up to the second
     failures = [d for d in deliveries if not d["delivered"]]
     assert len(failures) == 2 and all(d["status"] == 500 for d in failures)
     retried = [d for d in deliveries if d["attempt"] > 1]

@@ -9,9 +9,10 @@ How a message travels, so that none is lost to a crash:
 2. the webhook worker (`celery -A app worker -Q webhooks -P threads`: never a GPU queue) runs `pump_outbox`
    in its master, moving each message to its own in-flight list, sending one `encore.webhooks.deliver`
    task for it, then dropping it from that list (a master that dies in between finds it there on restart);
-3. the task POSTs it; a failure is retried with exponential backoff (ENCORE_WEBHOOK_BACKOFF_S doubling, at
-   most ENCORE_WEBHOOK_BACKOFF_CAP_S apart) up to ENCORE_WEBHOOK_MAX_ATTEMPTS; every attempt is recorded
-   in the job's record (`webhook.deliveries`). Delivery is at least once: receivers dedupe on webhook-id.
+3. the task POSTs it; a failure is retried with jittered exponential backoff (ENCORE_WEBHOOK_BACKOFF_S doubling,
+   each delay drawn between its step and the next, at most ENCORE_WEBHOOK_BACKOFF_CAP_S apart: `backoff_s`) up
+   to ENCORE_WEBHOOK_MAX_ATTEMPTS; every attempt is recorded in the job's record (`webhook.deliveries`).
+   Delivery is at least once: receivers dedupe on webhook-id.
    Each attempt holds a lease (app/control/webhook_leases.py): one whose worker died mid-attempt, or while it
    held the retry's countdown, is sent again by a webhook worker's pump within a lease, not after kombu's
    hour-long visibility timeout.
@@ -34,6 +35,7 @@ import http.client
 import ipaddress
 import json
 import logging
+import random
 import re
 import socket
 import ssl
@@ -66,6 +68,9 @@ _AUTHORITY = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9.-]+))(?::([0-9]{1,5}))?"
 _LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")  # what inet_aton, and so getaddrinfo, reads as a number
 RESOLVED_ADDRESSES = 16  # the most addresses of one name checked (and tried) per delivery
+# Retry delays are drawn from this (`backoff_s`): a receiver that was down fails every delivery at once, and
+# without jitter they would all come back at the same moments, each retry a burst on a receiver just back up.
+JITTER = random.Random()
 
 
 class WebhookRefused(ValueError):
@@ -337,9 +342,13 @@ def post(url: str, body: str, headers: dict[str, str], timeout_s: float, setting
     return None, f"more than {MAX_REDIRECTS} redirects"
 
 
-def backoff_s(attempt: int, settings: Settings) -> float:
-    """Seconds before attempt `attempt` + 1 (attempt counts from 1): base, 2 base, 4 base ..., capped."""
-    return min(settings.webhook_backoff_cap_s, settings.webhook_backoff_s * 2 ** (attempt - 1))
+def backoff_s(attempt: int, settings: Settings, rng: random.Random = JITTER) -> float:
+    """Seconds before attempt `attempt` + 1 (attempt counts from 1): drawn between its step of the exponential
+    schedule (base, 2 base, 4 base ...) and the next step, both capped, so deliveries that failed together do
+    not retry in lockstep; never sooner than the step, never longer than the cap."""
+    step = settings.webhook_backoff_s * 2 ** (attempt - 1)
+    cap = settings.webhook_backoff_cap_s
+    return rng.uniform(min(step, cap), min(2 * step, cap))
 
 
 def deliver(

@@ -61,7 +61,7 @@ Layout (prefix `encore` by default; job keys expire with the job):
                                when it came from a stage that loaded models): the ETA and routing (app/control/eta.py)
   {p}:estimate:versions        hash: a counter per queue of its backlog's member changes, and one of learned
                                rates: a poll's cached ETA holds while they stay (lua/estimate.lua)
-  {p}:ratelimit*               the submit routes' per-token rate-limit windows (Flask-Limiter, app/http/ratelimit.py)
+  {p}:ratelimit*               the submit routes' per-token rate-limit windows (the limits package, app/http/ratelimit.py)
   {p}:artifact(s):*            artifacts in the Redis store (app/adapters/artifacts.py)
   {p}:lock:*                   short locks (the reaper; admission under the open-track caps, app/control/quotas.py)
 

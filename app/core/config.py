@@ -692,7 +692,10 @@ class Settings:
         "ENCORE_WEBHOOK_MAX_ATTEMPTS=8", "delivery attempts of one webhook", ONE_OR_MORE
     )
     webhook_backoff_s: float = number(
-        "ENCORE_WEBHOOK_BACKOFF_S=1", "delay before the first retry of a webhook (doubling each attempt)", ABOVE_ZERO
+        "ENCORE_WEBHOOK_BACKOFF_S=1",
+        "the shortest delay before a webhook's first retry: each retry waits a random time between its step of a "
+        "doubling schedule from this and the next step (jitter, so that retries of many deliveries spread out)",
+        ABOVE_ZERO,
     )
     webhook_backoff_cap_s: float = number(
         "ENCORE_WEBHOOK_BACKOFF_CAP_S=300", "the longest delay between two attempts", ABOVE_ZERO

@@ -51,7 +51,7 @@ class TenantLimits:
     max_retries: int | None = None  # retries per track
     max_song_s: float | None = None  # the longest song it may ask for
     max_video_s: float | None = None  # the longest face video it may upload
-    submit_rate_limit: str | None = None  # its submit rate, in Flask-Limiter's notation ("10/minute")
+    submit_rate_limit: str | None = None  # its submit rate, in the limits package's notation ("10/minute")
 
 
 @dataclass(frozen=True)

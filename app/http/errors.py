@@ -8,7 +8,6 @@ from typing import Any, Callable
 
 import redis
 from flask import Response
-from flask_limiter.errors import RateLimitExceeded
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from app.control import idempotency
@@ -53,14 +52,6 @@ def tenant_limit(exc: TenantLimitExceeded) -> Reply:
     return reply, status
 
 
-def rate_limited(exc: RateLimitExceeded) -> Reply:
-    return error(
-        429,
-        f"rate limit: this tenant's submissions are limited to {exc.description}; retry after Retry-After seconds",
-        "authorization",
-    )
-
-
 def idempotency_refused(exc: idempotency.IdempotencyError) -> Reply:
     return error(exc.status, str(exc), exc.field)
 
@@ -81,7 +72,6 @@ HANDLERS: tuple[tuple[type[Exception], Callable[[Any], Reply]], ...] = (
     (ClientDisconnected, body_stalled),
     (QueueFull, queue_full),
     (TenantLimitExceeded, tenant_limit),
-    (RateLimitExceeded, rate_limited),
     (idempotency.IdempotencyError, idempotency_refused),
     (redis.RedisError, redis_down),
     (Exception, unexpected),

@@ -1,6 +1,6 @@
 """Drop-in HTTP contract of the Khala reference backend (POST /generate, GET /job/<id>, track downloads,
 GET /status, GET /tags), served as a thin layer over Encore's own jobs: requests are translated into the
-native MusicRequest and submitted through app.submissions; replies are read from the same job records.
+native MusicRequest and submitted through app/http/submissions.py; replies are read from the same job records.
 Field names and strings are the reference's, exactly. One module-level blueprint, mounted twice by
 `register` (at ENCORE_COMPAT_PREFIX and under /api); its views read the application's handles (`context()`).
 """
@@ -25,6 +25,7 @@ from app.http.submit import IDEMPOTENCY_HEADER, idempotency_key, submit_once
 from app.http.http_input import BodyError, json_object
 from app.core.kinds import CANCELED, DONE, FAILED, MUSIC, QUEUED, first_unfinished
 from app.http.openapi import DOWNLOAD_REPLIES, TOO_MANY, documented, forbidden_to_tenant
+from app.http.ratelimit import check_submit_rate
 from app.http.schemas import KhalaAccepted, KhalaGenerate, KhalaJob, KhalaStatus, untokenizable
 from app.control.eta import job_readings
 from app.control.services import Services
@@ -386,6 +387,7 @@ def status() -> ResponseReturnValue:
 def generate() -> ResponseReturnValue:
     """Submit a 2-track song in the reference's format: translated into a native MusicRequest, validated and
     submitted as the native route does (once per Idempotency-Key)."""
+    check_submit_rate()  # first: a refused submit is not read
     shared = context()
     try:
         body = json_object(request)

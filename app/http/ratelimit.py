@@ -1,98 +1,105 @@
-"""Per-token rate limits on the submit routes (POST /api/v1/music, /api/v1/lipsync and the Khala-compatible
-/generate): Flask-Limiter, its windows counted in Redis, so every web process shares them.
+"""Per-tenant rate limits on the submit routes (POST /api/v1/music, /api/v1/lipsync and the Khala-compatible
+/generate): the `limits` library's windows, counted in Redis, so every web process shares them.
 
 One limit (ENCORE_SUBMIT_RATE_LIMIT, e.g. "10/minute;100/hour") is shared by all submit routes, per tenant
-(app/core/tenants.py; per client address when no token is configured). It is checked before the body is read: a refused upload is never parsed. A
-refusal is 429 with Retry-After and X-RateLimit-Limit/-Remaining/-Reset, which every rate-limited reply also
-carries. Unset: no limiter at all.
+(app/core/tenants.py; per client address when no token is configured). Each submit view calls
+`check_submit_rate` first, before it reads the body: a refused upload is never parsed, and a request refused 401
+(guards.authenticate, which runs before any view) counts against nobody. No other route runs any of it, so a job
+poll pays nothing for it. A refusal is 429 naming `authorization`; it and every reply the limit counted carry
+Retry-After and X-RateLimit-Limit/-Remaining/-Reset. Unset: no limiter at all.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from dataclasses import dataclass
 from typing import Any
 
-from flask import Flask, Response, g, request
-from flask_limiter import Limiter
+from flask import Flask, Response, after_this_request, current_app, g, request
+from limits import RateLimitItem, parse_many
+from limits.storage import storage_from_string
+from limits.strategies import STRATEGIES, RateLimiter
 
-from app.control.tenant_limits import limits_for
+from app.adapters.redis_conn import limits_storage
+from app.control.tenant_limits import TenantLimitExceeded, limits_for
 from app.core.config import Settings
 from app.core.keys import Layout
-from app.adapters.redis_conn import limits_storage
 
-SUBMIT_ENDPOINTS = frozenset({"submit.submit_music", "submit.submit_lipsync", "khala.generate", "khala_api.generate"})
+EXTENSION = "encore.ratelimit"  # the key in app.extensions
+SCOPE = "submit"  # the submit routes share one window per client
 
 
-def install(app: Flask, settings: Settings) -> Limiter | None:
-    """The limiter on `app`'s submit routes, or None when neither ENCORE_SUBMIT_RATE_LIMIT nor any tenant sets a
-    rate. Each tenant's own rate (its tenants-file limit, else the deployment's) is read per request. Register it
-    after the token check, so that a request without a valid token is 401 and counts against nobody."""
+@dataclass(frozen=True)
+class SubmitLimiter:
+    """One application's submit limit: its settings (whose rate applies) and its windows."""
+
+    settings: Settings
+    windows: RateLimiter  # ENCORE_RATE_LIMIT_STRATEGY's, over the shared Redis
+
+
+class SubmitRateExceeded(TenantLimitExceeded):
+    """A submit past its tenant's rate: 429 naming `authorization` (errors.tenant_limit answers it)."""
+
+    def __init__(self, limit: RateLimitItem):
+        self.message = f"rate limit: this tenant's submissions are limited to {limit}; retry after Retry-After seconds"
+        super().__init__(429, "authorization", self.message)
+
+    def __str__(self) -> str:
+        return self.message  # the reply names the field apart, in `field`
+
+
+def install(app: Flask, settings: Settings) -> SubmitLimiter | None:
+    """The limiter the submit views of `app` consult, or None when neither ENCORE_SUBMIT_RATE_LIMIT nor any
+    tenant sets a rate. Each tenant's own rate (its tenants-file limit, else the deployment's) is read per
+    request."""
     if not settings.submit_rate_limit and not any(t.limits.submit_rate_limit for t in settings.tenants.tenants):
         return None
-    app.after_request(_retry_after_at_least_one_second)  # registered first: runs after the limiter's own
     uri, options = storage(settings)
-    limiter = Limiter(
-        key_func=lambda: _client(settings),
-        app=app,
-        storage_uri=uri,
-        storage_options=options,
-        strategy=settings.rate_limit_strategy,
-        headers_enabled=True,
-        application_limits=[lambda: _rate(settings) or UNLIMITED],
-        application_limits_exempt_when=lambda: not _rate(settings),
-    )
-    submits_only(app, limiter)
+    limiter = SubmitLimiter(settings, STRATEGIES[settings.rate_limit_strategy](storage_from_string(uri, **options)))
+    app.extensions[EXTENSION] = limiter
     return limiter
 
 
-def submits_only(app: Flask, limiter: Limiter) -> int:
-    """Run the limiter's request hooks (its check, its headers, its bookkeeping) for the submit routes only: it
-    resolves its limits on every request it sees, which cost a job poll ~60 µs (~10 %) for nothing. Returns how
-    many hooks were wrapped (tests/test_backpressure.py checks that none is left running everywhere)."""
-    wrapped = 0
-    for table, wrap in (
-        (app.before_request_funcs, _before),
-        (app.after_request_funcs, _after),
-        (app.teardown_request_funcs, _teardown),
-    ):
-        hooks: list[Any] = table.get(None, [])
-        for index, hook in enumerate(hooks):
-            if _belongs_to(hook, limiter):
-                hooks[index] = wrap(hook)
-                wrapped += 1
-    return wrapped
+def check_submit_rate() -> None:
+    """Count this submit in its client's windows, shortest first, stopping at the first one that is spent
+    (SubmitRateExceeded). Call it first in a submit view, before the body is read. The reply, whatever it
+    turns out to be, carries the spent window, else the shortest."""
+    limiter: SubmitLimiter | None = current_app.extensions.get(EXTENSION)
+    if limiter is None:
+        return
+    rate = _rate(limiter.settings)
+    if not rate:  # a tenant with no rate is exempt
+        return
+    client = _client(limiter.settings)
+    windows = _windows(rate)
+    for window in windows:
+        if not limiter.windows.hit(window, client, SCOPE):
+            after_this_request(functools.partial(_rate_headers, limiter.windows, window, client))
+            raise SubmitRateExceeded(window)
+    after_this_request(functools.partial(_rate_headers, limiter.windows, windows[0], client))
 
 
-def _belongs_to(hook: Any, limiter: Limiter) -> bool:
-    """A hook the limiter registered: one of its bound methods, or a partial of one of its functions over it."""
-    if isinstance(hook, functools.partial):
-        return any(arg is limiter for arg in hook.args)
-    return getattr(hook, "__self__", None) is limiter
+@functools.lru_cache(maxsize=64)
+def _windows(rate: str) -> tuple[RateLimitItem, ...]:
+    """A rate's windows, shortest first (the rate was checked at start: app/core/tenants.check_rate)."""
+    return tuple(sorted(parse_many(rate)))
 
 
-def _before(hook: Any) -> Any:
-    def before() -> Any:
-        return hook() if request.endpoint in SUBMIT_ENDPOINTS else None
-
-    return before
-
-
-def _after(hook: Any) -> Any:
-    def after(response: Response) -> Response:
-        return hook(response) if request.endpoint in SUBMIT_ENDPOINTS else response
-
-    return after
-
-
-def _teardown(hook: Any) -> Any:
-    def teardown(error: BaseException | None = None) -> None:
-        if request.endpoint in SUBMIT_ENDPOINTS:
-            hook(error)
-
-    return teardown
-
-
-UNLIMITED = "1000000/second"  # never applied: a request whose tenant has no rate is exempt
+def _rate_headers(windows: RateLimiter, window: RateLimitItem, client: str, response: Response) -> Response:
+    """X-RateLimit-Limit, -Remaining and -Reset (Unix seconds) of `window`, and Retry-After: the whole seconds
+    until it resets, or the reply's own Retry-After where that is longer (a full queue's); a 429 says at least 1."""
+    stats = windows.get_window_stats(window, client, SCOPE)
+    reset_at = int(stats.reset_time + 1)
+    wait_s = int(reset_at - time.time())
+    own = response.headers.get("Retry-After", "")
+    if own.isdigit():
+        wait_s = max(wait_s, int(own))
+    response.headers["X-RateLimit-Limit"] = str(window.amount)
+    response.headers["X-RateLimit-Remaining"] = str(stats.remaining)
+    response.headers["X-RateLimit-Reset"] = str(reset_at)
+    response.headers["Retry-After"] = str(max(wait_s, 1 if response.status_code == 429 else 0))
+    return response
 
 
 def _rate(settings: Settings) -> str:
@@ -102,8 +109,8 @@ def _rate(settings: Settings) -> str:
 
 
 def storage(settings: Settings) -> tuple[str, dict[str, Any]]:
-    """The limiter's storage URI and options: the same Redis as every client (app/adapters/redis_conn.py, Sentinel
-    included), its keys under ours."""
+    """The windows' storage URI and options: the same Redis as every client (app/adapters/redis_conn.py,
+    Sentinel included), its keys under ours."""
     uri, options = limits_storage(settings)
     return uri, {**options, "key_prefix": Layout(settings.key_prefix).rate_limits}
 
@@ -114,10 +121,3 @@ def _client(settings: Settings) -> str:
     if settings.tenants.open or g.get("tenant") is None:
         return f"addr-{request.remote_addr or 'unknown'}"
     return "tenant-" + g.tenant.name
-
-
-def _retry_after_at_least_one_second(response: Response) -> Response:
-    """The library writes whole seconds left in the window, which reads 0 in its last second: a 429 says 1."""
-    if response.status_code == 429 and response.headers.get("Retry-After", "").strip() in ("0", "-0", ""):
-        response.headers["Retry-After"] = "1"
-    return response

@@ -15,6 +15,7 @@ from app.http.guards import tenant
 from app.http.replies import error
 from app.http.http_input import BodyError, json_object
 from app.http.openapi import TOO_MANY, documented, forbidden_to_tenant
+from app.http.ratelimit import check_submit_rate
 from app.control.routing import route_job
 from app.http.schemas import Accepted, MusicRequest
 from app.http.submissions import RequestError, create_job, submit_music as submit_music_job, validate_music
@@ -50,6 +51,7 @@ MAX_FORM_MEMORY_BYTES = 500_000
 )
 def submit_music() -> tuple[Response, int]:
     """A music job: the body checked against the profile's limits, one chain of stages per track."""
+    check_submit_rate()  # first: a refused submit is not read
     shared = context()
     key = idempotency_key()
     owner = tenant()
@@ -91,6 +93,7 @@ def submit_music() -> tuple[Response, int]:
 )
 def submit_lipsync() -> tuple[Response, int]:
     """A lip-sync job: the two files staged and probed, stored as the job's inputs, one stage routed."""
+    check_submit_rate()  # first: a refused upload is not parsed
     shared = context()
     key = idempotency_key()
     owner = tenant()

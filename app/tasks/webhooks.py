@@ -24,7 +24,7 @@ log = logging.getLogger("encore.webhooks")
 @celery.task(name="encore.webhooks.deliver", bind=True, acks_late=True, max_retries=None)
 def deliver(self, message: dict, attempt: int | None = None) -> bool:
     """One attempt, if this task is still the message's current one; a failed attempt hands the message to a
-    new task sent after the backoff (exponential) until ENCORE_WEBHOOK_MAX_ATTEMPTS."""
+    new task sent after the backoff (exponential, jittered: webhooks.backoff_s) until ENCORE_WEBHOOK_MAX_ATTEMPTS."""
     svc = services()
     lease_s = leases.attempt_lease_s(svc.settings)
     if attempt is None:  # sent before deliveries had leases: no record to check it against
