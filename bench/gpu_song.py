@@ -3,11 +3,12 @@
 ONE script for one device call (~8 minutes on an H200 at Khala sizes, random weights), printing JSON lines:
   decode        ms/step early and late in a song for each variant of the backbone's decode loop, 2 tracks:
                 megatron (Megatron-core's forward, one track at a time: the in-run baseline), reference_loop
-                (today's loop on the plain-PyTorch engine, host sampling), device_loop (decode_loop.py, no host
-                round trip per token), device_loop_graphs (the same, one CUDA graph per frame; CUDA only)
-  parity        teacher-forced: the device loop's window-only head against today's full head on the same
-                tokens (max |diff|, argmax agreement), Megatron against the plain engine, and the device loop's
-                codes eager vs graphs (same seeds)
+                (backbone.py's loop on the plain-PyTorch engine, host sampling), device_loop (a slot decoder of
+                one slot per track, slots.decode_song: no host round trip per token), device_loop_graphs (the
+                same, one CUDA graph per frame; CUDA only)
+  parity        teacher-forced: the device loop's window-only head against the full head on the same
+                tokens (max |diff|, argmax agreement), Megatron against the plain engine, the device loop's
+                codes against the reference loop's alone, and eager vs graphs (same seeds)
   superres      62 passes x 2 tracks over the whole song
   codec         both tracks' 64 codebooks to 44.1 kHz stereo
   song_inprocess  the four stages in-process, models resident (keep_loaded), 2 tracks
@@ -136,7 +137,7 @@ def section_decode(args) -> dict:
     song, the figure the targets are about."""
     torch, device, profile = _setup(args)
     from app.pipeline.control import Canceled
-    from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
+    from app.pipeline.music.slots import SongPlan, decode_song
 
     _, megatron, plain = _backbone(torch, device, profile)
     frames = profile.frames_for(args.seconds)
@@ -148,8 +149,15 @@ def section_decode(args) -> dict:
         return SongPlan.fixed_length(profile, limit, top_k=profile.backbone_top_k)
 
     def device_loop(prompt, limit, clock, graphs):
-        decoder = DeviceDecoder(plain, prompt, plan(limit), [1, 2], use_graphs=graphs, check_every=8)
-        decoder.run(clock.control, report=lambda control, done, total: control.step(done, total, "tokens"))
+        decode_song(
+            plain,
+            prompt,
+            plan(limit),
+            [1, 2],
+            lambda frames: clock.control.step(2 * frames, 2 * limit, "tokens"),
+            check_every=8,
+            use_graphs=graphs,
+        )
 
     def reference(lm, seeds):
         return lambda prompt, limit, clock, graphs: _generate(
@@ -196,7 +204,7 @@ def section_parity(args) -> dict:
     """Teacher-forced: the same tokens through today's full head and the device loop's window head."""
     torch, device, profile = _setup(args)
     from app.pipeline.control import StageControl
-    from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
+    from app.pipeline.music.slots import SongPlan, decode_song
 
     _, megatron, plain = _backbone(torch, device, profile)
     frames = min(args.window, profile.frames_for(args.seconds))
@@ -251,12 +259,15 @@ def section_parity(args) -> dict:
         top_k=profile.backbone_top_k,
         temperature=1.0,
     )
-    eager = DeviceDecoder(plain, PROMPT, plan, [1, 2], use_graphs=False).run(StageControl())
-    result["device_loop_codes_equal_reference_loop"] = len(eager) == len(codes) and all(
-        torch.equal(a, b) for a, b in zip(eager, codes, strict=True)
+    # each track alone: a slot's codes are those the reference loop gives the track alone (a batch of the
+    # engine's own kernels may differ in the last bits: bf16 on a GPU)
+    alone = [_generate(plain, profile, frames, [seed], StageControl(), loop="reference")[0] for seed in (1, 2)]
+    eager = decode_song(plain, PROMPT, plan, [1, 2], use_graphs=False)
+    result["device_loop_codes_equal_reference_loop"] = len(eager) == len(alone) and all(
+        torch.equal(a, b) for a, b in zip(eager, alone, strict=True)
     )
     if device.type == "cuda":
-        graphed = DeviceDecoder(plain, PROMPT, plan, [1, 2], use_graphs=True).run(StageControl())
+        graphed = decode_song(plain, PROMPT, plan, [1, 2], use_graphs=True)
         result["graphs_codes_equal_eager"] = len(eager) == len(graphed) and all(
             torch.equal(a, b) for a, b in zip(eager, graphed, strict=True)
         )

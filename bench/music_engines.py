@@ -3,9 +3,10 @@
 Both engines get the same random-weight Khala-shaped model (built by megatron_backend, converted once by
 torch_engine.from_megatron) and generate the same coarse tokens with backbone.generate_coarse_tracks; the
 Megatron engine is the in-run baseline, so the ratio is what to read (machines here are noisy). The torch
-engine runs its device-side loop (decode_loop.py) and, as `torch_reference_loop`, the reference loop. The
-codes must come out identical (fp32) or the run reports it. Also: two tracks in one batch on the torch
-engine against twice one track (memory-bound GPUs should get close to 2x; a CPU is compute-bound).
+engine runs its device-side loop (a slot decoder of one slot per track, slots.decode_song) and, as
+`torch_reference_loop`, the reference loop. The codes must come out identical (fp32) or the run reports it.
+Also: two tracks in one decoder (two slots) on the torch engine against twice one track (the slots' per-row
+products read the weights once per track; a CPU is compute-bound).
 
     python bench/music_engines.py [--size small|medium|khala] [--frames 64] [--repeats 3]
 

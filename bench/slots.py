@@ -3,11 +3,12 @@
 One queue of tracks (different seeds, prompt lengths and lengths, so they join and leave at different blocks)
 goes through a SlotDecoder of 1, 2, 4, 8 and 16 slots (`slots_N`: linears once per row, the engine's own
 bits; `batched_matmul_slots_N`: one batch-invariant matmul for all slots), and one track after the other
-through today's DeviceDecoder (`one_after_the_other`), interleaved round by round in one run, so that drift on
-a noisy machine hits every configuration; the medians are what to read, the ratios against one slot above all
+as the backbone stage runs it without the engine (`one_after_the_other`: slots.decode_song, a decoder of one
+slot per track, made anew for each), interleaved round by round in one run, so that drift on a noisy machine
+hits every configuration; the medians are what to read, the ratios against one slot above all
 (`cpu_vs_one_slot`: the same from this process's CPU time, steadier when other work loads the machine). Every
 track must get the codes it gets alone: `codes_equal_alone` says, per configuration, whether it did (against
-DeviceDecoder for `slots_N`, against one batched_matmul slot for `batched_matmul_slots_N`).
+`one_after_the_other` for `slots_N`, against one batched_matmul slot for `batched_matmul_slots_N`).
 
     python bench/slots.py --tiny                   # the tiny profile's backbone: a few seconds
     python bench/slots.py --profile small          # bench/music_engines.py's sizes: small, medium
@@ -30,10 +31,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from app.pipeline.control import StageControl  # noqa: E402
 from app.pipeline.music import megatron_backend as mb  # noqa: E402
-from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan  # noqa: E402
-from app.pipeline.music.slots import SlotDecoder, TrackRequest, decode_queue  # noqa: E402
+from app.pipeline.music.slots import SlotDecoder, SongPlan, TrackRequest, decode_queue, decode_song  # noqa: E402
 from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron  # noqa: E402
 from app.pipeline.profiles import MusicProfile, TransformerSpec, load_profile  # noqa: E402
 from bench.music_engines import SIZES, spec_for  # noqa: E402
@@ -132,10 +131,7 @@ def main() -> None:
     lm = build_engine(size, profile, max_len, device, dtype)
 
     def one_after_the_other() -> list[torch.Tensor]:
-        return [
-            DeviceDecoder(lm, list(r.prompt_ids), r.plan, [r.seed], check_every=args.check_every).run(StageControl())[0]
-            for r in queue
-        ]
+        return [decode_song(lm, r.prompt_ids, r.plan, [r.seed], check_every=args.check_every)[0] for r in queue]
 
     def through_slots(slots: int, batched_matmul: bool):
         return lambda: decode_queue(
@@ -149,7 +145,7 @@ def main() -> None:
         runs |= {f"batched_matmul_slots_{n}": through_slots(n, True) for n in counts}
     for warm_up in [through_slots(2, batched) for batched in (False, True) if runs.keys() - {"one_after_the_other"}]:
         timed(warm_up, device)
-    timed(lambda: DeviceDecoder(lm, list(queue[0].prompt_ids), queue[0].plan, [1]).run(StageControl()), device)
+    timed(lambda: decode_song(lm, queue[0].prompt_ids, queue[0].plan, [1]), device)
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     cpu_seconds: dict[str, list[float]] = {name: [] for name in runs}
     codes: dict[str, list[torch.Tensor]] = {}

@@ -1,8 +1,9 @@
-"""The device-side decode loop (decode_loop.py) against the reference loop (backbone.py), tiny profile, fp32.
+"""The backbone's decode without the engine, a slot decoder of one slot per track (slots.decode_song), against
+the reference loop (backbone.py), tiny profile, fp32.
 
-Same codes, bitwise, alone and batched, fixed-length and ended by the model, on the plain-PyTorch engine and
-against Megatron's; the frame step traces with torch.compile(fullgraph=True), which refuses host syncs and
-generator arguments, i.e. it is what a CUDA graph can capture.
+Same codes, bitwise, one track and several, fixed-length and ended by the model, on the plain-PyTorch engine and
+against Megatron's; the slot decoder's frame step traces with torch.compile(fullgraph=True), which refuses host
+syncs and generator arguments, i.e. it is what a CUDA graph can capture.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.pipeline.music.backbone import generate_coarse_tracks
 from app.pipeline.control import Canceled, StageControl
-from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
-from app.pipeline.music.engine import DeviceLoopLM
+from app.pipeline.music.slots import SlotDecoder, SongPlan, TrackRequest, decode_song
 from app.pipeline.music.stages import load_engine
+from app.pipeline.music.torch_engine import TorchCausalLM
 
 torch.set_num_threads(2)
 PROMPT = [1, 42, 7, 300, 5, 99]
@@ -83,25 +84,25 @@ def test_blocks_straddling_min_frames_and_the_cap(ending, tiny_profile, end_id):
         temperature=1.0,
     )
     for check_every in (1, 3, 5, 64):
-        decoder = DeviceDecoder(ending["torch"], PROMPT, plan, [3, 4], check_every=check_every)
-        assert same(decoder.run(StageControl()), reference), check_every
+        codes = decode_song(ending["torch"], PROMPT, plan, [3, 4], check_every=check_every)
+        assert same(codes, reference), check_every
 
 
-def test_engine_offers_the_loop_and_the_head_is_window_only(engines, tiny_profile):
-    """One full-vocabulary projection (the prompt's last position); every token after it projects onto its
-    codebook's window (+ end-of-text) only."""
+def test_the_head_is_window_only_after_the_prompt(engines, tiny_profile):
+    """One full-vocabulary projection per track (its prompt, as the engine's prefill); every token after it
+    projects onto its codebook's window (+ end-of-text) only."""
     lm = engines["torch"]
-    assert isinstance(lm, DeviceLoopLM) and not isinstance(engines["megatron"], DeviceLoopLM)
+    assert isinstance(lm, TorchCausalLM) and not isinstance(engines["megatron"], TorchCausalLM)
     calls = []
     handle = lm.model.output.register_forward_hook(lambda module, args, out: calls.append(tuple(out.shape)))
     try:
         generate(lm, tiny_profile, [1, 2], "auto", num_frames=10)
     finally:
         handle.remove()
-    assert calls == [(2, len(PROMPT), tiny_profile.backbone.vocab_size)]
+    assert calls == [(1, len(PROMPT), tiny_profile.backbone.vocab_size)] * 2
 
 
-def test_progress_once_per_block_and_cancel_within_one(engines, tiny_profile):
+def test_progress_once_per_block_and_cancel_within_one(engines, tiny_profile, monkeypatch):
     plan = SongPlan(
         window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
         codebook_size=tiny_profile.codebook_size,
@@ -112,17 +113,27 @@ def test_progress_once_per_block_and_cancel_within_one(engines, tiny_profile):
         top_k=50,
         temperature=1.0,
     )
-    reports: list[tuple[int, int]] = []
-    decoder = DeviceDecoder(engines["torch"], PROMPT, plan, [1], check_every=8)
-    decoder.run(StageControl(), report=lambda control, done, total: reports.append((done, total)))
-    assert reports == [(16, 40), (32, 40), (40, 40)]
+    reports: list[int] = []
+    decode_song(engines["torch"], PROMPT, plan, [1], reports.append, check_every=8)
+    assert reports == [8, 16, 20]
+    fractions: list[float] = []
+    control = StageControl(report=lambda fraction, detail: fractions.append(fraction))
+    generate(engines["torch"], tiny_profile, [1], "auto", num_frames=70, control=control)
+    assert fractions == [32 / 70, 64 / 70, 1.0]  # one report per block of 32 frames
 
     control = StageControl(cancel_requested=lambda: True)
-    decoder = DeviceDecoder(engines["torch"], PROMPT, plan, [1], check_every=8)
+    closed: list[SlotDecoder] = []
+    close = SlotDecoder.close
+    reports.clear()
+
+    def report(frames: int) -> None:
+        reports.append(frames)
+        control.check()
+
+    monkeypatch.setattr(SlotDecoder, "close", lambda decoder: (closed.append(decoder), close(decoder)))
     with pytest.raises(Canceled):
-        decoder.run(control, report=lambda c, done, total: c.check())
-    assert int(decoder.frame) == 8  # stopped at the first block's end, the engine's cache released
-    assert engines["torch"]._caches == []
+        decode_song(engines["torch"], PROMPT, plan, [1], report, check_every=8)
+    assert reports == [8] and len(closed) == 1 and closed[0].keys == []  # stopped at the first block, freed
 
 
 class OpLog(TorchDispatchMode):
@@ -145,7 +156,8 @@ HOST_ROUND_TRIPS = ("aten._local_scalar_dense", "aten.lift_fresh", "aten.item")
 def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
     """One frame has no host round trip (no op that reads a device value back or uploads host values), and
     torch.compile(fullgraph=True) traces it (it breaks on a Python branch on a tensor value or a Generator
-    argument); the traced frame changes the state exactly as the eager one."""
+    argument); the traced frame changes the state exactly as the eager one. Two tracks of other samplers (two
+    sampling groups) and an empty slot, as the engine has them."""
     lm = engines["torch"]
     plan = SongPlan(
         window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
@@ -157,27 +169,28 @@ def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
         top_k=50,
         temperature=1.0,
     )
+    greedy = SongPlan(**{**plan.__dict__, "top_k": 1})
+    requests = [TrackRequest(tuple(PROMPT), plan, 1), TrackRequest(tuple(PROMPT[:4]), greedy, 2)]
     states = []
     for compiled in (False, True):
-        decoder = DeviceDecoder(lm, PROMPT, plan, [1, 2], check_every=4, use_graphs=False)
-        lm.reset(len(PROMPT) + 2 * plan.limit, batch=2)
+        decoder = SlotDecoder(lm, 3, requests[0].positions, check_every=4)
+        live = [decoder.admit(request) for request in requests]
         with torch.inference_mode():
-            decoder._allocate(lm.prefill_batch(PROMPT).index_select(1, decoder._candidate_rows(0)))
-            decoder._draw_noise(4, may_end=True)
+            groups = decoder._begin_block(live, 4)
             step = (
                 torch.compile(decoder.frame_step, backend="eager", fullgraph=True) if compiled else decoder.frame_step
             )
             for _ in range(3):
-                step(True)
+                step(live, groups)
             if compiled:
-                step(True)
+                step(live, groups)
             else:
                 log = OpLog()
                 with log:
-                    decoder.frame_step(True)
+                    decoder.frame_step(live, groups)
                 assert not [op for op in log.ops if op.startswith(HOST_ROUND_TRIPS)], log.ops
-                per_token = len(log.ops) / 2  # ~57 ATen ops per layer and ~15 for the head and sampling, on the CPU
-                assert per_token < 60 * tiny_profile.backbone.num_layers + 30, log.ops
+                per_token = len(log.ops) / 2  # 222 ATen ops here (2 layers, 2 live rows of 3), on the CPU
+                assert per_token < 250, log.ops  # a guard against per-token work creeping in
         states.append(
             [
                 t.clone()
@@ -188,9 +201,15 @@ def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
                     decoder.logits,
                     decoder.ended,
                     decoder.lengths,
+                    decoder.keys[0],
                 )
             ]
         )
-        lm.release()
+        decoder.close()
     assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
-    assert int(states[0][2]) == len(PROMPT) + 2 * 4
+    assert states[0][2].tolist() == [len(PROMPT) + 2 * 4, 4 + 2 * 4, 0]
+
+
+def test_cuda_graphs_need_a_cuda_device(engines):
+    with pytest.raises(ValueError, match="CUDA device"):
+        SlotDecoder(engines["torch"], 1, 40, use_graphs=True)

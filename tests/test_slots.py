@@ -1,9 +1,9 @@
 """In-flight batching of the backbone's decode (slots.py) on the tiny profile's real model code, fp32, no mocks.
 
 A seed still means a song: every track's codes, batched with others of other prompts, lengths, seeds, samplers,
-joining and leaving at other blocks, are bitwise the codes it gets alone (DeviceDecoder, the reference loop, a
-one-slot decoder); its candidate logits are bitwise the same at every frame too (equal by construction, not by
-luck of the sampler). A canceled slot frees its place and disturbs no one.
+joining and leaving at other blocks, are bitwise the codes it gets alone (the reference loop, a one-slot
+decoder); its candidate logits are bitwise the same at every frame too (equal by construction, not by luck of the
+sampler). A canceled slot frees its place and disturbs no one.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 from app.pipeline.control import StageControl
 from app.pipeline.music.backbone import generate_coarse_tracks
-from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
 from app.pipeline.music.slots import (
     SlotDecoder,
+    SongPlan,
     TrackRequest,
     decode_queue,
     default_slots,
@@ -76,14 +76,29 @@ def mix(make_request):
     ]
 
 
-def alone(lm, request: TrackRequest) -> torch.Tensor:
-    """The track's codes decoded alone by today's device loop."""
-    return DeviceDecoder(lm, list(request.prompt_ids), request.plan, [request.seed]).run(StageControl())[0]
+def alone(lm, profile, request: TrackRequest) -> torch.Tensor:
+    """The track's codes from the reference loop (backbone.py), alone: the parity anchor."""
+    plan = request.plan
+    (codes,) = generate_coarse_tracks(
+        lm,
+        list(request.prompt_ids),
+        profile=profile,
+        num_frames=plan.expected_frames,
+        temperature=plan.temperature,
+        top_k=plan.top_k,
+        seeds=[request.seed],
+        control=StageControl(),
+        end_id=plan.end_id,
+        max_frames=plan.limit,
+        min_frames=plan.min_frames,
+        loop="reference",
+    )
+    return codes
 
 
 @pytest.fixture(scope="module")
-def alone_codes(lm, mix):
-    return [alone(lm, request) for request in mix]
+def alone_codes(lm, tiny_profile, mix):
+    return [alone(lm, tiny_profile, request) for request in mix]
 
 
 def equal(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
@@ -114,40 +129,16 @@ def test_codes_batched_equal_codes_alone(lm, mix, alone_codes, slots, check_ever
         assert any(finished_while_others_ran)
 
 
-def test_one_slot_equals_device_decoder_and_the_reference_loop(lm, tiny_profile, mix, alone_codes):
-    for index in (0, 3):  # a fixed-length track and one the model ends
-        request = mix[index]
-        plan = request.plan
-        (reference,) = generate_coarse_tracks(
-            lm,
-            list(request.prompt_ids),
-            profile=tiny_profile,
-            num_frames=plan.expected_frames,
-            temperature=plan.temperature,
-            top_k=plan.top_k,
-            seeds=[request.seed],
-            control=StageControl(),
-            end_id=plan.end_id,
-            max_frames=plan.limit,
-            min_frames=plan.min_frames,
-            loop="reference",
-        )
-        (codes,) = decode_queue(SlotDecoder(lm, 1, MAX_LEN), [request])
-        assert torch.equal(codes, alone_codes[index]) and torch.equal(codes, reference)
-
-
 def alone_logits(lm, request: TrackRequest, frames: int) -> list[torch.Tensor]:
-    """The candidate logits DeviceDecoder holds before each of a fixed-length track's first frames."""
-    decoder = DeviceDecoder(lm, list(request.prompt_ids), request.plan, [request.seed], use_graphs=False)
-    lm.reset(request.positions)
+    """The candidate logits a one-slot decoder (whose codes are the reference loop's: above) holds before each
+    of a fixed-length track's first frames."""
+    decoder = SlotDecoder(lm, 1, MAX_LEN, check_every=1)
+    decoder.admit(request)
     trace = []
-    with torch.inference_mode():
-        decoder._allocate(lm.prefill_batch(list(request.prompt_ids)).index_select(1, decoder._candidate_rows(0)))
-        for _ in range(frames):
-            trace.append(decoder.logits[0].clone())
-            decoder._draw_noise(1, may_end=False)
-            decoder.frame_step(False)
-    lm.release()
+    for _ in range(frames):
+        trace.append(decoder.logits[0, : request.plan.candidates(False)].clone())
+        decoder.step_block()
+    decoder.close()
     return trace
 
 
@@ -207,7 +198,7 @@ def test_batched_matmul_logits_are_bitwise_those_of_one_slot(lm, make_request):
         many.step_block()
 
 
-def test_a_canceled_slot_frees_its_place_and_disturbs_no_one(lm, mix, alone_codes, make_request):
+def test_a_canceled_slot_frees_its_place_and_disturbs_no_one(lm, tiny_profile, mix, alone_codes, make_request):
     decoder = SlotDecoder(lm, 3, MAX_LEN, check_every=4)
     slots = {decoder.admit(mix[i]): i for i in (0, 1, 3)}
     decoder.step_block()
@@ -227,7 +218,7 @@ def test_a_canceled_slot_frees_its_place_and_disturbs_no_one(lm, mix, alone_code
                 assert update.codes is not None
                 codes[slots[update.slot]] = update.codes
     assert torch.equal(codes[0], alone_codes[0]) and torch.equal(codes[3], alone_codes[3])
-    assert torch.equal(codes[-1], alone(lm, newcomer))
+    assert torch.equal(codes[-1], alone(lm, tiny_profile, newcomer))
 
 
 def test_updates_report_progress_then_the_codes(lm, make_request):

@@ -102,8 +102,9 @@ _SIZED: dict[int, int] = {}
 
 def batched_backbone_work(run: StageRun) -> None:
     """The track's coarse codes, and those of up to ENCORE_BATCH_TRACKS - 1 other tracks of the song waiting
-    on this queue, in one batch when the engine batches (a memory-bound GPU decodes 2 tracks for about the
-    price of 1). Written for tracks of any job (TrackRef pairs); the candidates are the song's own tracks."""
+    on this queue, in one batch when the engine batches (on the torch engine a slot decoder of one slot per
+    track: the linear layers run per track, the rest of each step once). Written for tracks of any job (TrackRef
+    pairs); the candidates are the song's own tracks."""
     batch = run.svc.settings.batch_tracks
     batches = batch > 1 and models().backbone_batches(run.loaded, run.control)  # a load here is announced
     adopted = run.adopt_waiting_siblings(batch - 1) if batches else []

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from app.pipeline.control import StageControl
-from app.pipeline.music.decode_loop import SongPlan
-from app.pipeline.music.engine import BatchedCausalLM, CausalLM, DeviceLoopLM, sample_top_k
+from app.pipeline.music.engine import BatchedCausalLM, CausalLM, sample_top_k
+from app.pipeline.music.slots import SongPlan, decode_song
+from app.pipeline.music.torch_engine import TorchCausalLM
 from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 
 
@@ -39,7 +40,7 @@ def generate_coarse(
 ) -> Tensor:
     """Codes [2, frames] (int64, values 0..codebook_size-1) for q0 and q1, reproducible per seed.
 
-    Reports "done/expected tokens" through `control` (per frame, or per block on a device loop), which
+    Reports "done/expected tokens" through `control` (per frame, or per block in the slot decoder), which
     raises Canceled to stop.
     """
     return generate_coarse_tracks(
@@ -81,8 +82,9 @@ def generate_coarse_tracks(
     candidate once `min_frames` frames are written; an unfinished frame is dropped) or after `max_frames`
     frames; `num_frames` is then only the expected length progress is reported against.
 
-    `loop="auto"` runs an engine's own device-side loop when it has one (decode_loop.py: the same codes, no
-    host round trip per token, progress once per block); "reference" always runs the loop below.
+    `loop="auto"` runs the plain-PyTorch engine's tracks through a slot decoder of their own, one slot per track
+    (slots.decode_song: each track's codes are those the loop below gives it alone, with no host round trip per
+    token, progress once per block); "reference", and any other engine, run the loop below.
     """
     if not prompt_ids:
         raise ValueError("the backbone needs a non-empty prompt")
@@ -113,7 +115,7 @@ def generate_coarse_tracks(
             )[0]
             for i, seed in enumerate(seeds)
         ]
-    if loop == "auto" and isinstance(lm, DeviceLoopLM):
+    if loop == "auto" and isinstance(lm, TorchCausalLM):
         plan = SongPlan.for_song(
             profile,
             num_frames=num_frames,
@@ -123,9 +125,14 @@ def generate_coarse_tracks(
             top_k=top_k,
             temperature=temperature,
         )
+        expected = COARSE_CODEBOOKS * num_frames
         open_ended = end_id is not None
-        tracks = lm.device_decoder(prompt_ids, plan, seeds).run(
-            control, report=lambda c, done, expected: _report(c, done, expected, open_ended=open_ended)
+        tracks = decode_song(
+            lm,
+            prompt_ids,
+            plan,
+            seeds,
+            report=lambda frames: _report(control, COARSE_CODEBOOKS * frames, expected, open_ended=open_ended),
         )
     else:
         tracks = _reference_loop(

@@ -52,14 +52,6 @@ class BatchedCausalLM(CausalLM, Protocol):
 
 
 @runtime_checkable
-class DeviceLoopLM(BatchedCausalLM, Protocol):
-    """A BatchedCausalLM that also runs the whole coarse decode loop on its device (decode_loop.py)."""
-
-    def device_decoder(self, prompt_ids: Sequence[int], plan, seeds: Sequence[int], **options):
-        """A DeviceDecoder for one song on this engine."""
-
-
-@runtime_checkable
 class BidirectionalLM(Protocol):
     """Non-causal transformer run over a whole sequence of input embeddings at once."""
 

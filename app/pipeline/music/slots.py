@@ -1,9 +1,22 @@
-"""In-flight (continuous) batching of the backbone's decode: a fixed number of slots, tracks join and leave.
+"""The backbone's decode on the engine's device, in slots: tracks of any songs join and leave between blocks.
 
-decode_loop.DeviceDecoder decodes the tracks of ONE song: one prompt, all starting and ending together. A
-SlotDecoder holds up to N tracks of any songs at once, each at its own place: its own prompt (of its own
-length), seed, sampler, frame limit and end id (its own SongPlan), its own positions and RNG generator. A
-worker drives it block by block:
+backbone.py's reference loop samples on the host side of the engine protocol (ids in, logits out, `int()` on
+every code). A SlotDecoder does the same arithmetic with every per-token value kept on the device, so that on a
+GPU one frame (two tokens) is a fixed sequence of kernels that a CUDA graph can replay:
+  - token ids, positions, frame indices, the codes, which tracks have ended and where, all live in device
+    tensors allocated once and updated in place;
+  - the output head computes only the rows that can be sampled: the next codebook's window, plus end-of-text
+    when the model may end the song (2,049 of 130,304 rows for Khala);
+  - sampling is torch.multinomial's own algorithm written out: for one draw without replacement it takes
+    `argmax(probs / q)` with `q ~ Exp(1)` drawn from the track's generator. Each track's noise for the next
+    block of frames is drawn ahead, in one call on its own generator (the same values, in the same order, as
+    one call per token on the CPU), so a track's codes are those the reference loop gives it;
+  - progress, cancels and "which tracks have ended?" are read once per block (`check_every` frames);
+  - with `use_graphs` (on CUDA) each block's frame is captured once as a CUDA graph and replayed.
+
+It holds up to N tracks of any songs at once, each at its own place: its own prompt (of its own length), seed,
+sampler, frame limit and end id (its own SongPlan), its own positions and RNG generator. The in-flight engine
+(inflight.py) drives it block by block:
 
     decoder = SlotDecoder(lm, slots=8, max_len=...)
     slot = decoder.admit(TrackRequest(prompt_ids, plan, seed))   # at a block boundary; prefills that slot only
@@ -11,8 +24,10 @@ worker drives it block by block:
         if update.finished: save(update.codes)                   # the slot is free again: admit the next track
     decoder.cancel(slot)                                         # drop one track; the others go on
 
-**A seed still means a song.** A track's codes are bitwise those it gets alone (a SlotDecoder of one slot,
-DeviceDecoder, or backbone.generate_coarse_tracks' reference loop), whatever it is batched with. That holds by
+Without the engine, `decode_song` runs the tracks of one song in a decoder of their own, one slot per track.
+
+**A seed still means a song.** A track's codes are bitwise those it gets alone (a SlotDecoder of one slot, or
+backbone.generate_coarse_tracks' reference loop), whatever it is batched with. That holds by
 construction, not by luck:
   - each slot draws its sampling noise from its own generator, the same values in the same order as alone (a
     block never straddles a slot's phase change, so every token draws as many values as it does alone);
@@ -45,7 +60,7 @@ product per tile of ROW_TILE rows over all slots, written (W @ x^T)^T, and SiLU 
 whatever the row count, and computes a row the same way wherever it lies (tests/test_slots.py on Intel and AMD EPYC
 CPUs; one bare product of all rows, which an earlier version used, was batch-invariant on Intel, not on the AMD). A
 track's codes are then bitwise the same whatever it is batched with and in a decoder of one slot, but that is
-not the 1-row product of DeviceDecoder and the reference loop: their logits differ in the last bits, so their
+not the 1-row product of the reference loop: their logits differ in the last bits, so their
 codes may differ where the sampler meets a near-tie (none seen in the tests). A deployment picks one mode for
 every track, so that a retry of a seed gives the same song.
 
@@ -64,9 +79,84 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.pipeline.music.options import DEFAULT_SLOT_CAP
-from app.pipeline.music.decode_loop import DEFAULT_CHECK_EVERY, SongPlan
 from app.pipeline.music.torch_engine import Attention, Block, FeedForward, TorchCausalLM, apply_rope, rope_tables
-from app.pipeline.profiles import COARSE_CODEBOOKS
+from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
+
+DEFAULT_CHECK_EVERY = 32  # frames between host reads: ~1.5 s of audio, well under a second of GPU time
+
+
+@dataclass(frozen=True)
+class SongPlan:
+    """What to generate: the codebook windows (first id of each), which id ends a song (None: fixed length),
+    the frame limit, the first frame that may end, the expected frames (for progress), the sampler."""
+
+    window_starts: tuple[int, ...]
+    codebook_size: int
+    end_id: int | None
+    limit: int
+    min_frames: int
+    expected_frames: int
+    top_k: int
+    temperature: float
+
+    @staticmethod
+    def frame_limit(num_frames: int, end_id: int | None, max_frames: int | None) -> int:
+        """The most frames a song may take: exactly `num_frames` without an end id, else `max_frames` (or
+        `num_frames` when there is no cap)."""
+        return num_frames if end_id is None else (max_frames or num_frames)
+
+    @classmethod
+    def for_song(
+        cls,
+        profile: MusicProfile,
+        *,
+        num_frames: int,
+        end_id: int | None,
+        max_frames: int | None,
+        min_frames: int,
+        top_k: int,
+        temperature: float,
+    ) -> SongPlan:
+        """The plan of one song in `profile`'s two coarse windows: `num_frames` expected, ended by `end_id` (once
+        `min_frames` are written) or at `frame_limit`: what backbone.generate_coarse_tracks decodes."""
+        return cls(
+            window_starts=tuple(profile.audio_token_offset(q) for q in range(COARSE_CODEBOOKS)),
+            codebook_size=profile.codebook_size,
+            end_id=end_id,
+            limit=cls.frame_limit(num_frames, end_id, max_frames),
+            min_frames=min_frames,
+            expected_frames=num_frames,
+            top_k=top_k,
+            temperature=temperature,
+        )
+
+    @classmethod
+    def fixed_length(cls, profile: MusicProfile, frames: int, top_k: int, temperature: float = 1.0) -> SongPlan:
+        """A song of exactly `frames` frames (no end-of-text): what the benches and the parity tests decode."""
+        return cls.for_song(
+            profile,
+            num_frames=frames,
+            end_id=None,
+            max_frames=None,
+            min_frames=frames,
+            top_k=top_k,
+            temperature=temperature,
+        )
+
+    def may_end(self, frame: int) -> bool:
+        return self.end_id is not None and frame >= self.min_frames
+
+    def candidates(self, may_end: bool) -> int:
+        return self.codebook_size + (1 if may_end else 0)
+
+    def candidate_ids(self, q: int) -> list[int]:
+        """The vocabulary ids codebook q's tokens are sampled from: its window, then end-of-text if any."""
+        start = self.window_starts[q]
+        return [*range(start, start + self.codebook_size), *([] if self.end_id is None else [self.end_id])]
+
+    def drawn(self, may_end: bool) -> int:
+        """Noise values one sampled token takes: the top-k set's size (0 when greedy)."""
+        return 0 if self.top_k == 1 else min(self.top_k, self.candidates(may_end))
 
 
 @dataclass(frozen=True)
@@ -87,7 +177,7 @@ class TrackRequest:
     @property
     def positions(self) -> int:
         """The cache positions this track uses, and the key length it attends over, alone: the prompt, then
-        two tokens per frame (what DeviceDecoder and the reference loop reset the engine's cache to)."""
+        two tokens per frame (what the reference loop resets the engine's cache to)."""
         return len(self.prompt_ids) + COARSE_CODEBOOKS * self.plan.limit
 
 
@@ -142,9 +232,12 @@ class SlotDecoder:
     """Up to `slots` tracks decoding together on a TorchCausalLM's model, each joining and leaving on its own.
 
     `max_len` bounds the positions of one track (prompt + 2 x frame limit); the KV cache holds slots x max_len.
-    The engine's own cache is not used (a DeviceDecoder on the same engine may run before or after).
+    The engine's own cache is not used (the reference loop on the same engine may run before or after).
     `batched_matmul`: one batch-invariant matmul for all slots instead of the engine's own per-row call (module
     docstring: faster, bitwise equal across batches, but not bitwise the engine's alone logits).
+    `use_graphs` (CUDA only): each block's frame runs as a CUDA graph, captured when the slots' configuration
+    (who runs, each one's key length, candidates and sampler) differs from the last block's: no per-kernel launch
+    cost, at the price of a capture (about two frames) per configuration.
     """
 
     def __init__(
@@ -155,9 +248,12 @@ class SlotDecoder:
         *,
         check_every: int = DEFAULT_CHECK_EVERY,
         batched_matmul: bool = False,
+        use_graphs: bool = False,
     ):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if use_graphs and lm.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {lm.device}")
         shape = lm.model.shape
         if not 1 <= max_len <= shape.max_len:
             raise ValueError(f"max_len must be in 1..{shape.max_len} (the model's positions), got {max_len}")
@@ -165,7 +261,10 @@ class SlotDecoder:
         self.slots, self.max_len = slots, max_len
         self.check_every = max(1, check_every)
         self.batched_matmul = batched_matmul
+        self.use_graphs = use_graphs
         self.device, self.dtype = lm.device, lm.dtype
+        # the last captured frame: its configuration, the graph, and the sampling groups whose tensors it reads
+        self._graph: tuple[tuple, torch.cuda.CUDAGraph, list[_SamplingGroup]] | None = None
         self._occupants: dict[int, _Occupant] = {}
         self._head_cache: dict[tuple[int, ...], Tensor] = {}
         self._views: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
@@ -181,6 +280,8 @@ class SlotDecoder:
         # which cache positions each slot's next token sees, already repeated per query head of a group (the
         # layout Attention gives its mask)
         self.visible = torch.zeros(n, 1, s.heads // s.groups, self.max_len, dtype=torch.bool, device=device)
+        # True, as a device tensor: what a token writes into `visible` (a Python True is a host value)
+        self.seen = torch.ones((), dtype=torch.bool, device=device)
         self.cos, self.sin = rope_tables(s, self.max_len, device)
         self.rows = torch.arange(n, device=device)
         self.occupied = self._longs(n)  # 1 where a track sits: positions and frames advance by it
@@ -208,8 +309,10 @@ class SlotDecoder:
             wider = torch.zeros(n, candidates, device=self.device)
             wider[:, : self.logits.shape[1]] = self.logits
             self.logits = wider
+            self._graph = None  # it reads the old buffer
         if drawn > self.noise.shape[2]:
             self.noise = torch.ones(n, COARSE_CODEBOOKS * self.check_every, drawn, device=self.device)
+            self._graph = None
 
     # -- occupancy --------------------------------------------------------------------------------------
     @property
@@ -260,6 +363,7 @@ class SlotDecoder:
         self._occupants.clear()
         self._views.clear()
         self._masks.clear()
+        self._graph = None
         self.keys, self.values = [], []
 
     def _reset_row(self, slot: int, request: TrackRequest) -> None:
@@ -293,7 +397,7 @@ class SlotDecoder:
         return mask
 
     def _head(self, plan: SongPlan, q: int) -> Tensor:
-        """The output rows codebook q's tokens are sampled from (as DeviceDecoder builds them), shared by slots."""
+        """The output rows codebook q's tokens are sampled from (its window, then end-of-text), shared by slots."""
         ids = tuple(plan.candidate_ids(q))
         head = self._head_cache.get(ids)
         if head is None:
@@ -311,7 +415,8 @@ class SlotDecoder:
         visible = (keys[None, :] <= positions[:, None])[None, None]  # [1, 1, T, keys], as TorchCausalLM builds it
         per_group = self.shape.heads // self.shape.groups
         masks = {0: visible.repeat(1, 1, per_group, 1)}
-        hidden = self._hidden(self.model.embedding(ids[None]), [slot], [0], positions[None], masks)
+        row = self.rows[slot : slot + 1]
+        hidden = self._hidden(self.model.embedding(ids[None]), [slot], row, [0], positions[None], masks)
         full = self.model.output(hidden).float()[:, -1]  # the full head over the prompt, as the engine's prefill
         return full[0].index_select(0, torch.tensor(request.plan.candidate_ids(0), device=self.device))
 
@@ -319,14 +424,15 @@ class SlotDecoder:
         self,
         x: Tensor,
         slot_of_row: Sequence[int],
+        slots: Tensor,
         live: Sequence[int],
         positions: Tensor,
         masks: dict[int, Tensor],
     ) -> Tensor:
         """Final-norm hidden states [R, T, hidden] of input embeddings x [R, T, hidden]: row r is slot
-        slot_of_row[r] at positions[r]; the per-row kernels run for the rows in `live` only (the others are
-        empty slots: zeros). `masks[r]` is row r's attention mask [1, 1, heads per group x T, its key length]."""
-        slots = torch.tensor(list(slot_of_row), device=self.device)
+        slot_of_row[r] (`slots`: the same on the device, made once: a CUDA graph cannot upload host values) at
+        positions[r]; the per-row kernels run for the rows in `live` only (the others are empty slots: zeros).
+        `masks[r]` is row r's attention mask [1, 1, heads per group x T, its key length]."""
         for layer, block in enumerate(self.model.blocks):
             assert isinstance(block, Block)
             h = block.attention_norm(x)
@@ -416,6 +522,8 @@ class SlotDecoder:
     def _stack(outs: dict[int, Tensor], rows: int) -> Tensor:
         """Rows [1, T, width] (at least one) back into one [rows, T, width] tensor, zeros for the rows not
         computed (empty slots)."""
+        if rows == 1 and len(outs) == 1:  # one slot: its row already is the tensor (a copy would be the same bits)
+            return outs[0]
         if len(outs) == rows:
             return torch.cat([outs[r] for r in range(rows)])
         zeros = torch.zeros_like(next(iter(outs.values())))
@@ -430,18 +538,77 @@ class SlotDecoder:
         if not live:
             return []
         frames = min(self.check_every, *(self._occupants[slot].frames_to_next_phase() for slot in live))
-        groups = self._sampling_groups(live)
         with torch.inference_mode():
-            self._draw_noise(live, frames)
-            for slot in live:  # the choice that ends a track this block: end-of-text, once it is a candidate
-                occupant = self._occupants[slot]
-                self.end_choice[slot] = occupant.request.plan.codebook_size if occupant.may_end() else -1
+            groups = self._begin_block(live, frames)
             for _ in range(frames):
-                for q in range(COARSE_CODEBOOKS):
-                    self._token(q, live, groups)
-                self.frame.add_(self.occupied)
+                self._run_frame(live, groups)
             ended, lengths = self.ended.tolist(), self.lengths.tolist()  # the one host read per block
         return [self._after_block(slot, frames, ended[slot], lengths[slot]) for slot in live]
+
+    def _begin_block(self, live: Sequence[int], frames: int) -> list[_SamplingGroup]:
+        """Set up a block of `frames` frames: each slot's noise, the choice that ends each track (end-of-text,
+        once it is a candidate; -1: none); the sampling groups its frames use."""
+        self._draw_noise(live, frames)
+        for slot in live:
+            occupant = self._occupants[slot]
+            self.end_choice[slot] = occupant.request.plan.codebook_size if occupant.may_end() else -1
+        return self._sampling_groups(live)
+
+    def frame_step(self, live: Sequence[int], groups: Sequence[_SamplingGroup]) -> None:
+        """One frame (q0 then q1) for every occupied slot; capture-safe: tensors only, no host reads."""
+        for q in range(COARSE_CODEBOOKS):
+            self._token(q, live, groups)
+        self.frame.add_(self.occupied)
+
+    def _run_frame(self, live: Sequence[int], groups: list[_SamplingGroup]) -> None:
+        if not self.use_graphs:
+            self.frame_step(live, groups)
+            return
+        configuration = self._configuration(live)
+        if self._graph is None or self._graph[0] != configuration:
+            self._graph = None  # the last configuration's graph and memory go first
+            self._graph = (configuration, self._capture(live, groups), groups)
+        self._graph[1].replay()
+
+    def _configuration(self, live: Sequence[int]) -> tuple:
+        """What a captured frame holds fixed: which slots run, and each one's key length (its mask and cache
+        views), candidate rows (its heads) and sampler (its group)."""
+        configuration = []
+        for slot in live:
+            occupant = self._occupants[slot]
+            plan = occupant.request.plan
+            sampler = (plan.top_k, plan.temperature, occupant.may_end())
+            candidates = (plan.window_starts, plan.codebook_size, plan.end_id)
+            configuration.append((slot, occupant.request.positions, candidates, sampler))
+        return tuple(configuration)
+
+    def _capture(self, live: Sequence[int], groups: Sequence[_SamplingGroup]) -> torch.cuda.CUDAGraph:
+        """Capture one frame as a CUDA graph. Warm-up runs a real frame on a side stream, so the state it
+        changes is put back before capturing (the KV entries it wrote are rewritten by the replay)."""
+        state = [
+            self.logits,
+            self.tokens,
+            self.position,
+            self.frame,
+            self.choice,
+            self.noise_step,
+            self.codes,
+            self.ended,
+            self.lengths,
+            self.visible,
+        ]
+        saved = [tensor.clone() for tensor in state]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.frame_step(live, groups)
+        torch.cuda.current_stream().wait_stream(stream)
+        for tensor, value in zip(state, saved, strict=True):
+            tensor.copy_(value)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records the kernels without running them
+            self.frame_step(live, groups)
+        return graph
 
     def _after_block(self, slot: int, frames: int, ended: bool, length: int) -> SlotUpdate:
         occupant = self._occupants[slot]
@@ -476,8 +643,8 @@ class SlotDecoder:
                 self.noise[slot, : COARSE_CODEBOOKS * frames, :drawn].exponential_(1, generator=occupant.generator)
 
     def _sample(self, groups: Sequence[_SamplingGroup]) -> None:
-        """One code per occupied slot into self.choice: DeviceDecoder's sampler (temperature, top-k, the
-        exponential race with the slot's own noise), batched over the slots of each group."""
+        """One code per occupied slot into self.choice: temperature, top-k, then the exponential race with the
+        slot's own noise (the code multinomial would draw), batched over the slots of each group."""
         for group in groups:
             logits = self.logits.index_select(0, group.rows)[:, : group.candidates]
             if group.top_k == 1:
@@ -499,10 +666,11 @@ class SlotDecoder:
         self.codes[self.rows, q, self.frame] = self.choice
         fed = torch.where(self.ended, self.end_token, self.window_start[:, q] + self.choice)
         self.tokens.copy_(fed.view(-1, 1))
-        self.visible[self.rows, 0, :, self.position] = True  # each slot now sees its new position
+        self.visible[self.rows, 0, :, self.position] = self.seen  # each slot now sees its new position
         masks = {slot: self._decode_mask(slot, self._occupants[slot].request.positions) for slot in live}
-        rows = range(self.slots)
-        hidden = self._hidden(self.model.embedding(self.tokens), rows, live, self.position[:, None], masks)
+        every_row = range(self.slots)
+        tokens = self.model.embedding(self.tokens)
+        hidden = self._hidden(tokens, every_row, self.rows, live, self.position[:, None], masks)
         for slot in live:
             head = self._occupants[slot].heads[(q + 1) % COARSE_CODEBOOKS]
             self.logits[slot, : head.shape[0]] = (hidden[slot : slot + 1, 0] @ head.t()).float()[0]
@@ -577,3 +745,43 @@ def decode_queue(
                 assert update.codes is not None
                 codes[order.pop(update.slot)] = update.codes
     return [codes[index] for index in range(len(codes))]
+
+
+def decode_song(
+    lm: TorchCausalLM,
+    prompt_ids: Sequence[int],
+    plan: SongPlan,
+    seeds: Sequence[int],
+    report: Callable[[int], None] | None = None,
+    *,
+    check_every: int = DEFAULT_CHECK_EVERY,
+    use_graphs: bool | None = None,
+) -> list[Tensor]:
+    """Codes [2, frames] of the tracks of one song (one prompt and plan, a seed each), through a SlotDecoder of
+    one slot per track sized for them: what the backbone stage runs without the in-flight engine. Each track's
+    codes are those the reference loop gives it alone.
+
+    After each block `report(frames)` gets the frames written so far (it may raise, e.g. Canceled: the decoder
+    is freed), except after the block in which the last track ended by sampling end-of-text: its length, not a
+    count, is the news then. `use_graphs` None: CUDA graphs on a CUDA device."""
+    requests = [TrackRequest(tuple(prompt_ids), plan, seed) for seed in seeds]
+    graphs = lm.device.type == "cuda" if use_graphs is None else use_graphs
+    decoder = SlotDecoder(lm, len(requests), requests[0].positions, check_every=check_every, use_graphs=graphs)
+    codes: dict[int, Tensor] = {}
+    try:
+        slots = [decoder.admit(request) for request in requests]
+        while decoder.occupants:
+            updates = decoder.step_block()
+            for update in updates:
+                if update.finished:
+                    assert update.codes is not None
+                    codes[update.slot] = update.codes
+            running = [update.frames for update in updates if not update.finished]  # in step: one song's tracks
+            ended_by_model = all(track.shape[1] < plan.limit for track in codes.values())
+            if plan.end_id is not None and not running and ended_by_model:
+                break
+            if report is not None:
+                report(running[0] if running else plan.limit)
+    finally:
+        decoder.close()
+    return [codes[slot] for slot in slots]

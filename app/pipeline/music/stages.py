@@ -19,9 +19,8 @@ from app.pipeline.music import backbone, codec, export, megatron_backend, prompt
 from app.pipeline.control import StageControl
 from app.pipeline.media.ffmpeg import ON_PATH, MediaTools
 from app.pipeline.music.engine import BatchedCausalLM
-from app.pipeline.music.decode_loop import SongPlan
 from app.pipeline.music.positions import frames_room
-from app.pipeline.music.slots import SlotDecoder, SlotUpdate, TrackRequest, decode_queue
+from app.pipeline.music.slots import SlotDecoder, SlotUpdate, SongPlan, TrackRequest, decode_queue
 from app.pipeline.profiles import MusicProfile, TransformerSpec
 from app.pipeline.runtime import ModelCache
 
@@ -250,7 +249,7 @@ def backbone_request(
     models: MusicModels, track: BackboneTrack, loaded: list[str] | None = None, tag: object = None
 ) -> tuple[TrackRequest, SongLength]:
     """The SlotDecoder request that decodes `track` as run_backbone_tracks decodes it alone (its prompt, and the
-    plan generate_coarse_tracks' device loop builds: windows, end id, frame limit and floor, sampler), with the
+    plan generate_coarse_tracks builds: windows, end id, frame limit and floor, sampler), with the
     song length it was planned from."""
     prompt_ids, length, end_id = _song_setup(models, track.params, loaded)
     plan = SongPlan.for_song(

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.pipeline.music.decode_loop import DeviceDecoder, SongPlan
 from app.pipeline.profiles import TransformerSpec
 
 
@@ -294,8 +293,8 @@ class TorchCausalLM:
         self._length, self._max_len, self._batch = 0, max_len, batch
 
     def cached_hidden(self, ids: Tensor, positions: Tensor) -> Tensor:
-        """Run tokens [B, T] at `positions` [T] (a device tensor) through the cache; final-norm hidden states
-        [B, T, hidden]. No host sync: the decode loop (decode_loop.py) calls it with device-side positions."""
+        """Run tokens [B, T] at `positions` [T] (a device tensor: no host sync) through the cache; final-norm
+        hidden states [B, T, hidden]."""
         if self._rope is None or self._slots is None:
             raise RuntimeError("call reset(max_len) first")
         cos, sin = (table[positions] for table in self._rope)
@@ -355,12 +354,6 @@ class TorchCausalLM:
         causal = torch.ones(tokens.numel(), tokens.numel(), dtype=torch.bool, device=self.device).tril()
         hidden = self.model.hidden_states(self.model.embedding(tokens)[None], cos, sin, causal[None, None])
         return self.model.output(hidden[0]).float()
-
-    def device_decoder(
-        self, prompt_ids: Sequence[int], plan: SongPlan, seeds: Sequence[int], **options
-    ) -> DeviceDecoder:
-        """The fast decode loop over this engine (decode_loop.py), for one song."""
-        return DeviceDecoder(self, prompt_ids, plan, seeds, **options)
 
     def release(self) -> None:
         self._caches, self._rope, self._slots, self._length, self._max_len, self._batch = [], None, None, 0, 0, 0
