@@ -1,10 +1,9 @@
-"""Helpers shared by the benchmarks: a private redis-server and free ports."""
+"""Helpers shared by the benchmarks: a private redis-server (free ports: the harness's, harness/processes.py)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -12,11 +11,7 @@ from pathlib import Path
 
 import redis
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from harness.processes import free_port
 
 
 def start_redis(data_dir: Path) -> tuple[subprocess.Popen, str]:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.support.faults import ENDED, SCENARIOS, files_left_behind, left_behind  # noqa: E402  (shared with tests/test_reliability.py)
-from tests.support.processes import RedisServer, wait_until  # noqa: E402
-from tests.support.stack import REFERENCE_ENGINE, Stack  # noqa: E402
+from harness.faults import ENDED, SCENARIOS, files_left_behind, left_behind  # noqa: E402  (shared with tests/test_reliability.py)
+from harness.processes import RedisServer, wait_until  # noqa: E402
+from harness.stack import REFERENCE_ENGINE, Stack  # noqa: E402
 
 
 def _duplicated(stack: Stack) -> int:

@@ -1,6 +1,6 @@
 """Fixtures of the test suite: a redis-server of the session's own, a SeaweedFS S3 server, tiny models written by
-the real writer, deployment-like stacks (tests/support/stack.py), and a backbone that ends songs on cue. The
-helpers they build on live in tests/support/ (tests import them from there, never from this file)."""
+the real writer, deployment-like stacks (harness/stack.py), and a backbone that ends songs on cue. The
+helpers they build on live in harness/ (tests import them from there, never from this file)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.models import TRIGGER, write_ending_backbone
-from tests.support.processes import PYTHON, REPO, RedisServer, free_port, wait_until
-from tests.support.stack import Stack
+from harness.models import TRIGGER, write_ending_backbone
+from harness.processes import PYTHON, REPO, RedisServer, free_port, wait_until
+from harness.stack import Stack
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,8 @@ import jsonschema_rs
 import pytest
 
 from app.http.events import valid_event_id
-from tests.support.media import face_video, tone, upload
-from tests.support.stack import Stack
+from harness.media import face_video, tone, upload
+from harness.stack import Stack
 
 SONG = {"mode": "vocal", "prompt_mode": "tags", "tags": "pop, piano", "lyrics": "[verse]\nla la la", "duration": 1}
 

@@ -18,7 +18,7 @@ from app.core.kinds import KINDS
 from app.control.lifecycle import parse_member
 from app.control.recovery import reap
 from app.control.routing import pick_queue
-from tests.support.stack import unit_services
+from harness.stack import unit_services
 
 QUEUES = ("gpu0", "gpu1")
 WORKER = {"gpu0": "gpu0@a", "gpu1": "gpu1@a"}
@@ -418,7 +418,7 @@ def test_a_poll_answers_the_text_the_read_builds_equal_to_the_reference_record(s
     """The poll's reply is built by the read script (read_job.lua's client view, from the job's view) and served
     as it is: for jobs in every state, with odd texts, download names that do and do not make links, webhooks and workers live,
     busy or gone, it equals app/http/jobs.public_record's, key order included; only the ETA moves with time."""
-    from tests.support.records import public_record
+    from harness.records import public_record
 
     rng = random.Random(11)
     jobs = _fill(svc, seed=9)
@@ -468,7 +468,7 @@ def test_a_poll_answers_the_text_the_read_builds_equal_to_the_reference_record(s
 def _poll_is_the_reference(svc, job_id: str) -> None:
     """The job's poll equals the reference record read from its hashes, and its ETA (read from the view's cache)
     the uncached estimate at the same instant."""
-    from tests.support.records import public_record
+    from harness.records import public_record
 
     now, heads = time.time(), eta.running_heads(svc)
     text = svc.jobs.lifecycle.read_public(job_id, now, heads)

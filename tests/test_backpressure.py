@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from tests.support import media
-from tests.support.processes import wait_until
-from tests.support.stack import REFERENCE_ENGINE
+from harness import media
+from harness.processes import wait_until
+from harness.stack import REFERENCE_ENGINE
 
 MUSIC = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3}
 KHALA = {"mode": "instrumental", "prompt_mode": "tags", "tags": "lo-fi", "duration": 1}

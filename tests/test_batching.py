@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.support.processes import wait_until
+from harness.processes import wait_until
 
 pytestmark = pytest.mark.slow  # batched backbone passes on a worker (~14 s here)
 
@@ -57,9 +57,9 @@ def test_cancel_during_a_batched_backbone_ends_both_tracks(make_stack):
 def test_adopted_tracks_go_back_to_waiting_or_end_with_a_cancel(redis_base_url, tmp_path):
     """What a failed or killed batched run leaves behind (the child's list of adopted tracks may be gone)."""
     from app.core.ids import TrackRef
-    from app.tasks.adoption import adopted_by_killed_run  # not app.tasks.music: see tests/support/stack.py
+    from app.tasks.adoption import adopted_by_killed_run  # not app.tasks.music: see harness/stack.py
     from app.tasks.track_moves import release_adopted
-    from tests.support.stack import unit_services
+    from harness.stack import unit_services
 
     svc = unit_services(redis_base_url, 507, tmp_path)
     owner = "gpu0@a|t0|1"
@@ -110,7 +110,7 @@ def test_a_run_holds_tracks_of_other_jobs_as_it_holds_its_own(redis_base_url, tm
     from app.tasks.adoption import adopt_waiting, adopted_by_killed_run  # not app.tasks.music: see stack.py
     from app.tasks.lease_watch import CancelWatch
     from app.tasks.track_moves import release_adopted
-    from tests.support.stack import unit_services
+    from harness.stack import unit_services
 
     svc = unit_services(redis_base_url, 506, tmp_path)
     owner = "gpu0@a|t0|1"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from app.control.broker import SCAN_PAGE
-from tests.support.processes import run_bench
+from harness.processes import run_bench
 
 CALLS = {"find_oldest", "find_newest", "find_missing", "drop_messages", "drop_unacked", "messages_present"}
 

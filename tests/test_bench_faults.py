@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.support.processes import run_bench
+from harness.processes import run_bench
 
 pytestmark = pytest.mark.slow  # bench/faults.py runs a fault scenario (~25 s here)
 

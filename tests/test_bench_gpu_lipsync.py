@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.carry_check import run_as_on_device
-from tests.support.processes import LONGEST_WAIT_S
+from harness.processes import LONGEST_WAIT_S
 
 pytestmark = pytest.mark.slow  # the whole lip-sync bench at tiny size (~170 s here)
 

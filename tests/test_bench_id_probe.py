@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from bench.id_probe import ROUTES
-from tests.support.processes import run_bench
+from harness.processes import run_bench
 
 
 def test_another_tenants_real_job_id_costs_the_same_redis_work_as_an_unknown_one():

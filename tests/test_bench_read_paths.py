@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench.read_paths import TARGETS, flatness, paired, summary
-from tests.support.processes import run_bench
+from harness.processes import run_bench
 
 pytestmark = pytest.mark.slow  # two redis-servers, three gunicorns and 20 one-second wrk runs (~30 s here)
 

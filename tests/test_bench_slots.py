@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.support.processes import run_bench
+from harness.processes import run_bench
 
 
 def test_slots_bench_runs_and_every_configuration_decodes_each_track_as_alone():

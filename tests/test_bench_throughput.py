@@ -10,7 +10,7 @@ import pytest
 import argparse
 
 from bench.throughput import covered_less, eta_errors, schedule, summarize, union_seconds
-from tests.support.processes import run_bench
+from harness.processes import run_bench
 
 
 def test_union_counts_a_shared_interval_once_and_gaps_not_at_all():

@@ -31,7 +31,7 @@ from app.control.routing import build_chain, queue_lists
 from app.control.services import Services, build_services
 from app.core.config import Settings
 from app.core.kinds import MUSIC
-from tests.support.processes import RedisServer
+from harness.processes import RedisServer
 
 QUEUE = "gpu7"  # its first stages wait at normal priority (the list gpu7:6), a few at high (gpu7:3)
 QUEUED = 3 * SCAN_PAGE + 57  # more than three pages

@@ -2,7 +2,7 @@
 (iter_XXXXXXX/ and release/), biased and bias-free linears (and the other switches Encore implements), saved
 arguments holding classes no reader knows, and nothing pickled in a checkpoint ever runs.
 
-The checkpoints are written in Megatron-LM's own layout by tests/support/megatron_layout.py, not by Encore's
+The checkpoints are written in Megatron-LM's own layout by harness/megatron_layout.py, not by Encore's
 save_checkpoint, so the loader is checked against what the reference's training run writes.
 """
 
@@ -22,7 +22,7 @@ from app.pipeline.music import megatron_backend as mb
 from app.pipeline.music.stages import load_engine
 from app.pipeline.profiles import load_profile
 from app.pipeline.safe_pickle import Opaque
-from tests.support.megatron_layout import (
+from harness.megatron_layout import (
     FORMATS,
     PLANTED,
     Planted,
@@ -252,7 +252,7 @@ def test_an_argument_whose_unpickling_runs_code_does_not_run(profile, tmp_path, 
     assert_loads_faithfully(profile.backbone, tmp_path / "ckpt", source, causal=True)
     common = formats.read_common(formats.Checkpoint(target, ckpt_format))
     planted = common["args"].pickled_state["planted"]
-    assert planted.pickled_global == "tests.support.megatron_layout.plant"
+    assert planted.pickled_global == "harness.megatron_layout.plant"
     assert planted.pickled_args == (str(marker),)  # recorded, not called
     assert not marker.exists()
     _load_as_megatron_lm_does(target, ckpt_format)  # the payload is live: a full unpickle runs it
@@ -316,7 +316,7 @@ def test_a_metadata_entry_that_is_not_what_loading_needs_is_refused_by_name(prof
     metadata.state_dict_metadata[key] = Planted(tmp_path / PLANTED)  # an unknown class where a tensor entry goes
     (target / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(
-        formats.CheckpointFormatError, match=r"entry 'output_layer.weight' is a tests.support.megatron_layout.plant"
+        formats.CheckpointFormatError, match=r"entry 'output_layer.weight' is a harness.megatron_layout.plant"
     ):
         mb.load_gpt(profile.backbone, tmp_path, causal=True, device="cpu")
     assert not (tmp_path / PLANTED).exists()

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import media
-from tests.support.cli import cli
-from tests.support.processes import REPO, free_port, wait_until
-from tests.support.stack import REFERENCE_ENGINE, Stack
+from harness import media
+from harness.cli import cli
+from harness.processes import REPO, free_port, wait_until
+from harness.stack import REFERENCE_ENGINE, Stack
 
 pytestmark = pytest.mark.slow  # every test talks to a stack with a worker, two run jobs (~20 s here)
 
@@ -413,7 +413,7 @@ def test_events_runs_the_http_layers_server_entry_under_both_names(tmp_path):
     which `python -m app events` reaches through app/__main__.py; `encore events` hands its arguments over to it
     (the client imports no server code). Both show the server's own options and reach its bind check; the client's
     help still lists `events`, and its other commands refuse the server's options. The server really serving is
-    tests/test_events_server.py's (started as tests/support/stack.py does, `python -m app events --bind`)."""
+    tests/test_events_server.py's (started as harness/stack.py does, `python -m app events --bind`)."""
     encore = str(Path(sys.executable).parent / "encore")
     for command in (
         (sys.executable, "-m", "app", "events"),

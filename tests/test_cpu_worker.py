@@ -14,8 +14,8 @@ import pytest
 from app.control.readiness import worker_readiness
 from app.core.kinds import LIPSYNC, MUSIC
 from app.core.queues import cpu_queue_of, is_cpu_queue
-from tests.support.media import face_video, tone, upload
-from tests.support.processes import REPO, wait_until
+from harness.media import face_video, tone, upload
+from harness.processes import REPO, wait_until
 
 GPU_STAGES = {"backbone", "superres", "decode", "lipsync"}
 

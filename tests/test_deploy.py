@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.support.processes import REPO
+from harness.processes import REPO
 
 SECRETS = {"REDIS_PASSWORD": "s3cret-redis", "ENCORE_FLOWER_BASIC_AUTH": "ops:pw", "API_TOKEN": "tok"}
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.processes import REPO, free_port, wait_until
-from tests.support.stack import Stack
+from harness.processes import REPO, free_port, wait_until
+from harness.stack import Stack
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Files other branches write, linked before they land: allowed to be missing until then (drop them once merged).
@@ -354,10 +354,10 @@ NOT_RUN = {
     ("docs/deployment.md", "python -m app events --bind 0.0.0.0:8001"): (
         (
             "binds the fixed ports 8000 and 8001, which another run on the machine may hold; "
-            "tests/test_events_server.py starts the same command on free ports (tests/support/stack.py) and the web "
+            "tests/test_events_server.py starts the same command on free ports (harness/stack.py) and the web "
             "with ENCORE_EVENTS_URL"
         ),
-        ("tests/support/stack.py", '"-m", "app", "events", "--bind"'),
+        ("harness/stack.py", '"-m", "app", "events", "--bind"'),
     ),
     ("docs/models.md", "ENCORE_MUSIC_PROFILE=khala"): (
         "needs the real Khala checkpoints (not downloadable here)",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.processes import wait_until
-from tests.support.stack import REFERENCE_ENGINE
-from tests.support.cli import cli
+from harness.processes import wait_until
+from harness.stack import REFERENCE_ENGINE
+from harness.cli import cli
 
 pytestmark = pytest.mark.slow  # drain and resume with workers (~11 s here)
 

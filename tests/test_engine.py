@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from tests.support.processes import wait_until
+from harness.processes import wait_until
 
 
 def _wav(stack, job_id: str, track: int = 0) -> bytes:
@@ -97,7 +97,7 @@ def test_a_track_canceled_in_the_engine_leaves_within_a_block_and_the_others_sou
 
 @pytest.mark.slow
 def test_kill_9_of_a_worker_with_tracks_of_three_jobs_in_its_engine_restarts_each_once(make_stack):
-    from tests.support import faults
+    from harness import faults
 
     stack = make_stack(ENCORE_LEASE_S="4")
     stack.start_worker(0, ENCORE_BACKBONE_SLOTS="16")
@@ -133,7 +133,7 @@ def test_kill_9_of_a_worker_with_tracks_of_three_jobs_in_its_engine_restarts_eac
 
 @pytest.mark.slow
 def test_a_second_tenant_starts_at_the_next_free_slot_not_behind_the_first_tenants_backlog(make_stack, tmp_path):
-    from tests.support.tenants import bearer, write_tenants_file
+    from harness.tenants import bearer, write_tenants_file
 
     tokens = {"token-a": "alpha", "token-b": "beta", "token-ops": "ops"}
     stack = make_stack(ENCORE_TENANTS_FILE=str(write_tenants_file(tmp_path / "tenants.json", tokens)))

@@ -12,8 +12,8 @@ import pytest
 from app.control import eta
 from app.core.kinds import MUSIC
 from app.control.routing import pick_queue
-from tests.support.processes import wait_until
-from tests.support.stack import REFERENCE_ENGINE
+from harness.processes import wait_until
+from harness.stack import REFERENCE_ENGINE
 
 pytestmark = pytest.mark.slow  # learns rates from real jobs on two queues (~35 s here)
 

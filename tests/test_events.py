@@ -14,8 +14,8 @@ import requests
 import pytest
 
 from app.clients.http_client import sse_messages
-from tests.support.processes import wait_until
-from tests.support.tenants import bearer, write_tenants_file
+from harness.processes import wait_until
+from harness.tenants import bearer, write_tenants_file
 
 pytestmark = pytest.mark.slow  # event streams of whole jobs (~15 s here)
 

@@ -25,8 +25,8 @@ from app.clients.http_client import Client, sse_messages
 from app.clients.reporters import LineReporter
 from app.control.streams import AsyncStreams, make_ticket, ticket_tenant
 from app.http.events_server import IDLE_RELEASE_S, REDIS_CLIENT_NAME
-from tests.support.processes import free_port, wait_until
-from tests.support.tenants import bearer, write_tenants_file
+from harness.processes import free_port, wait_until
+from harness.tenants import bearer, write_tenants_file
 
 TOKENS = {"acme-1": "acme", "beta-1": "beta", "ops-1": "ops"}
 MUSIC = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3}

@@ -9,7 +9,7 @@ from skimage import data
 
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync.faces import NoFaceDetected, crop_box, detect_face, detect_faces, fill_missing
-from tests.support.media import astronaut_frames
+from harness.media import astronaut_frames
 
 ASTRONAUT_FACE = (177, 66, 272, 161)  # the face in skimage.data.astronaut() (512x512), by inspection
 

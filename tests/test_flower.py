@@ -10,8 +10,8 @@ import sys
 import requests
 import pytest
 
-from tests.support.processes import REPO, free_port, wait_until
-from tests.support.stack import REFERENCE_ENGINE
+from harness.processes import REPO, free_port, wait_until
+from harness.stack import REFERENCE_ENGINE
 
 pytestmark = pytest.mark.slow  # Flower against a live worker (~9 s here)
 

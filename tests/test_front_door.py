@@ -191,7 +191,7 @@ def _upload(stack, video, audio):
 
 
 def test_a_video_larger_than_the_pixel_limit_is_400_from_its_probe(lipsync_stack, tmp_path):
-    from tests.support.media import face_video, tone
+    from harness.media import face_video, tone
 
     audio = tone(tmp_path / "a.wav", 1.0)
     reply = _upload(lipsync_stack, face_video(tmp_path / "big.mp4", 1.0, size=256), audio)
@@ -202,7 +202,7 @@ def test_a_video_larger_than_the_pixel_limit_is_400_from_its_probe(lipsync_stack
 
 
 def test_a_driving_audio_shorter_than_the_minimum_is_400(lipsync_stack, tmp_path):
-    from tests.support.media import face_video, tone
+    from harness.media import face_video, tone
 
     video = face_video(tmp_path / "v.mp4", 1.0, size=192)
     reply = _upload(lipsync_stack, video, tone(tmp_path / "short.wav", 0.1))
@@ -220,7 +220,7 @@ def test_the_default_upload_limits():
 
 
 def test_a_form_with_too_many_parts_or_a_huge_field_is_413_naming_the_body(lipsync_stack, tmp_path):
-    from tests.support.media import face_video, tone
+    from harness.media import face_video, tone
 
     video, audio = face_video(tmp_path / "v.mp4", 1.0, size=192), tone(tmp_path / "a.wav", 1.0)
     with open(video, "rb") as v, open(audio, "rb") as a:

@@ -15,7 +15,7 @@ from app.core.config import Settings
 from app.adapters.gpu import GpuProbe, parse_readings, visible_indices
 from app.control.metrics import make_registry, observe_stage
 from app.control.services import build_services
-from tests.support.stack import unit_services
+from harness.stack import unit_services
 
 STAGES = ("backbone", "superres", "decode", "export")
 

@@ -8,7 +8,7 @@ import threading
 
 import requests
 
-from tests.support import media
+from harness import media
 
 MUSIC = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 4}
 

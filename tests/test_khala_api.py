@@ -7,8 +7,8 @@ import re
 import pytest
 import requests
 
-from tests.support.processes import LONGEST_WAIT_S, wait_until
-from tests.support.stack import REFERENCE_ENGINE
+from harness.processes import LONGEST_WAIT_S, wait_until
+from harness.stack import REFERENCE_ENGINE
 
 pytestmark = pytest.mark.slow  # whole Khala-style jobs, one to the song's end (~155 s here)
 

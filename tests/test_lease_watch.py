@@ -20,7 +20,7 @@ from app.pipeline.control import Canceled, StageControl
 from app.control.services import Services, build_services
 from app.tasks.lease_watch import CancelWatch, LeaseWatchBroken  # not app.tasks.music: see conftest
 from app.tasks.progress import ThrottledProgress
-from tests.support.processes import PYTHON, REPO, RedisServer, wait_until
+from harness.processes import PYTHON, REPO, RedisServer, wait_until
 
 OWNER = "gpu0@host|task-1|4242"
 

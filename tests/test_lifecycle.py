@@ -13,8 +13,8 @@ import redis
 from app.control.jobs import JobStore
 from app.control.lifecycle import TRANSITIONS
 from app.core.keys import Layout
-from tests.support.processes import wait_until
-from tests.support.records import expected_overall
+from harness.processes import wait_until
+from harness.records import expected_overall
 
 STATUSES = (
     "new",

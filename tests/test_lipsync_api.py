@@ -7,7 +7,7 @@ import io
 import pytest
 
 from app.pipeline.media.probe import probe
-from tests.support.media import face_video, matroska_that_says, tone, upload
+from harness.media import face_video, matroska_that_says, tone, upload
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from app.pipeline.media.probe import probe
-from tests.support.processes import wait_until
-from tests.support.media import blank_video, face_video, tone, upload
+from harness.processes import wait_until
+from harness.media import blank_video, face_video, tone, upload
 
 FPS = 25
 

@@ -19,8 +19,8 @@ from app.pipeline.lipsync.inference import (
     window_features,
 )
 from app.pipeline.lipsync.musetalk import load_musetalk
-from tests.support.media import astronaut_frames, write_wav
-from tests.support.models import tiny_musetalk_profile
+from harness.media import astronaut_frames, write_wav
+from harness.models import tiny_musetalk_profile
 
 MARGIN = 10
 LAYERS, DIM = 3, 64  # tiny whisper: embedding output + 2 layers, d_model 64

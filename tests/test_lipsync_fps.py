@@ -11,8 +11,8 @@ from app.pipeline.lipsync.frames import pingpong_index, shows_a_frame_twice, sou
 from app.pipeline.lipsync.inference import audio_features, run_lipsync
 from app.pipeline.lipsync.musetalk import load_musetalk
 from app.http.uploads import output_fps
-from tests.support.models import tiny_musetalk_profile
-from tests.support.media import astronaut_frames, write_wav
+from harness.models import tiny_musetalk_profile
+from harness.media import astronaut_frames, write_wav
 
 MARGIN = 10
 

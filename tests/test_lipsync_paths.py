@@ -35,7 +35,7 @@ from app.pipeline.lipsync.inference import (
     window_features,
 )
 from app.pipeline.lipsync.musetalk import WHISPER_SAMPLE_RATE, load_musetalk
-from tests.support.models import tiny_musetalk_profile
+from harness.models import tiny_musetalk_profile
 
 MARGIN = 10
 CROP_MEAN, CROP_MAX = 1.5, 40  # device crops vs OpenCV's Lanczos, in 8-bit levels

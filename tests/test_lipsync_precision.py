@@ -10,8 +10,8 @@ from app.core.config import Settings
 from app.pipeline.lipsync.inference import generate_faces, unet_latents
 from app.pipeline.lipsync.musetalk import load_musetalk, precision_name, resolve_dtype
 from app.pipeline.lipsync.stages import LipsyncModels
-from tests.support.models import tiny_musetalk_profile
-from tests.support.media import face_image
+from harness.models import tiny_musetalk_profile
+from harness.media import face_image
 
 
 def test_precision_defaults_to_auto_and_takes_fp16_or_fp32(monkeypatch):

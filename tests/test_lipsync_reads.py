@@ -10,7 +10,7 @@ from app.pipeline.control import StageControl
 from app.pipeline.lipsync import stages
 from app.pipeline.lipsync.frames import source_frame, source_frames_shown, source_frames_to_decode
 from app.pipeline.media.ffmpeg import MediaError
-from tests.support.media import face_video, tone
+from harness.media import face_video, tone
 
 
 @pytest.mark.parametrize("num_frames", [1, 2, 49, 50, 51, 100, 251])

@@ -11,7 +11,7 @@ import wave
 import redis
 import requests
 
-from tests.support.processes import wait_until
+from harness.processes import wait_until
 
 HOP = 2048
 RATE = 44100

@@ -20,9 +20,9 @@ import jsonschema_rs
 import requests
 import pytest
 
-from tests.support.media import face_video, tone
-from tests.support.processes import LONGEST_WAIT_S, wait_until
-from tests.support.tenants import bearer, write_tenants_file
+from harness.media import face_video, tone
+from harness.processes import LONGEST_WAIT_S, wait_until
+from harness.tenants import bearer, write_tenants_file
 
 CHECKS = "all"
 SET_ASIDE_LOG = "ENCORE_SCHEMATHESIS_SET_ASIDE"  # where the hook below writes each failure it sets aside

@@ -7,7 +7,7 @@ import logging
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
-from tests.support.processes import wait_until
+from harness.processes import wait_until
 
 pytestmark = pytest.mark.slow  # metrics and logs after a job on a worker (~13 s here)
 

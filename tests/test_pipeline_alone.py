@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.processes import PYTHON, REPO
+from harness.processes import PYTHON, REPO
 
 pytestmark = pytest.mark.slow  # both pipelines in a bare child process (~25 s here)
 

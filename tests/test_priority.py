@@ -14,9 +14,9 @@ from app.core.kinds import MUSIC
 from app.core.priority import FIRST_STAGE_PRIORITY, LATER_STAGE_PRIORITY
 from app.control.routing import build_chain, dispatch_unrouted, route_job
 from app.http.submissions import create_job
-from tests.support.processes import wait_until
-from tests.support.stack import REFERENCE_ENGINE, project_celery_config, unit_services
-from tests.support.media import face_video, tone, upload
+from harness.processes import wait_until
+from harness.stack import REFERENCE_ENGINE, project_celery_config, unit_services
+from harness.media import face_video, tone, upload
 
 pytestmark = pytest.mark.slow  # priority ordering over a busy worker (~15 s here)
 

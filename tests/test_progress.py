@@ -21,7 +21,7 @@ from app.http import khala
 from app.pipeline.control import StageControl
 from app.pipeline.music import stages as music_stages
 from app.pipeline.runtime import ModelCache
-from tests.support.processes import wait_until
+from harness.processes import wait_until
 
 KHALA_SONG = {"mode": "instrumental", "prompt_mode": "tags", "tags": "synthpop", "duration": 1, "top_k_bb": 50}
 

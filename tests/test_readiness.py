@@ -11,7 +11,7 @@ import sys
 import requests
 import pytest
 
-from tests.support.processes import REPO, wait_until
+from harness.processes import REPO, wait_until
 
 pytestmark = pytest.mark.slow  # waits for a worker to load its models (~15 s here)
 

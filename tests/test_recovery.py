@@ -13,7 +13,7 @@ from app.control.recovery import reap, restart_track
 from app.core.priority import FIRST_STAGE_PRIORITY
 from app.control.routing import enqueue_track, rebalance, unroute_waiting
 from app.control.workers import pid_alive
-from tests.support.stack import project_celery_config, unit_services
+from harness.stack import project_celery_config, unit_services
 
 FIRST = FIRST_STAGE_PRIORITY["normal"]  # the broker list a normal job's first stage waits in: gpu<n>:<FIRST>
 
@@ -338,7 +338,7 @@ def test_a_zombie_process_is_not_alive():
     answers kill(0), but it runs nothing, so its leases are dead (app/control/recovery.py release_dead_leases)."""
     import subprocess
 
-    from tests.support.processes import wait_until
+    from harness.processes import wait_until
 
     child = subprocess.Popen(["sleep", "0"])
     try:

@@ -1,6 +1,6 @@
 """Time limits, crash redelivery caps, runtime modes and the faults of the track lifecycle (dead workers, a lost
 Redis, cancels and shutdowns), with real worker processes. The fault scenarios are those of bench/faults.py
-(tests/support/faults.py): here each one's outcome is checked in detail."""
+(harness/faults.py): here each one's outcome is checked in detail."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import requests
 
 from app.core.priority import FIRST_STAGE_PRIORITY
 from app.tasks.stage import _gave_up
-from tests.support import faults
-from tests.support.processes import RedisServer, wait_until
-from tests.support.stack import REFERENCE_ENGINE, Stack
+from harness import faults
+from harness.processes import RedisServer, wait_until
+from harness.stack import REFERENCE_ENGINE, Stack
 
 pytestmark = pytest.mark.slow  # the fault matrix: workers and Redis killed mid-stage, 18 scenarios (~420 s here)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.cli import cli
+from harness.cli import cli
 
 pytestmark = pytest.mark.slow  # failed and canceled jobs run again on workers (~30 s here)
 

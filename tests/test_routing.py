@@ -6,7 +6,7 @@ import pytest
 
 from app.adapters.celery_app import make_celery
 from app.control.routing import build_chain, pick_queue, queue_loads
-from tests.support.stack import project_celery_config, unit_services
+from harness.stack import project_celery_config, unit_services
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import requests
 
 from app.adapters.artifacts import S3Store
 from app.core.ids import new_job_id
-from tests.support.stack import S3_ENV
+from harness.stack import S3_ENV
 
 
 @pytest.fixture

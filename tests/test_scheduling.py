@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.support.processes import REPO, wait_until
-from tests.support.stack import REFERENCE_ENGINE
+from harness.processes import REPO, wait_until
+from harness.stack import REFERENCE_ENGINE
 
 pytestmark = pytest.mark.slow  # six stacks with workers: FIFO, cancel, kills (~50 s here)
 

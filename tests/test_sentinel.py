@@ -15,8 +15,8 @@ import pytest
 import redis
 import requests
 
-from tests.support.processes import free_port, redis_server_binary, wait_until
-from tests.support.stack import REFERENCE_ENGINE, Stack
+from harness.processes import free_port, redis_server_binary, wait_until
+from harness.stack import REFERENCE_ENGINE, Stack
 
 pytestmark = pytest.mark.slow  # three sentinels, a failover and jobs through it (~50 s here)
 

@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from tests.support.processes import wait_until
-from tests.support.stack import REFERENCE_ENGINE, S3_ENV
+from harness.processes import wait_until
+from harness.stack import REFERENCE_ENGINE, S3_ENV
 
 pytestmark = pytest.mark.slow  # two hosts' workers, one killed (~27 s here)
 

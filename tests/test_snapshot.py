@@ -8,7 +8,7 @@ import os
 import pytest
 
 from app.control.snapshot import KHALA_STATUS_PARTS, PARTS, STATUS_PARTS, take_snapshot
-from tests.support.stack import unit_services
+from harness.stack import unit_services
 
 
 @pytest.fixture

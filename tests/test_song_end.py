@@ -1,7 +1,7 @@
 """The backbone ends a song where the model ends it: end-of-text sampled beside each codebook window.
 
 Random weights would end at random, so these tests use a tiny backbone whose weights make it end on cue
-(tests/support/models.py, make_ending): a track ends on the frame after its first trigger code, at a frame its seed decides.
+(harness/models.py, make_ending): a track ends on the frame after its first trigger code, at a frame its seed decides.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from app.pipeline.music.backbone import generate_coarse, generate_coarse_tracks
 from app.pipeline.control import StageControl
 from app.pipeline.music.stages import song_length
 from app.control.services import build_services
-from tests.support.models import TRIGGER, write_ending_backbone
+from harness.models import TRIGGER, write_ending_backbone
 
 torch.set_num_threads(2)
 PROMPT = [1, 42, 7, 300]

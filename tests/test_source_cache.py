@@ -15,8 +15,8 @@ import torch
 from app.pipeline.control import StageControl
 from app.pipeline.lipsync import stages
 from app.pipeline.lipsync.source_cache import SourceCache, entry_key, file_digest
-from tests.support.models import tiny_musetalk_profile
-from tests.support.media import face_video, tone, upload
+from harness.models import tiny_musetalk_profile
+from harness.media import face_video, tone, upload
 
 
 def test_entries_are_evicted_least_recently_used_first_within_the_byte_bound(tmp_path):

@@ -14,8 +14,8 @@ from app.adapters.artifacts import CHUNK_BYTES, READ_BATCH_CHUNKS, DirectoryStor
 from app.control.jobs import JobStore
 from app.control.lifecycle import lua_stages
 from app.control.scripts import lua_source
-from tests.support.processes import wait_until
-from tests.support.records import expected_overall
+from harness.processes import wait_until
+from harness.records import expected_overall
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from flask import Flask
 
-from tests.support.processes import REPO
+from harness.processes import REPO
 
 
 def test_gunicorn_config_serves_an_app_that_is_not_encores():

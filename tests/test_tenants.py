@@ -18,7 +18,7 @@ import pytest
 from app.core.config import Settings, load_settings
 from app.core.tenants import ADMIN, CLIENT, DEFAULT_TENANT, Tenant, tenant_directory, token_digest, token_tenant_name
 
-from tests.support.tenants import bearer, write_tenants_file
+from harness.tenants import bearer, write_tenants_file
 
 REPO = Path(__file__).resolve().parents[1]
 MUSIC = {"mode": "instrumental", "tags": "lo-fi", "duration_s": 2.0, "num_tracks": 1, "seed": 3}
@@ -352,7 +352,7 @@ def test_a_tenants_song_length_and_retries_are_its_own(make_stack, tmp_path):
 
 
 def test_a_tenants_face_video_length_is_its_own(make_stack, tmp_path):
-    from tests.support.media import face_video, tone
+    from harness.media import face_video, tone
 
     stack = limited_stack(make_stack, tmp_path, {"max_video_s": 3.5})
     video, audio = face_video(tmp_path / "face.mp4", 4.0), tone(tmp_path / "voice.wav", 1.0)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import re
 import subprocess
 
-from tests.support.processes import PYTHON, REPO
+from harness.processes import PYTHON, REPO
 
 FAST = "not slow"
-# Files whose tests submit a job over HTTP to real `celery worker` processes (tests/support/stack.py) running the
+# Files whose tests submit a job over HTTP to real `celery worker` processes (harness/stack.py) running the
 # tiny models end to end: the fast tier must keep at least one test of each.
 END_TO_END = {"music": "tests/test_music_e2e.py", "lipsync": "tests/test_lipsync_e2e.py"}
 

@@ -15,7 +15,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from app.adapters import tracing
 from app.core.config import Settings
-from tests.support.processes import wait_until
+from harness.processes import wait_until
 
 pytestmark = pytest.mark.slow  # a traced job on a worker (~9 s here)
 

@@ -18,9 +18,9 @@ import subprocess
 import pytest
 import requests
 
-from tests.support.processes import REPO, wait_until
-from tests.support.stack import REFERENCE_ENGINE
-from tests.support.media import face_video, tone
+from harness.processes import REPO, wait_until
+from harness.stack import REFERENCE_ENGINE
+from harness.media import face_video, tone
 
 slow = pytest.mark.slow  # chromium drives the page through whole jobs (~50 s here); the listing's checks are fast
 
@@ -448,7 +448,7 @@ def test_page_follows_a_stream_through_the_redirect_to_the_events_server(make_st
     import os
     import signal
 
-    from tests.support.processes import free_port
+    from harness.processes import free_port
 
     port = free_port()
     events_url = f"http://127.0.0.1:{port}"

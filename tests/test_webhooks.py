@@ -27,8 +27,8 @@ from app.adapters import webhooks
 from app.control import webhook_leases as leases
 from app.core.config import Settings
 from app.core.keys import Layout
-from tests.support.processes import wait_until
-from tests.support.stack import unit_services
+from harness.processes import wait_until
+from harness.stack import unit_services
 
 SECRET = "whsec_" + base64.b64encode(b"encore-test-webhook-secret-0123").decode()
 

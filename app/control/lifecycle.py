@@ -364,7 +364,7 @@ class Lifecycle:
         without the fields clients never see, each with its seed and download links, the overall state, queue
         position, cancel flag, webhook deliveries and `eta_s` at `eta_at` (rounded to 0.1 s; null while an open
         track's queue has had no live worker for `offline_after_s`). One round trip and
-        no parse: the web serves the text as it is (tests/support/records.public_record is the reference it is tested
+        no parse: the web serves the text as it is (harness/records.public_record is the reference it is tested
         against). With a `tenant`, None (as for an unknown job) when another tenant owns the job."""
         args = [self.layout.prefix, job_id, "", str(heads), repr(eta_at), "1", tenant, DEFAULT_TENANT]
         args.append(repr(offline_after_s))

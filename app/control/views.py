@@ -6,7 +6,7 @@ job's fields, each track's fields as JSON without the ones clients never see, it
 poll (lua/read_job.lua's client view) reads that hash and adds only what moves without a write to the job:
 queue positions, workers' status, the cancel flag, webhook deliveries and the ETA, whose inputs it caches in
 the view while the queues' members and the learned rates stay as they were (lua/estimate.lua's
-cached_job_eta). tests/support/records.public_record is the reference the reply is tested against; the web serves
+cached_job_eta). harness/records.public_record is the reference the reply is tested against; the web serves
 this text for polls, lists, cancels and retries alike (one source of the client record).
 
 Every write of a track goes through the state machine (lua/transition.lua), which renders that track's part; a

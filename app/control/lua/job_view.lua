@@ -8,7 +8,7 @@
 -- webhook deliveries and the ETA, which it caches in the field `eta` (lua/estimate.lua's cached_job_eta).
 -- VIEW_JSON, VIEW_HIDDEN and VIEW_URL are generated from Python (app/control/views.lua_view).
 
--- A client's download links from a track's artifacts (tests/support/records.download_urls is the reference): output.mp4, and
+-- A client's download links from a track's artifacts (harness/records.download_urls is the reference): output.mp4, and
 -- [track]<n>.mp3|wav with n a plain number below 1000; a later name of the same format wins, in the first's place.
 local function view_downloads(job_id, artifacts_json)
   local order, urls = {}, {}

@@ -3,7 +3,7 @@
 -- (app/core/tenants.py); with the ETA, ARGV[9]: seconds after which a queue unseen has no live worker.
 -- Without the view: the job, its tracks with queue positions and their workers' status, the cancel flag (and the
 -- job's ETA): one JSON document, built here so that Python parses it once. With it: the record exactly as a poll
--- answers it (tests/support/records.public_record is the reference; a parity test holds them together), so the web serves
+-- answers it (harness/records.public_record is the reference; a parity test holds them together), so the web serves
 -- this text as it is, with no parse and no second encoding: from the job's view (lua/job_view.lua, rendered by
 -- the writes) and what moves without a write to the job (queue positions, workers' status, the cancel flag,
 -- webhook deliveries, the ETA from its cache). Track fields stored as JSON are spliced in as they are (cjson would

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tests.support.processes import RedisServer, wait_until
-from tests.support.stack import Stack
+from harness.processes import RedisServer, wait_until
+from harness.stack import Stack
 
 ENDED = ("done", "failed", "canceled", "partial")
 
@@ -168,7 +168,7 @@ def lipsync_canceled_while_worker_dead(stack: Stack, redis: RedisServer | None) 
     """Issue 36, item 1: a lip-sync job's worker is killed (master and child) mid-`lipsync`, the job canceled while
     it is dead, the worker started again: the track ends canceled and its scratch folder
     (`tracks/<job>-0`) goes with it (files_left_behind). facts: `scratch` (that folder)."""
-    from tests.support.media import face_video, tone, upload
+    from harness.media import face_video, tone, upload
 
     media = stack.root / "media"
     media.mkdir(parents=True, exist_ok=True)

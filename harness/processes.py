@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 # The longest a test may wait for one thing (a subprocess, a long job): below pytest-timeout's 600 s
 # (pyproject.toml), so a slow run fails with the test's own message, saying what it waited for.

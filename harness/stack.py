@@ -17,7 +17,7 @@ import redis
 import requests
 from werkzeug.serving import make_server
 
-from tests.support.processes import PYTHON, REPO, free_port, wait_until
+from harness.processes import PYTHON, REPO, free_port, wait_until
 
 _databases = itertools.count(1)
 

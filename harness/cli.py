@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.processes import REPO
-from tests.support.stack import Stack
+from harness.processes import REPO
+from harness.stack import Stack
 
 
 def cli(stack: Stack, *args: str, cwd: Path = REPO, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:

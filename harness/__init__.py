@@ -1,4 +1,5 @@
-"""Helpers shared by the tests and the fault bench (bench/faults.py): real parts, no fixtures.
+"""The harness the tests and the benches share (bench/faults.py runs the fault scenarios with it): real parts, no
+fixtures. It lives beside tests/, not in it, so that a bench needs nothing of the test suite.
 
 - processes: the repository's paths, free ports, `wait_until` (poll with a deadline), redis-server processes;
 - stack: `Stack`, a deployment-like set of Redis database, worker subprocesses and web app, plus the unit tests'
