@@ -410,8 +410,8 @@ class Settings:
     )
     batch_tracks: int = integer(
         "ENCORE_BATCH_TRACKS=2",
-        "with `ENCORE_BACKBONE_SLOTS=1`: how many tracks of one song waiting on the same worker share one batched "
-        "backbone pass (1: none); needs the `torch` engine",
+        "with `ENCORE_BACKBONE_SLOTS=1`: how many tracks of one song waiting on the same worker run in one backbone "
+        "stage, decoded together block by block, each in a slot of its own (1: none); needs the `torch` engine",
         ONE_OR_MORE,
     )
     backbone_slots: int = integer(
