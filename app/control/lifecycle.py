@@ -345,15 +345,17 @@ class Lifecycle:
         return Outcome(code > 0, code == 2, _text(status), _text(reason))
 
     def read_job(
-        self, job_id: str, eta_at: float | None = None, heads: int = 0, offline_after_s: float = 7.0
+        self, job_id: str, eta_at: float | None = None, heads: int = 0, offline_after_s: float = 7.0, tenant: str = ""
     ) -> dict[str, Any] | None:
         """The raw job hash, its track hashes (JSON fields decoded; with queue_position, and worker_status for
         open tracks with a worker) and the cancel flag, in one round trip and one parse. With `eta_at` (a time),
         also `eta_s`: the job's ETA then, reading `heads` running tracks per queue (app/control/backlog.py); null
-        while an open track's queue has had no live worker for `offline_after_s`."""
+        while an open track's queue has had no live worker for `offline_after_s`. With a `tenant`, None (as for an
+        unknown job, and after the same work) when another tenant owns the job."""
         args = read_job_args(self.layout.prefix, job_id)
-        if eta_at is not None:
-            args += [str(heads), repr(eta_at), "", "", "", repr(offline_after_s)]
+        if eta_at is not None or tenant:
+            eta = ["", ""] if eta_at is None else [str(heads), repr(eta_at)]
+            args += [*eta, "", tenant, DEFAULT_TENANT, repr(offline_after_s)]
         reply = self._read_job(keys=[], args=args)
         return json.loads(reply) if reply else None
 

@@ -1,6 +1,6 @@
--- ARGV: prefix, job id, JSON field names (comma-separated); for the ETA too: running heads, now; for a client's
--- view: '1', the tenant asking (empty: an admin, who sees every job) and the tenant of a job that names none
--- (app/core/tenants.py); with the ETA, ARGV[9]: seconds after which a queue unseen has no live worker.
+-- ARGV: prefix, job id, JSON field names (comma-separated); for the ETA too: running heads, now; '1' for a client's
+-- view; the tenant asking (empty: an admin, who sees every job; either reply) and the tenant of a job that names
+-- none (app/core/tenants.py); with the ETA, ARGV[9]: seconds after which a queue unseen has no live worker.
 -- Without the view: the job, its tracks with queue positions and their workers' status, the cancel flag (and the
 -- job's ETA): one JSON document, built here so that Python parses it once. With it: the record exactly as a poll
 -- answers it (harness/records.public_record is the reference; a parity test holds them together), so the web serves
@@ -40,13 +40,17 @@ local function queues_live(states, now)
   return true
 end
 
+-- Whether the job exists and the asking tenant (ARGV[7]; empty or none: anyone) may see it, first, for either
+-- reply, by one read that is the same for another tenant's job as for none: any more work for a real id would let
+-- another tenant time which ids exist.
+local owner = redis.call('HMGET', K.job(job_id), 'tenant', 'kind')
+if not owner[2] then return false end
+if ARGV[7] and ARGV[7] ~= '' then
+  local tenant = owner[1] ~= false and owner[1] ~= '' and owner[1] or ARGV[8]  -- none: older than tenants, the default's
+  if tenant ~= ARGV[7] then return false end  -- as if it did not exist
+end
+
 if ARGV[6] == '1' then  -- a client's view
-  -- Whether the viewer may see the job, first, by one read that is the same for another tenant's job as for none:
-  -- any more work for a real id would let another tenant time which ids exist.
-  local owner = redis.call('HMGET', K.job(job_id), 'tenant', 'kind')
-  if not owner[2] then return false end
-  local tenant = (owner[1] and owner[1] ~= '') and owner[1] or ARGV[8]  -- none: older than tenants, the default's
-  if ARGV[7] ~= '' and tenant ~= ARGV[7] then return false end  -- as if it did not exist
   local view_key = K.job_view(job_id)
   local v = to_table(redis.call('HGETALL', view_key))
   if not v.head then  -- written before views existed: rendered now
