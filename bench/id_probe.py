@@ -19,13 +19,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import start_redis
+from harness.processes import redis_work
 
 ROUTES = [
     "/api/v1/jobs/{id}",
@@ -38,21 +38,17 @@ UNKNOWN = "f" * 32
 TOKENS = {"acme-token": "acme", "beta-token": "beta"}
 
 
-def commands(client: Any) -> Counter[str]:
-    stats = client.info("commandstats")
-    return Counter({name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in stats.items()})
-
-
 def probe(web: Any, redis_client: Any, path: str, headers: dict[str, str]) -> tuple[float, dict[str, int]]:
     """One request's time (seconds) and the Redis commands it ran; it must be answered 404."""
-    before = commands(redis_client)
-    started = time.perf_counter()
-    reply = web.get(path, headers=headers)
-    took = time.perf_counter() - started
-    ran = commands(redis_client) - before
-    ran.pop("info", None)
+
+    def timed() -> tuple[Any, float]:
+        started = time.perf_counter()
+        reply = web.get(path, headers=headers)
+        return reply, time.perf_counter() - started
+
+    (reply, took), ran = redis_work(redis_client, timed)
     assert reply.status_code == 404, (path, reply.status_code)
-    return took, dict(ran)
+    return took, ran
 
 
 def measure(pairs: int) -> dict[str, Any]:

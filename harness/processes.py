@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -115,3 +116,19 @@ def run_bench(script: str, *args: str, timeout_s: float = LONGEST_WAIT_S) -> sub
         text=True,
         timeout=timeout_s,
     )
+
+
+def redis_work(client: Any, call: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
+    """What `call` returns, and the Redis commands it made the server run, by name (those run inside scripts
+    included), from the server's command statistics before and after (INFO itself left out): what tells two
+    requests' work apart whatever the machine's speed."""
+
+    def calls() -> Counter[str]:
+        stats = client.info("commandstats")
+        return Counter({name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in stats.items()})
+
+    before = calls()
+    result = call()
+    ran = calls() - before
+    ran.pop("info", None)
+    return result, dict(ran)

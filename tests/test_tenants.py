@@ -9,8 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
-from typing import Any, Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import pytest
 from app.core.config import Settings, load_settings
 from app.core.tenants import ADMIN, CLIENT, DEFAULT_TENANT, Tenant, tenant_directory, token_digest, token_tenant_name
 
+from harness.processes import redis_work
 from harness.tenants import bearer, write_tenants_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,28 +67,15 @@ def call(stack, method: str, path: str, token: str):
     return stack.client.open(path, method=method, headers=bearer(token))
 
 
-def redis_work(stack, request: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
-    """What `request` returns, and the Redis commands it ran (by name, those run inside scripts included), from
-    the server's command statistics before and after (INFO itself left out)."""
-
-    def calls() -> Counter[str]:
-        stats = stack.redis.info("commandstats")
-        return Counter({name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in stats.items()})
-
-    before = calls()
-    reply = request()
-    ran = calls() - before
-    ran.pop("info", None)
-    return reply, dict(ran)
-
-
 @pytest.mark.parametrize("method,template", JOB_ROUTES)
 def test_another_tenants_job_answers_as_a_job_that_does_not_exist(stack, method, template):
     job_id = submit(stack, "acme-1")
     unknown = "f" * 32
     for token in ("beta-1",):
-        theirs, their_work = redis_work(stack, lambda t=token: call(stack, method, template.format(id=job_id), t))
-        missing, missing_work = redis_work(stack, lambda t=token: call(stack, method, template.format(id=unknown), t))
+        theirs, their_work = redis_work(stack.redis, lambda t=token: call(stack, method, template.format(id=job_id), t))
+        missing, missing_work = redis_work(
+            stack.redis, lambda t=token: call(stack, method, template.format(id=unknown), t)
+        )
         # The same Redis commands for both (scripts' own commands included): no time to tell them apart by.
         assert their_work == missing_work, (their_work, missing_work)
         assert theirs.status_code == missing.status_code == 404, (theirs.get_json(), missing.get_json())
