@@ -64,18 +64,21 @@ def test_layout_methods_fill_the_table_patterns():
         layout.key("track", job_id="j")  # a missing part is refused, never formatted as a half key
 
 
+# The literal pieces of `KEYS` patterns (":job:", "queue:", ":waiting"): spelled in code, each would be a second copy
+# of the layout. A bare ":" is left out: it also joins a set member ("job:track").
+KEY_PIECES = {
+    piece
+    for pattern in KEYS.values()
+    for piece in pattern.replace("{", "}").split("}")[::2]
+    if ":" in piece and piece != ":"
+}
+
+
 def hand_spelled(text: str) -> list[str]:
-    """The literal pieces of `KEYS` patterns (":job:", "queue:", ":waiting") quoted in Lua `text`: each would be a
-    second copy of the layout. A bare ":" is left out: it also joins a set member ("job:track"); so are comments."""
+    """The KEY_PIECES quoted in Lua `text` (comments left out)."""
     code = re.sub(r"--[^\n]*", "", text)
-    literals = {
-        piece
-        for pattern in KEYS.values()
-        for piece in pattern.replace("{", "}").split("}")[::2]
-        if ":" in piece and piece != ":"
-    }
     return sorted(
-        piece for piece in literals for quote in "'\"" if f"{quote}{piece}" in code or f"{piece}{quote}" in code
+        piece for piece in KEY_PIECES for quote in "'\"" if f"{quote}{piece}" in code or f"{piece}{quote}" in code
     )
 
 
@@ -101,16 +104,13 @@ def test_no_lua_script_spells_a_key_by_hand(client):
 
 
 def key_literals_in_python(source: str) -> list[str]:
-    """The pieces of `KEYS` patterns (as `hand_spelled`) inside the string literals of Python `source` that could
+    """The KEY_PIECES inside the string literals of Python `source` that could
     be a key: those with no whitespace (prose in docstrings and messages names keys, it does not build them),
     f-strings' literal parts included."""
-    pieces = {
-        p for pattern in KEYS.values() for p in pattern.replace("{", "}").split("}")[::2] if ":" in p and p != ":"
-    }
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and not re.search(r"\s", node.value):
-            found += [piece for piece in pieces if piece in node.value]
+            found += [piece for piece in KEY_PIECES if piece in node.value]
     return sorted(found)
 
 
