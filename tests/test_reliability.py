@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from app.control.routing import sweep_lock
+from app.control.services import build_services
 from app.core.priority import FIRST_STAGE_PRIORITY
 from app.tasks.stage import _gave_up
 from harness import faults
@@ -334,9 +336,14 @@ def test_cancel_before_the_dead_worker_is_noticed_ends_when_the_track_would_move
     stack.client.post("/api/v1/queues/gpu1/drain")
     stack.start_worker(0)
     job_id = _running_on_gpu0_then_killed(stack)
+    # The worst moment for the kill: inside gpu0's reaper pass, so the dead worker holds the pass's lock. It
+    # holds the next pass up for a few heartbeats (a 60 s lock once made this track wait past the deadline).
+    svc = build_services(stack.settings)
+    dead_pass = sweep_lock(svc, "reap")
+    wait_until(lambda: dead_pass.acquire(blocking=False), 30, 0.01, "the reap lock between two passes")
     stack.client.delete("/api/v1/queues/gpu1/drain")
     assert stack.client.delete(f"/api/v1/jobs/{job_id}").get_json()["tracks"][0]["state"] == "backbone"
-    record = stack.wait_job(job_id, timeout=60)
+    record = stack.wait_job(job_id, timeout=stack.settings.lease_s + 30)
     assert record["state"] == "canceled", record
     faults.assert_nothing_left(stack)
     assert not any(

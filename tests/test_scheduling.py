@@ -139,7 +139,7 @@ def test_cancel_falls_back_to_killing_a_stage_that_does_not_stop(make_stack):
     record = stack.wait_job(job_id, timeout=5, interval=0.05)
     assert time.monotonic() - asked < 5
     assert record["state"] == "canceled"
-    assert record["tracks"][0]["detail"] == "canceled (stage stopped by force)"
+    assert record["tracks"][0]["detail"] == "canceled during backbone (stopped by force)"
     wait_until(lambda: not _alive(child), 10, what="killed child to be gone")
     assert stack.wait_job(stack.submit_music(duration_s=2.0))["state"] == "done"
     log = stack.worker_log(0)

@@ -46,6 +46,8 @@ from app.control.routing import (
     queue_lists,
     routable_queues,
     resend,
+    stretch_lock,
+    sweep_lock,
     unroute_waiting,
 )
 from app.control.scripts import script
@@ -193,7 +195,7 @@ def release_dead_leases(svc: Services, worker: str) -> int:
 def reap(svc: Services, celery: Celery) -> int:
     """One pass over every unfinished track on every queue (see the module doc); returns how many tracks it
     moved, restarted, resent or ended. One process at a time (a short Redis lock)."""
-    lock = svc.redis.lock(svc.jobs.keys.lock("reap"), timeout=60)  # token-checked: never frees another's
+    lock = sweep_lock(svc, "reap")
     if not lock.acquire(blocking=False):
         return 0
     try:
@@ -207,6 +209,8 @@ def reap(svc: Services, celery: Celery) -> int:
         )
         acted += end_dead_cancels(svc, dict(celery.conf.broker_transport_options or {}))
         for queue in known_queues(svc, workers):
+            if not stretch_lock(lock):
+                return acted  # this pass outlasted its lock and another process reaps now
             acted += _reap_queue(svc, celery, queue, live, check_stalls)
         return acted + _park_abandoned(svc)  # the heartbeat routes what is parked next
     finally:

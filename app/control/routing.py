@@ -32,6 +32,8 @@ import uuid
 from typing import Any, cast
 
 from celery import Celery, chain
+from redis.exceptions import LockError
+from redis.lock import Lock
 
 from app.adapters.redis_conn import decoded, decoded_members, release_lock
 from app.control.broker import broker_lists, find_message
@@ -46,6 +48,8 @@ from app.control.readiness import worker_readiness
 from app.control.workers import consumed_queues
 
 log = logging.getLogger("encore.routing")
+
+SWEEP_LOCK_MIN_S = 5.0  # a sweep lock's shortest timeout (see sweep_lock), whatever the heartbeat
 
 
 def queue_loads(svc: Services, queues: list[str]) -> dict[str, float]:
@@ -260,12 +264,30 @@ def dispatch_unrouted(svc: Services, celery: Celery, limit: int = 100) -> int:
     return routed
 
 
+def sweep_lock(svc: Services, name: str) -> Lock:
+    """The lock a periodic pass (the reaper, the rebalance) holds so that one process at a time runs it. It is
+    token-checked (never frees another's) and expires three heartbeats after it was last taken or stretched
+    (`stretch_lock`): a worker killed mid-pass holds the next pass up by seconds. (It was 60 s: a SIGKILL that
+    landed in a reaper's pass left a dead stage's canceled track waiting a minute past its lease.)"""
+    return svc.redis.lock(svc.jobs.keys.lock(name), timeout=max(SWEEP_LOCK_MIN_S, 3 * svc.settings.heartbeat_s))
+
+
+def stretch_lock(lock: Lock) -> bool:
+    """Give a long pass's lock its whole timeout again; False when it expired and another took it (the caller
+    stops its pass: the other process runs one now)."""
+    try:
+        lock.reacquire()
+    except LockError:
+        return False
+    return True
+
+
 def rebalance(svc: Services, celery: Celery) -> int:
     """Give each idle live queue (nothing open on it) the first waiting track of a busy queue (one running a
     stage), when that track would be done sooner on the idle queue than where it waits; returns how many moved.
     The move takes the track's first message out of the broker in the same step (`unroute`), so a worker that
     took it meanwhile keeps it. One process at a time (a short Redis lock)."""
-    lock = svc.redis.lock(svc.jobs.keys.lock("rebalance"), timeout=30)  # token-checked: never frees another's
+    lock = sweep_lock(svc, "rebalance")
     if not lock.acquire(blocking=False):
         return 0
     try:

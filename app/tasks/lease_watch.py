@@ -169,10 +169,9 @@ class CancelWatch:
                 self.svc.jobs.fail(self.job_id, self.track, self.failure(), owner=self.lease_owner)
                 release_adopted(self.svc, self.adopted, self.stage, self.lease_owner)
             elif not self.lost.is_set():
+                detail = f"canceled during {self.stage or 'its stage'} (stopped by force)"
                 for ref in self.held():
-                    self.svc.jobs.cancel(
-                        ref.job_id, ref.track, "canceled (stage stopped by force)", owner=self.lease_owner
-                    )
+                    self.svc.jobs.cancel(ref.job_id, ref.track, detail, owner=self.lease_owner)
         except Exception:
             log.exception("job %s track %s: could not record the forced stop", self.job_id, self.track)
         os._exit(75)  # the prefork master replaces this child; the redelivered message finds the track ended
