@@ -35,7 +35,7 @@ Modes, side by side in one run (each its own Redis and workers, one after the ot
   engine-batched  the same with ENCORE_ENGINE_MATMUL=batched (one product over 16-row tiles for all slots)
 The default runs `today,engine`.
 `--profile shaped` runs the music models of the `shaped` profile (app/pipeline/profiles.py: random weights, a
-backbone big enough that a track's stage times split as an H200's do at Khala sizes, ~80/12/7 % here), written
+backbone big enough that a track's stage times split as an H200's do at Khala sizes, ~87/10/3 % here (bench/stage_shares.py; the shares depend on the CPU)), written
 to models/shaped on first use; `tiny` (the default) has the backbone at ~50 %, which misjudges a scheduler.
 `--tiny` (3 songs, 1 video, short lengths, the tiny models) runs in the test suite; its numbers are noise.
 

@@ -26,11 +26,13 @@ from app.control.broker import (
     find_message,
     messages_present,
     scan_list,
+    waiting_messages,
+    WaitingMessage,
 )
 from app.control.routing import build_chain, queue_lists
 from app.control.services import Services, build_services
 from app.core.config import Settings
-from app.core.kinds import MUSIC
+from app.core.kinds import LIPSYNC, MUSIC
 from harness.processes import RedisServer
 
 QUEUE = "gpu7"  # its first stages wait at normal priority (the list gpu7:6), a few at high (gpu7:3)
@@ -228,3 +230,24 @@ def test_a_scan_skips_no_message_while_workers_pop_restore_and_transitions_remov
     stayed = [p for p in truth if p not in popped and p != second[-1]]
     assert rest == ["restored", *stayed, "new"]  # its anchor gone, the scan read the list again from the tail
     client.delete(key)
+
+
+def test_waiting_messages_name_the_task_and_track_of_each_later_stage_oldest_first(broker):
+    """The engine (app/tasks/engine.py) runs stages waiting in its queue's top-priority list between two blocks:
+    waiting_messages reads each one's task and track from the message Celery sent (a chain resumed at superres, a
+    lip-sync at its GPU stage), oldest first, and skips a payload that is not a stage's."""
+    celery = make_celery(broker.svc.settings)
+    queue = "gpu9"
+    sent = [(MUSIC, 1, f"{1:032x}", 0), (LIPSYNC, 1, f"{2:032x}", 0), (MUSIC, 2, f"{3:032x}", 1)]
+    for kind, start, job_id, track in sent:
+        workflow, _ = build_chain(celery, kind, {"job_id": job_id, "track": track}, queue, start=start)
+        workflow.apply_async()
+    broker.svc.redis.lpush(queue, "not a message")
+    try:
+        found = waiting_messages(broker.svc, queue, broker.options)
+        expected = [WaitingMessage(kind.stages[start].task, job_id, track) for kind, start, job_id, track in sent]
+        assert found == expected
+        assert waiting_messages(broker.svc, queue, broker.options, limit=2) == expected[:2]
+    finally:
+        broker.svc.redis.delete(queue)
+        celery.close()

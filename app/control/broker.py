@@ -12,8 +12,10 @@ finds what it looks for."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -56,18 +58,42 @@ def _mentions(text: str, task_ids: Iterable[str]) -> bool:
     return any(task_id in text for task_id in task_ids)
 
 
-def waiting_tasks(svc: Services, queue: str, transport_options: dict[str, Any], limit: int = 32) -> list[str]:
-    """The task names of the first `limit` messages (at most SCAN_PAGE) in `queue`'s top-priority list (where
-    started tracks' later stages wait: app/core/priority.py), oldest first."""
+@dataclass(frozen=True)
+class WaitingMessage:
+    """A stage's message waiting in a queue: its task name and the track it is for."""
+
+    task: str
+    job_id: str
+    track: int
+
+
+def waiting_messages(
+    svc: Services, queue: str, transport_options: dict[str, Any], limit: int = 32
+) -> list[WaitingMessage]:
+    """The first `limit` messages (at most SCAN_PAGE) in `queue`'s top-priority list (where started tracks' later
+    stages wait: app/core/priority.py), oldest first; a payload that is not a stage's message is skipped."""
     top = broker_lists(queue, transport_options)[0]
-    names = []
+    found = []
     oldest = decoded(svc.redis.lrange(top, -min(limit, SCAN_PAGE), -1))  # pushed on the left, popped on the right
     for payload in reversed(oldest):
-        try:
-            names.append(str((json.loads(payload).get("headers") or {}).get("task") or ""))
-        except (ValueError, AttributeError):
-            continue
-    return names
+        message = _stage_message(payload)
+        if message is not None:
+            found.append(message)
+    return found
+
+
+def _stage_message(payload: str) -> WaitingMessage | None:
+    """A kombu payload's task name and track: Celery's protocol 2 body is [args, kwargs, embed], base64 in the
+    Redis transport, and a stage task's one argument is its {"job_id", "track"} (app/tasks/stage.py)."""
+    try:
+        message = json.loads(payload)
+        body = message["body"]
+        if (message.get("properties") or {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        ref = json.loads(body)[0][0]
+        return WaitingMessage(str((message.get("headers") or {})["task"]), str(ref["job_id"]), int(ref["track"]))
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
 
 
 class BrokerListUnsettled(redis.RedisError):

@@ -174,16 +174,22 @@ def _tiny(model_dir: Path) -> MusicProfile:
 
 def _shaped(model_dir: Path) -> MusicProfile:
     """Random weights, tiny vocabularies and codec, and a backbone shaped so that a CPU meets the two facts of an
-    H200 at Khala sizes a scheduler is judged by (docs/performance.md): a song's GPU time is mostly backbone
-    (~85 % here in a worker without the engine, ~87 % on an H200), and its decode is memory-bound, so a step of 16
-    slots with the batched product costs little more than a step of one (~1.1x here; the H200's target is <= 2x).
-    Wide and shallow for that: 2 layers of width 1024 (~100 MB of fp32 weights, read from memory at every step).
+    H200 at Khala sizes a scheduler is judged by (docs/performance.md): a song's GPU time splits across stages as
+    an H200's does (backbone / super-resolution / codec ~87 / 10 / 3 % here, one torch thread, no engine:
+    bench/stage_shares.py; the H200: 87 / 11 / 2 %), and its decode is memory-bound, so a step of 16 slots with the
+    batched product costs little more than a step of one (~1.1x here; the H200's target is <= 2x).
+    Wide and shallow for that: 2 layers of width 1024 (~100 MB of fp32 weights, read from memory at every step);
+    super-resolution twice the tiny width (128), for its ~10 %. The shares depend on the CPU (the backbone's
+    products against the small stages' per-op costs): measure them again on another machine.
     The CPU profile a scheduler is measured with (bench/throughput.py --profile shaped). Its audio is noise."""
     tiny = _tiny(model_dir)
     backbone = replace(
         tiny.backbone, num_layers=2, hidden_size=1024, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=2816
     )
-    return replace(tiny, name="shaped", backbone=backbone)
+    superres = replace(
+        tiny.superres, hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=352, kv_channels=None
+    )
+    return replace(tiny, name="shaped", backbone=backbone, superres=superres)
 
 
 def _khala(model_dir: Path) -> MusicProfile:

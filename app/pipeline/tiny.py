@@ -24,7 +24,8 @@ def write_tiny_models(out: Path, seed: int = 1234, force: bool = False, profile_
     """Write every model of a random-weight profile (`tiny`, or `shaped`: bench/throughput.py's) under `out`
     (skipped when a previous run completed with the same seed and shapes, unless `force`)."""
     profile = load_profile(profile_name, out)
-    written = f"seed={seed}\nbackbone={profile.backbone}\nsuperres={profile.superres}\n"  # a changed shape rewrites
+    # a changed shape (of any of the three models) rewrites them all
+    written = f"seed={seed}\nbackbone={profile.backbone}\nsuperres={profile.superres}\ncodec={profile.codec}\n"
     if (out / MARKER).exists() and (out / MARKER).read_text() == written and not force:
         return out
     from app.pipeline.music import codec, megatron_backend, prompt

@@ -5,24 +5,28 @@ or fail, and a finished track goes on through its next stages at once.
 One backbone delivery starts the engine and runs it in the worker child while there is work (its own track is
 just the first to join; the runner is app/pipeline/music/inflight.py). Between two blocks it:
   1. drops the tracks whose job was canceled (their slot is free for the next block) or whose lease was taken;
-  2. lets each track that finished its backbone in the last block go on at once: its superres, decode and
-     export run here, one track after the other, before the next block (a finished track's stages are a small
-     share of a song's GPU time, about 13 % on an H200 at Khala sizes, and running them first finishes songs
-     soonest; docs/performance.md);
-  3. admits waiting backbone tracks into the free slots, in the admission order below;
-and ends when no track is left. Each track's stages are recorded in its own record, under the run's lease, with
-its own progress; its tenant is charged its share of each block (a block's time over the tracks in it), and the
-ETA learns how long its backbone took beside the others (the blocks it was in; app/control/backlog.py).
+  2. admits waiting backbone tracks into the free slots, in the admission order below, so a track that waits for
+     a slot starts in the block after one frees, whatever else the GPU has to do;
+  3. runs other stages here, in this child, from a list of its own: the next stage of each track that finished
+     its backbone (superres, decode; export too when no CPU-stage worker is live, else the track is handed to
+     it) and any other GPU stage waiting on its queue (a lip-sync, a music track resumed past its backbone),
+     which would otherwise wait until the engine emptied. The list goes round robin between tenants (the tenant
+     that has had the fewest of these stages in this engine first, then arrival order), and takes at most as
+     long as the last block took (at least one stage) while tracks are in the slots: while both have work, the
+     slots and the other stages each get at least about half the GPU, so a newcomer's backbone runs at half
+     speed or better whatever backlog of follow-ups there is, and a lip-sync waits for a block, not a backlog;
+and ends when no track is left in its slots or its list. Each track's stages are recorded in its own record,
+under the run's lease, with its own progress; its tenant is charged its share of each block (a block's time over
+the tracks in it), and the ETA learns how long its backbone took beside the others (the blocks it was in;
+app/control/backlog.py).
 
 Admission order: the queue's waiting tracks in their queue order, which is the fair order (priority, then each
 track's fair tag: round robin between tenants, FIFO within one; app/core/priority.py), so a track's
-`queue_position` is its place in line for a slot. The engine takes them up to the first track it cannot take
-(another kind, or a music track resuming past its backbone): that one runs when the engine drains, so no other
-work waits behind an engine that keeps admitting.
+`queue_position` is its place in line for a slot.
 
-The engine stops admitting (and drains) when its worker is shutting down, its queue is drained, another GPU stage
-waits on its queue (a lip-sync: it runs as soon as the engine's tracks are through, not after a music backlog), or
-it has run for half the backbone's soft time limit (the last tracks it admitted must finish before the limit).
+The engine stops admitting, and stops taking other stages from its queue (it drains), when its worker is shutting
+down, its queue is drained, a waiting track is one it cannot run (a stage whose work it does not know), or it has
+run for half the backbone's soft time limit (the last tracks it admitted must finish before the limit).
 """
 
 from __future__ import annotations
@@ -31,18 +35,19 @@ import json
 import logging
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from app.adapters.celery_app import celery
 from app.adapters.redis_conn import decoded, decoded_members
-from app.control.broker import waiting_tasks
+from app.control.broker import waiting_messages
 from app.control.lifecycle import Outcome, parse_member
 from app.control.routing import companion, resend
 from app.control.services import Services
 from app.core.ids import TrackRef
-from app.core.kinds import first_unfinished
+from app.core.kinds import KINDS, JobKind, Stage, first_unfinished
 from app.core.joblog import job_event
 from app.pipeline.control import Canceled, StageControl
 from app.pipeline.music.inflight import Block, FinishedTrack, InFlightBackbone, tokens_detail
@@ -57,6 +62,7 @@ from app.tasks.track_moves import finish_stage, release_adopted
 log = logging.getLogger("encore.jobs")
 
 ADMIT_FOR = 0.5  # of the backbone's soft time limit: how long an engine admits new tracks
+LOOK_PAST = 8  # waiting tracks read past the free slots' count at a boundary: those that start at another stage
 BACKBONE = "backbone"
 
 StageWork = Callable[[StageRun], None]
@@ -86,28 +92,55 @@ class Held:
     record: dict[str, Any]
     stage: str = BACKBONE
     workdir: Path | None = None  # its backbone's temp folder while it is in the engine
+    waiting_for: str | None = None  # the stage it waits for in the engine's list (its lease is not held meanwhile)
 
     @property
     def cost(self) -> float:
         return float(self.record.get("cost") or 0)
 
+    @property
+    def kind(self) -> JobKind:
+        return KINDS[str(self.job["kind"])]
+
+    @property
+    def tenant(self) -> str:
+        return str(self.job.get("tenant") or "")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A stage the engine runs between blocks: a held track's next stage, or a waiting track's stage (not held
+    until its turn comes: the `adopt` transition takes it then)."""
+
+    ref: TrackRef
+    stage: str
+    tenant: str
+
+
+def work_of(kind: JobKind, stage_name: str) -> StageWork | None:
+    """The work function of a stage, as its Celery task runs it (app/tasks/music.py, lipsync.py)."""
+    task = celery.tasks.get(kind.stage(stage_name).task)
+    return getattr(task, "work", None)
+
 
 class BackboneEngine:
-    """One engine run in a worker child (module docstring). `follow_ups`: the stages after the backbone, in
-    order, each with its work function (app/tasks/music.py's)."""
+    """One engine run in a worker child (module docstring)."""
 
     def __init__(
         self,
         run: StageRun,
         watch: CancelWatch,
         runner: InFlightBackbone,
-        follow_ups: Sequence[tuple[str, StageWork]],
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.run, self.watch, self.runner, self.follow_ups, self.clock = run, watch, runner, follow_ups, clock
+        self.run, self.watch, self.runner, self.clock = run, watch, runner, clock
         self.svc = run.svc
         self.held: dict[TrackRef, Held] = {}
         self.progress: dict[TrackRef, ThrottledProgress] = {}
+        self.pending: list[Pending] = []  # the other stages to run here, in arrival order (module docstring, 3)
+        self.served: Counter[str] = Counter()  # those stages run so far, per tenant (their round robin)
+        self.refused: set[tuple[TrackRef, str]] = set()  # listed stages whose track had moved on when taken
+        self.last_block_s = 0.0
         self.started = clock()
         soft, _ = self.svc.settings.time_limits.get(BACKBONE, (None, 3600.0))
         self.admit_until = self.started + ADMIT_FOR * (soft if soft is not None else 3600.0)
@@ -122,8 +155,8 @@ class BackboneEngine:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def serve(self) -> None:
-        """Run until no track is left; on an error, the tracks still held go back to wait (the run's own fails
-        through the stage's usual path)."""
+        """Run until no track is left in the slots or the list; on an error, the tracks still held go back to wait
+        (the run's own fails through the stage's usual path)."""
         self.watch.per_track_cancels()
         own = self.run.ref
         record = self.svc.jobs.track(*own)
@@ -133,11 +166,15 @@ class BackboneEngine:
         self._hold(Held(own, job, record))
         try:
             self._join(self.held[own])
-            while True:  # until a boundary leaves no track in the engine (it admits before it looks)
+            while True:  # until a boundary leaves nothing to do (it admits and takes stages before it looks)
                 self._boundary()
-                if not self.runner.keys:
+                self._run_pending()
+                if self.runner.keys:
+                    block = self.runner.step()
+                    self.last_block_s = block.seconds
+                    self._after_block(block)
+                elif not self.pending:
                     break
-                self._after_block(self.runner.step())
         except BaseException:
             self._give_back()
             raise
@@ -152,8 +189,8 @@ class BackboneEngine:
             raise Canceled("leases lost")
         self._drop_lost()
         self._drop_canceled()
-        if self.runner.free and self._admitting():
-            self._admit_waiting()
+        if self._admitting():
+            self._take_waiting()
 
     def _admitting(self) -> bool:
         if self.clock() >= self.admit_until:
@@ -162,23 +199,25 @@ class BackboneEngine:
         pipe.hget(self.svc.workers.keys.worker(self.run.worker), "stopping")
         pipe.sismember(self.svc.jobs.keys.draining, self.run.queue)
         stopping, draining = pipe.execute()
-        return not stopping and not draining and not self._other_gpu_work_waits()
-
-    def _other_gpu_work_waits(self) -> bool:
-        """A started track's GPU stage that the engine does not run (a lip-sync, a music track's superres resumed
-        elsewhere) waits on this queue: the engine drains so that it runs next, instead of waiting behind an
-        engine that keeps admitting. Backbone messages are the engine's own business (it takes those tracks from
-        the waiting set; their messages are dropped as stale)."""
-        options = dict(celery.conf.broker_transport_options or {})
-        backbone = self.run.kind.stage(BACKBONE).task
-        return any(name and name != backbone for name in waiting_tasks(self.svc, self.run.queue, options))
+        return not stopping and not draining
 
     # -- tracks joining -------------------------------------------------------------------------------------
+    def _take_waiting(self) -> None:
+        """Waiting backbone tracks into the free slots (the queue's fair order), and the stages waiting on the
+        queue that this child can run onto the engine's list."""
+        options = dict(celery.conf.broker_transport_options or {})
+        for message in waiting_messages(self.svc, self.run.queue, options):  # later stages of started tracks
+            task = celery.tasks.get(message.task)
+            kind, stage = getattr(task, "kind", None), getattr(task, "stage", None)
+            if isinstance(kind, JobKind) and isinstance(stage, Stage) and stage.name != BACKBONE:
+                self._list_waiting(TrackRef(message.job_id, message.track), kind, stage.name)
+        self._admit_waiting()
+
     def _admit_waiting(self) -> None:
-        """Take the head of the queue's waiting tracks (the fair order) into the free slots, up to the first track
-        the engine cannot take."""
+        """Take the head of the queue's waiting tracks (the fair order): backbone tracks into the free slots, a
+        track that starts at another stage onto the list, up to the first track the engine cannot run."""
         svc = self.svc
-        head = decoded_members(svc.redis.zrange(svc.jobs.waiting_key(self.run.queue), 0, self.runner.free - 1))
+        head = decoded_members(svc.redis.zrange(svc.jobs.waiting_key(self.run.queue), 0, self.runner.free + LOOK_PAST))
         refs = [TrackRef(*parse_member(value)) for value in head]
         pipe = svc.redis.pipeline(transaction=False)
         for ref in refs:
@@ -186,11 +225,31 @@ class BackboneEngine:
             pipe.hget(svc.jobs.keys.track(ref.job_id, ref.track), "stages")
         answers = pipe.execute()
         for index, ref in enumerate(refs):
-            kind, stages = answers[2 * index], answers[2 * index + 1]
-            # the adopt transition's own rule (queued@first): the track's first unfinished stage is the backbone
-            if decoded(kind) != self.run.kind.name or first_unfinished(self.run.kind, json.loads(stages or "{}")):
-                break  # the engine cannot take it: it runs when the engine drains, and so does all behind it
-            self._adopt(ref)
+            kind = KINDS.get(decoded(answers[2 * index]) or "")
+            if kind is None:
+                break  # gone meanwhile, or a kind this worker does not know: it waits for its own message
+            # the adopt transition's own rule (queued@first): a queued track runs its first unfinished stage
+            stage = kind.stages[first_unfinished(kind, json.loads(answers[2 * index + 1] or "{}"))]
+            if kind is self.run.kind and stage.name == BACKBONE:
+                if self.runner.free:
+                    self._adopt(ref)
+            elif stage.cpu and companion(svc, self.run.queue) is not None:
+                continue  # the host's CPU-stage worker takes it
+            elif not self._list_waiting(ref, kind, stage.name):
+                break  # one the engine cannot run: it runs when the engine drains, and so does all behind it
+
+    def _list_waiting(self, ref: TrackRef, kind: JobKind, stage_name: str) -> bool:
+        """Put a waiting track's stage on the engine's list (once); False when this child cannot run it (its work is
+        unknown here, or it is a CPU stage that the host's CPU-stage worker takes)."""
+        if ref in self.held or (ref, stage_name) in self.refused or any(item.ref == ref for item in self.pending):
+            return True
+        if work_of(kind, stage_name) is None:
+            return False
+        if kind.stage(stage_name).cpu and companion(self.svc, self.run.queue) is not None:
+            return False
+        tenant = decoded(self.svc.redis.hget(self.svc.jobs.keys.job(ref.job_id), "tenant")) or ""
+        self.pending.append(Pending(ref, stage_name, tenant))
+        return True
 
     def _adopt(self, ref: TrackRef) -> None:
         if not self._take(ref, BACKBONE, "backbone in the engine"):
@@ -234,15 +293,23 @@ class BackboneEngine:
     def _hold(self, held: Held) -> None:
         self.held[held.ref] = held
         self.progress[held.ref] = ThrottledProgress(self.svc, held.ref.job_id, held.ref.track, self.run.lease_owner)
-        if held.ref not in self.run.adopted:
-            self.run.adopted.append(held.ref)  # the lease thread renews it from now on
+        self._renew(held.ref)
+
+    def _renew(self, ref: TrackRef) -> None:
+        """The lease thread renews the track's lease from now on."""
+        if ref not in self.run.adopted:
+            self.run.adopted.append(ref)
+
+    def _stop_renewing(self, ref: TrackRef) -> None:
+        if ref in self.run.adopted:
+            self.run.adopted.remove(ref)
+        self.watch.lost_refs.discard(ref)
 
     def _let_go(self, ref: TrackRef) -> None:
         held = self.held.pop(ref, None)
         self.progress.pop(ref, None)
-        if ref in self.run.adopted:
-            self.run.adopted.remove(ref)
-        self.watch.lost_refs.discard(ref)
+        self._stop_renewing(ref)
+        self.pending = [item for item in self.pending if item.ref != ref]
         if ref in self.runner:
             self.runner.drop(ref)
         if held is not None and held.workdir is not None:
@@ -267,7 +334,8 @@ class BackboneEngine:
         canceled = {job_id for job_id, flag in zip(jobs, pipe.execute(), strict=True) if flag}
         for ref, held in list(self.held.items()):
             if ref.job_id in canceled:
-                self._end(held, "cancel", f"canceled during {held.stage}")
+                how = f"before {held.waiting_for}" if held.waiting_for else f"during {held.stage}"
+                self._end(held, "cancel", f"canceled {how}")
 
     def _end(self, held: Held, how: str, message: str) -> None:
         """The track ends here (canceled or failed) and leaves the engine; the others go on."""
@@ -283,9 +351,10 @@ class BackboneEngine:
 
     def _give_back(self) -> None:
         """After an error of the engine itself: every track still held (but the run's own, which the stage fails)
-        waits again for its message, at the stage it was in (the reaper sends one where none is left)."""
+        waits again for its message, at the stage it was in (the reaper sends one where none is left); one on
+        the list between two stages already waits for its next stage's message."""
         for ref, held in list(self.held.items()):
-            if ref != self.run.ref:
+            if ref != self.run.ref and held.waiting_for is None:
                 release_adopted(self.svc, [ref], held.stage, self.run.lease_owner)
             self._let_go(ref)
 
@@ -297,7 +366,7 @@ class BackboneEngine:
         for finished in block.finished:
             held = self.held.get(finished.key)  # type: ignore[call-overload]
             if held is not None and self._finish_backbone(held, finished):
-                self._go_on(held)
+                self._go_on(held, BACKBONE)
 
     def _finish_backbone(self, held: Held, finished: FinishedTrack) -> bool:
         svc, ref = self.svc, held.ref
@@ -312,15 +381,18 @@ class BackboneEngine:
         self.loads_recorded = len(self.run.loaded)
         return self._record_finish(held, BACKBONE, finished.share_s, loaded, info, took_s=finished.wall_s)
 
-    def _go_on(self, held: Held) -> None:
-        """The track's next stages, here and now (module docstring, point 2); from the first that needs no GPU on,
-        on the host's CPU-stage worker while one is live."""
-        for stage_name, work in self.follow_ups:
-            if self.run.kind.stage(stage_name).cpu and self._hand_to_cpu_worker(held, stage_name):
-                return
-            if not self._run_stage(held, stage_name, work):
-                return
-        self._let_go(held.ref)
+    def _go_on(self, held: Held, done: str) -> None:
+        """After stage `done`: the track's next stage goes on the engine's list, or, from the first that needs no
+        GPU on, to the host's CPU-stage worker while one is live; a track with no stage left leaves."""
+        following = held.kind.next_stage(done)
+        if following is None:
+            self._let_go(held.ref)
+            return
+        if following.cpu and self._hand_to_cpu_worker(held, following.name):
+            return
+        held.waiting_for = following.name
+        self._stop_renewing(held.ref)  # `finish` dropped its lease; the next stage's `adopt` takes it again
+        self.pending.append(Pending(held.ref, following.name, held.tenant))
 
     def _hand_to_cpu_worker(self, held: Held, stage_name: str) -> bool:
         """Send the rest of the track's chain (from `stage_name`, which it waits for) to its queue's companion,
@@ -339,25 +411,73 @@ class BackboneEngine:
         self._let_go(ref)
         return True
 
-    def _run_stage(self, held: Held, stage_name: str, work: StageWork) -> bool:
-        """One later stage of a held track, in this child, recorded as its own stage run would record it."""
-        svc, run, ref = self.svc, self.run, held.ref
+    # -- the other stages, between blocks ---------------------------------------------------------------------
+    def _run_pending(self) -> None:
+        """Stages from the list (module docstring, 3): while tracks are in the slots, for at most as long as the last
+        block took (at least one stage); with the slots empty, all of them."""
+        started = self.clock()
+        while self.pending:
+            self._run_one(self._next_pending())
+            if self.runner.keys and self.clock() - started >= self.last_block_s:
+                return
+
+    def _next_pending(self) -> Pending:
+        """The tenant with the fewest stages run here so far goes first; within it, the first to arrive."""
+        item = min(self.pending, key=lambda entry: self.served[entry.tenant])
+        self.pending.remove(item)
+        self.served[item.tenant] += 1
+        return item
+
+    def _run_one(self, item: Pending) -> None:
+        held = self.held.get(item.ref)
+        if held is None:  # a waiting track's stage: taken now (it may have moved, been canceled or run meanwhile)
+            held = self._take_listed(item)
+            if held is None:
+                return
+        elif not self._take_next(held, item.stage):
+            return
+        work = work_of(held.kind, item.stage)
+        assert work is not None  # listed only with a known work
+        if self._run_stage(held, item.stage, work):
+            self._go_on(held, item.stage)
+
+    def _take_listed(self, item: Pending) -> Held | None:
+        ref = item.ref
+        if not self._take(ref, item.stage, f"{item.stage} beside the backbone engine"):
+            self.refused.add((ref, item.stage))  # its message, still listed, is not looked at again
+            return None
+        record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
+        if record is None or job is None:
+            return None
+        held = Held(ref, job, record, stage=item.stage)
+        self._hold(held)
+        self._event("engine_took_stage", ref, stage=item.stage)
+        return held
+
+    def _take_next(self, held: Held, stage_name: str) -> bool:
+        """A held track's next stage, under this run's lease again; False when it left meanwhile."""
+        ref = held.ref
         taken = self._take(ref, stage_name, f"{stage_name} after the backbone engine")
         if not taken:
             if taken.canceled:
                 self._event("canceled", ref, stage=stage_name)
             self._let_go(ref)
-            drop_scratch(svc, ref.job_id, ref.track)
+            drop_scratch(self.svc, ref.job_id, ref.track)
             return False
-        self.watch.lost_refs.discard(ref)  # the lease is ours again (a renewal may have met it between stages)
-        held.stage = stage_name
-        record = svc.jobs.track(*ref)
+        held.waiting_for = None
+        self._renew(ref)
+        record = self.svc.jobs.track(*ref)
         if record is None:
             self._let_go(ref)
             return False
-        held.record = record
+        held.record, held.stage = record, stage_name
+        return True
+
+    def _run_stage(self, held: Held, stage_name: str, work: StageWork) -> bool:
+        """One stage of a held track (taken), in this child, recorded as its own stage run would record it."""
+        svc, run, ref = self.svc, self.run, held.ref
         self._record_start(held, stage_name)
-        stage = run.kind.stage(stage_name)
+        stage = held.kind.stage(stage_name)
         workdir = stage_workdir(svc, ref.job_id, ref.track, stage_name)
         report = self.progress[ref] = ThrottledProgress(svc, ref.job_id, ref.track, run.lease_owner)  # a new stage's
         control = StageControl(report=report, cancel_requested=PolledCancel(svc, ref.job_id))
@@ -366,8 +486,9 @@ class BackboneEngine:
             job_id=ref.job_id,
             track=ref.track,
             stage=stage,
+            kind=held.kind,
             params=held.job["params"],
-            track_params=record["params"],
+            track_params=held.record["params"],
             workdir=workdir,
             control=control,
             loaded=[],
@@ -408,8 +529,8 @@ class BackboneEngine:
         """Stage done for the track (the `finish` transition) and its seconds accounted (`took_s`: how long a
         backbone took beside the others, what the ETA learns); False when the track left meanwhile (canceled, or
         its lease taken)."""
-        svc, run, ref = self.svc, self.run, held.ref
-        stage = run.kind.stage(stage_name)
+        svc, run, ref, kind = self.svc, self.run, held.ref, held.kind
+        stage = kind.stage(stage_name)
         stages = held.record["stages"]
         entry = stages.setdefault(stage_name, {"started_at": time.time(), "worker": run.worker})
         entry.update(
@@ -417,7 +538,7 @@ class BackboneEngine:
         )
         account_stage(
             svc,
-            run.kind,
+            kind,
             stage,
             run.queue,
             seconds,
@@ -426,11 +547,11 @@ class BackboneEngine:
             cold=bool(loaded) and svc.settings.runtime_mode == "keep_loaded",
             took_s=took_s,
         )
-        if not finish_stage(svc, run.kind, ref.job_id, ref.track, stage, stages, run.lease_owner):
+        if not finish_stage(svc, kind, ref.job_id, ref.track, stage, stages, run.lease_owner):
             self._let_go(ref)
             drop_scratch(svc, ref.job_id, ref.track)
             return False
         self._event("stage_finished", ref, stage=stage_name, duration_s=f"{seconds:.3f}", in_engine=1)
-        if run.kind.next_stage(stage_name) is None:
+        if kind.next_stage(stage_name) is None:
             self._event("track_done", ref)
         return True

@@ -71,8 +71,7 @@ def backbone_work(run: StageRun) -> None:
         batched = run.svc.settings.engine_matmul == "batched"
         runner = InFlightBackbone(models(), slots, run.loaded, batched_matmul=batched)
         announce_slots(run.svc, run.queue, runner.slots)  # halved on out-of-memory: the ones it has
-        follow_ups = [("superres", superres_work), ("decode", decode_work), ("export", export_work)]
-        BackboneEngine(run, run.watch, runner, follow_ups).serve()
+        BackboneEngine(run, run.watch, runner).serve()
         return
     announce_slots(run.svc, run.queue, 1)
     batched_backbone_work(run)
