@@ -195,3 +195,42 @@ def test_a_lipsync_waiting_on_the_queue_runs_between_blocks_not_after_the_engine
         assert stack.wait_job(job_id, timeout=240)["state"] == "done"
     deliveries = [line for line in _events(stack, "stage_started", "stage=backbone") if "in_engine=1" not in line]
     assert len(deliveries) == 1  # one engine run served every song: it never drained for the video
+
+
+def _share_timeline(stage_s: float, stages: int, block_s: float = 1.0, blocks_alone: int = 0) -> list[str]:
+    """The engine's loop under GpuShare: the list runs while it may, then a block; what ran, in order."""
+    from app.tasks.engine import GpuShare
+
+    share, timeline = GpuShare(), []
+    for _ in range(blocks_alone):  # the slots ran alone: nothing was listed
+        share.ran_block(block_s)
+    while stages:
+        while stages and share.list_may_run():
+            share.ran_list(stage_s)
+            stages -= 1
+            timeline.append("stage")
+        share.ran_block(block_s)
+        timeline.append("block")
+    return timeline
+
+
+def _runs(timeline: list[str], what: str) -> list[int]:
+    """Lengths of the runs of `what` between the other kind of entry."""
+    return [
+        len(run)
+        for run in "".join("s" if e == "stage" else "b" for e in timeline).split("b" if what == "stage" else "s")
+        if run
+    ]
+
+
+def test_the_slots_and_the_list_of_other_stages_share_the_gpu_about_half_each():
+    """Item 2: while tracks are in the slots, the other stages (follow-ups, lip-syncs) get about half the GPU,
+    counted in seconds: a lip-sync of 3.5 s runs, then about four 1 s blocks before the next one; follow-ups of
+    0.25 s run four or five between two blocks; and time the slots ran alone is not owed to the list later."""
+    lipsyncs = _share_timeline(3.5, 6)
+    assert _runs(lipsyncs, "stage") == [1] * 6
+    assert all(blocks in (3, 4) for blocks in _runs(lipsyncs, "block")[:-1])  # 3.5 s of list, then ~3.5 s of blocks
+    follow_ups = _share_timeline(0.25, 40)
+    assert all(count in (4, 5) for count in _runs(follow_ups, "stage")[1:-1])  # the last: what was left
+    after_a_long_run_alone = _share_timeline(0.25, 40, blocks_alone=60)
+    assert _runs(after_a_long_run_alone, "stage")[0] <= 5  # a block's credit at most, not sixty

@@ -11,10 +11,10 @@ just the first to join; the runner is app/pipeline/music/inflight.py). Between t
      its backbone (superres, decode; export too when no CPU-stage worker is live, else the track is handed to
      it) and any other GPU stage waiting on its queue (a lip-sync, a music track resumed past its backbone),
      which would otherwise wait until the engine emptied. The list goes round robin between tenants (the tenant
-     that has had the fewest of these stages in this engine first, then arrival order), and takes at most as
-     long as the last block took (at least one stage) while tracks are in the slots: while both have work, the
-     slots and the other stages each get at least about half the GPU, so a newcomer's backbone runs at half
-     speed or better whatever backlog of follow-ups there is, and a lip-sync waits for a block, not a backlog;
+     that has had the fewest of these stages in this engine first, then arrival order); while tracks are in the
+     slots, the slots and the list each get about half the GPU, counted in seconds (GpuShare), so a newcomer's
+     backbone runs at half speed or better whatever backlog of follow-ups or lip-syncs there is, and a lip-sync
+     waits for a block or a few, not a backlog;
 and ends when no track is left in its slots or its list. Each track's stages are recorded in its own record,
 under the run's lease, with its own progress; its tenant is charged its share of each block (a block's time over
 the tracks in it), and the ETA learns how long its backbone took beside the others (the blocks it was in;
@@ -123,6 +123,27 @@ def work_of(kind: JobKind, stage_name: str) -> StageWork | None:
     return getattr(task, "work", None)
 
 
+class GpuShare:
+    """How the engine's GPU time goes between its slots (blocks) and its list of other stages while both have work:
+    about half each, counted in seconds. `balance` is the seconds the list ran beyond its half; the list may run a
+    stage while it is not positive. A block earns the list as many seconds as it took, but the list's credit never
+    exceeds one block: time the slots ran alone (nothing was listed) is not owed later. A stage longer than a block
+    (a lip-sync) therefore runs, then the blocks catch up before the next one: the slots never get less than about
+    half, however long the listed stages are."""
+
+    def __init__(self) -> None:
+        self.balance = 0.0
+
+    def list_may_run(self) -> bool:
+        return self.balance <= 0
+
+    def ran_list(self, seconds: float) -> None:
+        self.balance += seconds
+
+    def ran_block(self, seconds: float) -> None:
+        self.balance = max(self.balance - seconds, -seconds)
+
+
 class BackboneEngine:
     """One engine run in a worker child (module docstring)."""
 
@@ -140,7 +161,7 @@ class BackboneEngine:
         self.pending: list[Pending] = []  # the other stages to run here, in arrival order (module docstring, 3)
         self.served: Counter[str] = Counter()  # those stages run so far, per tenant (their round robin)
         self.refused: set[tuple[TrackRef, str]] = set()  # listed stages whose track had moved on when taken
-        self.last_block_s = 0.0
+        self.share = GpuShare()
         self.started = clock()
         soft, _ = self.svc.settings.time_limits.get(BACKBONE, (None, 3600.0))
         self.admit_until = self.started + ADMIT_FOR * (soft if soft is not None else 3600.0)
@@ -171,7 +192,7 @@ class BackboneEngine:
                 self._run_pending()
                 if self.runner.keys:
                     block = self.runner.step()
-                    self.last_block_s = block.seconds
+                    self.share.ran_block(block.seconds)
                     self._after_block(block)
                 elif not self.pending:
                     break
@@ -413,13 +434,13 @@ class BackboneEngine:
 
     # -- the other stages, between blocks ---------------------------------------------------------------------
     def _run_pending(self) -> None:
-        """Stages from the list (module docstring, 3): while tracks are in the slots, for at most as long as the last
-        block took (at least one stage); with the slots empty, all of them."""
-        started = self.clock()
-        while self.pending:
+        """Stages from the list (module docstring, 3): while tracks are in the slots, as GpuShare allows; with the
+        slots empty, all of them (and that time is owed to no one)."""
+        while self.pending and (not self.runner.keys or self.share.list_may_run()):
+            started, in_slots = self.clock(), bool(self.runner.keys)
             self._run_one(self._next_pending())
-            if self.runner.keys and self.clock() - started >= self.last_block_s:
-                return
+            if in_slots:
+                self.share.ran_list(self.clock() - started)
 
     def _next_pending(self) -> Pending:
         """The tenant with the fewest stages run here so far goes first; within it, the first to arrive."""
