@@ -11,7 +11,8 @@ just the first to join; the runner is app/pipeline/music/inflight.py). Between t
      its backbone (superres, decode; export too when no CPU-stage worker is live, else the track is handed to
      it) and any other GPU stage waiting on its queue (a lip-sync, a music track resumed past its backbone),
      which would otherwise wait until the engine emptied. The list goes round robin between tenants (the tenant
-     that has had the fewest of these stages in this engine first, then arrival order); while tracks are in the
+     that has had the fewest of these stages in this engine first; within one, a track's next stage right after
+     its last, so songs finish one by one and their exports spread out, then arrival order); while tracks are in the
      slots, the slots and the list each get about half the GPU, counted in seconds (GpuShare), so a newcomer's
      backbone runs at half speed or better whatever backlog of follow-ups or lip-syncs there is, and a lip-sync
      waits for a block or a few, not a backlog;
@@ -413,7 +414,9 @@ class BackboneEngine:
             return
         held.waiting_for = following.name
         self._stop_renewing(held.ref)  # `finish` dropped its lease; the next stage's `adopt` takes it again
-        self.pending.append(Pending(held.ref, following.name, held.tenant))
+        # first in its tenant's line: a track's stages run one after the other, so songs finish one by one and
+        # their exports reach the CPU-stage worker spread out, not all at once after every superres
+        self.pending.insert(0, Pending(held.ref, following.name, held.tenant))
 
     def _hand_to_cpu_worker(self, held: Held, stage_name: str) -> bool:
         """Send the rest of the track's chain (from `stage_name`, which it waits for) to its queue's companion,
@@ -443,7 +446,8 @@ class BackboneEngine:
                 self.share.ran_list(self.clock() - started)
 
     def _next_pending(self) -> Pending:
-        """The tenant with the fewest stages run here so far goes first; within it, the first to arrive."""
+        """The tenant with the fewest stages run here so far goes first; within it, the next stage of a track that
+        has just run one, then the first to arrive."""
         item = min(self.pending, key=lambda entry: self.served[entry.tenant])
         self.pending.remove(item)
         self.served[item.tenant] += 1
