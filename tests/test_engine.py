@@ -234,3 +234,28 @@ def test_the_slots_and_the_list_of_other_stages_share_the_gpu_about_half_each():
     assert all(count in (4, 5) for count in _runs(follow_ups, "stage")[1:-1])  # the last: what was left
     after_a_long_run_alone = _share_timeline(0.25, 40, blocks_alone=60)
     assert _runs(after_a_long_run_alone, "stage")[0] <= 5  # a block's credit at most, not sixty
+
+
+def test_the_list_waits_for_a_tenant_in_the_slots_that_has_had_less_gpu_time():
+    """Item 4 in the engine: tenant A's listed follow-ups wait while tenant B, whose song shares the slots with A's,
+    has had less GPU time in this engine than A (a block serves both, charged half to each); with one tenant the
+    list never waits for it; a tenant that appears starts at the least charge of those present, not at zero."""
+    from app.tasks.engine import TenantCharges
+
+    charges = TenantCharges()
+    charges.join({"a"})
+    for _ in range(3):
+        charges.charge_block({"a"}, 1.0)  # A alone in the slots
+        assert charges.may_run("a", {"a"})
+        charges.charge("a", 0.25)  # one of A's follow-ups
+    charges.join({"a", "b"})
+    assert charges.of("b") == charges.of("a") == 3.75  # no credit for the time B was away
+    charges.charge("a", 0.25)  # A's follow-up ran: A is ahead of B now
+    for _ in range(5):
+        charges.charge_block({"a", "b"}, 1.0)
+        assert not charges.may_run("a", {"a", "b"})  # B's song in the slots goes first
+    assert charges.may_run("b", {"a", "b"})  # B's own follow-up, once listed, goes first
+    charges.charge_block({"a"}, 1.0)  # B's song left the slots
+    assert charges.may_run("a", {"a"})
+    charges.join({"a", "c"})
+    assert charges.of("c") == charges.of("a")

@@ -10,12 +10,12 @@ just the first to join; the runner is app/pipeline/music/inflight.py). Between t
   3. runs other stages here, in this child, from a list of its own: the next stage of each track that finished
      its backbone (superres, decode; export too when no CPU-stage worker is live, else the track is handed to
      it) and any other GPU stage waiting on its queue (a lip-sync, a music track resumed past its backbone),
-     which would otherwise wait until the engine emptied. The list goes round robin between tenants (the tenant
-     that has had the fewest of these stages in this engine first; within one, a track's next stage right after
-     its last, so songs finish one by one and their exports spread out, then arrival order); while tracks are in the
-     slots, the slots and the list each get about half the GPU, counted in seconds (GpuShare), so a newcomer's
-     backbone runs at half speed or better whatever backlog of follow-ups or lip-syncs there is, and a lip-sync
-     waits for a block or a few, not a backlog;
+     which would otherwise wait until the engine emptied. The list is fair between tenants in GPU-seconds (the
+     tenant that has had the least in this engine first; within one, a track's next stage right after its last,
+     so songs finish one by one and their exports spread out, then arrival order; TenantCharges). While tracks
+     are in the slots, the slots and the list each get about half the GPU, counted in seconds (GpuShare), and a
+     listed stage waits while a tenant in the slots has had less than its tenant: a newcomer's backbone runs at
+     full speed beside another tenant's backlog of follow-ups, and a lip-sync waits for a block or a few;
 and ends when no track is left in its slots or its list. Each track's stages are recorded in its own record,
 under the run's lease, with its own progress; its tenant is charged its share of each block (a block's time over
 the tracks in it), and the ETA learns how long its backbone took beside the others (the blocks it was in;
@@ -36,7 +36,6 @@ import json
 import logging
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -63,6 +62,10 @@ from app.tasks.track_moves import finish_stage, release_adopted
 log = logging.getLogger("encore.jobs")
 
 ADMIT_FOR = 0.5  # of the backbone's soft time limit: how long an engine admits new tracks
+# A listed stage held back for a tenant in the slots (TenantCharges.may_run) runs anyway after this many blocks in
+# a row: a tenant's long song beside another's follow-ups slows them (to about one stage per five blocks), never
+# stops them for the whole song
+HOLD_BACK_BLOCKS = 4
 LOOK_PAST = 8  # waiting tracks read past the free slots' count at a boundary: those that start at another stage
 BACKBONE = "backbone"
 
@@ -145,6 +148,41 @@ class GpuShare:
         self.balance = max(self.balance - seconds, -seconds)
 
 
+class TenantCharges:
+    """The GPU-seconds each tenant has had in this engine, for the order of its list and for when the list may run.
+    A block is charged in equal parts to the distinct tenants with a track in the slots (it serves each of them
+    whole, however many tracks each has there), a listed stage to its tenant. A tenant that appears starts at the
+    least charge of the tenants present then (start-time fair queueing: no credit for the time it was away).
+
+    A listed stage may run only while its tenant has had no more than every tenant in the slots: with one tenant
+    this never holds the list back (GpuShare then splits the time), but with tenant A's follow-ups listed and
+    tenant B's song in the slots beside A's, the blocks run (serving both) until B has had as much as A, so B's
+    backbone runs at nearly full speed instead of half, and A's follow-ups wait: at most HOLD_BACK_BLOCKS blocks
+    in a row each, so a long song of B's slows them but never stops them."""
+
+    def __init__(self) -> None:
+        self.charged: dict[str, float] = {}
+
+    def join(self, tenants: set[str]) -> None:
+        """Tenants present now (in the slots or the list): a new one starts at the least charge among them."""
+        floor = min((self.charged[tenant] for tenant in tenants if tenant in self.charged), default=0.0)
+        for tenant in tenants:
+            self.charged.setdefault(tenant, floor)
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        self.charged[tenant] = self.charged.get(tenant, 0.0) + seconds
+
+    def charge_block(self, tenants: set[str], seconds: float) -> None:
+        for tenant in tenants:
+            self.charge(tenant, seconds / len(tenants))
+
+    def of(self, tenant: str) -> float:
+        return self.charged.get(tenant, 0.0)
+
+    def may_run(self, tenant: str, in_slots: set[str]) -> bool:
+        return all(self.of(tenant) <= self.of(other) for other in in_slots)
+
+
 class BackboneEngine:
     """One engine run in a worker child (module docstring)."""
 
@@ -160,7 +198,8 @@ class BackboneEngine:
         self.held: dict[TrackRef, Held] = {}
         self.progress: dict[TrackRef, ThrottledProgress] = {}
         self.pending: list[Pending] = []  # the other stages to run here, in arrival order (module docstring, 3)
-        self.served: Counter[str] = Counter()  # those stages run so far, per tenant (their round robin)
+        self.charges = TenantCharges()  # the list's order, and when it may run beside the slots
+        self.blocks_held_back = 0  # blocks run in a row while the list had stages (see HOLD_BACK_BLOCKS)
         self.refused: set[tuple[TrackRef, str]] = set()  # listed stages whose track had moved on when taken
         self.share = GpuShare()
         self.started = clock()
@@ -192,8 +231,11 @@ class BackboneEngine:
                 self._boundary()
                 self._run_pending()
                 if self.runner.keys:
+                    in_slots = self._slot_tenants()
                     block = self.runner.step()
                     self.share.ran_block(block.seconds)
+                    self.charges.charge_block(in_slots, block.seconds)
+                    self.blocks_held_back += 1 if self.pending else 0
                     self._after_block(block)
                 elif not self.pending:
                     break
@@ -437,21 +479,31 @@ class BackboneEngine:
 
     # -- the other stages, between blocks ---------------------------------------------------------------------
     def _run_pending(self) -> None:
-        """Stages from the list (module docstring, 3): while tracks are in the slots, as GpuShare allows; with the
-        slots empty, all of them (and that time is owed to no one)."""
-        while self.pending and (not self.runner.keys or self.share.list_may_run()):
-            started, in_slots = self.clock(), bool(self.runner.keys)
-            self._run_one(self._next_pending())
+        """Stages from the list (module docstring, 3): while tracks are in the slots, as GpuShare and TenantCharges
+        allow; with the slots empty, all of them (and that time is owed to no one but its tenant)."""
+        while self.pending:
+            in_slots = self._slot_tenants()
+            self.charges.join(in_slots | {entry.tenant for entry in self.pending})
+            item = self._next_pending()
+            fair = self.charges.may_run(item.tenant, in_slots) or self.blocks_held_back >= HOLD_BACK_BLOCKS
+            if in_slots and not (self.share.list_may_run() and fair):
+                return
+            self.blocks_held_back = 0
+            self.pending.remove(item)
+            started = self.clock()
+            self._run_one(item)
+            seconds = self.clock() - started
+            self.charges.charge(item.tenant, seconds)
             if in_slots:
-                self.share.ran_list(self.clock() - started)
+                self.share.ran_list(seconds)
 
     def _next_pending(self) -> Pending:
-        """The tenant with the fewest stages run here so far goes first; within it, the next stage of a track that
+        """The tenant that has had the least GPU time here goes first; within it, the next stage of a track that
         has just run one, then the first to arrive."""
-        item = min(self.pending, key=lambda entry: self.served[entry.tenant])
-        self.pending.remove(item)
-        self.served[item.tenant] += 1
-        return item
+        return min(self.pending, key=lambda entry: self.charges.of(entry.tenant))
+
+    def _slot_tenants(self) -> set[str]:
+        return {self.held[ref].tenant for ref in self.runner.keys if ref in self.held}
 
     def _run_one(self, item: Pending) -> None:
         held = self.held.get(item.ref)
