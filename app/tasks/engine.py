@@ -97,6 +97,7 @@ class Held:
     stage: str = BACKBONE
     workdir: Path | None = None  # its backbone's temp folder while it is in the engine
     waiting_for: str | None = None  # the stage it waits for in the engine's list (its lease is not held meanwhile)
+    tenant: str = ""  # its job's tenant (the job's hash; not in the decoded job)
 
     @property
     def cost(self) -> float:
@@ -105,10 +106,6 @@ class Held:
     @property
     def kind(self) -> JobKind:
         return KINDS[str(self.job["kind"])]
-
-    @property
-    def tenant(self) -> str:
-        return str(self.job.get("tenant") or "")
 
 
 @dataclass(frozen=True)
@@ -224,7 +221,7 @@ class BackboneEngine:
         job = self.svc.jobs.job(own.job_id)
         if record is None or job is None:
             raise Canceled("the track's record is gone")
-        self._hold(Held(own, job, record))
+        self._hold(Held(own, job, record, tenant=self._tenant_of(own)))
         try:
             self._join(self.held[own])
             while True:  # until a boundary leaves nothing to do (it admits and takes stages before it looks)
@@ -311,9 +308,11 @@ class BackboneEngine:
             return False
         if kind.stage(stage_name).cpu and companion(self.svc, self.run.queue) is not None:
             return False
-        tenant = decoded(self.svc.redis.hget(self.svc.jobs.keys.job(ref.job_id), "tenant")) or ""
-        self.pending.append(Pending(ref, stage_name, tenant))
+        self.pending.append(Pending(ref, stage_name, self._tenant_of(ref)))
         return True
+
+    def _tenant_of(self, ref: TrackRef) -> str:
+        return decoded(self.svc.redis.hget(self.svc.jobs.keys.job(ref.job_id), "tenant")) or ""
 
     def _adopt(self, ref: TrackRef) -> None:
         if not self._take(ref, BACKBONE, "backbone in the engine"):
@@ -321,7 +320,7 @@ class BackboneEngine:
         record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
         if record is None or job is None:
             return
-        held = Held(ref, job, record)
+        held = Held(ref, job, record, tenant=self._tenant_of(ref))
         self._hold(held)
         self._record_start(held, BACKBONE)
         self._join(held)
@@ -526,7 +525,7 @@ class BackboneEngine:
         record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
         if record is None or job is None:
             return None
-        held = Held(ref, job, record, stage=item.stage)
+        held = Held(ref, job, record, stage=item.stage, tenant=item.tenant)
         self._hold(held)
         self._event("engine_took_stage", ref, stage=item.stage)
         return held
