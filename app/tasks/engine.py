@@ -455,9 +455,15 @@ class BackboneEngine:
             return
         held.waiting_for = following.name
         self._stop_renewing(held.ref)  # `finish` dropped its lease; the next stage's `adopt` takes it again
-        # first in its tenant's line: a track's stages run one after the other, so songs finish one by one and
-        # their exports reach the CPU-stage worker spread out, not all at once after every superres
-        self.pending.insert(0, Pending(held.ref, following.name, held.tenant))
+        # a stage that follows one run from the list goes first in its tenant's line: a track's stages run one
+        # after the other, so songs finish one by one and their exports reach the CPU-stage worker spread out, not
+        # all at once after every superres; a track just out of the slots joins the line's end, behind what was
+        # listed before it (a lip-sync waits for the follow-ups listed before it, not for every one after it)
+        entry = Pending(held.ref, following.name, held.tenant)
+        if done == BACKBONE:
+            self.pending.append(entry)
+        else:
+            self.pending.insert(0, entry)
 
     def _hand_to_cpu_worker(self, held: Held, stage_name: str) -> bool:
         """Send the rest of the track's chain (from `stage_name`, which it waits for) to its queue's companion,
@@ -497,8 +503,8 @@ class BackboneEngine:
                 self.share.ran_list(seconds)
 
     def _next_pending(self) -> Pending:
-        """The tenant that has had the least GPU time here goes first; within it, the next stage of a track that
-        has just run one, then the first to arrive."""
+        """The tenant that has had the least GPU time here goes first; within it, the next stage of a track whose
+        last stage ran from the list, then the first to arrive."""
         return min(self.pending, key=lambda entry: self.charges.of(entry.tenant))
 
     def _slot_tenants(self) -> set[str]:
