@@ -172,27 +172,33 @@ def test_a_second_tenant_starts_at_the_next_free_slot_not_behind_the_first_tenan
 @pytest.mark.slow
 def test_a_lipsync_waiting_on_the_queue_runs_between_blocks_not_after_the_engine_empties(make_stack, tmp_path):
     """Item 2: the engine runs another GPU stage waiting on its queue (a lip-sync) between two blocks, in its own
-    child, instead of draining: the video is done while songs still wait for the engine's two slots, and one
-    engine run serves every song (a drain ended the engine for the video and started another after it)."""
+    child, instead of draining: the video's GPU stage runs before the last of sixteen songs on two slots has finished
+    its backbone, and one engine run serves every song (a drain ended the engine for the video and started another
+    after it)."""
     from harness.media import face_video, tone, upload
 
     stack = make_stack(ENCORE_WORKER_ROLE="both")  # as worker_entrypoint.sh deploys: prepare and mux on the CPU
     stack.start_worker(0, ENCORE_BACKBONE_SLOTS="2")
-    songs = [stack.submit_music(duration_s=150.0, seed=seed) for seed in range(6)]
-    wait_until(lambda: _in_backbone(stack, songs[0], above=0.05), 90, 0.05, "the first song's backbone")
+    # the tiny backbone is quick (a 60 s song's is ~3 s here, its superres and decode ~2 s): enough songs that
+    # their backbones outlast the video's prepare on the CPU worker and the follow-ups listed before its lip-sync
+    songs = [stack.submit_music(duration_s=60.0, seed=seed) for seed in range(16)]
     reply = upload(stack.client, face_video(tmp_path / "face.mp4", 3.0), tone(tmp_path / "voice.wav", 2.0))
     assert reply.status_code == 202, reply.get_json()
     video = reply.get_json()["job_id"]
     done = stack.wait_job(video, timeout=180, interval=0.05)
     assert done["state"] == "done", done
-    waiting = [job_id for job_id in songs if stack.job(job_id)["tracks"][0]["state"] in ("queued", "backbone")]
-    assert waiting, "the songs were through before the video: the test shows nothing"
     stages = done["tracks"][0]["stages"]
+    last_backbone = max(
+        stack.wait_job(job_id, timeout=300)["tracks"][0]["stages"]["backbone"]["finished_at"] for job_id in songs
+    )
+    assert stages["lipsync"]["started_at"] < last_backbone, (
+        "the songs were through before the video: the test shows nothing"
+    )
     assert stages["lipsync"]["in_engine"] and stages["lipsync"]["worker"].startswith("gpu0@")
     assert all(stages[name]["worker"].startswith("cpu0@") for name in ("prepare", "mux"))
     assert _events(stack, "engine_took_stage", f"job={video}", "stage=lipsync")
     for job_id in songs:
-        assert stack.wait_job(job_id, timeout=240)["state"] == "done"
+        assert stack.wait_job(job_id, timeout=300)["state"] == "done"
     deliveries = [line for line in _events(stack, "stage_started", "stage=backbone") if "in_engine=1" not in line]
     assert len(deliveries) == 1  # one engine run served every song: it never drained for the video
 
