@@ -371,9 +371,8 @@ def run_fairness(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         alone_latency = max(run["end"] for run in stage_runs([alone])) - alone_at
         backlog = [deployment.submit_music(args.song_s, 100 + index, tenant="a") for index in range(args.music)]
         deadline = time.monotonic() + args.limit_s
-        while not any(  # A's songs hold the GPU: B comes while A's backlog waits
-            t["state"] == "backbone" and t["progress"] > 0.1
-            for t in deployment.get(f"/api/v1/jobs/{backlog[0]}")["tracks"]
+        while not any(  # A's songs hold the GPU (its first one's backbone started): B comes while A's backlog waits
+            "backbone" in t["stages"] for t in deployment.get(f"/api/v1/jobs/{backlog[0]}")["tracks"]
         ):
             if time.monotonic() > deadline:
                 raise SystemExit("tenant A's first song never started")
