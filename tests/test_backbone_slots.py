@@ -64,3 +64,32 @@ def test_tracks_of_other_songs_batched_get_their_codes_alone(models, tiny_profil
         info = run_backbone_tracks(models, track.params, [track.seed], [alone], StageControl())
         assert torch.equal(_load_codes(track.out), _load_codes(alone)), f"track {index} ({song_end})"
         assert songs[index] == info["songs"][0]
+
+
+def test_the_runner_pauses_resumes_and_drops_tracks_by_key(models, tmp_path):
+    """InFlightBackbone: a paused track leaves the slots (its slot is free, no block serves it) but stays the
+    runner's; resumed, it ends with the codes it gets alone; a paused track can be dropped (a cancel)."""
+    from app.pipeline.music.inflight import InFlightBackbone
+
+    runner = InFlightBackbone(models, slots=2)
+    tracks = {key: BackboneTrack(SONGS[0], seed=20 + key, out=tmp_path / f"t{key}.pt") for key in range(3)}
+    runner.admit(0, tracks[0])
+    runner.admit(1, tracks[1])
+    runner.step()
+    runner.pause(0)
+    assert runner.keys == [1] and runner.paused == [0] and runner.free == 1 and 0 in runner
+    runner.admit(2, tracks[2])
+    block = runner.step()
+    assert set(block.progress) | {f.key for f in block.finished} == {1, 2}  # the paused track was not stepped
+    runner.pause(2)
+    runner.drop(2)
+    assert 2 not in runner and runner.paused == [0] and runner.free >= 1  # track 1 may have ended too
+    runner.resume(0)
+    assert 0 in runner.keys and runner.paused == []
+    while runner.keys:
+        runner.step()
+    runner.close()
+    for key in (0, 1):
+        alone = tmp_path / f"alone{key}.pt"
+        run_backbone_tracks(models, tracks[key].params, [tracks[key].seed], [alone], StageControl())
+        assert torch.equal(_load_codes(tracks[key].out), _load_codes(alone)), key

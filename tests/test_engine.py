@@ -132,7 +132,12 @@ def test_kill_9_of_a_worker_with_tracks_of_three_jobs_in_its_engine_restarts_eac
 
 
 @pytest.mark.slow
-def test_a_second_tenant_starts_at_the_next_free_slot_not_behind_the_first_tenants_backlog(make_stack, tmp_path):
+def test_a_second_tenant_starts_at_the_next_block_a_first_tenants_track_paused_and_resumed_as_alone(
+    make_stack, tmp_path
+):
+    """Tenant A's songs fill both slots with more waiting; tenant B's song starts at the next block boundary (one of
+    A's tracks in the slots is paused for it), before any of A's songs in the slots ends and before A's backlog;
+    the paused song resumes and sounds as it does alone."""
     from harness.tenants import bearer, write_tenants_file
 
     tokens = {"token-a": "alpha", "token-b": "beta", "token-ops": "ops"}
@@ -149,24 +154,35 @@ def test_a_second_tenant_starts_at_the_next_free_slot_not_behind_the_first_tenan
     def state(token: str, job_id: str) -> dict:
         return stack.client.get(f"/api/v1/jobs/{job_id}", headers=bearer(token)).get_json()["tracks"][0]
 
-    backlog = [submit("token-a", seed, 100.0) for seed in range(8)]
-    wait_until(lambda: state("token-a", backlog[1])["state"] == "backbone", 60, 0.02, "alpha filling both slots")
-    offered = time.time()
+    def done(token: str, job_id: str) -> dict:
+        return wait_until(
+            lambda: (lambda t: t if t["state"] == "done" else None)(state(token, job_id)), 240, 0.05, job_id
+        )
+
+    backlog = [submit("token-a", seed, 60.0) for seed in range(5)]
+    in_slots = backlog[:2]
+    wait_until(lambda: all(state("token-a", j)["state"] == "backbone" for j in in_slots), 60, 0.02, "A in both slots")
     newcomer = submit("token-b", 99, 2.0)
-    done = wait_until(
-        lambda: (lambda t: t if t["state"] == "done" else None)(state("token-b", newcomer)), 180, 0.05, "beta's song"
-    )
-    started = done["stages"]["backbone"]["started_at"]
-    later = [
-        t
-        for t in (state("token-a", job_id) for job_id in backlog)
-        if t["state"] == "queued" or t["stages"]["backbone"]["started_at"] > offered
-    ]
-    assert len(later) >= 4, "alpha's backlog was not waiting when beta's song came"
-    # beta's song took one of the first two slots that freed after it came (both of alpha's songs in the engine
-    # end together): at most one song of alpha's backlog started before it; in queue order all of them would have
-    ahead = [t for t in later if t["state"] != "queued" and t["stages"]["backbone"]["started_at"] < started]
-    assert len(ahead) <= 1, ahead
+    started = done("token-b", newcomer)["stages"]["backbone"]["started_at"]
+    a_tracks = {job_id: done("token-a", job_id) for job_id in backlog}
+    # B did not wait for a slot to free: it started before either of A's songs in the slots ended its backbone
+    assert started < min(a_tracks[j]["stages"]["backbone"]["finished_at"] for j in in_slots)
+    # nor behind A's backlog: none of the songs that were waiting started before it
+    assert all(a_tracks[j]["stages"]["backbone"]["started_at"] > started for j in backlog[2:])
+    paused = [line for line in _events(stack, "engine_paused") if f"for_job={newcomer}" in line.split()]
+    assert len(paused) == 1, paused
+    victim = re.search(r"job=(\w+)", paused[0])
+    assert victim is not None and victim.group(1) in in_slots
+    assert len(_events(stack, "engine_resumed", f"job={victim.group(1)}")) == 1
+    # the paused song sounds as it does alone (the same seed again, by itself in the engine)
+    seed = backlog.index(victim.group(1))
+    again = submit("token-a", seed, 60.0)
+    done("token-a", again)
+    wav = {
+        job_id: stack.client.get(f"/api/v1/jobs/{job_id}/tracks/0.wav", headers=bearer("token-a")).data
+        for job_id in (victim.group(1), again)
+    }
+    assert len(wav[again]) > 1000 and wav[victim.group(1)] == wav[again]
 
 
 @pytest.mark.slow

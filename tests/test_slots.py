@@ -221,6 +221,47 @@ def test_a_canceled_slot_frees_its_place_and_disturbs_no_one(lm, tiny_profile, m
     assert torch.equal(codes[-1], alone(lm, tiny_profile, newcomer))
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_paused_track_resumes_in_another_slot_and_ends_as_alone(
+    lm, mix, alone_codes, batched_alone_codes, make_request, batched
+):
+    """Paused mid-song (its slot given to a newcomer), kept aside while the others go on, resumed in another slot:
+    its codes and everyone else's are those alone; a track that may end pauses past the frame it may end at."""
+    expected = batched_alone_codes if batched else alone_codes
+    decoder = SlotDecoder(lm, 3, MAX_LEN, check_every=4, batched_matmul=batched)
+    assert [decoder.admit(mix[i]) for i in (4, 3, 1)] == [0, 1, 2]
+    for _ in range(3):  # 12 frames: mix[3] may end from frame 3 on
+        decoder.step_block()
+    paused = [decoder.pause(slot) for slot in (0, 1)]
+    assert [p.request for p in paused] == [mix[4], mix[3]] and decoder.free_slots == [0, 1]
+    assert paused[0].keys[0].device.type == "cpu"
+    with pytest.raises(KeyError):
+        decoder.pause(0)
+    newcomer = make_request(range(20, 33), 99, limit=15, top_k=5)
+    assert decoder.admit(newcomer) == 0
+    index_of = {mix[i]: i for i in (1, 3, 4)} | {newcomer: -1}
+    codes: dict[int, torch.Tensor] = {}
+
+    def step() -> None:
+        for update in decoder.step_block():
+            if update.finished:
+                assert update.codes is not None
+                codes[index_of[update.request]] = update.codes
+
+    step()
+    step()
+    assert decoder.resume(paused[0]) == 1  # mix[4], paused from slot 0, goes on in slot 1
+    while not decoder.free_slots:
+        step()
+    free = decoder.free_slots
+    assert decoder.resume(paused[1]) == free[0]
+    while decoder.occupants:
+        step()
+    assert all(torch.equal(codes[i], expected[i]) for i in (1, 3, 4)), "a paused track or a neighbour changed"
+    alone_newcomer = decode_queue(SlotDecoder(lm, 1, MAX_LEN, batched_matmul=batched), [newcomer])[0]
+    assert torch.equal(codes[-1], alone_newcomer)
+
+
 def test_updates_report_progress_then_the_codes(lm, make_request):
     decoder = SlotDecoder(lm, 2, MAX_LEN, check_every=8)
     slot = decoder.admit(make_request(range(1, 5), 1, limit=20))

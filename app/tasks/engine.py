@@ -5,8 +5,13 @@ or fail, and a finished track goes on through its next stages at once.
 One backbone delivery starts the engine and runs it in the worker child while there is work (its own track is
 just the first to join; the runner is app/pipeline/music/inflight.py). Between two blocks it:
   1. drops the tracks whose job was canceled (their slot is free for the next block) or whose lease was taken;
-  2. admits waiting backbone tracks into the free slots, in the admission order below, so a track that waits for
-     a slot starts in the block after one frees, whatever else the GPU has to do;
+  2. puts paused tracks back into free slots, then admits waiting backbone tracks into the free slots, in the
+     admission order below, so a track that waits for a slot starts in the block after one frees, whatever else
+     the GPU has to do. With every slot taken, a track whose tenant holds fewer slots than its share (the slots
+     over the tenants in them) takes one from the tenant that holds the most: that tenant's last admitted track
+     is paused (SlotDecoder.pause: its cache and state kept aside in host memory, nothing recomputed or lost)
+     and resumes before any waiting track when a slot frees. So tenant B's song starts at the next block, not
+     when one of tenant A's songs in the slots ends;
   3. runs other stages here, in this child, from a list of its own: the next stage of each track that finished
      its backbone (superres, decode; export too when no CPU-stage worker is live, else the track is handed to
      it) and any other GPU stage waiting on its queue (a lip-sync, a music track resumed past its backbone),
@@ -36,6 +41,7 @@ import json
 import logging
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -203,6 +209,7 @@ class BackboneEngine:
         soft, _ = self.svc.settings.time_limits.get(BACKBONE, (None, 3600.0))
         self.admit_until = self.started + ADMIT_FOR * (soft if soft is not None else 3600.0)
         self.admitted = 0
+        self.joined: dict[TrackRef, int] = {}  # the order tracks joined the slots in (1, 2, ...)
         self.loads_recorded = 0  # how many of the run's model loads a finished backbone has recorded
 
     def _event(self, event: str, ref: TrackRef, level: int = logging.INFO, **fields: Any) -> None:
@@ -234,7 +241,7 @@ class BackboneEngine:
                     self.charges.charge_block(in_slots, block.seconds)
                     self.blocks_held_back += 1 if self.pending else 0
                     self._after_block(block)
-                elif not self.pending:
+                elif not self.pending and not self.runner.paused:
                     break
         except BaseException:
             self._give_back()
@@ -250,6 +257,7 @@ class BackboneEngine:
             raise Canceled("leases lost")
         self._drop_lost()
         self._drop_canceled()
+        self._resume_paused()  # admitting or not: they are running tracks
         if self._admitting():
             self._take_waiting()
 
@@ -275,29 +283,67 @@ class BackboneEngine:
         self._admit_waiting()
 
     def _admit_waiting(self) -> None:
-        """Take the head of the queue's waiting tracks (the fair order): backbone tracks into the free slots, a
-        track that starts at another stage onto the list, up to the first track the engine cannot run."""
+        """Take the head of the queue's waiting tracks (the fair order): backbone tracks into the free slots (or
+        into one made free for a tenant short of its share: `_make_room`), a track that starts at another stage
+        onto the list, up to the first track the engine cannot run."""
         svc = self.svc
         head = decoded_members(svc.redis.zrange(svc.jobs.waiting_key(self.run.queue), 0, self.runner.free + LOOK_PAST))
         refs = [TrackRef(*parse_member(value)) for value in head]
         pipe = svc.redis.pipeline(transaction=False)
         for ref in refs:
-            pipe.hget(svc.jobs.keys.job(ref.job_id), "kind")
+            pipe.hmget(svc.jobs.keys.job(ref.job_id), ["kind", "tenant"])
             pipe.hget(svc.jobs.keys.track(ref.job_id, ref.track), "stages")
         answers = pipe.execute()
         for index, ref in enumerate(refs):
-            kind = KINDS.get(decoded(answers[2 * index]) or "")
+            kind_name, tenant = (decoded(value) or "" for value in answers[2 * index])
+            kind = KINDS.get(kind_name)
             if kind is None:
                 break  # gone meanwhile, or a kind this worker does not know: it waits for its own message
             # the adopt transition's own rule (queued@first): a queued track runs its first unfinished stage
             stage = kind.stages[first_unfinished(kind, json.loads(answers[2 * index + 1] or "{}"))]
             if kind is self.run.kind and stage.name == BACKBONE:
-                if self.runner.free:
+                if self.runner.free or self._make_room(ref, tenant):
                     self._adopt(ref)
             elif stage.cpu and companion(svc, self.run.queue) is not None:
                 continue  # the host's CPU-stage worker takes it
             elif not self._list_waiting(ref, kind, stage.name):
                 break  # one the engine cannot run: it runs when the engine drains, and so does all behind it
+
+    def _make_room(self, ref: TrackRef, tenant: str) -> bool:
+        """With every slot taken: when the waiting track's tenant holds fewer slots than its share (the slots over
+        the tenants in them, it included; at least one) and another tenant holds more than its share (and more
+        than one), pause that tenant's last admitted track (its state kept aside, nothing lost: it resumes first
+        when a slot frees) and say a slot is free. So tenant B's song starts at the next block boundary, not
+        after one of tenant A's songs ends, and A's other songs go on. At most as many tracks are paused as the
+        engine has slots (their KV caches wait in host memory)."""
+        if len(self.runner.paused) >= self.runner.slots:
+            return False
+        running = [key for key in self.runner.keys if key in self.held]
+        counts = Counter(self.held[key].tenant for key in running)
+        share = max(1, self.runner.slots // len(set(counts) | {tenant}))
+        if counts[tenant] >= share:
+            return False
+        most, held_slots = max(counts.items(), key=lambda item: (item[1], item[0]), default=(tenant, 0))
+        if most == tenant or held_slots <= share:
+            return False
+        victim = max((key for key in running if self.held[key].tenant == most), key=lambda key: self.joined[key])
+        self.runner.pause(victim)
+        self.svc.jobs.report(
+            victim.job_id,
+            victim.track,
+            self.run.lease_owner,
+            detail="paused in the engine: its slot serves another tenant's song for now; it resumes where it left",
+        )
+        self._event("engine_paused", victim, for_job=ref.job_id, paused=len(self.runner.paused))
+        return True
+
+    def _resume_paused(self) -> None:
+        """Paused tracks back into the free slots, in the order they left, before any waiting track joins."""
+        for ref in [key for key in self.runner.paused if isinstance(key, TrackRef)]:
+            if not self.runner.free:
+                return
+            self.runner.resume(ref)
+            self._event("engine_resumed", ref, paused=len(self.runner.paused))
 
     def _list_waiting(self, ref: TrackRef, kind: JobKind, stage_name: str) -> bool:
         """Put a waiting track's stage on the engine's list (once); False when this child cannot run it (its work is
@@ -351,6 +397,7 @@ class BackboneEngine:
             self._end(held, "fail", f"backbone failed: {exc}")
             return
         self.admitted += 1
+        self.joined[ref] = self.admitted
         self._event("engine_joined", ref, tracks=len(self.runner.keys))
 
     def _hold(self, held: Held) -> None:
@@ -371,6 +418,7 @@ class BackboneEngine:
     def _let_go(self, ref: TrackRef) -> None:
         held = self.held.pop(ref, None)
         self.progress.pop(ref, None)
+        self.joined.pop(ref, None)
         self._stop_renewing(ref)
         self.pending = [item for item in self.pending if item.ref != ref]
         if ref in self.runner:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from app.pipeline.music.options import DEFAULT_SLOT_CAP
-from app.pipeline.music.slots import SlotDecoder, default_slots, kv_bytes_per_track, open_slot_decoder
+from app.pipeline.music.slots import PausedTrack, SlotDecoder, default_slots, kv_bytes_per_track, open_slot_decoder
 from app.pipeline.music.stages import BackboneTrack, MusicModels, SongLength, _save_codes, backbone_request
 from app.pipeline.music.torch_engine import TorchCausalLM
 from app.pipeline.profiles import COARSE_CODEBOOKS
@@ -104,7 +104,8 @@ class InFlightBackbone:
             raise TypeError("the in-flight engine needs the torch backbone engine (ENCORE_MUSIC_ENGINE=torch)")
         self.models, self.loaded, self.clock = models, loaded, clock
         self.decoder: SlotDecoder = open_slot_decoder(lm, lm.model.shape.max_len, slots, batched_matmul=batched_matmul)
-        self._seats: dict[Hashable, _Seat] = {}
+        self._seats: dict[Hashable, _Seat] = {}  # in the order they took their slots
+        self._paused: dict[Hashable, tuple[_Seat, PausedTrack]] = {}  # in the order they left them
 
     @property
     def slots(self) -> int:
@@ -116,10 +117,16 @@ class InFlightBackbone:
 
     @property
     def keys(self) -> list[Hashable]:
+        """The tracks in the slots, in the order they took them."""
         return list(self._seats)
 
+    @property
+    def paused(self) -> list[Hashable]:
+        """The tracks taken out of their slots mid-song (`pause`), in the order they left."""
+        return list(self._paused)
+
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._seats
+        return key in self._seats or key in self._paused
 
     def admit(self, key: Hashable, track: BackboneTrack) -> None:
         """Put `track` in a free slot (between blocks) and prefill its prompt there."""
@@ -131,8 +138,22 @@ class InFlightBackbone:
 
     def drop(self, key: Hashable) -> None:
         """Take a track out (canceled, or no longer this engine's); its slot is free for the next block."""
+        if self._paused.pop(key, None) is not None:
+            return
         seat = self._seats.pop(key)
         self.decoder.cancel(seat.slot)
+
+    def pause(self, key: Hashable) -> None:
+        """Take a running track out of its slot, its state kept aside (SlotDecoder.pause): the slot is free for
+        another track; `resume` goes on where it left."""
+        seat = self._seats.pop(key)
+        self._paused[key] = (seat, self.decoder.pause(seat.slot))
+
+    def resume(self, key: Hashable) -> None:
+        """A paused track back into a free slot (between blocks)."""
+        seat, paused = self._paused.pop(key)
+        seat.slot = self.decoder.resume(paused)
+        self._seats[key] = seat
 
     def step(self) -> Block:
         """One block for every track in the engine; a finished track's codes are saved and its slot freed."""
@@ -159,6 +180,7 @@ class InFlightBackbone:
 
     def close(self) -> None:
         self._seats.clear()
+        self._paused.clear()
         self.decoder.close()
 
 

@@ -213,6 +213,37 @@ class _Occupant:
         return stop - self.frame
 
 
+@dataclass
+class PausedTrack:
+    """A track taken out of its slot mid-song with everything it needs to go on (SlotDecoder.pause): its host-side
+    bookkeeping and a copy of its rows of the device state, in host memory (the KV cache up to its position)."""
+
+    occupant: _Occupant
+    keys: list[Tensor]  # per layer, [groups, position, head_dim]
+    values: list[Tensor]
+    state: dict[str, Tensor]  # its row of each per-slot tensor (PAUSED_ROWS)
+
+    @property
+    def request(self) -> TrackRequest:
+        return self.occupant.request
+
+
+# the per-slot device tensors a paused track takes along (the KV cache aside; `end_choice` and `noise` are set
+# afresh at each block's start)
+PAUSED_ROWS = (
+    "visible",
+    "tokens",
+    "position",
+    "frame",
+    "choice",
+    "ended",
+    "lengths",
+    "codes",
+    "window_start",
+    "end_token",
+)
+
+
 @dataclass(frozen=True)
 class _SamplingGroup:
     """Occupied slots that sample alike during a block (same top-k, temperature, candidate count): one batched
@@ -345,6 +376,52 @@ class SlotDecoder:
             first = self._prefill(slot, request)
             self.logits[slot, : first.shape[0]] = first
         self._occupants[slot] = occupant
+        return slot
+
+    def pause(self, slot: int) -> PausedTrack:
+        """Take a running track out of its slot between blocks, keeping all it needs to go on (for a newcomer that
+        should not wait for the slots to free: preemption without recomputation). Its slot is free. `resume`
+        puts it back in any free slot, and it goes on as if it had never left: a row's result depends on that row
+        alone, wherever it lies (module docstring), so its codes stay those it gets alone."""
+        occupant = self._occupants.get(slot)
+        if occupant is None:
+            raise KeyError(f"slot {slot} is empty")
+        host = torch.device("cpu")
+        seen = int(self.position[slot])
+        paused = PausedTrack(
+            occupant,
+            [keys[slot, :, :seen].to(host, copy=True) for keys in self.keys],
+            [values[slot, :, :seen].to(host, copy=True) for values in self.values],
+            {name: getattr(self, name)[slot].to(host, copy=True) for name in PAUSED_ROWS},
+        )
+        paused.state["logits"] = self.logits[slot].to(host, copy=True)  # the next token's candidates, already run
+        self.cancel(slot)
+        return paused
+
+    def resume(self, paused: PausedTrack) -> int:
+        """Put a paused track back, in the first free slot (between blocks); returns the slot."""
+        free = self.free_slots
+        if not free:
+            raise RuntimeError("no free slot: wait for a track to finish")
+        slot = free[0]
+        with torch.inference_mode():
+            for keys, values, kept_keys, kept_values in zip(
+                self.keys, self.values, paused.keys, paused.values, strict=True
+            ):
+                keys[slot].zero_()  # as its own row held them: zeros past its position
+                values[slot].zero_()
+                keys[slot, :, : kept_keys.shape[1]] = kept_keys.to(self.device)
+                values[slot, :, : kept_values.shape[1]] = kept_values.to(self.device)
+            for name in PAUSED_ROWS:
+                getattr(self, name)[slot] = paused.state[name].to(self.device)
+            logits = paused.state["logits"]
+            self.logits[slot] = 0  # the buffer may have widened meanwhile; its first columns are the track's
+            self.logits[slot, : logits.shape[0]] = logits.to(self.device)
+            self.end_choice[slot] = -1
+            self.occupied[slot] = 1
+        self._views = {key: view for key, view in self._views.items() if key[1] != slot}
+        self._masks = {key: mask for key, mask in self._masks.items() if key[0] != slot}
+        self._occupants[slot] = paused.occupant
         return slot
 
     def cancel(self, slot: int) -> TrackRequest:
