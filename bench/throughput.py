@@ -23,10 +23,10 @@ as one JSON object:
 
 `--scenario fairness` (per mode): tenant B's song alone, then tenant A's `--music` songs at once and B's song
 once A's fill the GPU: B's latency amid A's backlog over its latency alone (the target is <= 2), how long B's
-backbone waited after the first slot that freed once B came (`b_start_after_free_slot_s`: within one block
-under the engine), how long B waited for that slot (`b_slot_wait_s`: A's songs hold every slot, and no track is
-preempted) and its latency from there over its latency alone (`b_latency_after_free_slot_ratio`), and B's
-queue_position at submission.
+backbone waited from its submission (`b_backbone_wait_s`: under the engine, one block or so: a track of A's is
+paused for it), whether it started before any slot freed (`b_started_before_a_slot_freed`: A's songs hold every
+slot when B comes; without pausing B would wait for one of them to end), how many of A's songs ended their
+backbone before B's began, and B's queue_position at submission.
 
 Modes, side by side in one run (each its own Redis and workers, one after the other):
   today           the worker as it ran before issue 35: no engine (ENCORE_BACKBONE_SLOTS=1: one song's tracks per
@@ -392,12 +392,9 @@ def run_fairness(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "b_latency_amid_s": round(latency, 2),
             "b_latency_ratio": round(latency / max(alone_latency, 1e-9), 2),
             "b_queue_position_at_submit": deployment.position_at_submit[newcomer],
-            "b_start_after_free_slot_s": round(max(0.0, started - first_free), 2),
-            # the wait for a slot (no preemption: A's songs hold every slot) and the latency after it, over alone
-            "b_slot_wait_s": round(max(0.0, first_free - offered), 2),
-            "b_latency_after_free_slot_ratio": round(
-                (latency - max(0.0, first_free - offered)) / max(alone_latency, 1e-9), 2
-            ),
+            "b_backbone_wait_s": round(max(0.0, started - offered), 2),
+            # A's songs hold every slot when B comes: without pausing one of A's tracks, B waits for one to end
+            "b_started_before_a_slot_freed": started < first_free,
             "a_songs_done_before_b_started": sum(
                 1 for r in a_records if r["state"] == "done" and max(_backbone_ends(r), default=0) < started
             ),
