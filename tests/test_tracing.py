@@ -79,7 +79,7 @@ def test_tracing_is_off_without_an_endpoint():
 
 
 def test_one_trace_per_job_with_a_span_per_stage(collector, make_stack):
-    # without the backbone engine: the stages an engine runs for a track it adopted open no span yet (issue 35 note)
+    # without the backbone engine: every stage a delivery of its own (the next test runs them in an engine)
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_BSP_SCHEDULE_DELAY": "200", "ENCORE_BACKBONE_SLOTS": "1"}
     stack = make_stack(**env)
     stack.start_worker(0)
@@ -117,3 +117,73 @@ def test_one_trace_per_job_with_a_span_per_stage(collector, make_stack):
         assert root["trace"] == stages[0]["trace"] and root["parent"] == ""
     traces = {s["trace"] for s in collector.spans if s["attributes"].get("encore.job_id") in jobs}
     assert len(traces) == 2  # the two jobs do not share a trace
+
+
+def test_tracks_that_join_an_engine_keep_their_stages_in_their_own_trace(collector, make_stack):
+    """Job B's track joins the engine job A's delivery runs: B's stages (run in A's delivery, and its export handed
+    on from there to the CPU-stage worker) are spans of B's trace, chained stage after stage under B's submit,
+    none in A's trace."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_BSP_SCHEDULE_DELAY": "200", "ENCORE_WORKER_ROLE": "both"}
+    stack = make_stack(**env)
+    stack.start_worker(0)
+    url = stack.start_gunicorn()
+
+    def cpu_worker_idle() -> bool:
+        workers = stack.client.get("/api/v1/status", headers=stack.auth).get_json()["workers"]
+        return any(w["name"].startswith("cpu0@") and w["status"] == "idle" for w in workers)
+
+    wait_until(cpu_worker_idle, 60, 0.1, "the CPU-stage worker")
+
+    def submit(seed: int, duration_s: float) -> str:
+        body = {"mode": "instrumental", "tags": "lo-fi", "duration_s": duration_s, "num_tracks": 1, "seed": seed}
+        reply = requests.post(f"{url}/api/v1/music", timeout=10, json=body)
+        assert reply.status_code == 202, reply.text
+        return reply.json()["job_id"]
+
+    first = submit(1, 120.0)
+    wait_until(lambda: stack.job(first)["tracks"][0]["state"] == "backbone", 90, 0.05, "the first song's backbone")
+    joined = submit(2, 2.0)
+    for job_id in (first, joined):
+        assert stack.wait_job(job_id, timeout=180)["state"] == "done"
+    stages_run = stack.job(joined)["tracks"][0]["stages"]
+    assert stages_run["backbone"].get("in_engine"), "the second job ran alone"
+    assert stages_run["export"]["worker"].startswith("cpu0@"), stages_run["export"]
+
+    def stage_spans(job_id):  # less the adopted track's own backbone message, delivered later to run nothing
+        found = [
+            s
+            for s in collector.spans
+            if s["attributes"].get("encore.job_id") == job_id and "encore.stale" not in s["attributes"]
+        ]
+        return found if len(found) == len(MUSIC_STAGES) else None
+
+    traces = {}
+    for job_id in (first, joined):
+        stages = wait_until(
+            lambda job_id=job_id: stage_spans(job_id),
+            60,
+            0.2,
+            f"the stage spans of {job_id}",
+        )
+        by_name = {s["name"]: s for s in stages}
+        assert sorted(by_name) == sorted(f"stage {name}" for name in MUSIC_STAGES), stages
+        chain = [by_name[f"stage {name}"] for name in MUSIC_STAGES]
+        assert len({s["trace"] for s in chain}) == 1
+        for earlier, later in pairwise(chain):
+            assert later["parent"] == earlier["id"], (job_id, later["name"])
+        root = wait_until(
+            lambda chain=chain: next((s for s in collector.spans if s["id"] == chain[0]["parent"]), None),
+            30,
+            0.2,
+            "the submit's span",
+        )
+        assert root["service"] == "encore-web" and root["name"] == "POST /api/v1/music"
+        traces[job_id] = root["trace"]
+    assert traces[first] != traces[joined]
+    in_engine = [s for s in collector.spans if s["attributes"].get("encore.in_engine") == 1]
+    assert {s["attributes"]["encore.job_id"] for s in in_engine if s["name"] == "stage backbone"} == {joined}
+    stale = wait_until(  # the adopted track's own message, delivered once the engine's run ended
+        lambda: [s for s in collector.spans if "encore.stale" in s["attributes"]] or None, 60, 0.2, "a stale delivery"
+    )
+    assert ("stage backbone", joined) in [(s["name"], s["attributes"]["encore.job_id"]) for s in stale]
+    assert all(s["trace"] == traces[s["attributes"]["encore.job_id"]] for s in stale)

@@ -9,12 +9,17 @@ OTEL_SERVICE_NAME, default "encore", with "-web" or "-worker" appended).
   the next one, which Celery publishes while that stage's span is current.
 - In the worker's pool child `task_prerun` reads it back from the request and opens the stage's span
   (attributes: the job id, track and stage), `task_postrun` ends it; a stage that raised marks it an error.
+- A job keeps its submit's context (`current_carrier`, in its hash); a stage that a worker runs for a track outside
+  the track's own delivery (the backbone engine runs other jobs' tracks in one delivery) opens a `TrackSpan` under
+  it, and the track's next stage under that span, so each job's stages stay in its own trace.
 The propagation is the OpenTelemetry API's own (`opentelemetry.propagate`); only the wiring is here.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -166,3 +171,83 @@ def instrument_flask(app: Any, settings: Settings) -> None:
             span, token = opened
             context.detach(token)
             span.end()
+
+
+# -- a job's own trace where no Celery delivery of its own carries it (the backbone engine's tracks) -----------
+
+
+def current_carrier() -> dict[str, str]:
+    """The current trace context as W3C fields (`traceparent`, ...): what a job keeps at submission, so that the
+    stages a worker runs for it outside its own deliveries still join its trace. Empty when tracing is off."""
+    if not _configured:
+        return {}
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+class TrackSpan:
+    """The span of one stage a worker runs for a track outside that track's own delivery (app/tasks/engine.py):
+    a child of `parent` (a carrier: the job's submit, or the track's stage before), named and attributed as a
+    delivery's stage span is, plus `encore.in_engine`. `carrier()` is this span's context: the parent of the
+    track's next stage, and (`attached`) the context a message published for it carries. No-op when tracing is
+    off."""
+
+    def __init__(self, parent: dict[str, str], stage: str, job_id: str, track: int):
+        self.span: Any = None
+        if not _configured:
+            return
+        from opentelemetry import propagate, trace
+
+        self.span = _tracer().start_span(
+            f"stage {stage}",
+            context=propagate.extract(parent),
+            kind=trace.SpanKind.INTERNAL,
+            attributes={"encore.job_id": job_id, "encore.track": track, "encore.in_engine": 1},
+        )
+
+    def carrier(self) -> dict[str, str]:
+        if self.span is None:
+            return {}
+        from opentelemetry import propagate, trace
+
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(self.span))
+        return carrier
+
+    def end(self, error: str | None = None) -> None:
+        """End the span (once; later calls do nothing), marked an error with `error`'s text when given."""
+        if self.span is None:
+            return
+        if error is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            self.span.set_status(Status(StatusCode.ERROR, error[:200]))
+        self.span.end()
+        self.span = None
+
+
+@contextmanager
+def attached(carrier: dict[str, str]) -> Iterator[None]:
+    """The context in `carrier` is the current one meanwhile: a message published then continues its trace."""
+    if not _configured or not carrier:
+        yield
+        return
+    from opentelemetry import context, propagate
+
+    token = context.attach(propagate.extract(carrier))
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+def mark_stale(reason: str) -> None:
+    """The current stage span is of a delivery that ran nothing (its track had moved on, e.g. in an engine that
+    adopted it): `encore.stale` says why, so a trace's reader can tell it from the stage's real run."""
+    if _configured:
+        from opentelemetry import trace
+
+        trace.get_current_span().set_attribute("encore.stale", reason[:200])

@@ -106,12 +106,14 @@ class JobStore:
         webhook: dict[str, Any] | None = None,
         priority: str = DEFAULT_PRIORITY,
         tenant: str = DEFAULT_TENANT,
+        trace: dict[str, str] | None = None,
     ) -> str:
         """Write a job owned by `tenant` with one parked track per entry of `track_params` (one round trip); returns its
         unguessable id (`job_id` when the caller drew it first: an idempotent submit claims it before). The
         caller routes it. `webhook` ({"url", "events"}, app/adapters/webhooks.check_target) is kept in the job hash,
         where the transitions read which events to send; so is `priority` (app/core/priority.py), which orders its
-        tracks while they are parked or queued."""
+        tracks while they are parked or queued, and `trace` (the submit's trace context: the parent of the spans
+        of stages run outside the job's own deliveries, app/adapters/tracing.TrackSpan)."""
         job_id = job_id or new_job_id()
         now = time.time()
         pipe = self.redis.pipeline()
@@ -127,6 +129,7 @@ class JobStore:
                 "tenant": tenant,
                 **{name: 0 for name in _INTERNAL_JOB_FIELDS},
                 **({"webhook": webhook["url"], "webhook_events": ",".join(webhook["events"])} if webhook else {}),
+                **({"trace": json.dumps(trace)} if trace else {}),
             },
         )
         pipe.expire(self.job_key(job_id), self.ttl_s)
@@ -154,6 +157,11 @@ class JobStore:
         return job_id
 
     # -- read ---------------------------------------------------------------------------------------
+    def trace(self, job_id: str) -> dict[str, str]:
+        """The trace context the job was submitted in ({} when tracing was off)."""
+        raw = self.redis.hget(self.job_key(job_id), "trace")
+        return dict(json.loads(raw)) if raw else {}
+
     def job(self, job_id: str) -> dict[str, Any] | None:
         raw = decoded(self.redis.hgetall(self.job_key(job_id))) if is_job_id(job_id) else {}
         return _decode_job(job_id, raw) if raw else None

@@ -10,6 +10,7 @@ from typing import Any
 from celery import Celery
 from pydantic import ValidationError
 
+from app.adapters import tracing
 from app.core.config import Settings
 from app.core.joblog import job_event
 from app.control.metrics import count_submission
@@ -133,7 +134,15 @@ def create_job(
     # 429 when the job would pass its tenant's cap on open tracks, or the service's (QueueFull)
     with tenant_admission(svc, tenant, len(tracks)), admission(svc, len(tracks)):
         job_id = svc.jobs.create(
-            kind, params, tracks, cost=cost, job_id=job_id, webhook=webhook, priority=priority, tenant=tenant.name
+            kind,
+            params,
+            tracks,
+            cost=cost,
+            job_id=job_id,
+            webhook=webhook,
+            priority=priority,
+            tenant=tenant.name,
+            trace=tracing.current_carrier(),
         )
     count_submission(svc, kind)
     job_event(

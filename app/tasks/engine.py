@@ -42,11 +42,13 @@ import logging
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from app.adapters import tracing
 from app.adapters.celery_app import celery
+from app.adapters.tracing import TrackSpan
 from app.adapters.redis_conn import decoded, decoded_members
 from app.control.broker import waiting_messages
 from app.control.lifecycle import Outcome, parse_member
@@ -104,6 +106,8 @@ class Held:
     workdir: Path | None = None  # its backbone's temp folder while it is in the engine
     waiting_for: str | None = None  # the stage it waits for in the engine's list (its lease is not held meanwhile)
     tenant: str = ""  # its job's tenant (the job's hash; not in the decoded job)
+    trace: dict[str, str] = field(default_factory=dict)  # the parent of its next stage's span (tracing.TrackSpan)
+    span: TrackSpan | None = None  # its backbone's span while it is in the slots (not the run's own: its delivery's)
 
     @property
     def cost(self) -> float:
@@ -228,7 +232,7 @@ class BackboneEngine:
         job = self.svc.jobs.job(own.job_id)
         if record is None or job is None:
             raise Canceled("the track's record is gone")
-        self._hold(Held(own, job, record, tenant=self._tenant_of(own)))
+        self._hold(Held(own, job, record, tenant=self._tenant_of(own), trace=tracing.current_carrier()))
         try:
             self._join(self.held[own])
             while True:  # until a boundary leaves nothing to do (it admits and takes stages before it looks)
@@ -273,16 +277,19 @@ class BackboneEngine:
     # -- tracks joining -------------------------------------------------------------------------------------
     def _take_waiting(self) -> None:
         """Waiting backbone tracks into the free slots (the queue's fair order), and the stages waiting on the
-        queue that this child can run onto the engine's list."""
+        queue that this child can run onto the engine's list (a CPU stage only while the host has no CPU-stage
+        worker live: it takes them)."""
+        cpu_worker_live = companion(self.svc, self.run.queue) is not None
         options = dict(celery.conf.broker_transport_options or {})
         for message in waiting_messages(self.svc, self.run.queue, options):  # later stages of started tracks
             task = celery.tasks.get(message.task)
             kind, stage = getattr(task, "kind", None), getattr(task, "stage", None)
             if isinstance(kind, JobKind) and isinstance(stage, Stage) and stage.name != BACKBONE:
-                self._list_waiting(TrackRef(message.job_id, message.track), kind, stage.name)
-        self._admit_waiting()
+                if not (stage.cpu and cpu_worker_live):
+                    self._list_waiting(TrackRef(message.job_id, message.track), kind, stage.name)
+        self._admit_waiting(cpu_worker_live)
 
-    def _admit_waiting(self) -> None:
+    def _admit_waiting(self, cpu_worker_live: bool) -> None:
         """Take the head of the queue's waiting tracks (the fair order): backbone tracks into the free slots (or
         into one made free for a tenant short of its share: `_make_room`), a track that starts at another stage
         onto the list, up to the first track the engine cannot run."""
@@ -304,7 +311,7 @@ class BackboneEngine:
             if kind is self.run.kind and stage.name == BACKBONE:
                 if self.runner.free or self._make_room(ref, tenant):
                     self._adopt(ref)
-            elif stage.cpu and companion(svc, self.run.queue) is not None:
+            elif stage.cpu and cpu_worker_live:
                 continue  # the host's CPU-stage worker takes it
             elif not self._list_waiting(ref, kind, stage.name):
                 break  # one the engine cannot run: it runs when the engine drains, and so does all behind it
@@ -347,12 +354,10 @@ class BackboneEngine:
 
     def _list_waiting(self, ref: TrackRef, kind: JobKind, stage_name: str) -> bool:
         """Put a waiting track's stage on the engine's list (once); False when this child cannot run it (its work is
-        unknown here, or it is a CPU stage that the host's CPU-stage worker takes)."""
+        unknown here)."""
         if ref in self.held or (ref, stage_name) in self.refused or any(item.ref == ref for item in self.pending):
             return True
         if work_of(kind, stage_name) is None:
-            return False
-        if kind.stage(stage_name).cpu and companion(self.svc, self.run.queue) is not None:
             return False
         self.pending.append(Pending(ref, stage_name, self._tenant_of(ref)))
         return True
@@ -366,9 +371,11 @@ class BackboneEngine:
         record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
         if record is None or job is None:
             return
-        held = Held(ref, job, record, tenant=self._tenant_of(ref))
+        held = Held(ref, job, record, tenant=self._tenant_of(ref), trace=self.svc.jobs.trace(ref.job_id))
         self._hold(held)
         self._record_start(held, BACKBONE)
+        held.span = TrackSpan(held.trace, BACKBONE, ref.job_id, ref.track)
+        held.trace = held.span.carrier() or held.trace
         self._join(held)
 
     def _take(self, ref: TrackRef, stage: str, detail: str) -> Outcome:
@@ -419,6 +426,8 @@ class BackboneEngine:
         held = self.held.pop(ref, None)
         self.progress.pop(ref, None)
         self.joined.pop(ref, None)
+        if held is not None and held.span is not None:
+            held.span.end()
         self._stop_renewing(ref)
         self.pending = [item for item in self.pending if item.ref != ref]
         if ref in self.runner:
@@ -451,6 +460,8 @@ class BackboneEngine:
     def _end(self, held: Held, how: str, message: str) -> None:
         """The track ends here (canceled or failed) and leaves the engine; the others go on."""
         ref, owner = held.ref, self.run.lease_owner
+        if held.span is not None:
+            held.span.end(error=message if how == "fail" else None)
         self._let_go(ref)
         drop_scratch(self.svc, ref.job_id, ref.track)
         if how == "cancel":
@@ -490,6 +501,9 @@ class BackboneEngine:
         info = {"prompt_tokens": finished.prompt_tokens, "frames": finished.song["frames"], "in_engine": True}
         loaded = self.run.loaded[self.loads_recorded :]  # the loads made since, recorded by the first track after
         self.loads_recorded = len(self.run.loaded)
+        if held.span is not None:
+            held.span.end()
+            held.span = None
         return self._record_finish(held, BACKBONE, finished.share_s, loaded, info, took_s=finished.wall_s)
 
     def _go_on(self, held: Held, done: str) -> None:
@@ -520,12 +534,13 @@ class BackboneEngine:
         if companion(svc, run.queue) is None:
             return False
         record = svc.jobs.track(*ref)
-        if (
-            record is None
-            or record["status"] != f"waiting:{stage_name}"
-            or not resend(svc, celery, *ref, record, run.queue)
-        ):
-            return False
+        with tracing.attached(held.trace):  # the message carries the track's own trace, not this delivery's
+            if (
+                record is None
+                or record["status"] != f"waiting:{stage_name}"
+                or not resend(svc, celery, *ref, record, run.queue)
+            ):
+                return False
         self._event("handed_to_cpu_worker", ref, stage=stage_name)
         self._let_go(ref)
         return True
@@ -534,8 +549,8 @@ class BackboneEngine:
     def _run_pending(self) -> None:
         """Stages from the list (module docstring, 3): while tracks are in the slots, as GpuShare and TenantCharges
         allow; with the slots empty, all of them (and that time is owed to no one but its tenant)."""
+        in_slots = self._slot_tenants()  # no track joins or leaves the slots meanwhile
         while self.pending:
-            in_slots = self._slot_tenants()
             self.charges.join(in_slots | {entry.tenant for entry in self.pending})
             item = self._next_pending()
             fair = self.charges.may_run(item.tenant, in_slots) or self.blocks_held_back >= HOLD_BACK_BLOCKS
@@ -579,7 +594,7 @@ class BackboneEngine:
         record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
         if record is None or job is None:
             return None
-        held = Held(ref, job, record, stage=item.stage, tenant=item.tenant)
+        held = Held(ref, job, record, stage=item.stage, tenant=item.tenant, trace=self.svc.jobs.trace(ref.job_id))
         self._hold(held)
         self._event("engine_took_stage", ref, stage=item.stage)
         return held
@@ -626,17 +641,23 @@ class BackboneEngine:
             adopted=[],
             handed_on=False,
         )
+        span = TrackSpan(held.trace, stage_name, ref.job_id, ref.track)
+        held.trace = span.carrier() or held.trace
         started = self.clock()
         try:
-            work(part)
+            with tracing.attached(held.trace):
+                work(part)
         except Canceled:
+            span.end()
             self._end(held, "cancel", f"canceled during {stage_name}")
             return False
         except Exception as exc:
+            span.end(error=str(exc))
             log.exception("job %s track %s: %s failed in the engine", ref.job_id, ref.track, stage_name)
             self._end(held, "fail", f"{stage_name} failed: {exc}")
             return False
         finally:
+            span.end()
             shutil.rmtree(workdir, ignore_errors=True)
         return self._record_finish(held, stage_name, self.clock() - started, part.loaded, part.info)
 

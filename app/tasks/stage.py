@@ -35,6 +35,7 @@ from kombu.exceptions import OperationalError
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded, TimeLimitExceeded
 
+from app.adapters import tracing
 from app.adapters.celery_app import celery
 from app.core.joblog import job_event
 from app.core.kinds import JobKind, Stage
@@ -217,6 +218,7 @@ class StageTask(Task):
         record = svc.jobs.track(job_id, track)
         if record is None or not is_open(record["status"]):
             drop_scratch(svc, job_id, track)
+            tracing.mark_stale("the track has ended" if record else "the job's record expired")
             raise Ignore()
         if self.request.id not in record["task_ids"]:  # the track moved; this message is of its old chain
             self._stale(job_id, track, worker, "not of the track's current chain")
@@ -232,6 +234,7 @@ class StageTask(Task):
                 stage=self.stage.name,
                 reason="already done" + (f" with track {done['with_track']}" if "with_track" in done else ""),
             )
+            tracing.mark_stale("already done")
             return None
         owner = f"{worker}|{self.request.id}|{os.getpid()}"
         steal = self._killed_child_lease(svc, job_id, track, worker)
@@ -359,6 +362,7 @@ class StageTask(Task):
             task_id=self.request.id,
             reason=repr(reason),
         )
+        tracing.mark_stale(reason)
         raise Ignore()
 
     def _killed_child_lease(self, svc: Services, job_id: str, track: int, worker: str) -> str:
