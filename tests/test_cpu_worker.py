@@ -54,6 +54,10 @@ def test_cpu_stages_run_on_the_cpu_worker_and_gpu_stages_in_the_gpu_child(make_s
     for track in song["tracks"]:
         where = {name: run["worker"].split("@")[0] for name, run in track["stages"].items()}
         assert where == {"backbone": "gpu0", "superres": "gpu0", "decode": "gpu0", "export": "cpu0"}, where
+    # its child imported the stage code before its first stage (not in the first export, which the ETA learns from)
+    cpu_lines = [line for line in stack.worker_log(0).splitlines() if "worker=cpu0@" in line]
+    first = next(i for i, line in enumerate(cpu_lines) if "event=stage_started" in line)
+    assert any("event=stage_code_imported" in line for line in cpu_lines[:first]), cpu_lines[: first + 1]
 
     video, audio = face_video(tmp_path / "face.mp4", 3.0), tone(tmp_path / "voice.wav", 2.0)
     reply = upload(stack.client, video, audio)

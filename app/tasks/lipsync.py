@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 OUTPUT = "output.mp4"
 
 
-def _stages():
+def stage_code():
+    """The lip-sync pipeline's stage code, imported on first use (it pulls in torch and model code: seconds)."""
     from app.pipeline.lipsync import stages
 
     return stages
@@ -35,7 +36,7 @@ def _faces():
 def models() -> "LipsyncModels":
     settings = services().settings
     profile = load_lipsync_profile(settings.lipsync_profile, settings.lipsync_model_dir)
-    return _stages().LipsyncModels(profile, settings.runtime_mode, precision=settings.lipsync_precision)
+    return stage_code().LipsyncModels(profile, settings.runtime_mode, precision=settings.lipsync_precision)
 
 
 def preload() -> None:
@@ -60,7 +61,7 @@ def _input(run: StageRun, field: str):
 def prepare_work(run: StageRun) -> None:
     settings = run.svc.settings
     run.info.update(
-        _stages().run_prepare(
+        stage_code().run_prepare(
             _input(run, "video"),
             _input(run, "audio"),
             run.params["fps"],
@@ -78,7 +79,7 @@ def prepare_work(run: StageRun) -> None:
 def lipsync_work(run: StageRun) -> None:
     settings = run.svc.settings
     run.info.update(
-        _stages().run_lipsync_stage(
+        stage_code().run_lipsync_stage(
             models(),
             run.params,
             run.scratch,
@@ -96,7 +97,7 @@ def lipsync_work(run: StageRun) -> None:
 def mux_work(run: StageRun) -> None:
     out = run.workdir / OUTPUT
     run.info.update(
-        _stages().run_mux(
+        stage_code().run_mux(
             run.scratch, _input(run, "audio"), out, run.control, run.svc.settings.ffmpeg_timeout_s, tools=run.svc.media
         )
     )

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from app.pipeline.music.stages import MusicModels
 
 
-def _music():
+def stage_code():
+    """The music pipeline's stage code, imported on first use (it pulls in torch and model code: seconds)."""
     from app.pipeline.music import stages
 
     return stages
@@ -30,7 +31,7 @@ def _music():
 def models() -> "MusicModels":
     """This worker child's models (created on first use, after fork)."""
     settings = services().settings
-    return _music().MusicModels(
+    return stage_code().MusicModels(
         settings.music(), settings.runtime_mode, engine=settings.music_engine, song_margin_s=settings.song_margin_s
     )
 
@@ -113,7 +114,9 @@ def batched_backbone_work(run: StageRun) -> None:
     outs = [run.workdir / f"{ref.job_id}-{name}" for ref, name in zip(refs, names, strict=True)]  # jobs may share
     started = time.time()
     try:
-        info = _music().run_backbone_tracks(models(), run.params, seeds, outs, run.shared_control(adopted), run.loaded)
+        info = stage_code().run_backbone_tracks(
+            models(), run.params, seeds, outs, run.shared_control(adopted), run.loaded
+        )
     except BaseException:
         run.release_adopted(adopted)
         raise
@@ -130,7 +133,9 @@ def batched_backbone_work(run: StageRun) -> None:
 def superres_work(run: StageRun) -> None:
     names = _names(run)
     out = run.workdir / names["fine"]
-    _music().run_superres(models(), run.params, _seed(run), run.input(names["coarse"]), out, run.control, run.loaded)
+    stage_code().run_superres(
+        models(), run.params, _seed(run), run.input(names["coarse"]), out, run.control, run.loaded
+    )
     run.keep(out.name, out)
     models().after_stage("superres")
 
@@ -138,7 +143,7 @@ def superres_work(run: StageRun) -> None:
 def decode_work(run: StageRun) -> None:
     names = _names(run)
     out = run.workdir / names["wav"]
-    _music().run_decode(models(), run.input(names["fine"]), out, run.control, run.loaded)
+    stage_code().run_decode(models(), run.input(names["fine"]), out, run.control, run.loaded)
     run.publish(out.name, out)
     models().after_stage("decode")
 
@@ -147,8 +152,8 @@ def export_work(run: StageRun) -> None:
     names = _names(run)
     mp3, meta = run.workdir / names["mp3"], run.workdir / names["meta"]
     record = run.svc.jobs.track(run.job_id, run.track) or {}
-    metadata = _music().metadata_json(run.params, _seed(run), models().profile, record.get("song"))
-    _music().run_export(
+    metadata = stage_code().metadata_json(run.params, _seed(run), models().profile, record.get("song"))
+    stage_code().run_export(
         run.input(names["wav"]),
         mp3,
         meta,

@@ -176,6 +176,18 @@ def stop_heartbeat(sender=None, **_: object) -> None:
             svc.redis.delete(svc.workers.keys.worker(hostname))  # offline at once, not after TTL
 
 
+def import_cpu_stage_code(worker: str) -> None:
+    """The CPU-stage worker's child imports the code its stages run before it takes one (the music stages module
+    pulls in megatron-core: ~4 s on a cold import here): otherwise the first export after a start is that much
+    slower for its client, and the ETA learns an export rate several times the real one from it."""
+    from app.tasks import lipsync, music
+
+    started = time.monotonic()
+    music.stage_code()
+    lipsync.stage_code()
+    log.info("worker=%s event=stage_code_imported seconds=%.2f", worker, time.monotonic() - started)
+
+
 @worker_process_init.connect
 def init_child(sender=None, **_: object) -> None:
     """In each pool child: thread count, and models loaded up front when ENCORE_PRELOAD=1; each kind whose
@@ -186,7 +198,9 @@ def init_child(sender=None, **_: object) -> None:
 
     if svc.settings.torch_threads > 0:
         torch.set_num_threads(svc.settings.torch_threads)
-    if svc.settings.preload_models and not cpu_role():  # the CPU-stage worker runs no model
+    if cpu_role():
+        import_cpu_stage_code(str(sender or ""))
+    elif svc.settings.preload_models:  # the CPU-stage worker runs no model
         from app.tasks import lipsync, music
 
         loaded: list[str] = []
