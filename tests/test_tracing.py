@@ -73,6 +73,35 @@ def collector():
     receiver.server.shutdown()
 
 
+def _assert_one_chained_trace(collector: Collector, job_id: str) -> str:
+    """The job's stage spans (less deliveries that ran nothing: `encore.stale`) are one per stage, from the workers,
+    in one trace, each stage's span the child of the one before, the first the child of the submit's server span
+    (the trace's root); returns the trace's id."""
+
+    def stage_spans():
+        found = [
+            s
+            for s in collector.spans
+            if s["attributes"].get("encore.job_id") == job_id and "encore.stale" not in s["attributes"]
+        ]
+        return found if len(found) == len(MUSIC_STAGES) else None
+
+    stages = wait_until(stage_spans, 60, 0.2, f"the stage spans of {job_id}")
+    by_name = {s["name"]: s for s in stages}
+    assert sorted(by_name) == sorted(f"stage {name}" for name in MUSIC_STAGES), stages
+    chain = [by_name[f"stage {name}"] for name in MUSIC_STAGES]
+    assert {s["service"] for s in chain} == {"encore-worker"}
+    assert len({s["trace"] for s in chain}) == 1  # one trace per job
+    for earlier, later in pairwise(chain):
+        assert later["parent"] == earlier["id"], (job_id, later["name"])  # each stage under the one before it
+    root = wait_until(
+        lambda: next((s for s in collector.spans if s["id"] == chain[0]["parent"]), None), 30, 0.2, "the submit's span"
+    )
+    assert root["service"] == "encore-web" and root["name"] == "POST /api/v1/music"
+    assert root["trace"] == chain[0]["trace"] and root["parent"] == ""
+    return str(root["trace"])
+
+
 def test_tracing_is_off_without_an_endpoint():
     assert not tracing.enabled(Settings(otel_endpoint=""))
     assert tracing.configure(Settings(otel_endpoint=""), "web") is False
@@ -96,25 +125,8 @@ def test_one_trace_per_job_with_a_span_per_stage(collector, make_stack):
     for job_id in jobs:
         assert stack.wait_job(job_id, timeout=120)["state"] == "done"
 
-    def stage_spans(job_id):
-        found = [s for s in collector.spans if s["attributes"].get("encore.job_id") == job_id]
-        return found if len(found) == len(MUSIC_STAGES) else None
-
     for job_id in jobs:
-        stages = wait_until(lambda job_id=job_id: stage_spans(job_id), 60, 0.2, f"the stage spans of {job_id}")
-        assert [s["name"] for s in stages] == [f"stage {name}" for name in MUSIC_STAGES]
-        assert {s["service"] for s in stages} == {"encore-worker"}
-        assert len({s["trace"] for s in stages}) == 1  # one trace per job
-        for earlier, later in pairwise(stages):
-            assert later["parent"] == earlier["id"]  # each stage published by the one before it
-        root = wait_until(
-            lambda stages=stages: next((s for s in collector.spans if s["id"] == stages[0]["parent"]), None),
-            30,
-            0.2,
-            "the submit's span",
-        )
-        assert root["service"] == "encore-web" and root["name"] == "POST /api/v1/music"
-        assert root["trace"] == stages[0]["trace"] and root["parent"] == ""
+        _assert_one_chained_trace(collector, job_id)
     traces = {s["trace"] for s in collector.spans if s["attributes"].get("encore.job_id") in jobs}
     assert len(traces) == 2  # the two jobs do not share a trace
 
@@ -149,36 +161,7 @@ def test_tracks_that_join_an_engine_keep_their_stages_in_their_own_trace(collect
     assert stages_run["backbone"].get("in_engine"), "the second job ran alone"
     assert stages_run["export"]["worker"].startswith("cpu0@"), stages_run["export"]
 
-    def stage_spans(job_id):  # less the adopted track's own backbone message, delivered later to run nothing
-        found = [
-            s
-            for s in collector.spans
-            if s["attributes"].get("encore.job_id") == job_id and "encore.stale" not in s["attributes"]
-        ]
-        return found if len(found) == len(MUSIC_STAGES) else None
-
-    traces = {}
-    for job_id in (first, joined):
-        stages = wait_until(
-            lambda job_id=job_id: stage_spans(job_id),
-            60,
-            0.2,
-            f"the stage spans of {job_id}",
-        )
-        by_name = {s["name"]: s for s in stages}
-        assert sorted(by_name) == sorted(f"stage {name}" for name in MUSIC_STAGES), stages
-        chain = [by_name[f"stage {name}"] for name in MUSIC_STAGES]
-        assert len({s["trace"] for s in chain}) == 1
-        for earlier, later in pairwise(chain):
-            assert later["parent"] == earlier["id"], (job_id, later["name"])
-        root = wait_until(
-            lambda chain=chain: next((s for s in collector.spans if s["id"] == chain[0]["parent"]), None),
-            30,
-            0.2,
-            "the submit's span",
-        )
-        assert root["service"] == "encore-web" and root["name"] == "POST /api/v1/music"
-        traces[job_id] = root["trace"]
+    traces = {job_id: _assert_one_chained_trace(collector, job_id) for job_id in (first, joined)}
     assert traces[first] != traces[joined]
     in_engine = [s for s in collector.spans if s["attributes"].get("encore.in_engine") == 1]
     assert {s["attributes"]["encore.job_id"] for s in in_engine if s["name"] == "stage backbone"} == {joined}

@@ -310,7 +310,7 @@ class BackboneEngine:
             stage = kind.stages[first_unfinished(kind, json.loads(answers[2 * index + 1] or "{}"))]
             if kind is self.run.kind and stage.name == BACKBONE:
                 if self.runner.free or self._make_room(ref, tenant):
-                    self._adopt(ref)
+                    self._adopt(ref, tenant)
             elif stage.cpu and cpu_worker_live:
                 continue  # the host's CPU-stage worker takes it
             elif not self._list_waiting(ref, kind, stage.name):
@@ -365,13 +365,13 @@ class BackboneEngine:
     def _tenant_of(self, ref: TrackRef) -> str:
         return decoded(self.svc.redis.hget(self.svc.jobs.keys.job(ref.job_id), "tenant")) or ""
 
-    def _adopt(self, ref: TrackRef) -> None:
+    def _adopt(self, ref: TrackRef, tenant: str) -> None:
         if not self._take(ref, BACKBONE, "backbone in the engine"):
             return  # taken meanwhile (another GPU's rebalance, its own message), or canceled
         record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
         if record is None or job is None:
             return
-        held = Held(ref, job, record, tenant=self._tenant_of(ref), trace=self.svc.jobs.trace(ref.job_id))
+        held = Held(ref, job, record, tenant=tenant, trace=self.svc.jobs.trace(ref.job_id))
         self._hold(held)
         self._record_start(held, BACKBONE)
         held.span = TrackSpan(held.trace, BACKBONE, ref.job_id, ref.track)
