@@ -648,7 +648,6 @@ class BackboneEngine:
             with tracing.attached(held.trace):
                 work(part)
         except Canceled:
-            span.end()
             self._end(held, "cancel", f"canceled during {stage_name}")
             return False
         except Exception as exc:
@@ -657,7 +656,7 @@ class BackboneEngine:
             self._end(held, "fail", f"{stage_name} failed: {exc}")
             return False
         finally:
-            span.end()
+            span.end()  # once: after a failure it ended marked as an error already
             shutil.rmtree(workdir, ignore_errors=True)
         return self._record_finish(held, stage_name, self.clock() - started, part.loaded, part.info)
 

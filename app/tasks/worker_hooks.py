@@ -190,8 +190,9 @@ def import_cpu_stage_code(worker: str) -> None:
 
 @worker_process_init.connect
 def init_child(sender=None, **_: object) -> None:
-    """In each pool child: thread count, and models loaded up front when ENCORE_PRELOAD=1; each kind whose
-    models loaded is recorded in the worker's registry entry (what /readyz reads)."""
+    """In each pool child: thread count; in the CPU-stage worker the stage code imported up front, elsewhere the
+    models loaded up front when ENCORE_PRELOAD=1 (each kind whose models loaded is recorded in the worker's registry
+    entry: what /readyz reads)."""
     svc = services()
     tracing.configure(svc.settings, "worker")  # in the child: the exporter's thread must not cross a fork
     import torch

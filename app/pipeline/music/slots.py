@@ -222,6 +222,7 @@ class PausedTrack:
     keys: list[Tensor]  # per layer, [groups, position, head_dim]
     values: list[Tensor]
     state: dict[str, Tensor]  # its row of each per-slot tensor (PAUSED_ROWS)
+    logits: Tensor  # its next token's candidate logits, already run (as wide as the buffer was then)
 
     @property
     def request(self) -> TrackRequest:
@@ -393,8 +394,8 @@ class SlotDecoder:
             [keys[slot, :, :seen].to(host, copy=True) for keys in self.keys],
             [values[slot, :, :seen].to(host, copy=True) for values in self.values],
             {name: getattr(self, name)[slot].to(host, copy=True) for name in PAUSED_ROWS},
+            self.logits[slot].to(host, copy=True),
         )
-        paused.state["logits"] = self.logits[slot].to(host, copy=True)  # the next token's candidates, already run
         self.cancel(slot)
         return paused
 
@@ -414,13 +415,11 @@ class SlotDecoder:
                 values[slot, :, : kept_values.shape[1]] = kept_values.to(self.device)
             for name in PAUSED_ROWS:
                 getattr(self, name)[slot] = paused.state[name].to(self.device)
-            logits = paused.state["logits"]
             self.logits[slot] = 0  # the buffer may have widened meanwhile; its first columns are the track's
-            self.logits[slot, : logits.shape[0]] = logits.to(self.device)
+            self.logits[slot, : paused.logits.shape[0]] = paused.logits.to(self.device)
             self.end_choice[slot] = -1
             self.occupied[slot] = 1
-        self._views = {key: view for key, view in self._views.items() if key[1] != slot}
-        self._masks = {key: mask for key, mask in self._masks.items() if key[0] != slot}
+        self._forget_views(slot)
         self._occupants[slot] = paused.occupant
         return slot
 
@@ -449,8 +448,7 @@ class SlotDecoder:
         for keys, values in zip(self.keys, self.values, strict=True):
             keys[slot].zero_()
             values[slot].zero_()
-        self._views = {key: view for key, view in self._views.items() if key[1] != slot}  # views of its old length
-        self._masks = {key: mask for key, mask in self._masks.items() if key[0] != slot}
+        self._forget_views(slot)
         self.visible[slot] = False
         self.visible[slot, ..., :prompt] = True
         self.position[slot] = prompt
@@ -465,6 +463,11 @@ class SlotDecoder:
         self.end_choice[slot] = -1
         self.logits[slot] = 0
         self.occupied[slot] = 1
+
+    def _forget_views(self, slot: int) -> None:
+        """Drop the cache and mask views made for the slot's last occupant (of its key length, not the next's)."""
+        self._views = {key: view for key, view in self._views.items() if key[1] != slot}
+        self._masks = {key: mask for key, mask in self._masks.items() if key[0] != slot}
 
     def _decode_mask(self, slot: int, seen: int) -> Tensor:
         """A slot's mask [1, 1, heads per group, seen] for its next token: a view of `visible`, made once."""
