@@ -18,6 +18,12 @@ as one JSON object:
                                        intervals less the time CPU stages ran in the same child
   stage_seconds                        total seconds per stage, to see where the time goes
   cpu_worker_stage_runs                stages the CPU-stage worker ran (0 in `today`)
+  gpu_child_busy_s                     seconds the GPU worker's child ran any stage (the union of its stages'
+                                       intervals): over the jobs, a mode's service time per job, so that an
+                                       arrival rate's load on it is rate x busy / jobs
+  engine                               the engine's tally over the measured jobs (app/tasks/engine.py EngineTally):
+                                       runs, blocks, frames, block seconds, the slots' mean fill, ms per frame,
+                                       seconds at boundaries (admitting) and running listed stages
   eta_error                            per kind, |latency - eta_s at submission| / latency: p50 and p90 (how
                                        true the first ETA a client reads is)
 
@@ -182,7 +188,27 @@ def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> 
         "gpu_stage_occupancy": round(covered_less(gpu_runs, cpu_runs) / gpu_window, 3) if gpu_window > 0 else None,
         "stage_seconds": stage_seconds,
         "cpu_worker_stage_runs": sum(1 for run in runs if run["worker"].startswith("cpu")),
+        "gpu_child_busy_s": round(
+            union_seconds([(run["start"], run["end"]) for run in runs if not run["worker"].startswith("cpu")]), 2
+        ),
     }
+
+
+ENGINE_TALLY = ("runs", "blocks", "frames", "block_s", "slot_s", "boundary_s", "list_s")
+
+
+def engine_tally(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
+    """The GPU worker's engine tally (app/tasks/engine.py EngineTally, in its heartbeat) over the measured jobs:
+    `after` less `before`, with the slots' mean fill over the blocks' time; None without an engine."""
+    if "engine_blocks" not in after:
+        return None
+    tally = {
+        n: round(float(after.get(f"engine_{n}", 0)) - float(before.get(f"engine_{n}", 0)), 3) for n in ENGINE_TALLY
+    }
+    slots = int(after.get("engine_slots", 0))
+    tally["slot_fill"] = round(tally["slot_s"] / (slots * tally["block_s"]), 3) if slots and tally["block_s"] else 0.0
+    tally["ms_per_frame"] = round(1000 * tally["block_s"] / tally["frames"], 2) if tally["frames"] else 0.0
+    return tally
 
 
 class Deployment:
@@ -242,6 +268,14 @@ class Deployment:
                 log = self.root / "logs" / "worker_0.log"
                 raise SystemExit("worker did not come up: " + (log.read_text()[-2000:] if log.exists() else ""))
             time.sleep(0.2)
+
+    def gpu_worker(self) -> dict[str, Any]:
+        """The GPU worker's heartbeat hash, read from Redis (its engine tally among its fields)."""
+        from app.control.services import build_services
+        from app.core.config import load_settings
+
+        workers = build_services(load_settings()).workers.workers()
+        return next((w for w in workers if w["name"].startswith("gpu") and w["status"] != "offline"), {})
 
     def get(self, path: str) -> dict[str, Any]:
         return self.client.get(path, headers=_bearer(ADMIN_TOKEN)).get_json()
@@ -338,6 +372,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         video, audio = media(root, args.clip_s)
         warm = [deployment.submit_music(1.0, 0)] + ([deployment.submit_lipsync(video, audio)] if args.lipsync else [])
         deployment.wait_all(warm, args.limit_s)  # models loaded, kernels warm: not counted
+        tally_before = deployment.gpu_worker()
         submitted: dict[str, float] = {}
         start = time.monotonic()
         for (kind, index), offset in schedule(args):
@@ -350,7 +385,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             dump = {"submitted": submitted, "eta_at_submit": deployment.eta_at_submit, "records": records}
             (Path(args.records) / f"{mode}.json").write_text(json.dumps(dump))
         errors = eta_errors(records, submitted, deployment.eta_at_submit)
-        return {"mode": mode, **summarize(records, submitted), "eta_error": errors}
+        engine = engine_tally(tally_before, deployment.gpu_worker())
+        return {"mode": mode, **summarize(records, submitted), "eta_error": errors, "engine": engine}
     finally:
         deployment.close()
 

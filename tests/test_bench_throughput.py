@@ -9,6 +9,7 @@ import pytest
 
 import argparse
 
+from app.pipeline.profiles import load_profile
 from bench.throughput import covered_less, eta_errors, schedule, summarize, union_seconds
 from harness.processes import run_bench
 
@@ -83,6 +84,13 @@ def test_throughput_bench_runs_every_job_through_a_real_worker_in_each_mode():
     today, engine = report["results"]
     assert today["cpu_worker_stage_runs"] == 0  # export, prepare and mux in the GPU child, as before issue 35
     assert engine["cpu_worker_stage_runs"] == 3 * 2 + 2  # each track's export, the video's prepare and mux
+    # the engine's tally, from the GPU worker's heartbeat over the measured jobs only (the warm-up's run is not in it)
+    assert today["engine"] is None
+    tally = engine["engine"]
+    assert tally["runs"] >= 1 and tally["blocks"] >= 1 and tally["block_s"] > 0
+    song_frames = load_profile("tiny", "/nonexistent").frames_for(report["song_s"])  # what each track writes
+    assert tally["frames"] >= song_frames and 0 < tally["slot_fill"] <= 1  # it stepped at least one whole track
+    assert tally["ms_per_frame"] > 0 and tally["boundary_s"] > 0
 
 
 @pytest.mark.slow  # tenant B's song alone and amid tenant A's 3 songs, engine mode only (~2 min here)

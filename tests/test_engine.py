@@ -45,6 +45,14 @@ def test_a_job_submitted_while_the_engine_runs_joins_it_and_finishes_first(make_
     assert stack.wait_job(long, timeout=180)["state"] == "done"
     deliveries = [line for line in _events(stack, "stage_started", "stage=backbone") if "in_engine=1" not in line]
     assert len(deliveries) == 1  # one engine run (one backbone delivery) served both songs
+    # its tally is added up in the worker's heartbeat hash: it stepped the long song's every frame, with one or two
+    # tracks in the slots (the short song's track joined the long one's for part of it)
+    name = stack.worker_status(0)["name"]
+    tally = {k: float(v) for k, v in stack.redis.hgetall(f"encore:worker:{name}").items() if k.startswith("engine_")}
+    frames = stack.job(long)["tracks"][0]["stages"]["backbone"]["info"]["frames"]
+    assert tally["engine_runs"] == 1 and tally["engine_frames"] == frames and tally["engine_blocks"] >= 2
+    assert tally["engine_block_s"] < tally["engine_slot_s"] < 2 * tally["engine_block_s"]
+    assert tally["engine_slots"] >= 2 and tally["engine_boundary_s"] > 0 and tally["engine_list_s"] > 0
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ sampler). A canceled slot frees its place and disturbs no one.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -127,6 +129,16 @@ def test_codes_batched_equal_codes_alone(lm, mix, alone_codes, slots, check_ever
     assert decoder.free_slots == list(range(slots))
     if slots > 1:
         assert any(finished_while_others_ran)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_block_lengths_do_not_change_codes(lm, mix, alone_codes, batched_alone_codes, batched):
+    """Blocks of 1..7 frames in an irregular sequence (the engine runs short blocks while slots are free): every
+    track's codes are those it gets alone in its mode."""
+    decoder = SlotDecoder(lm, 3, MAX_LEN, check_every=8, batched_matmul=batched)
+    lengths = itertools.cycle([1, 5, 2, 7, 3, 6, 4])
+    codes = decode_queue(decoder, mix, block_frames=lengths)
+    assert equal(codes, batched_alone_codes if batched else alone_codes)
 
 
 def alone_logits(lm, request: TrackRequest, frames: int) -> list[torch.Tensor]:

@@ -83,6 +83,17 @@ class WorkerRegistry:
         if self.redis.exists(self._key(name)):
             self.redis.hset(self._key(name), mapping={k: str(v) for k, v in fields.items()})
 
+    def add_up(self, name: str, amounts: dict[str, float], **fields: Any) -> None:
+        """Add `amounts` to the worker's running totals in its hash (and set `fields`): counts a child keeps for
+        the worker's life, such as its engine's tally (app/tasks/engine.py), gone with the hash."""
+        if self.redis.exists(self._key(name)):
+            pipe = self.redis.pipeline(transaction=False)
+            for field_name, amount in amounts.items():
+                pipe.hincrbyfloat(self._key(name), field_name, amount)
+            if fields:
+                pipe.hset(self._key(name), mapping={k: str(v) for k, v in fields.items()})
+            pipe.execute()
+
     def forget(self, name: str) -> None:
         self.redis.srem(self.keys.workers, name)
         self.redis.delete(self._key(name), self.keys.worker_current(name))

@@ -74,6 +74,11 @@ ADMIT_FOR = 0.5  # of the backbone's soft time limit: how long an engine admits 
 # a row: a tenant's long song beside another's follow-ups slows them (to about one stage per five blocks), never
 # stops them for the whole song
 HOLD_BACK_BLOCKS = 4
+# A block's most frames while a slot is free (else the decoder's check_every, 32): a track that arrives then joins
+# within 8 frames instead of 32 (the tracks of a burst, submitted over a second or so, join nearly together and end
+# nearly together: on the 2-CPU shaped bench, 66 frames of 494 were a first wave that joined over two 32-frame
+# blocks and the second wave inheriting that stagger); a block's length never changes a track's codes
+SHORT_BLOCK_FRAMES = 8
 LOOK_PAST = 8  # waiting tracks read past the free slots' count at a boundary: those that start at another stage
 BACKBONE = "backbone"
 
@@ -190,6 +195,24 @@ class TenantCharges:
         return all(self.of(tenant) <= self.of(other) for other in in_slots)
 
 
+@dataclass
+class EngineTally:
+    """Where an engine run's time went, added up in its worker's heartbeat hash (`engine_*` fields, WorkerRegistry.
+    add_up: an operator's and the bench's view of how full the slots were): runs, blocks, frames, block seconds,
+    slot-seconds of the tracks in them (the slots' mean fill is slot_s / (slots x block_s)), and the seconds spent
+    between blocks at boundaries (admitting, prefills included) and running listed stages."""
+
+    blocks: int = 0
+    frames: int = 0
+    block_s: float = 0.0
+    slot_s: float = 0.0
+    boundary_s: float = 0.0
+    list_s: float = 0.0
+
+    def amounts(self) -> dict[str, float]:
+        return {f"engine_{name}": float(value) for name, value in vars(self).items()} | {"engine_runs": 1.0}
+
+
 class BackboneEngine:
     """One engine run in a worker child (module docstring)."""
 
@@ -215,6 +238,7 @@ class BackboneEngine:
         self.admitted = 0
         self.joined: dict[TrackRef, int] = {}  # the order tracks joined the slots in (1, 2, ...)
         self.loads_recorded = 0  # how many of the run's model loads a finished backbone has recorded
+        self.tally = EngineTally()
 
     def _event(self, event: str, ref: TrackRef, level: int = logging.INFO, **fields: Any) -> None:
         """A job event of one held track, naming this engine's queue and worker."""
@@ -236,11 +260,20 @@ class BackboneEngine:
         try:
             self._join(self.held[own])
             while True:  # until a boundary leaves nothing to do (it admits and takes stages before it looks)
+                started = self.clock()
                 self._boundary()
+                listed = self.clock()
                 self._run_pending()
+                self.tally.boundary_s += listed - started
+                self.tally.list_s += self.clock() - listed
                 if self.runner.keys:
                     in_slots = self._slot_tenants()
-                    block = self.runner.step()
+                    filled = len(self.runner.keys)
+                    block = self.runner.step(SHORT_BLOCK_FRAMES if self.runner.free else None)
+                    self.tally.blocks += 1
+                    self.tally.frames += block.frames
+                    self.tally.block_s += block.seconds
+                    self.tally.slot_s += filled * block.seconds
                     self.share.ran_block(block.seconds)
                     self.charges.charge_block(in_slots, block.seconds)
                     self.blocks_held_back += 1 if self.pending else 0
@@ -252,6 +285,7 @@ class BackboneEngine:
             raise
         finally:
             self.runner.close()
+            self.svc.workers.add_up(self.run.worker, self.tally.amounts(), engine_slots=self.runner.slots)
         self.run.info.update(engine_slots=self.runner.slots, engine_tracks=self.admitted)
         self.run.handed_on = True
 

@@ -60,6 +60,7 @@ class Block:
     """What one block did: each running track's (frames written, frames expected), and the finished ones."""
 
     seconds: float
+    frames: int = 0  # frames every track in it ran (fewer than the decoder's check_every where one changed phase)
     progress: dict[Hashable, tuple[int, int]] = field(default_factory=dict)
     finished: list[FinishedTrack] = field(default_factory=list)
 
@@ -155,11 +156,12 @@ class InFlightBackbone:
         seat.slot = self.decoder.resume(paused)
         self._seats[key] = seat
 
-    def step(self) -> Block:
-        """One block for every track in the engine; a finished track's codes are saved and its slot freed."""
-        started = self.clock()
-        updates = self.decoder.step_block()
-        seconds = self.clock() - started
+    def step(self, most_frames: int | None = None) -> Block:
+        """One block (of at most `most_frames` frames, if given) for every track in the engine; a finished track's
+        codes are saved and its slot freed."""
+        started, before = self.clock(), self.decoder.frames_stepped
+        updates = self.decoder.step_block(most_frames)
+        seconds, frames = self.clock() - started, self.decoder.frames_stepped - before
         share = seconds / len(updates) if updates else 0.0
         progress: dict[Hashable, tuple[int, int]] = {}
         finished: list[FinishedTrack] = []
@@ -176,7 +178,7 @@ class InFlightBackbone:
             del self._seats[key]
             song = seat.length.describe(int(update.codes.shape[1]), self.models.profile)
             finished.append(FinishedTrack(key, song, seat.prompt_tokens, seat.share_s, seat.wall_s))
-        return Block(seconds, progress, finished)
+        return Block(seconds, frames, progress, finished)
 
     def close(self) -> None:
         self._seats.clear()

@@ -58,7 +58,11 @@ The price of the per-row matmuls: each row reads every weight again, so on a CPU
 per-op cost of the rest (bench/slots.py). `batched_matmul=True` trades the engine's exact bits for speed: one
 product per tile of ROW_TILE rows over all slots, written (W @ x^T)^T, and SiLU batched: the kernel sees one shape
 whatever the row count, and computes a row the same way wherever it lies (tests/test_slots.py on Intel and AMD EPYC
-CPUs; one bare product of all rows, which an earlier version used, was batch-invariant on Intel, not on the AMD). A
+CPUs; one bare product of all rows, which an earlier version used, was batch-invariant on Intel, not on the AMD).
+Its attention is one call for all slots per layer (`_attention_blocks`): keys in blocks of KEY_BLOCK from position
+0, each block's sums of one shape, the blocks added in position order, so a row's bits do not depend on the other
+rows or on how many keys the call reads (it reads up to the furthest slot's position in whole blocks, not each
+track's full length). A
 track's codes are then bitwise the same whatever it is batched with and in a decoder of one slot, but that is
 not the 1-row product of the reference loop: their logits differ in the last bits, so their
 codes may differ where the sampler meets a near-tie (none seen in the tests). A deployment picks one mode for
@@ -72,7 +76,7 @@ per-row kernels and of sampling) so the batched part of a step has one shape wha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -258,6 +262,7 @@ class _SamplingGroup:
 
 
 ROW_TILE = 16  # rows per product in batched_matmul mode (see _linear)
+KEY_BLOCK = 64  # keys per block of batched_matmul mode's attention (see _attention_blocks)
 
 
 class SlotDecoder:
@@ -291,7 +296,12 @@ class SlotDecoder:
             raise ValueError(f"max_len must be in 1..{shape.max_len} (the model's positions), got {max_len}")
         self.lm, self.model, self.shape = lm, lm.model, shape
         self.slots, self.max_len = slots, max_len
+        # the cache in whole KEY_BLOCKs (batched_matmul's attention reads blocks; the positions past max_len are
+        # never visible)
+        self.cache_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
+        self.key_cut = self.cache_len  # keys batched attention reads this block (_begin_block)
         self.check_every = max(1, check_every)
+        self.frames_stepped = 0  # frames run by every block so far, whatever the slots held (the engine's tally)
         self.batched_matmul = batched_matmul
         self.use_graphs = use_graphs
         self.device, self.dtype = lm.device, lm.dtype
@@ -306,12 +316,12 @@ class SlotDecoder:
     # -- state, allocated once ------------------------------------------------------------------------
     def _allocate(self) -> None:
         n, s, device = self.slots, self.shape, self.device
-        cache = (n, s.groups, self.max_len, s.head_dim)
+        cache = (n, s.groups, self.cache_len, s.head_dim)
         self.keys = [torch.zeros(cache, device=device, dtype=self.dtype) for _ in range(s.num_layers)]
         self.values = [torch.zeros(cache, device=device, dtype=self.dtype) for _ in range(s.num_layers)]
         # which cache positions each slot's next token sees, already repeated per query head of a group (the
         # layout Attention gives its mask)
-        self.visible = torch.zeros(n, 1, s.heads // s.groups, self.max_len, dtype=torch.bool, device=device)
+        self.visible = torch.zeros(n, 1, s.heads // s.groups, self.cache_len, dtype=torch.bool, device=device)
         # True, as a device tensor: what a token writes into `visible` (a Python True is a host value)
         self.seen = torch.ones((), dtype=torch.bool, device=device)
         self.cos, self.sin = rope_tables(s, self.max_len, device)
@@ -495,6 +505,12 @@ class SlotDecoder:
         visible = (keys[None, :] <= positions[:, None])[None, None]  # [1, 1, T, keys], as TorchCausalLM builds it
         per_group = self.shape.heads // self.shape.groups
         masks = {0: visible.repeat(1, 1, per_group, 1)}
+        if self.batched_matmul:  # the same mask over whole key blocks (none visible past the prompt)
+            cut = self._blocks_of(ids.numel())
+            block_mask = torch.zeros(1, 1, masks[0].shape[-2], cut, dtype=torch.bool, device=self.device)
+            seen = min(cut, masks[0].shape[-1])
+            block_mask[..., :seen] = masks[0][..., :seen]
+            masks = {0: block_mask}
         row = self.rows[slot : slot + 1]
         hidden = self._hidden(self.model.embedding(ids[None]), [slot], row, [0], positions[None], masks)
         full = self.model.output(hidden).float()[:, -1]  # the full head over the prompt, as the engine's prefill
@@ -546,6 +562,9 @@ class SlotDecoder:
         keys[slots[:, None], :, positions] = k.transpose(1, 2)  # [R, T, groups, head_dim] into each row's own positions
         values[slots[:, None], :, positions] = v.transpose(1, 2)
         q = q.reshape(rows, s.groups, (s.heads // s.groups) * length, s.head_dim)
+        if self.batched_matmul:
+            y = self._attention_blocks(q, layer, slots, masks).view(rows, s.heads, length, s.head_dim)
+            return self._linear(attention.out, y.transpose(1, 2).reshape(rows, length, s.heads * s.head_dim), live)
         outs: dict[int, Tensor] = {}
         for r in live:
             mask = masks[r]
@@ -553,6 +572,39 @@ class SlotDecoder:
             outs[r] = F.scaled_dot_product_attention(q[r : r + 1], keys_r, values_r, attn_mask=mask)
         y = self._stack(outs, rows).view(rows, s.heads, length, s.head_dim)
         return self._linear(attention.out, y.transpose(1, 2).reshape(rows, length, s.heads * s.head_dim), live)
+
+    def _attention_blocks(self, q: Tensor, layer: int, slots: Tensor, masks: dict[int, Tensor]) -> Tensor:
+        """batched_matmul's attention: one call for every row, q [R, groups, queries, head_dim] over the cache rows
+        of `slots`, masked by `masks` (every slot's [R, 1, queries, cut] under ALL_ROWS, or a prefill's row 0), whose
+        bits depend neither on the other rows nor on how many keys are read past a row's own (the CPU's fused
+        kernel sums keys in an order set by the key count). Keys are read in whole KEY_BLOCKs from position 0:
+        - the scores are one product per (row, group) over the cut's keys: each a dot of head_dim, and the key
+          count always a multiple of KEY_BLOCK (measured invariant; a broadcast matmul over blocks was not);
+        - the max is exact; the exp-sum is one reduction of KEY_BLOCK per block, then the blocks' sums added one
+          after the other in position order (cumsum);
+        - the weighted values are one product per block (KEY_BLOCK long, batched over rows and groups: the cache's
+          own memory, no copy), added one after the other in position order.
+        A block past a row's last visible key adds exact zeros, so the cut may be anything past it."""
+        every_slot = ALL_ROWS in masks  # rows are the slots, in order
+        mask = masks[ALL_ROWS if every_slot else 0]
+        rows, groups, queries, dim = q.shape
+        cut = mask.shape[-1]
+        keys, values = self.keys[layer][:, :, :cut], self.values[layer][:, :, :cut]
+        if not every_slot:  # a prefill's row: a copy of its slot's
+            keys, values = keys.index_select(0, slots), values.index_select(0, slots)
+        scores = torch.matmul(q * dim**-0.5, keys.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+        weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # [R, G, Q, cut]
+        total = weights.view(rows, groups, queries, cut // KEY_BLOCK, KEY_BLOCK).sum(dim=-1).cumsum(dim=-1)[..., -1]
+        flat_weights = weights.view(rows * groups, queries, cut)
+        flat_values = values.reshape(rows * groups, cut, dim)  # a view: rows and groups merge in the cache
+        summed = torch.bmm(flat_weights[:, :, :KEY_BLOCK], flat_values[:, :KEY_BLOCK])
+        for start in range(KEY_BLOCK, cut, KEY_BLOCK):
+            block = slice(start, start + KEY_BLOCK)
+            summed = summed + torch.bmm(flat_weights[:, :, block], flat_values[:, block])
+        out = summed.view(rows, groups, queries, dim) / total[..., None]
+        if every_slot:  # an empty slot sees no key (0 / 0): its row is 0, as the per-row path leaves it
+            out = torch.where(self.occupied.bool()[:, None, None, None], out, out.new_zeros(()))
+        return out
 
     def _cache_row(self, layer: int, slot: int, seen: int) -> tuple[Tensor, Tensor]:
         """Keys and values [1, groups, seen, head_dim] of one slot's cache row: views, made once."""
@@ -610,14 +662,17 @@ class SlotDecoder:
         return torch.cat([outs.get(r, zeros) for r in range(rows)])
 
     # -- one block ----------------------------------------------------------------------------------------
-    def step_block(self) -> list[SlotUpdate]:
-        """Decode up to check_every frames for every occupied slot; what happened to each. A finished slot is
-        free when this returns (its codes are in its update). The block is cut short where a slot's sampling
-        changes phase or it reaches its limit, so each slot draws its noise as it does alone."""
+    def step_block(self, most: int | None = None) -> list[SlotUpdate]:
+        """Decode up to check_every frames (or `most`, if fewer) for every occupied slot; what happened to each.
+        A finished slot is free when this returns (its codes are in its update). The block is cut short where a
+        slot's sampling changes phase or it reaches its limit, so each slot draws its noise as it does alone; a
+        block's length never changes a track's codes (its noise is a stream: tests/test_slots.py)."""
         live = sorted(self._occupants)
         if not live:
             return []
-        frames = min(self.check_every, *(self._occupants[slot].frames_to_next_phase() for slot in live))
+        longest = self.check_every if most is None else max(1, min(most, self.check_every))
+        frames = min(longest, *(self._occupants[slot].frames_to_next_phase() for slot in live))
+        self.frames_stepped += frames
         with torch.inference_mode():
             groups = self._begin_block(live, frames)
             for _ in range(frames):
@@ -632,7 +687,18 @@ class SlotDecoder:
         for slot in live:
             occupant = self._occupants[slot]
             self.end_choice[slot] = occupant.request.plan.codebook_size if occupant.may_end() else -1
+        if not self.use_graphs:  # a captured frame keeps its shapes: it reads the whole cache
+            reach = max(
+                len(self._occupants[slot].request.prompt_ids)
+                + COARSE_CODEBOOKS * (self._occupants[slot].frame + frames)
+                for slot in live
+            )
+            self.key_cut = self._blocks_of(reach)
         return self._sampling_groups(live)
+
+    def _blocks_of(self, positions: int) -> int:
+        """`positions` keys rounded up to whole KEY_BLOCKs, within the cache."""
+        return min(self.cache_len, -(-positions // KEY_BLOCK) * KEY_BLOCK)
 
     def frame_step(self, live: Sequence[int], groups: Sequence[_SamplingGroup]) -> None:
         """One frame (q0 then q1) for every occupied slot; capture-safe: tensors only, no host reads."""
@@ -747,7 +813,10 @@ class SlotDecoder:
         fed = torch.where(self.ended, self.end_token, self.window_start[:, q] + self.choice)
         self.tokens.copy_(fed.view(-1, 1))
         self.visible[self.rows, 0, :, self.position] = self.seen  # each slot now sees its new position
-        masks = {slot: self._decode_mask(slot, self._occupants[slot].request.positions) for slot in live}
+        if self.batched_matmul:  # every slot's row of `visible`, up to this block's key cut (_attention_blocks)
+            masks = {ALL_ROWS: self.visible[:, :, :, : self.key_cut]}
+        else:
+            masks = {slot: self._decode_mask(slot, self._occupants[slot].request.positions) for slot in live}
         every_row = range(self.slots)
         tokens = self.model.embedding(self.tokens)
         hidden = self._hidden(tokens, every_row, self.rows, live, self.position[:, None], masks)
@@ -755,6 +824,9 @@ class SlotDecoder:
             head = self._occupants[slot].heads[(q + 1) % COARSE_CODEBOOKS]
             self.logits[slot, : head.shape[0]] = (hidden[slot : slot + 1, 0] @ head.t()).float()[0]
         self.position.add_(self.occupied)
+
+
+ALL_ROWS = -1  # the key of `masks` holding one mask for every row (batched_matmul's decode)
 
 
 # -- sizing ---------------------------------------------------------------------------------------------
@@ -806,10 +878,13 @@ def open_slot_decoder(
 
 
 def decode_queue(
-    decoder: SlotDecoder, requests: Iterable[TrackRequest], on_update: Callable[[SlotUpdate], None] | None = None
+    decoder: SlotDecoder,
+    requests: Iterable[TrackRequest],
+    on_update: Callable[[SlotUpdate], None] | None = None,
+    block_frames: Iterator[int] | None = None,
 ) -> list[Tensor]:
     """Decode every request through `decoder`, admitting the next one whenever a slot frees (what a worker's
-    loop does); codes [2, frames] per request, in request order."""
+    loop does); codes [2, frames] per request, in request order. `block_frames`: each block's most frames."""
     pending = list(enumerate(requests))
     pending.reverse()
     order: dict[int, int] = {}  # slot -> index of the request in it
@@ -818,7 +893,7 @@ def decode_queue(
         while pending and decoder.free_slots:
             index, request = pending.pop()
             order[decoder.admit(request)] = index
-        for update in decoder.step_block():
+        for update in decoder.step_block(None if block_frames is None else next(block_frames)):
             if on_update is not None:
                 on_update(update)
             if update.finished:
