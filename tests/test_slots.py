@@ -299,7 +299,8 @@ def test_admission_checks(lm, make_request):
 def test_slot_count_from_memory_and_fewer_slots_when_it_does_not_fit(lm, tiny_profile):
     shape = tiny_profile.backbone
     per_track = kv_bytes_per_track(lm, 1000)
-    assert per_track == 2 * shape.num_layers * shape.num_query_groups * shape.head_dim * 1000 * 4  # fp32
+    # fp32, in whole 64-key blocks (the batched mode's attention reads blocks): 1,000 positions take 1,024
+    assert per_track == 2 * shape.num_layers * shape.num_query_groups * shape.head_dim * 1024 * 4
     assert default_slots(100 * per_track, per_track, cap=16) == 16
     assert default_slots(int(6.25 * per_track), per_track, cap=16) == 5  # 80 % of it usable
     assert default_slots(per_track // 2, per_track) == 0
@@ -307,6 +308,6 @@ def test_slot_count_from_memory_and_fewer_slots_when_it_does_not_fit(lm, tiny_pr
         default_slots(10**9, 0)
     decoder = open_slot_decoder(lm, 1000, 16, memory_bytes=3 * per_track)
     assert decoder.slots == 2  # 16, 8 and 4 do not fit the budget; halving stops at 2
-    assert decoder.keys[0].shape[0] == 2
+    assert decoder.keys[0].shape[0] == 2 and decoder.keys[0].shape[2] == 1024  # what the budget was counted in
     with pytest.raises(torch.OutOfMemoryError):
         open_slot_decoder(lm, 1000, 4, memory_bytes=per_track // 2)

@@ -62,9 +62,8 @@ CPUs; one bare product of all rows, which an earlier version used, was batch-inv
 Its attention is one call for all slots per layer (`_attention_blocks`): keys in blocks of KEY_BLOCK from position
 0, each block's sums of one shape, the blocks added in position order, so a row's bits do not depend on the other
 rows or on how many keys the call reads (it reads up to the furthest slot's position in whole blocks, not each
-track's full length). A
-track's codes are then bitwise the same whatever it is batched with and in a decoder of one slot, but that is
-not the 1-row product of the reference loop: their logits differ in the last bits, so their
+track's full length). A track's codes are then bitwise the same whatever it is batched with and in a decoder of
+one slot, but that is not the 1-row product of the reference loop: their logits differ in the last bits, so their
 codes may differ where the sampler meets a near-tie (none seen in the tests). A deployment picks one mode for
 every track, so that a retry of a seed gives the same song.
 
@@ -265,6 +264,11 @@ ROW_TILE = 16  # rows per product in batched_matmul mode (see _linear)
 KEY_BLOCK = 64  # keys per block of batched_matmul mode's attention (see _attention_blocks)
 
 
+def whole_key_blocks(positions: int) -> int:
+    """`positions` rounded up to whole KEY_BLOCKs."""
+    return -(-positions // KEY_BLOCK) * KEY_BLOCK
+
+
 class SlotDecoder:
     """Up to `slots` tracks decoding together on a TorchCausalLM's model, each joining and leaving on its own.
 
@@ -298,7 +302,7 @@ class SlotDecoder:
         self.slots, self.max_len = slots, max_len
         # the cache in whole KEY_BLOCKs (batched_matmul's attention reads blocks; the positions past max_len are
         # never visible)
-        self.cache_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
+        self.cache_len = whole_key_blocks(max_len)
         self.key_cut = self.cache_len  # keys batched attention reads this block (_begin_block)
         self.check_every = max(1, check_every)
         self.frames_stepped = 0  # frames run by every block so far, whatever the slots held (the engine's tally)
@@ -698,7 +702,7 @@ class SlotDecoder:
 
     def _blocks_of(self, positions: int) -> int:
         """`positions` keys rounded up to whole KEY_BLOCKs, within the cache."""
-        return min(self.cache_len, -(-positions // KEY_BLOCK) * KEY_BLOCK)
+        return min(self.cache_len, whole_key_blocks(positions))
 
     def frame_step(self, live: Sequence[int], groups: Sequence[_SamplingGroup]) -> None:
         """One frame (q0 then q1) for every occupied slot; capture-safe: tensors only, no host reads."""
@@ -833,9 +837,10 @@ ALL_ROWS = -1  # the key of `masks` holding one mask for every row (batched_matm
 
 
 def kv_bytes_per_track(lm: TorchCausalLM, max_len: int) -> int:
-    """Bytes of KV cache one slot of `max_len` positions takes (keys and values, every layer)."""
-    s = lm.model.shape
-    return 2 * s.num_layers * s.groups * s.head_dim * max_len * torch.empty(0, dtype=lm.dtype).element_size()
+    """Bytes of KV cache one slot of `max_len` positions takes (keys and values, every layer; the cache holds whole
+    KEY_BLOCKs)."""
+    s, positions = lm.model.shape, whole_key_blocks(max_len)
+    return 2 * s.num_layers * s.groups * s.head_dim * positions * torch.empty(0, dtype=lm.dtype).element_size()
 
 
 def default_slots(
