@@ -157,14 +157,21 @@ class JobStore:
         return job_id
 
     # -- read ---------------------------------------------------------------------------------------
-    def trace(self, job_id: str) -> dict[str, str]:
-        """The trace context the job was submitted in ({} when tracing was off)."""
-        raw = self.redis.hget(self.job_key(job_id), "trace")
-        return dict(json.loads(raw)) if raw else {}
-
     def job(self, job_id: str) -> dict[str, Any] | None:
         raw = decoded(self.redis.hgetall(self.job_key(job_id))) if is_job_id(job_id) else {}
         return _decode_job(job_id, raw) if raw else None
+
+    def held_track(self, job_id: str, index: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]] | None:
+        """A track's record, its job's and the job's trace context (`trace`) in one round trip: what a worker
+        needs of a track it takes (None when either record is gone)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.track_key(job_id, index))
+        pipe.hgetall(self.job_key(job_id))
+        track_raw, job_raw = (decoded(raw) for raw in pipe.execute())
+        if not track_raw or not job_raw or not is_job_id(job_id):
+            return None
+        trace = job_raw.get("trace")
+        return _decode_track(track_raw), _decode_job(job_id, job_raw), dict(json.loads(trace)) if trace else {}
 
     def track(self, job_id: str, index: int) -> dict[str, Any] | None:
         raw = decoded(self.redis.hgetall(self.track_key(job_id, index)))

@@ -402,10 +402,11 @@ class BackboneEngine:
     def _adopt(self, ref: TrackRef, tenant: str) -> None:
         if not self._take(ref, BACKBONE, "backbone in the engine"):
             return  # taken meanwhile (another GPU's rebalance, its own message), or canceled
-        record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
-        if record is None or job is None:
+        read = self.svc.jobs.held_track(*ref)
+        if read is None:
             return
-        held = Held(ref, job, record, tenant=tenant, trace=self.svc.jobs.trace(ref.job_id))
+        record, job, trace = read
+        held = Held(ref, job, record, tenant=tenant, trace=trace)
         self._hold(held)
         self._record_start(held, BACKBONE)
         held.span = TrackSpan(held.trace, BACKBONE, ref.job_id, ref.track)
@@ -625,10 +626,11 @@ class BackboneEngine:
         if not self._take(ref, item.stage, f"{item.stage} beside the backbone engine"):
             self.refused.add((ref, item.stage))  # its message, still listed, is not looked at again
             return None
-        record, job = self.svc.jobs.track(*ref), self.svc.jobs.job(ref.job_id)
-        if record is None or job is None:
+        read = self.svc.jobs.held_track(*ref)
+        if read is None:
             return None
-        held = Held(ref, job, record, stage=item.stage, tenant=item.tenant, trace=self.svc.jobs.trace(ref.job_id))
+        record, job, trace = read
+        held = Held(ref, job, record, stage=item.stage, tenant=item.tenant, trace=trace)
         self._hold(held)
         self._event("engine_took_stage", ref, stage=item.stage)
         return held
