@@ -424,10 +424,11 @@ class Settings:
     )
     engine_matmul: str = setting(
         "ENCORE_ENGINE_MATMUL=exact",
-        "how the engine's slots share a linear layer: `exact` (once per track, the very product the track makes "
-        "alone: its codes equal the reference loop's; every track reads the weights again) or `batched` (one product "
-        "over fixed 16-row tiles of all slots: batch-invariant, so a seed still means a song in every engine, but "
-        "not bitwise the reference loop's; what a memory-bound GPU needs)",
+        "how the engine's slots share a layer: `exact` (linears and attention once per track, the very calls the "
+        "track makes alone: its codes equal the reference loop's; every track reads the weights again) or `batched` "
+        "(one product over fixed 16-row tiles of all slots, one attention call over all slots summing keys in fixed "
+        "64-key blocks: batch-invariant, so a seed still means a song in every engine, but not bitwise the reference "
+        "loop's; what a memory-bound GPU needs)",
     )
     music_engine: str = setting(
         "ENCORE_MUSIC_ENGINE=torch",
