@@ -47,10 +47,16 @@ def test_a_job_submitted_while_the_engine_runs_joins_it_and_finishes_first(make_
     assert len(deliveries) == 1  # one engine run (one backbone delivery) served both songs
     # its tally is added up in the worker's heartbeat hash: it stepped the long song's every frame, with one or two
     # tracks in the slots (the short song's track joined the long one's for part of it)
-    name = stack.worker_status(0)["name"]
-    tally = {k: float(v) for k, v in stack.redis.hgetall(f"encore:worker:{name}").items() if k.startswith("engine_")}
+    key = f"encore:worker:{stack.worker_status(0)['name']}"
+    wait_until(
+        lambda: stack.redis.hexists(key, "engine_runs"), 30, 0.05, "the engine's tally"
+    )  # after its last hand-off
+    tally = {k: float(v) for k, v in stack.redis.hgetall(key).items() if k.startswith("engine_")}
     frames = stack.job(long)["tracks"][0]["stages"]["backbone"]["info"]["frames"]
-    assert tally["engine_runs"] == 1 and tally["engine_frames"] == frames and tally["engine_blocks"] >= 2
+    assert tally["engine_runs"] == 1 and tally["engine_blocks"] >= 2
+    # every frame of the long song, which ran first and last; a block runs on to its end (32 frames at most) after
+    # the model ends a song
+    assert frames <= tally["engine_frames"] <= frames + 32
     assert tally["engine_block_s"] < tally["engine_slot_s"] < 2 * tally["engine_block_s"]
     assert tally["engine_slots"] >= 2 and tally["engine_boundary_s"] > 0 and tally["engine_list_s"] > 0
 
