@@ -194,18 +194,15 @@ def summarize(records: list[dict[str, Any]], submitted_at: dict[str, float]) -> 
     }
 
 
-ENGINE_TALLY = ("runs", "blocks", "frames", "block_s", "slot_s", "boundary_s", "list_s")
-
-
 def engine_tally(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
-    """The GPU worker's engine tally (app/tasks/engine.py EngineTally, in its heartbeat) over the measured jobs:
-    `after` less `before`, with the slots' mean fill over the blocks' time; None without an engine."""
+    """The GPU worker's engine tally (app/tasks/engine.py EngineTally: the `engine_*` totals of its heartbeat hash)
+    over the measured jobs: `after` less `before`, with the slots' mean fill over the blocks' time; None without
+    an engine."""
     if "engine_blocks" not in after:
         return None
-    tally = {
-        n: round(float(after.get(f"engine_{n}", 0)) - float(before.get(f"engine_{n}", 0)), 3) for n in ENGINE_TALLY
-    }
-    slots = int(after.get("engine_slots", 0))
+    totals = [key for key in after if key.startswith("engine_") and key != "engine_slots"]  # engine_slots: a count
+    tally = {key[len("engine_") :]: round(float(after[key]) - float(before.get(key, 0)), 3) for key in totals}
+    slots = int(after["engine_slots"])
     tally["slot_fill"] = round(tally["slot_s"] / (slots * tally["block_s"]), 3) if slots and tally["block_s"] else 0.0
     tally["ms_per_frame"] = round(1000 * tally["block_s"] / tally["frames"], 2) if tally["frames"] else 0.0
     return tally

@@ -48,9 +48,8 @@ def test_a_job_submitted_while_the_engine_runs_joins_it_and_finishes_first(make_
     # its tally is added up in the worker's heartbeat hash: it stepped the long song's every frame, with one or two
     # tracks in the slots (the short song's track joined the long one's for part of it)
     key = f"encore:worker:{stack.worker_status(0)['name']}"
-    wait_until(
-        lambda: stack.redis.hexists(key, "engine_runs"), 30, 0.05, "the engine's tally"
-    )  # after its last hand-off
+    # the engine writes it as it stops, after its last hand-off (which the long song's export may outrun)
+    wait_until(lambda: stack.redis.hexists(key, "engine_runs"), 30, 0.05, "the engine's tally")
     tally = {k: float(v) for k, v in stack.redis.hgetall(key).items() if k.startswith("engine_")}
     frames = stack.job(long)["tracks"][0]["stages"]["backbone"]["info"]["frames"]
     assert tally["engine_runs"] == 1 and tally["engine_blocks"] >= 2

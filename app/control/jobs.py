@@ -164,11 +164,13 @@ class JobStore:
     def held_track(self, job_id: str, index: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]] | None:
         """A track's record, its job's and the job's trace context (`trace`) in one round trip: what a worker
         needs of a track it takes (None when either record is gone)."""
+        if not is_job_id(job_id):
+            return None
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.track_key(job_id, index))
         pipe.hgetall(self.job_key(job_id))
         track_raw, job_raw = (decoded(raw) for raw in pipe.execute())
-        if not track_raw or not job_raw or not is_job_id(job_id):
+        if not track_raw or not job_raw:
             return None
         trace = job_raw.get("trace")
         return _decode_track(track_raw), _decode_job(job_id, job_raw), dict(json.loads(trace)) if trace else {}

@@ -262,6 +262,7 @@ class _SamplingGroup:
 
 ROW_TILE = 16  # rows per product in batched_matmul mode (see _linear)
 KEY_BLOCK = 64  # keys per block of batched_matmul mode's attention (see _attention_blocks)
+ALL_ROWS = -1  # the key of `masks` holding one mask for every row (batched_matmul's decode)
 
 
 def whole_key_blocks(positions: int) -> int:
@@ -303,7 +304,7 @@ class SlotDecoder:
         # the cache in whole KEY_BLOCKs (batched_matmul's attention reads blocks; the positions past max_len are
         # never visible)
         self.cache_len = whole_key_blocks(max_len)
-        self.key_cut = self.cache_len  # keys batched attention reads this block (_begin_block)
+        self.key_cut = self.cache_len  # keys batched attention reads this block (_begin_block sets it)
         self.check_every = max(1, check_every)
         self.frames_stepped = 0  # frames run by every block so far, whatever the slots held (the engine's tally)
         self.batched_matmul = batched_matmul
@@ -691,7 +692,7 @@ class SlotDecoder:
         for slot in live:
             occupant = self._occupants[slot]
             self.end_choice[slot] = occupant.request.plan.codebook_size if occupant.may_end() else -1
-        if not self.use_graphs:  # a captured frame keeps its shapes: it reads the whole cache
+        if self.batched_matmul and not self.use_graphs:  # a captured frame keeps its shapes: it reads the whole cache
             reach = max(
                 len(self._occupants[slot].request.prompt_ids)
                 + COARSE_CODEBOOKS * (self._occupants[slot].frame + frames)
@@ -828,9 +829,6 @@ class SlotDecoder:
             head = self._occupants[slot].heads[(q + 1) % COARSE_CODEBOOKS]
             self.logits[slot, : head.shape[0]] = (hidden[slot : slot + 1, 0] @ head.t()).float()[0]
         self.position.add_(self.occupied)
-
-
-ALL_ROWS = -1  # the key of `masks` holding one mask for every row (batched_matmul's decode)
 
 
 # -- sizing ---------------------------------------------------------------------------------------------
