@@ -294,3 +294,29 @@ def test_the_list_waits_for_a_tenant_in_the_slots_that_has_had_less_gpu_time():
     assert charges.may_run("a", {"a"})
     charges.join({"a", "c"})
     assert charges.of("c") == charges.of("a")
+
+
+def test_a_redis_outage_as_the_engine_stops_costs_its_tally_only(caplog):
+    """The tally is a view for operators: a Redis that cannot be reached when the engine stops (a real client
+    against a closed port) is logged, and the run's outcome is not turned into a failure by it."""
+    import socket
+    from types import SimpleNamespace
+
+    import redis
+
+    from app.control.workers import WorkerRegistry
+    from app.tasks.engine import BackboneEngine, EngineTally
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed once the block ends: nothing listens there
+    unreachable = WorkerRegistry(redis.Redis(port=port, socket_connect_timeout=0.5))
+    engine = BackboneEngine.__new__(BackboneEngine)  # only what stopping reads: no model, no worker
+    engine.svc = SimpleNamespace(workers=unreachable)
+    engine.run = SimpleNamespace(worker="gpu0@host")
+    engine.runner = SimpleNamespace(slots=16)
+    engine.tally = EngineTally(blocks=3, frames=96, block_s=1.5, slot_s=4.5)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        unreachable.add_up("gpu0@host", engine.tally.amounts())  # the outage is real
+    engine._add_up_tally()
+    assert any("engine tally not recorded" in record.getMessage() for record in caplog.records)

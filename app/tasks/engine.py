@@ -61,7 +61,7 @@ from app.pipeline.control import Canceled, StageControl
 from app.pipeline.music.inflight import Block, FinishedTrack, InFlightBackbone, tokens_detail
 from app.pipeline.music.stages import BackboneTrack
 from app.tasks.accounting import account_stage
-from app.tasks.lease_watch import CANCEL_POLL_S, CancelWatch
+from app.tasks.lease_watch import CANCEL_POLL_S, REDIS_OUTAGES, CancelWatch
 from app.tasks.progress import ThrottledProgress
 from app.tasks.scratch import drop_scratch, stage_workdir
 from app.tasks.stage import StageRun
@@ -285,9 +285,17 @@ class BackboneEngine:
             raise
         finally:
             self.runner.close()
-            self.svc.workers.add_up(self.run.worker, self.tally.amounts(), engine_slots=self.runner.slots)
+            self._add_up_tally()
         self.run.info.update(engine_slots=self.runner.slots, engine_tracks=self.admitted)
         self.run.handed_on = True
+
+    def _add_up_tally(self) -> None:
+        """The run's tally into its worker's hash: a view for operators, so an outage then costs the view only,
+        never the run's outcome (its tracks are already handed on or given back)."""
+        try:
+            self.svc.workers.add_up(self.run.worker, self.tally.amounts(), engine_slots=self.runner.slots)
+        except REDIS_OUTAGES as exc:
+            log.warning("engine tally not recorded: %s", exc)
 
     def _boundary(self) -> None:
         self.watch.raise_if_broken()
