@@ -38,9 +38,10 @@ Modes, side by side in one run (each its own Redis and workers, one after the ot
   today           the worker as it ran before issue 35: no engine (ENCORE_BACKBONE_SLOTS=1: one song's tracks per
                   backbone pass, every stage a delivery of its own) and no CPU-stage worker (ENCORE_WORKER_ROLE=gpu:
                   export, prepare and mux in the GPU child)
-  engine          the in-flight backbone engine (16 slots, exact per-track products) and the CPU-stage worker beside
+  engine          the in-flight backbone engine (its default slot cap, 32: app/pipeline/music/options.py; exact
+                  per-track products) and the CPU-stage worker beside
                   the GPU worker, as worker_entrypoint.sh starts them (app/tasks/engine.py, app/core/queues.py)
-  engine-batched  the same with ENCORE_ENGINE_MATMUL=batched (one product over 16-row tiles for all slots)
+  engine-batched  the same with ENCORE_ENGINE_MATMUL=batched (one product over 16-row tiles for the slots in use)
 The default runs `today,engine`.
 `--profile shaped` runs the music models of the `shaped` profile (app/pipeline/profiles.py: random weights, a
 backbone big enough that a track's stage times split as an H200's do at Khala sizes, ~87/10/3 % here (bench/stage_shares.py; the shares depend on the CPU)), written
@@ -67,6 +68,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from app.pipeline.music.options import DEFAULT_SLOT_CAP  # noqa: E402
 from bench.common import start_redis  # noqa: E402
 
 GPU_STAGES = frozenset({"backbone", "superres", "decode", "lipsync"})
@@ -75,8 +77,16 @@ MODES = ("today", "engine", "engine-batched")
 DEFAULT_MODES = ("today", "engine")
 MODE_ENV = {  # every mode names every variable: one mode's must not leak into the next (the web reads os.environ)
     "today": {"ENCORE_BACKBONE_SLOTS": "1", "ENCORE_WORKER_ROLE": "gpu", "ENCORE_ENGINE_MATMUL": "exact"},
-    "engine": {"ENCORE_BACKBONE_SLOTS": "16", "ENCORE_WORKER_ROLE": "both", "ENCORE_ENGINE_MATMUL": "exact"},
-    "engine-batched": {"ENCORE_BACKBONE_SLOTS": "16", "ENCORE_WORKER_ROLE": "both", "ENCORE_ENGINE_MATMUL": "batched"},
+    "engine": {
+        "ENCORE_BACKBONE_SLOTS": str(DEFAULT_SLOT_CAP),
+        "ENCORE_WORKER_ROLE": "both",
+        "ENCORE_ENGINE_MATMUL": "exact",
+    },
+    "engine-batched": {
+        "ENCORE_BACKBONE_SLOTS": str(DEFAULT_SLOT_CAP),
+        "ENCORE_WORKER_ROLE": "both",
+        "ENCORE_ENGINE_MATMUL": "batched",
+    },
 }
 
 
@@ -205,6 +215,7 @@ def engine_tally(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     slots = int(after["engine_slots"])
     tally["slot_fill"] = round(tally["slot_s"] / (slots * tally["block_s"]), 3) if slots and tally["block_s"] else 0.0
     tally["ms_per_frame"] = round(1000 * tally["block_s"] / tally["frames"], 2) if tally["frames"] else 0.0
+    tally["rows_per_frame"] = round(tally["rows"] / tally["frames"], 1) if tally["frames"] else 0.0
     return tally
 
 

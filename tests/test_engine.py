@@ -56,6 +56,7 @@ def test_a_job_submitted_while_the_engine_runs_joins_it_and_finishes_first(make_
     # every frame of the long song, which ran first and last; a block runs on to its end (32 frames at most) after
     # the model ends a song
     assert frames <= tally["engine_frames"] <= frames + 32
+    assert tally["engine_rows"] == tally["engine_frames"] * tally["engine_slots"]  # exact mode: every slot's row
     assert tally["engine_block_s"] < tally["engine_slot_s"] < 2 * tally["engine_block_s"]
     assert tally["engine_slots"] >= 2 and tally["engine_boundary_s"] > 0 and tally["engine_list_s"] > 0
 

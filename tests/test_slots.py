@@ -210,6 +210,34 @@ def test_batched_matmul_logits_are_bitwise_those_of_one_slot(lm, make_request):
         many.step_block()
 
 
+def test_batched_matmul_runs_only_the_tiles_up_to_the_last_track_and_keeps_its_bits(lm, make_request):
+    """A frame runs the model on the rows up to the last occupied slot's 16-row tile: a track's logits stay
+    bitwise those of a one-slot decoder while that reach grows from 16 rows to all 40 (the third tile, cut at the
+    last slot) and falls back to 16."""
+    watched = make_request(range(1, 30), 1, limit=40, top_k=9, temperature=0.8)
+    one = SlotDecoder(lm, 1, MAX_LEN, check_every=2, batched_matmul=True)
+    many = SlotDecoder(lm, 40, MAX_LEN, check_every=2, batched_matmul=True)
+    one.admit(watched)
+    assert many.admit(watched) == 0  # the lowest free slot
+    fillers: list[int] = []
+    expected_rows = 0
+    for block in range(8):
+        if block == 2:  # 35 neighbours: slots 1..35, the last in the third tile
+            fillers = [many.admit(make_request(range(5, 9 + n % 7), 100 + n, limit=60)) for n in range(35)]
+            assert max(fillers) == 35
+        if block == 5:  # they leave: the watched track alone in the first tile again
+            for slot in fillers:
+                many.cancel(slot)
+        assert torch.equal(one.logits[0], many.logits[0, : one.logits.shape[1]]), block
+        before = many.rows_stepped
+        one.step_block()
+        many.step_block()
+        reach = 40 if 2 <= block < 5 else 16
+        assert many.rows_stepped - before == 2 * reach, block  # two frames a block
+        expected_rows += 2 * reach
+    assert many.rows_stepped == expected_rows and many.frames_stepped == 16
+
+
 def test_a_canceled_slot_frees_its_place_and_disturbs_no_one(lm, tiny_profile, mix, alone_codes, make_request):
     decoder = SlotDecoder(lm, 3, MAX_LEN, check_every=4)
     slots = {decoder.admit(mix[i]): i for i in (0, 1, 3)}

@@ -198,12 +198,13 @@ class TenantCharges:
 @dataclass
 class EngineTally:
     """Where an engine run's time went, added up in its worker's heartbeat hash (`engine_*` fields, WorkerRegistry.
-    add_up: an operator's and the bench's view of how full the slots were): runs, blocks, frames, block seconds,
-    slot-seconds of the tracks in them (the slots' mean fill is slot_s / (slots x block_s)), and the seconds spent
+    add_up: an operator's and the bench's view of how full the slots were): runs, blocks, frames, the rows the
+    model ran on over them (batched mode runs the tiles in use only), block seconds, slot-seconds of the tracks in them (the slots' mean fill is slot_s / (slots x block_s)), and the seconds spent
     between blocks at boundaries (admitting, prefills included) and running listed stages."""
 
     blocks: int = 0
     frames: int = 0
+    rows: int = 0  # rows the model ran on over the frames: rows / frames is the mean reach of a frame
     block_s: float = 0.0
     slot_s: float = 0.0
     boundary_s: float = 0.0
@@ -272,6 +273,7 @@ class BackboneEngine:
                     block = self.runner.step(SHORT_BLOCK_FRAMES if self.runner.free else None)
                     self.tally.blocks += 1
                     self.tally.frames += block.frames
+                    self.tally.rows += block.rows
                     self.tally.block_s += block.seconds
                     self.tally.slot_s += filled * block.seconds
                     self.share.ran_block(block.seconds)

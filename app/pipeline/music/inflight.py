@@ -61,6 +61,7 @@ class Block:
 
     seconds: float
     frames: int = 0  # frames every track in it ran (fewer than the decoder's check_every where one changed phase)
+    rows: int = 0  # rows the model ran on over those frames (SlotDecoder.rows_stepped: tiles in use, or every slot)
     progress: dict[Hashable, tuple[int, int]] = field(default_factory=dict)
     finished: list[FinishedTrack] = field(default_factory=list)
 
@@ -159,9 +160,10 @@ class InFlightBackbone:
     def step(self, most_frames: int | None = None) -> Block:
         """One block (of at most `most_frames` frames, if given) for every track in the engine; a finished track's
         codes are saved and its slot freed."""
-        started, before = self.clock(), self.decoder.frames_stepped
+        started, before, rows_before = self.clock(), self.decoder.frames_stepped, self.decoder.rows_stepped
         updates = self.decoder.step_block(most_frames)
         seconds, frames = self.clock() - started, self.decoder.frames_stepped - before
+        rows = self.decoder.rows_stepped - rows_before
         share = seconds / len(updates) if updates else 0.0
         progress: dict[Hashable, tuple[int, int]] = {}
         finished: list[FinishedTrack] = []
@@ -178,7 +180,7 @@ class InFlightBackbone:
             del self._seats[key]
             song = seat.length.describe(int(update.codes.shape[1]), self.models.profile)
             finished.append(FinishedTrack(key, song, seat.prompt_tokens, seat.share_s, seat.wall_s))
-        return Block(seconds, frames, progress, finished)
+        return Block(seconds, frames, rows, progress, finished)
 
     def close(self) -> None:
         self._seats.clear()

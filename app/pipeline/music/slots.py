@@ -69,7 +69,10 @@ every track, so that a retry of a seed gives the same song.
 
 Shapes: the state of every slot lives in [N, ...] tensors allocated once (the KV cache for N x max_len
 positions); an empty slot keeps running through the batched ops on its zeros (its row is masked out of the
-per-row kernels and of sampling) so the batched part of a step has one shape whatever the occupancy.
+per-row kernels and of sampling) so the batched part of a step has one shape whatever the occupancy. In
+batched_matmul mode without CUDA graphs a frame runs the model only on the rows up to the last occupied slot's
+ROW_TILE (`row_reach`): on a CPU, where a 16-row product costs about three 1-row ones, more slots then cost
+nothing until they fill.
 """
 
 from __future__ import annotations
@@ -305,8 +308,10 @@ class SlotDecoder:
         # never visible)
         self.cache_len = whole_key_blocks(max_len)
         self.key_cut = self.cache_len  # keys batched attention reads this block (_begin_block sets it)
+        self.row_reach = slots  # rows a frame runs the model on this block (_begin_block sets it)
         self.check_every = max(1, check_every)
         self.frames_stepped = 0  # frames run by every block so far, whatever the slots held (the engine's tally)
+        self.rows_stepped = 0  # rows the model ran on, over those frames (row_reach x frames: the engine's tally)
         self.batched_matmul = batched_matmul
         self.use_graphs = use_graphs
         self.device, self.dtype = lm.device, lm.dtype
@@ -590,11 +595,13 @@ class SlotDecoder:
         - the weighted values are one product per block (KEY_BLOCK long, batched over rows and groups: the cache's
           own memory, no copy), added one after the other in position order.
         A block past a row's last visible key adds exact zeros, so the cut may be anything past it."""
-        every_slot = ALL_ROWS in masks  # rows are the slots, in order
+        every_slot = ALL_ROWS in masks  # rows are the first slots (row_reach of them), in order
         mask = masks[ALL_ROWS if every_slot else 0]
         rows, groups, queries, dim = q.shape
         cut = mask.shape[-1]
         keys, values = self.keys[layer][:, :, :cut], self.values[layer][:, :, :cut]
+        if every_slot:
+            keys, values = keys[:rows], values[:rows]
         if not every_slot:  # a prefill's row: a copy of its slot's
             keys, values = keys.index_select(0, slots), values.index_select(0, slots)
         scores = torch.matmul(q * dim**-0.5, keys.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
@@ -608,7 +615,7 @@ class SlotDecoder:
             summed = summed + torch.bmm(flat_weights[:, :, block], flat_values[:, block])
         out = summed.view(rows, groups, queries, dim) / total[..., None]
         if every_slot:  # an empty slot sees no key (0 / 0): its row is 0, as the per-row path leaves it
-            out = torch.where(self.occupied.bool()[:, None, None, None], out, out.new_zeros(()))
+            out = torch.where(self.occupied[:rows].bool()[:, None, None, None], out, out.new_zeros(()))
         return out
 
     def _cache_row(self, layer: int, slot: int, seen: int) -> tuple[Tensor, Tensor]:
@@ -677,9 +684,10 @@ class SlotDecoder:
             return []
         longest = self.check_every if most is None else max(1, min(most, self.check_every))
         frames = min(longest, *(self._occupants[slot].frames_to_next_phase() for slot in live))
-        self.frames_stepped += frames
         with torch.inference_mode():
             groups = self._begin_block(live, frames)
+            self.frames_stepped += frames
+            self.rows_stepped += frames * self.row_reach
             for _ in range(frames):
                 self._run_frame(live, groups)
             ended, lengths = self.ended.tolist(), self.lengths.tolist()  # the one host read per block
@@ -699,7 +707,16 @@ class SlotDecoder:
                 for slot in live
             )
             self.key_cut = self._blocks_of(reach)
+            self.row_reach = self._tiles_up_to(max(live))
         return self._sampling_groups(live)
+
+    def _tiles_up_to(self, slot: int) -> int:
+        """Rows from 0 through whole ROW_TILEs to `slot` (within the slots): batched_matmul's frame runs the model on
+        these rows only, so the tiles past the last occupied slot cost nothing. Admission takes the lowest free slot,
+        so the tracks gather in the first tiles. A row's bits do not depend on how many rows run with it (the
+        products go tile by tile; the rest is batch-invariant: module docstring), so the reach never changes a
+        track's codes (tests/test_slots.py)."""
+        return min(self.slots, (slot // ROW_TILE + 1) * ROW_TILE)
 
     def _blocks_of(self, positions: int) -> int:
         """`positions` keys rounded up to whole KEY_BLOCKs, within the cache."""
@@ -818,13 +835,13 @@ class SlotDecoder:
         fed = torch.where(self.ended, self.end_token, self.window_start[:, q] + self.choice)
         self.tokens.copy_(fed.view(-1, 1))
         self.visible[self.rows, 0, :, self.position] = self.seen  # each slot now sees its new position
-        if self.batched_matmul:  # every slot's row of `visible`, up to this block's key cut (_attention_blocks)
-            masks = {ALL_ROWS: self.visible[:, :, :, : self.key_cut]}
+        reach = self.row_reach  # the rows the model runs on: every slot, or (batched_matmul) the tiles in use
+        if self.batched_matmul:  # each row's `visible`, up to this block's key cut (_attention_blocks)
+            masks = {ALL_ROWS: self.visible[:reach, :, :, : self.key_cut]}
         else:
             masks = {slot: self._decode_mask(slot, self._occupants[slot].request.positions) for slot in live}
-        every_row = range(self.slots)
-        tokens = self.model.embedding(self.tokens)
-        hidden = self._hidden(tokens, every_row, self.rows, live, self.position[:, None], masks)
+        tokens = self.model.embedding(self.tokens[:reach])
+        hidden = self._hidden(tokens, range(reach), self.rows[:reach], live, self.position[:reach, None], masks)
         for slot in live:
             head = self._occupants[slot].heads[(q + 1) % COARSE_CODEBOOKS]
             self.logits[slot, : head.shape[0]] = (hidden[slot : slot + 1, 0] @ head.t()).float()[0]
