@@ -38,7 +38,7 @@ Modes, side by side in one run (each its own Redis and workers, one after the ot
   today           the worker as it ran before issue 35: no engine (ENCORE_BACKBONE_SLOTS=1: one song's tracks per
                   backbone pass, every stage a delivery of its own) and no CPU-stage worker (ENCORE_WORKER_ROLE=gpu:
                   export, prepare and mux in the GPU child)
-  engine          the in-flight backbone engine (its default slot cap, 32: app/pipeline/music/options.py; exact
+  engine          the in-flight backbone engine (its default slot cap, 16: app/pipeline/music/options.py; exact
                   per-track products) and the CPU-stage worker beside
                   the GPU worker, as worker_entrypoint.sh starts them (app/tasks/engine.py, app/core/queues.py)
   engine-batched  the same with ENCORE_ENGINE_MATMUL=batched (one product over 16-row tiles for the slots in use)

@@ -418,7 +418,7 @@ class Settings:
         "ENCORE_BACKBONE_SLOTS=0",
         "tracks (of any jobs) a GPU worker's in-flight backbone engine decodes together, joining and leaving between "
         "blocks (`docs/performance.md`); 0: as many as a track's KV cache at the model's full length fits in 80 % of "
-        "the device's free memory, at most 32, halved on out-of-memory; 1: no engine (one song's tracks at a time, "
+        "the device's free memory, at most 16, halved on out-of-memory; 1: no engine (one song's tracks at a time, "
         "`ENCORE_BATCH_TRACKS`); needs the `torch` engine",
         Bounds(0, most=256),
     )
