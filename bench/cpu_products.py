@@ -3,10 +3,12 @@
 The shaped profile (app/pipeline/profiles.py) stands in for an H200, whose decode step is memory-bound: a step of
 16 rows costs about one of 1 row. Whether a CPU keeps that property depends on its GEMM kernel at few rows, so this
 times the shaped backbone's four products per layer (qkv, out, gate_up, down; fp32, one thread) at 1, 2, 4, 8, 16
-and 32 rows two ways, interleaved, medians of `--repeats`:
-  - `torch`: `torch.addmm(bias, W, x^T)`, the form SlotDecoder's 16-row tiles use (MKL on an x86 build);
+and 32 rows two ways, one after the other at each row count, medians of `--repeats`:
+  - `torch`: `torch.addmm(bias, W, x^T)`, the BLAS call (MKL on an x86 build) SlotDecoder's 16-row tiles made
+    before the engine's linears moved to oneDNN (app/pipeline/music/torch_engine.Linear);
   - `onednn`: oneDNN's linear over a weight packed once (`torch.ops.mkldnn._reorder_linear_weight` and
-    `_linear_pointwise`, what torch's CPU inductor uses for frozen weights; private ops of torch 2.13).
+    `_linear_pointwise`, what torch's CPU inductor uses for frozen weights, and torch_engine.Linear; private ops
+    of torch 2.13).
 `row_ms` is a frame's products (2 tokens x `--layers` layers) per row; `vs_one_row` is a row count's cost over
 1 row's. Also: whether a row of a 16-row oneDNN product is bitwise the same wherever it lies and whatever the other
 rows hold (the batched engine's batch-invariance), and whether it equals that row's 1-row product. JSON on stdout.
@@ -20,19 +22,29 @@ import argparse
 import json
 import os
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-HIDDEN, FFN, HEADS, GROUPS, HEAD_DIM = 1024, 2816, 16, 4, 64  # the shaped backbone (app/pipeline/profiles.py)
-SHAPES = {  # out, in
-    "qkv": ((HEADS + 2 * GROUPS) * HEAD_DIM, HIDDEN),
-    "out": (HIDDEN, HEADS * HEAD_DIM),
-    "gate_up": (2 * FFN, HIDDEN),
-    "down": (HIDDEN, FFN),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from app.pipeline.profiles import load_profile
+
 ROWS = (1, 2, 4, 8, 16, 32)
+
+
+def shaped_layer_shapes() -> dict[str, tuple[int, int]]:
+    """(out, in) of the shaped backbone's four products per layer, from its spec (app/pipeline/profiles.py)."""
+    spec = load_profile("shaped", tempfile.mkdtemp()).backbone
+    return {
+        "qkv": ((spec.num_attention_heads + 2 * spec.num_query_groups) * spec.head_dim, spec.hidden_size),
+        "out": (spec.hidden_size, spec.num_attention_heads * spec.head_dim),
+        "gate_up": (2 * spec.ffn_hidden_size, spec.hidden_size),
+        "down": (spec.hidden_size, spec.ffn_hidden_size),
+    }
 
 
 def timed_ms(work: Callable[[], object], repeats: int) -> float:
@@ -72,13 +84,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    weights = [torch.randn(out, width) * width**-0.5 for out, width in SHAPES.values()]
-    biases = [torch.randn(out) for out, _ in SHAPES.values()]
+    shapes = shaped_layer_shapes()
+    weights = [torch.randn(out, width) * width**-0.5 for out, width in shapes.values()]
+    biases = [torch.randn(out) for out, _ in shapes.values()]
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight, 16) for weight in weights]
     per_frame = 2 * args.layers  # two tokens (q0, q1) a frame
     ms: dict[str, dict[int, float]] = {"torch": {}, "onednn": {}}
     for rows in ROWS:
-        inputs = [torch.randn(rows, width) for _, width in SHAPES.values()]
+        inputs = [torch.randn(rows, width) for _, width in shapes.values()]
         ms["torch"][rows] = per_frame * timed_ms(
             lambda inputs=inputs: [
                 torch.addmm(b[:, None], w, x.t()) for w, b, x in zip(weights, biases, inputs, strict=True)
@@ -93,7 +106,7 @@ def main() -> None:
             args.repeats,
         )
     moved, alone = invariance(weights, packed, biases, args.trials)
-    flops = 2 * sum(out * width for out, width in SHAPES.values()) * per_frame
+    flops = 2 * sum(out * width for out, width in shapes.values()) * per_frame
     print(
         json.dumps(
             {
@@ -101,6 +114,7 @@ def main() -> None:
                 "torch": torch.__version__,
                 "threads": 1,
                 "layers": args.layers,
+                "shapes": {name: list(shape) for name, shape in shapes.items()},
                 "load_average": [round(x, 2) for x in os.getloadavg()],
                 "frame_ms": {kernel: {rows: round(v, 2) for rows, v in by.items()} for kernel, by in ms.items()},
                 "row_ms": {kernel: {rows: round(v / rows, 3) for rows, v in by.items()} for kernel, by in ms.items()},

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from app.pipeline.music.backbone import generate_coarse, generate_coarse_tracks
 from app.pipeline.control import StageControl
 from app.pipeline.music.engine import BatchedCausalLM, BidirectionalLM, CausalLM
 from app.pipeline.music.stages import load_engine
 from app.pipeline.music.superres import fill_fine
-from app.pipeline.music.torch_engine import TorchBidirectionalLM, TorchCausalLM
+from app.pipeline.music.torch_engine import Linear, TorchBidirectionalLM, TorchCausalLM
 
 torch.set_num_threads(2)
 PROMPT = [1, 42, 7, 300, 5, 99]
@@ -139,3 +140,31 @@ def test_unknown_engine_is_refused(tiny_profile):
         load_engine(
             "tensorrt", tiny_profile.backbone, tiny_profile.backbone_dir, causal=True, device=torch.device("cpu")
         )
+
+
+def test_cpu_linears_run_onednn_over_a_weight_packed_once_and_repacked_when_it_changes(backbones):
+    """On a CPU in fp32 the engine's linears run oneDNN's product over a packed weight (app/pipeline/music/
+    torch_engine.Linear): F.linear's result within float32 rounding, packed at load, made again after an in-place
+    load of new weights; a row of a 16-row product (the batched slot decoder's tile) has the same bits wherever it
+    lies and whatever the other rows hold."""
+    layer = backbones[1].model.blocks[0].ffn.gate_up
+    assert isinstance(layer, Linear) and layer._packed is not None  # packed when the model was loaded
+    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=TOLERANCE)
+    fresh = Linear(8, 24)
+    fresh.requires_grad_(False)
+    first = fresh.packed_weight()
+    with torch.no_grad():
+        fresh.weight.copy_(torch.randn(24, 8, generator=torch.Generator().manual_seed(1)))
+    rows = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(fresh(rows), F.linear(rows, fresh.weight, fresh.bias), atol=TOLERANCE)
+    assert fresh.packed_weight() is not first
+    differ = 0
+    for trial in range(32):
+        row = torch.randn(1, layer.in_features)
+        alone = layer(torch.cat([row, torch.zeros(15, layer.in_features)]))[0]
+        mixed = torch.randn(16, layer.in_features)
+        mixed[trial % 16] = row[0]
+        differ += not torch.equal(layer(mixed)[trial % 16], alone)
+    assert differ == 0

@@ -85,7 +85,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.pipeline.music.options import DEFAULT_SLOT_CAP
-from app.pipeline.music.torch_engine import Attention, Block, FeedForward, TorchCausalLM, apply_rope, rope_tables
+from app.pipeline.music.torch_engine import (
+    Attention,
+    Block,
+    FeedForward,
+    Linear,
+    TorchCausalLM,
+    apply_rope,
+    rope_tables,
+)
 from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 
 DEFAULT_CHECK_EVERY = 32  # frames between host reads: ~1.5 s of audio, well under a second of GPU time
@@ -655,11 +663,14 @@ class SlotDecoder:
         pad = -flat.shape[0] % ROW_TILE
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad, width)])
-        bias = layer.bias[:, None] if layer.bias is not None else torch.zeros(1, 1, device=x.device, dtype=x.dtype)
-        # one product per tile of ROW_TILE rows: the kernel sees one shape whatever the number of slots. torch.cat
-        # gives a contiguous [rows, out] as nn.Linear returns it: the strides of a transposed result would change
-        # how attention's kernel reads q, and with it the last bits
-        out = torch.cat([torch.addmm(bias, layer.weight, tile.t()).t() for tile in flat.split(ROW_TILE)])
+        tiles = flat.split(ROW_TILE)  # one product per tile: the kernel sees one shape whatever the number of slots
+        if isinstance(layer, Linear) and layer.packs(flat):  # oneDNN's packed product (a CPU): invariant in its tile
+            out = torch.cat([layer(tile) for tile in tiles])
+        else:
+            bias = layer.bias[:, None] if layer.bias is not None else torch.zeros(1, 1, device=x.device, dtype=x.dtype)
+            # torch.cat gives a contiguous [rows, out] as nn.Linear returns it: the strides of a transposed result
+            # would change how attention's kernel reads q, and with it the last bits
+            out = torch.cat([torch.addmm(bias, layer.weight, tile.t()).t() for tile in tiles])
         return out[: rows * length].view(rows, length, layer.out_features)
 
     @staticmethod
