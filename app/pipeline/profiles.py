@@ -175,10 +175,12 @@ def _tiny(model_dir: Path) -> MusicProfile:
 def _shaped(model_dir: Path) -> MusicProfile:
     """Random weights, tiny vocabularies and codec, and a backbone shaped so that a CPU meets the two facts of an
     H200 at Khala sizes a scheduler is judged by (docs/performance.md): a song's GPU time splits across stages as
-    an H200's does (backbone / super-resolution / codec ~87 / 10 / 3 % here, one torch thread, no engine:
-    bench/stage_shares.py; the H200: 87 / 11 / 2 %), and its decode is memory-bound, so a step of 16 slots with the
-    batched product costs little more than a step of one (~1.1x here; the H200's target is <= 2x).
-    Wide and shallow for that: 2 layers of width 1024 (~100 MB of fp32 weights, read from memory at every step);
+    an H200's does (backbone / super-resolution / codec ~83 / 12 / 5 % here, one torch thread, no engine:
+    bench/stage_shares.py; the H200: 87 / 11 / 2 %), and its decode is near memory-bound, so a step of 16 slots
+    costs little more than a step of one (here, with the torch engine's oneDNN linears: the batched decoder's step
+    10.7 ms at 16 slots against 9.6 at one, and 1.97x the reference loop's 1-row step; the H200's target is <= 2x;
+    with MKL's products, before, 3.5x).
+    Wide and shallow for that: 2 layers of width 1024 (~75 MB of fp32 weights, read from memory at every step);
     super-resolution twice the tiny width (128), for its ~10 %. The shares depend on the CPU (the backbone's
     products against the small stages' per-op costs): measure them again on another machine.
     The CPU profile a scheduler is measured with (bench/throughput.py --profile shaped). Its audio is noise."""
