@@ -36,10 +36,12 @@ construction, not by luck:
 Each kernel either is batch-invariant (computes a row from that row alone, the same way at any batch size) or is
 called once per row with the shapes the track has alone. What this CPU's kernels do (measured, torch 2.13, MKL,
 AVX-512; tests/test_slots.py checks the result end to end):
-  - nn.Linear's matmul is NOT batch-invariant: MKL computes a 1-row product (what a track alone runs) with a
-    gemv-like kernel whose summation order differs from the gemm it uses for 2+ rows, so a batched row differs
+  - a linear layer's product is NOT batch-invariant: MKL computes a 1-row product (what a track alone runs) with
+    a gemv-like kernel whose summation order differs from the gemm it uses for 2+ rows, so a batched row differs
     from the same row alone in the last bits, for every layer shape here (and F.linear's x @ W^T differs even
-    between 2 and 3+ rows for half of them). A `bmm` over a broadcast weight matches the 1-row product for most
+    between 2 and 3+ rows for half of them); oneDNN's packed product, which the engine's linears run on a CPU
+    since (torch_engine.Linear), is the same way (a row of 16 against its 1-row product: 50 of 200 differ,
+    bench/cpu_products.py). A `bmm` over a broadcast weight matches the 1-row product for most
     shapes but not all (1024 -> 33). So, by default, every linear layer and the output head run once per
     occupied row, each exactly the call the track makes alone (`_linear`);
   - scaled_dot_product_attention is batch-invariant across its batch, but its result depends on the key length
@@ -56,7 +58,8 @@ AVX-512; tests/test_slots.py checks the result end to end):
 
 The price of the per-row matmuls: each row reads every weight again, so on a CPU the batch only saves the
 per-op cost of the rest (bench/slots.py). `batched_matmul=True` trades the engine's exact bits for speed: one
-product per tile of ROW_TILE rows over all slots, written (W @ x^T)^T, and SiLU batched: the kernel sees one shape
+product per tile of ROW_TILE rows over all slots (on a CPU oneDNN's packed product of the tile, torch_engine.Linear;
+elsewhere written (W @ x^T)^T), and SiLU batched: the kernel sees one shape
 whatever the row count, and computes a row the same way wherever it lies (tests/test_slots.py on Intel and AMD EPYC
 CPUs; one bare product of all rows, which an earlier version used, was batch-invariant on Intel, not on the AMD).
 Its attention is one call for all slots per layer (`_attention_blocks`): keys in blocks of KEY_BLOCK from position
@@ -610,7 +613,7 @@ class SlotDecoder:
         keys, values = self.keys[layer][:, :, :cut], self.values[layer][:, :, :cut]
         if every_slot:
             keys, values = keys[:rows], values[:rows]
-        if not every_slot:  # a prefill's row: a copy of its slot's
+        else:  # a prefill's row: a copy of its slot's
             keys, values = keys.index_select(0, slots), values.index_select(0, slots)
         scores = torch.matmul(q * dim**-0.5, keys.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
         weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # [R, G, Q, cut]
@@ -651,11 +654,12 @@ class SlotDecoder:
 
     def _linear(self, layer: nn.Linear, x: Tensor, live: Sequence[int]) -> Tensor:
         """`layer`(x) for x [R, T, in]. Default: once per live row, the very call a track alone makes ([1, T, in]:
-        MKL's 1-row product), zeros for empty slots. `batched_matmul`: products (W @ x^T)^T over tiles of
-        exactly ROW_TILE rows (zeros pad the last), so the BLAS kernel and its blocking are the same whatever the
-        row count; a row's bits then do not depend on its neighbours (tests/test_slots.py, on Intel and AMD
-        EPYC CPUs; with one bare product of all rows they did on the AMD EPYC): batch-invariant, but not the
-        bits of the 1-row product the engine alone computes."""
+        a 1-row product), zeros for empty slots. `batched_matmul`: products over tiles of exactly ROW_TILE rows
+        (zeros pad the last): on a CPU the layer's own oneDNN product of the tile (torch_engine.Linear), elsewhere
+        (W @ x^T)^T; either way the kernel and its blocking are the same whatever the row count, so a row's bits
+        do not depend on its neighbours (tests/test_slots.py, tests/test_torch_engine.py; with one bare product of
+        all rows they did on the AMD EPYC): batch-invariant, but not the bits of the 1-row product the engine
+        alone computes."""
         if not self.batched_matmul:
             return self._stack({r: layer(x[r : r + 1]) for r in live}, x.shape[0])
         rows, length, width = x.shape

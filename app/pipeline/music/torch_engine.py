@@ -33,9 +33,9 @@ ONEDNN = torch.backends.mkldnn.is_available()  # read once: a traced step (torch
 class Linear(nn.Linear):
     """nn.Linear that, on a CPU in fp32, runs oneDNN's product over its weight packed once (the kernel torch's CPU
     inductor uses for frozen weights) instead of the BLAS call F.linear makes (MKL on x86 builds). Measured on an AMD
-    EPYC core (bench/cpu_products.py, the shaped backbone's shapes): a frame's products 3.8 against 8.1 ms at 1 row,
-    9.6 against 29.2 at 16 rows; MKL's few-row products run far below the core's arithmetic (~50 GFLOP/s at 16 rows
-    against oneDNN's ~150), which made a 16-row step cost 3.6x a 1-row one where a memory-bound GPU pays ~1x.
+    EPYC core (bench/cpu_products.py, the shaped backbone's shapes): a frame's products 3.1 against 6.9 ms at 1 row,
+    8.1 against 24.6 at 16 rows; MKL's few-row products run far below the core's arithmetic (~48 GFLOP/s at 16 rows
+    against oneDNN's ~146), which made a 16-row step cost 3.6x a 1-row one where a memory-bound GPU pays ~1x.
     Every caller on the CPU gets it (the reference loop, the slot decoder's per-row and tile products,
     super-resolution), so a track's bits are the same on every path that makes the same call; they are not
     F.linear's (~1e-6 apart). Inference only (the op has no backward): this engine never trains. The packed weight
