@@ -40,7 +40,8 @@ class Linear(nn.Linear):
     super-resolution), so a track's bits are the same on every path that makes the same call; they are not
     F.linear's (~1e-6 apart). Inference only (the op has no backward): this engine never trains. The packed weight
     is made on the first call and redone when the weight changes (a new tensor, or an in-place load); a traced step
-    (torch.compile) uses the one made before. Elsewhere (CUDA, other dtypes): F.linear."""
+    (torch.compile) uses the one made before; it is a second copy, so on a CPU the linears take twice their memory.
+    Elsewhere (CUDA, other dtypes): F.linear."""
 
     _packed: Tensor | None = None
     _packed_for: tuple[int, int] | None = None
