@@ -11,6 +11,7 @@ from app.pipeline.control import StageControl
 from app.pipeline.music.engine import BatchedCausalLM, BidirectionalLM, CausalLM
 from app.pipeline.music.stages import load_engine
 from app.pipeline.music.superres import fill_fine
+from app.pipeline.music import torch_engine
 from app.pipeline.music.torch_engine import Linear, TorchBidirectionalLM, TorchCausalLM
 
 torch.set_num_threads(2)
@@ -168,3 +169,12 @@ def test_cpu_linears_run_onednn_over_a_weight_packed_once_and_repacked_when_it_c
         mixed[trial % 16] = row[0]
         differ += not torch.equal(layer(mixed)[trial % 16], alone)
     assert differ == 0
+
+
+def test_where_onednn_cannot_run_linear_is_f_linear(monkeypatch):
+    """A build or CPU without oneDNN's packed linear (the import-time probe says so): every Linear is F.linear."""
+    monkeypatch.setattr(torch_engine, "ONEDNN", False)
+    layer = Linear(8, 4).requires_grad_(False)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+    assert not layer.packs(x)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)) and layer._packed is None

@@ -27,7 +27,22 @@ from torch import Tensor, nn
 from app.pipeline.profiles import TransformerSpec
 
 PACKED_ROWS = 16  # the row count oneDNN packs a weight for (Linear): the slot decoder's tile; 1 and 2 rows run as fast
-ONEDNN = torch.backends.mkldnn.is_available()  # read once: a traced step (torch.compile) may not call it
+
+
+def _onednn_linear_works() -> bool:
+    """Whether this torch build runs oneDNN's packed linear on this CPU (x86 builds do; an ARM or a build without
+    oneDNN may not): one tiny product, tried once, so that Linear falls back to F.linear everywhere or nowhere."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), PACKED_ROWS)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+
+
+ONEDNN = _onednn_linear_works()  # read once: a traced step (torch.compile) may not call it
 
 
 class Linear(nn.Linear):
