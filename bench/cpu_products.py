@@ -6,9 +6,10 @@ times the shaped backbone's four products per layer (qkv, out, gate_up, down; fp
 and 32 rows two ways, one after the other at each row count, medians of `--repeats`:
   - `torch`: `torch.addmm(bias, W, x^T)`, the BLAS call (MKL on an x86 build) SlotDecoder's 16-row tiles made
     before the engine's linears moved to oneDNN (app/pipeline/music/torch_engine.Linear);
-  - `onednn`: oneDNN's linear over a weight packed once (`torch.ops.mkldnn._reorder_linear_weight` and
-    `_linear_pointwise`, what torch's CPU inductor uses for frozen weights, and torch_engine.Linear; private ops
-    of torch 2.13).
+  - `onednn`: the engine's own layers, torch_engine.Linear: oneDNN's linear over a weight packed once
+    (`torch.ops.mkldnn._reorder_linear_weight` and `_linear_pointwise`, what torch's CPU inductor uses for frozen
+    weights; private ops of torch 2.13).
+The layers are the torch engine's Attention and FeedForward built from the shaped spec (random weights).
 `row_ms` is a frame's products (2 tokens x `--layers` layers) per row; `vs_one_row` is a row count's cost over
 1 row's. Also: whether a row of a 16-row oneDNN product is bitwise the same wherever it lies and whatever the other
 rows hold (the batched engine's batch-invariance), and whether it equals that row's 1-row product. JSON on stdout.
@@ -31,20 +32,21 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from app.pipeline.music.torch_engine import Attention, FeedForward, Linear, Shape
 from app.pipeline.profiles import load_profile
 
 ROWS = (1, 2, 4, 8, 16, 32)
 
 
-def shaped_layer_shapes() -> dict[str, tuple[int, int]]:
-    """(out, in) of the shaped backbone's four products per layer, from its spec (app/pipeline/profiles.py)."""
-    spec = load_profile("shaped", tempfile.mkdtemp()).backbone
-    return {
-        "qkv": ((spec.num_attention_heads + 2 * spec.num_query_groups) * spec.head_dim, spec.hidden_size),
-        "out": (spec.hidden_size, spec.num_attention_heads * spec.head_dim),
-        "gate_up": (2 * spec.ffn_hidden_size, spec.hidden_size),
-        "down": (spec.hidden_size, spec.ffn_hidden_size),
-    }
+def shaped_layers() -> dict[str, Linear]:
+    """The shaped backbone's four linears of a layer, as the torch engine builds them from its spec (random
+    weights): their own forward is the oneDNN product on this CPU, their weight what MKL's call reads."""
+    shape = Shape.of(load_profile("shaped", tempfile.mkdtemp()).backbone)
+    attention, ffn = Attention(shape), FeedForward(shape)
+    layers = {"qkv": attention.qkv, "out": attention.out, "gate_up": ffn.gate_up, "down": ffn.down}
+    for layer in layers.values():
+        layer.requires_grad_(False)
+    return layers
 
 
 def timed_ms(work: Callable[[], object], repeats: int) -> float:
@@ -57,22 +59,18 @@ def timed_ms(work: Callable[[], object], repeats: int) -> float:
     return 1000 * statistics.median(samples)
 
 
-def invariance(weights: list[torch.Tensor], packed: list[torch.Tensor], biases: list[torch.Tensor], trials: int):
+def invariance(layers: list[Linear], trials: int) -> tuple[int, int]:
     """(rows of a 16-row oneDNN product that differed from the same row among zeros at row 0, out of `trials`;
     rows that differed from their own 1-row product)."""
     moved = alone = 0
     for trial in range(trials):
-        layer = trial % len(weights)
-        width = weights[layer].shape[1]
-        row = torch.randn(1, width)
-        among_zeros = torch.cat([row, torch.zeros(15, width)])
-        reference = torch.ops.mkldnn._linear_pointwise(among_zeros, packed[layer], biases[layer], "none", [], "")[0]
-        mixed = torch.randn(16, width)
+        layer = layers[trial % len(layers)]
+        row = torch.randn(1, layer.in_features)
+        reference = layer(torch.cat([row, torch.zeros(15, layer.in_features)]))[0]
+        mixed = torch.randn(16, layer.in_features)
         mixed[trial % 16] = row[0]
-        product = torch.ops.mkldnn._linear_pointwise(mixed, packed[layer], biases[layer], "none", [], "")
-        moved += not torch.equal(product[trial % 16], reference)
-        one = torch.ops.mkldnn._linear_pointwise(row, packed[layer], biases[layer], "none", [], "")[0]
-        alone += not torch.equal(one, reference)
+        moved += not torch.equal(layer(mixed)[trial % 16], reference)
+        alone += not torch.equal(layer(row)[0], reference)
     return moved, alone
 
 
@@ -84,29 +82,26 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    shapes = shaped_layer_shapes()
-    weights = [torch.randn(out, width) * width**-0.5 for out, width in shapes.values()]
-    biases = [torch.randn(out) for out, _ in shapes.values()]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(weight, 16) for weight in weights]
+    named = shaped_layers()
+    layers = list(named.values())
+    if not layers[0].packs(layers[0].weight):
+        raise SystemExit("this torch build or CPU does not run oneDNN's packed linear (torch_engine.ONEDNN)")
+    biases = [layer.bias if layer.bias is not None else torch.zeros(layer.out_features) for layer in layers]
     per_frame = 2 * args.layers  # two tokens (q0, q1) a frame
     ms: dict[str, dict[int, float]] = {"torch": {}, "onednn": {}}
     for rows in ROWS:
-        inputs = [torch.randn(rows, width) for _, width in shapes.values()]
+        inputs = [torch.randn(rows, layer.in_features) for layer in layers]
         ms["torch"][rows] = per_frame * timed_ms(
             lambda inputs=inputs: [
-                torch.addmm(b[:, None], w, x.t()) for w, b, x in zip(weights, biases, inputs, strict=True)
+                torch.addmm(b[:, None], layer.weight, x.t()) for layer, b, x in zip(layers, biases, inputs, strict=True)
             ],
             args.repeats,
         )
         ms["onednn"][rows] = per_frame * timed_ms(
-            lambda inputs=inputs: [
-                torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
-                for p, b, x in zip(packed, biases, inputs, strict=True)
-            ],
-            args.repeats,
+            lambda inputs=inputs: [layer(x) for layer, x in zip(layers, inputs, strict=True)], args.repeats
         )
-    moved, alone = invariance(weights, packed, biases, args.trials)
-    flops = 2 * sum(out * width for out, width in shapes.values()) * per_frame
+    moved, alone = invariance(layers, args.trials)
+    flops = 2 * sum(layer.out_features * layer.in_features for layer in layers) * per_frame
     print(
         json.dumps(
             {
@@ -114,7 +109,7 @@ def main() -> None:
                 "torch": torch.__version__,
                 "threads": 1,
                 "layers": args.layers,
-                "shapes": {name: list(shape) for name, shape in shapes.items()},
+                "shapes": {name: [layer.out_features, layer.in_features] for name, layer in named.items()},
                 "load_average": [round(x, 2) for x in os.getloadavg()],
                 "frame_ms": {kernel: {rows: round(v, 2) for rows, v in by.items()} for kernel, by in ms.items()},
                 "row_ms": {kernel: {rows: round(v / rows, 3) for rows, v in by.items()} for kernel, by in ms.items()},

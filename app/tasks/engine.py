@@ -199,7 +199,8 @@ class TenantCharges:
 class EngineTally:
     """Where an engine run's time went, added up in its worker's heartbeat hash (`engine_*` fields, WorkerRegistry.
     add_up: an operator's and the bench's view of how full the slots were): runs, blocks, frames, the rows the
-    model ran on over them (batched mode runs the tiles in use only), block seconds, slot-seconds of the tracks in them (the slots' mean fill is slot_s / (slots x block_s)), and the seconds spent
+    model ran on over them (batched mode runs the tiles in use only), block seconds, slot-seconds of the tracks in
+    them (the slots' mean fill is slot_s / (slots x block_s)), and the seconds spent
     between blocks at boundaries (admitting, prefills included) and running listed stages."""
 
     blocks: int = 0
