@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine_facts
 from app.pipeline.music.torch_engine import Attention, FeedForward, Linear, Shape
 from app.pipeline.profiles import load_profile
 
@@ -106,7 +107,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "cpu_products",
-                "torch": torch.__version__,
+                "machine": machine_facts(),
                 "threads": 1,
                 "layers": args.layers,
                 "shapes": {name: [layer.out_features, layer.in_features] for name, layer in named.items()},

@@ -12,6 +12,7 @@ track must get the codes it gets alone: `codes_equal_alone` says, per configurat
 
     python bench/slots.py --tiny                   # the tiny profile's backbone: a few seconds
     python bench/slots.py --profile small          # bench/music_engines.py's sizes: small, medium
+    python bench/slots.py --profile shaped         # the backbone bench/throughput.py --profile shaped runs
     python bench/slots.py --profile small --tracks 16 --frames 64 --repeats 3
 
 JSON on stdout. The model has random weights (fixed seed) in fp32, on the CPU unless CUDA is there.
@@ -35,15 +36,17 @@ from app.pipeline.music import megatron_backend as mb  # noqa: E402
 from app.pipeline.music.slots import SlotDecoder, SongPlan, TrackRequest, decode_queue, decode_song  # noqa: E402
 from app.pipeline.music.torch_engine import TorchCausalLM, from_megatron  # noqa: E402
 from app.pipeline.profiles import MusicProfile, TransformerSpec, load_profile  # noqa: E402
+from bench.common import machine_facts  # noqa: E402
 from bench.music_engines import SIZES, spec_for  # noqa: E402
 
 SLOT_COUNTS = (1, 2, 4, 8, 16)
+PROFILE_BACKBONES = ("tiny", "shaped", "khala")  # sizes that are a profile's own backbone, not music_engines' shapes
 
 
 def build_engine(
     size: str, profile: MusicProfile, max_len: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> TorchCausalLM:
-    spec: TransformerSpec = profile.backbone if size == "tiny" else spec_for(size, profile)
+    spec: TransformerSpec = profile.backbone if size in PROFILE_BACKBONES else spec_for(size, profile)
     model = mb.build_gpt(spec, causal=True, device=device, dtype=dtype)
     mb.init_random_weights(model, seed=0)
     return TorchCausalLM(from_megatron(model, spec))
@@ -101,7 +104,12 @@ def step_ms(lm: TorchCausalLM, request: TrackRequest, slots: int, max_len: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny profile's backbone (a few seconds)")
-    parser.add_argument("--profile", choices=sorted(SIZES), default="small", help="khala: the real backbone (GPU)")
+    parser.add_argument(
+        "--profile",
+        choices=sorted({*SIZES, "shaped"}),
+        default="small",
+        help="khala: the real backbone (GPU); shaped: the throughput bench's CPU backbone",
+    )
     parser.add_argument("--slots", default=",".join(map(str, SLOT_COUNTS)), help="slot counts, comma-separated")
     parser.add_argument("--batched-only", action="store_true", help="skip the exact (per-row) configurations")
     parser.add_argument("--tracks", type=int, default=16)
@@ -123,7 +131,7 @@ def main() -> None:
     if size == "khala" and device.type != "cuda":
         parser.error("--profile khala needs a CUDA device")
     # shapes and token layout only; no files are read
-    profile = load_profile("khala" if size == "khala" else "tiny", "/nonexistent")
+    profile = load_profile(size if size in PROFILE_BACKBONES else "tiny", "/nonexistent")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     counts = [int(n) for n in args.slots.split(",") if n]
     queue = make_queue(profile, args.tracks, frames)
@@ -174,6 +182,7 @@ def main() -> None:
                 "device": str(device),
                 "size": size,
                 "params_m": round(sum(p.numel() for p in lm.model.parameters()) / 1e6, 2),
+                "machine": machine_facts(),
                 "threads": torch.get_num_threads(),
                 "load_average": [round(load, 2) for load in os.getloadavg()],
                 "tracks": len(queue),

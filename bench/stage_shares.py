@@ -26,6 +26,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.common import machine_facts  # noqa: E402
 from bench.throughput import music_models  # noqa: E402
 
 with warnings.catch_warnings():
@@ -91,6 +92,7 @@ def main() -> None:
                 "tracks": TRACKS,
                 "frames": profile.frames_for(args.song_s),
                 "repeats": args.repeats,
+                "machine": machine_facts(),
                 "torch_threads": torch.get_num_threads(),
                 "seconds_median": {stage: round(value, 3) for stage, value in median.items()},
                 "shares": {stage: round(value / total, 3) for stage, value in median.items()},

@@ -69,7 +69,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from app.pipeline.music.options import DEFAULT_SLOT_CAP  # noqa: E402
-from bench.common import start_redis  # noqa: E402
+from bench.common import machine_facts, start_redis  # noqa: E402
 
 GPU_STAGES = frozenset({"backbone", "superres", "decode", "lipsync"})
 ENDED = ("done", "failed", "canceled", "partial")
@@ -488,6 +488,7 @@ def main() -> None:
                 "clip_s": args.clip_s,
                 "arrivals": args.arrivals,
                 **({"per_hour": args.per_hour, "seed": args.seed} if args.arrivals == "poisson" else {}),
+                "machine": machine_facts(),
                 "load_average": [round(x, 2) for x in os.getloadavg()],
                 "wall_s": round(time.time() - started, 1),
                 "results": results,

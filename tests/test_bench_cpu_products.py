@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from bench.common import machine_facts
 from harness.processes import run_bench
 
 
@@ -29,3 +30,4 @@ def test_cpu_products_times_both_kernels_at_every_row_count_and_checks_the_tile(
     )
     assert report["onednn_tile_rows_moved_differ"].endswith(" of 8")
     assert report["threads"] == 1 and report["layers"] == 1
+    assert report["machine"] == machine_facts()  # the core it ran on, said in its output

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from bench.common import machine_facts
 from harness.processes import run_bench
 
 
@@ -16,3 +17,4 @@ def test_stage_shares_bench_times_every_stage_and_the_shares_add_up():
     assert all(seconds > 0 for seconds in report["seconds_median"].values())
     assert abs(sum(report["shares"].values()) - 1.0) < 0.01
     assert report["torch_threads"] == 1 and report["tracks"] == 2 and len(report["runs"]) == 1
+    assert report["machine"] == machine_facts()

@@ -10,6 +10,7 @@ import pytest
 import argparse
 
 from app.pipeline.profiles import load_profile
+from bench.common import machine_facts
 from bench.throughput import covered_less, eta_errors, schedule, summarize, union_seconds
 from harness.processes import run_bench
 
@@ -75,6 +76,7 @@ def test_throughput_bench_runs_every_job_through_a_real_worker_in_each_mode():
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert [result["mode"] for result in report["results"]] == ["today", "engine"]
+    assert report["machine"] == machine_facts()
     for result in report["results"]:
         assert result["jobs"] == result["jobs_done"] == 4
         assert 0 < result["gpu_stage_occupancy"] <= 1
