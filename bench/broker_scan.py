@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -43,7 +42,7 @@ from app.control.routing import build_chain, queue_lists  # noqa: E402
 from app.control.services import Services, build_services  # noqa: E402
 from app.core.config import Settings  # noqa: E402
 from app.core.kinds import MUSIC  # noqa: E402
-from bench.common import start_redis  # noqa: E402
+from bench.common import machine_facts, start_redis  # noqa: E402
 
 QUEUE = "gpu0"  # the deep queue
 HELD_QUEUE = "gpu1"  # its messages are delivered and never acked: they fill `unacked`
@@ -256,7 +255,7 @@ def main() -> None:
         payload_sizes = [len(p) for p in svc.redis.lrange(broker.broker_lists(QUEUE, options)[6], 0, 99)]
         report = {
             "benchmark": "broker_scan",
-            "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "load_average": os.getloadavg()},
+            "machine": {**machine_facts(), "load_average": [round(x, 2) for x in os.getloadavg()]},
             "messages": args.messages,
             "unacked": args.unacked,
             "page": broker.SCAN_PAGE,

@@ -39,6 +39,7 @@ with warnings.catch_warnings():
     from app.pipeline.music.stage_batching import decode_tracks, fill_fine_tracks
     from app.pipeline.music.torch_engine import TorchBidirectionalLM, from_megatron
     from app.pipeline.profiles import CodecSpec, MusicProfile, TransformerSpec, load_profile
+    from bench.common import machine_facts
 
 BATCHES = (1, 2, 4, 8)
 PROMPT = list(range(1, 33))  # a 32-token super-resolution prompt (text ids of the tiny vocabulary)
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         "size": size,
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
+        "machine": machine_facts(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "song_s": round(audio_s, 3),
         "frames": frames,

@@ -34,7 +34,7 @@ import requests
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.common import free_port, start_redis  # noqa: E402
+from bench.common import free_port, machine_facts, start_redis  # noqa: E402
 
 TARGET_P99_MS = 100.0
 PER_TENANT = 100  # ENCORE_MAX_STREAMS_PER_TENANT's default
@@ -292,7 +292,7 @@ def main() -> None:
                     "stream_bytes_received": received.get("received_bytes"),
                     "streams_ended_early": received.get("ended_early"),
                     "web": "gunicorn -c gunicorn.conf.py (gthread, ENCORE_WEB_WORKERS x ENCORE_WEB_THREADS: 2 x 32)",
-                    "cpus": os.cpu_count(),
+                    "machine": machine_facts(),
                     "zero_streams": idle,
                     "with_streams": loaded,
                     "target_p99_ms": TARGET_P99_MS,

@@ -44,13 +44,18 @@ Modes, side by side in one run (each its own Redis and workers, one after the ot
   engine-batched  the same with ENCORE_ENGINE_MATMUL=batched (one product over 16-row tiles for the slots in use)
 The default runs `today,engine`.
 `--profile shaped` runs the music models of the `shaped` profile (app/pipeline/profiles.py: random weights, a
-backbone big enough that a track's stage times split as an H200's do at Khala sizes, ~87/10/3 % here (bench/stage_shares.py; the shares depend on the CPU)), written
-to models/shaped on first use; `tiny` (the default) has the backbone at ~50 %, which misjudges a scheduler.
+backbone big enough that a track's stage times split as an H200's do at Khala sizes, ~87/10/3 % here
+(bench/stage_shares.py; the shares depend on the CPU)), written to models/shaped on first use; `tiny` (the default)
+has the backbone at ~50 %, which misjudges a scheduler. The lip-sync models follow `--profile` unless
+`--lipsync-profile` names others: `shaped` is the tiny MuseTalk with one attention head in its UNet
+(app/pipeline/lipsync/musetalk.py SHAPED_UNET), so that a video weighs beside a song about what it weighs on an H200
+(bench/stage_shares.py's `lipsync` line), written to models/lipsync-shaped on first use.
 `--tiny` (3 songs, 1 video, short lengths, the tiny models) runs in the test suite; its numbers are noise.
 
-    python bench/throughput.py [--tiny] [--profile tiny|shaped] [--music 16] [--lipsync 4] [--song-s 10] [--clip-s 2]
-                               [--modes today,engine] [--arrivals burst|poisson --per-hour N --seed 1]
-                               [--scenario throughput|fairness] [--records DIR]
+    python bench/throughput.py [--tiny] [--profile tiny|shaped] [--lipsync-profile tiny|shaped] [--music 16]
+                               [--lipsync 4] [--song-s 10] [--clip-s 2] [--modes today,engine]
+                               [--arrivals burst|poisson --per-hour N --seed 1] [--scenario throughput|fairness]
+                               [--records DIR]
 """
 
 from __future__ import annotations
@@ -222,14 +227,15 @@ def engine_tally(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
 class Deployment:
     """Redis, the web app (in this process) and one worker, as the README's one-host shape runs them."""
 
-    def __init__(self, root: Path, mode_env: dict[str, str], profile: str = "tiny"):
+    def __init__(self, root: Path, mode_env: dict[str, str], profile: str = "tiny", lipsync_profile: str = "tiny"):
         self.root = root
         self.redis, url = start_redis(root)
         self.env = {
             "REDIS_URL": url,
             "ENCORE_MUSIC_PROFILE": profile,
             "ENCORE_MODEL_DIR": str(music_models(profile)),
-            "ENCORE_LIPSYNC_MODEL_DIR": str(REPO / "models" / "lipsync-tiny"),
+            "ENCORE_LIPSYNC_PROFILE": lipsync_profile,
+            "ENCORE_LIPSYNC_MODEL_DIR": str(lipsync_models(lipsync_profile)),
             "ENCORE_ARTIFACT_DIR": str(root / "artifacts"),
             "ENCORE_UPLOAD_DIR": str(root / "uploads"),
             "ENCORE_LOG_DIR": str(root / "logs"),
@@ -345,6 +351,14 @@ def music_models(profile: str) -> Path:
     return write_tiny_models(REPO / "models" / profile, profile_name=profile)
 
 
+def lipsync_models(profile: str) -> Path:
+    """The random-weight MuseTalk models of lip-sync profile `profile` (written on first use; setup.sh writes the
+    tiny ones)."""
+    from app.pipeline.tiny import write_tiny_lipsync_models
+
+    return write_tiny_lipsync_models(REPO / "models" / f"lipsync-{profile}", profile_name=profile)
+
+
 def media(root: Path, clip_s: float) -> tuple[Path, Path]:
     """A face clip and a driving voice of `clip_s` seconds (the GPU lip-sync bench's own synthetic inputs)."""
     from bench.gpu_lipsync import write_clip, write_voice
@@ -374,7 +388,7 @@ def schedule(args: argparse.Namespace) -> list[tuple[tuple[str, int], float]]:
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"encore-throughput-{mode}-"))
-    deployment = Deployment(root, MODE_ENV[mode], args.profile)
+    deployment = Deployment(root, MODE_ENV[mode], args.profile, args.lipsync_profile)
     try:
         deployment.wait_for_worker(180)
         video, audio = media(root, args.clip_s)
@@ -406,7 +420,7 @@ def _backbone_ends(record: dict[str, Any]) -> list[float]:
 def run_fairness(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """Tenant B's song alone, then amid tenant A's backlog of `--music` songs (see the module doc)."""
     root = Path(tempfile.mkdtemp(prefix=f"encore-fairness-{mode}-"))
-    deployment = Deployment(root, MODE_ENV[mode], args.profile)
+    deployment = Deployment(root, MODE_ENV[mode], args.profile, args.lipsync_profile)
     try:
         deployment.wait_for_worker(180)
         deployment.wait_all([deployment.submit_music(1.0, 0)], args.limit_s)  # models loaded: not counted
@@ -451,6 +465,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="3 songs, 1 video, short lengths (the suite's smoke run)")
     parser.add_argument("--profile", default="tiny", choices=("tiny", "shaped"), help="the music models")
+    parser.add_argument(
+        "--lipsync-profile", default=None, choices=("tiny", "shaped"), help="the lip-sync models (default: --profile's)"
+    )
     parser.add_argument("--music", type=int, default=16, help="concurrent music jobs (2 tracks each)")
     parser.add_argument("--lipsync", type=int, default=4, help="concurrent lip-sync jobs")
     parser.add_argument("--song-s", type=float, default=10.0)
@@ -467,6 +484,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.music, args.lipsync, args.song_s, args.clip_s = min(args.music, 3), min(args.lipsync, 1), 2.0, 1.2
+    args.lipsync_profile = args.lipsync_profile or args.profile
     if args.arrivals == "poisson" and args.per_hour <= 0:
         parser.error("--arrivals poisson needs --per-hour > 0")
     modes = [mode for mode in args.modes.split(",") if mode]
@@ -474,6 +492,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown modes {unknown}; built: {list(MODES)}")
     music_models(args.profile)  # before any worker starts: a Megatron save must not race a worker's load
+    lipsync_models(args.lipsync_profile)
     started = time.time()
     run = run_fairness if args.scenario == "fairness" else run_mode
     results = [run(mode, args) for mode in modes]
@@ -482,6 +501,7 @@ def main() -> None:
             {
                 "benchmark": "throughput" if args.scenario == "throughput" else "fairness",
                 "profile": args.profile,
+                "lipsync_profile": args.lipsync_profile,
                 "music_jobs": args.music,
                 "lipsync_jobs": args.lipsync,
                 "song_s": args.song_s,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from app.control.broker import SCAN_PAGE
+from bench.common import machine_facts
 from harness.processes import run_bench
 
 CALLS = {"find_oldest", "find_newest", "find_missing", "drop_messages", "drop_unacked", "messages_present"}
@@ -20,6 +21,8 @@ def test_broker_scan_bench_compares_paged_reads_with_whole_list_reads(tmp_path):
     assert json.loads(out.read_text()) == report
     assert report["page"] == SCAN_PAGE and report["messages"] > 3 * SCAN_PAGE and report["unacked"] > SCAN_PAGE
     assert report["agree"] == dict.fromkeys(CALLS, True)
+    assert {k: v for k, v in report["machine"].items() if k != "load_average"} == machine_facts()
+    assert len(report["machine"]["load_average"]) == 3
     assert set(report["calls"]) == CALLS
     for name, figures in report["calls"].items():
         paged, whole = figures["paged"], figures["whole_list_baseline"]

@@ -71,12 +71,20 @@ def test_every_mode_is_offered_the_same_jobs_at_the_same_times():
 
 
 @pytest.mark.slow  # a real worker per mode, 3 songs and a video at tiny size each (~4 min here)
-def test_throughput_bench_runs_every_job_through_a_real_worker_in_each_mode():
-    run = run_bench("throughput.py", "--tiny")
+def test_throughput_bench_runs_every_job_through_a_real_worker_in_each_mode(tmp_path):
+    """Tiny songs beside the `shaped` lip-sync (--lipsync-profile): the workers load the profile the bench names."""
+    run = run_bench("throughput.py", "--tiny", "--lipsync-profile", "shaped", "--records", str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert [result["mode"] for result in report["results"]] == ["today", "engine"]
     assert report["machine"] == machine_facts()
+    assert (report["profile"], report["lipsync_profile"]) == ("tiny", "shaped")
+    for mode in ("today", "engine"):
+        records = json.loads((tmp_path / f"{mode}.json").read_text())["records"]
+        served = [
+            t["stages"]["lipsync"]["info"]["profile"] for r in records if r["kind"] == "lipsync" for t in r["tracks"]
+        ]
+        assert served == ["shaped"]
     for result in report["results"]:
         assert result["jobs"] == result["jobs_done"] == 4
         assert 0 < result["gpu_stage_occupancy"] <= 1

@@ -76,6 +76,7 @@ def test_lipsync_job_output_has_driving_audio_and_exact_frames(stack, tmp_path):
     track = record["tracks"][0]
     assert [s for s in ("prepare", "lipsync", "mux") if s in track["stages"]] == ["prepare", "lipsync", "mux"]
     assert track["stages"]["lipsync"]["info"]["frames_generated"] == 50
+    assert track["stages"]["lipsync"]["info"]["profile"] == "tiny"  # which MuseTalk models served it
     assert track["stages"]["prepare"]["info"]["faces"] == "landmarks"  # dlib's 68 points on the astronaut
     assert (track["stages"]["lipsync"]["info"]["mask"], track["stages"]["lipsync"]["info"]["faces"]) == (
         "jaw",

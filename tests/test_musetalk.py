@@ -116,3 +116,37 @@ def test_positional_table_matches_musetalks_formula():
     position, column = 7, 10
     expected = torch.sin(torch.tensor(position * 10000 ** (-column / 384)))
     assert torch.isclose(table[position, column], expected, atol=1e-5)
+
+
+def _heads(models) -> set[int]:
+    return {module.heads for name, module in models.unet.named_modules() if name.endswith(("attn1", "attn2"))}
+
+
+def test_shaped_profile_is_the_tiny_unet_with_one_head_of_musetalks_width(tmp_path, profile, offline):
+    """bench/throughput.py's `shaped` lip-sync: the tiny files and weights' shapes, its UNet's attention in one head
+    over its 32 channels (the tiny's 8 heads of 4 are no real model's width), loaded by the same loader."""
+    from app.pipeline.tiny import write_tiny_lipsync_models
+
+    shaped = load_lipsync_profile(
+        "shaped", write_tiny_lipsync_models(tmp_path / "shaped", seed=3, profile_name="shaped")
+    )
+    tiny_models, shaped_models = load_musetalk(profile, "cpu"), load_musetalk(shaped, "cpu")
+    assert _heads(tiny_models) == {8} and _heads(shaped_models) == {1}
+    tiny_state, shaped_state = tiny_models.unet.state_dict(), shaped_models.unet.state_dict()
+    assert {k: v.shape for k, v in tiny_state.items()} == {k: v.shape for k, v in shaped_state.items()}
+    with torch.inference_mode():
+        latents = torch.zeros(1, 8, 32, 32)
+        prompt = torch.zeros(1, 10, shaped_models.audio_dim)
+        out = shaped_models.unet(latents, 0, encoder_hidden_states=prompt).sample
+    assert out.shape == (1, 4, 32, 32) and torch.isfinite(out).all()
+
+
+def test_lipsync_models_are_rewritten_when_the_profile_changes(tmp_path):
+    """The completion marker names the profile: a folder written as `tiny` is rewritten, not reused, as `shaped`."""
+    from app.pipeline.tiny import write_tiny_lipsync_models
+
+    out = tmp_path / "models"
+    write_tiny_lipsync_models(out, seed=3)
+    assert json.loads((out / "musetalkV15" / "musetalk.json").read_text())["attention_head_dim"] == 8
+    write_tiny_lipsync_models(out, seed=3, profile_name="shaped")
+    assert json.loads((out / "musetalkV15" / "musetalk.json").read_text())["attention_head_dim"] == 1

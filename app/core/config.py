@@ -495,7 +495,9 @@ class Settings:
 
     # The lip-sync pipeline (app/pipeline/lipsync/) and its uploads (app/http/uploads.py)
     lipsync_profile: str = setting(
-        "ENCORE_LIPSYNC_PROFILE=tiny", "`tiny` (random weights) or `musetalk` (real MuseTalk v1.5 weights)"
+        "ENCORE_LIPSYNC_PROFILE=tiny",
+        "`tiny` (random weights), `shaped` (random weights, the tiny UNet with one attention head: the benches) or "
+        "`musetalk` (real MuseTalk v1.5 weights)",
     )
     lipsync_model_dir: str | None = setting(
         "ENCORE_LIPSYNC_MODEL_DIR", "the MuseTalk layout (unset: `models/lipsync-<profile>`)"

@@ -294,7 +294,9 @@ class LipsyncProfile:
         return self.model_dir / "whisper"
 
 
-LIPSYNC_PROFILES = {"tiny": dict(default_batch_size=4, cuda_batch_size=16), "musetalk": {}}
+TINY_LIPSYNC_BATCHES = dict(default_batch_size=4, cuda_batch_size=16)
+# `shaped`: the tiny files with one attention head in the UNet (musetalk.SHAPED_UNET), for bench/throughput.py
+LIPSYNC_PROFILES = {"tiny": TINY_LIPSYNC_BATCHES, "shaped": TINY_LIPSYNC_BATCHES, "musetalk": {}}
 
 
 def load_lipsync_profile(name: str, model_dir: str | os.PathLike | None = None) -> LipsyncProfile:

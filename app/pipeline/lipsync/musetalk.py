@@ -279,6 +279,12 @@ REAL_UNET = dict(
     down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
     up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
 )
+# The `shaped` profile (bench/throughput.py --profile shaped): the tiny UNet with one attention head over its 32
+# channels, near MuseTalk's own head width (320 channels / 8 heads = 40). The tiny config splits them into 8 heads of
+# 4 (diffusers reads `attention_head_dim` as the head count), a width no real model has, at which a CPU's attention
+# kernel runs at a fraction of its speed: the tiny lip-sync then weighs about twice as much beside the shaped songs
+# as a real one does beside real songs on an H200 (bench/stage_shares.py measures both; docs/performance.md).
+SHAPED_UNET = dict(attention_head_dim=1)
 REAL_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
 WHISPER_TINY = dict(
     d_model=384,
@@ -303,8 +309,9 @@ def write_tiny_musetalk(profile: LipsyncProfile, seed: int = 0) -> Path:
 def write_random_musetalk(
     profile: LipsyncProfile, seed: int = 0, *, real_size: bool = False, dtype: torch.dtype = torch.float32
 ) -> Path:
-    """Random-weight MuseTalk files in the real layout: the tiny sizes, or with `real_size` MuseTalk v1.5's
-    (an 850 M-parameter UNet; stored in `dtype`, the loader casts to the run's precision)."""
+    """Random-weight MuseTalk files in the real layout: the tiny sizes (the `shaped` profile's UNet with its
+    SHAPED_UNET head), or with `real_size` MuseTalk v1.5's (an 850 M-parameter UNet; stored in `dtype`, the loader
+    casts to the run's precision)."""
     profile.unet_path.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     whisper_config = WhisperConfig(**(WHISPER_TINY if real_size else TINY_WHISPER))
@@ -320,7 +327,8 @@ def write_random_musetalk(
     del whisper, whisper_state
 
     torch.manual_seed(seed + 1)
-    config = {**tiny_unet_config(whisper_config.d_model), **(REAL_UNET if real_size else {})}
+    sizes = REAL_UNET if real_size else SHAPED_UNET if profile.name == "shaped" else {}
+    config = {**tiny_unet_config(whisper_config.d_model), **sizes}
     unet = UNet2DConditionModel.from_config(config)
     profile.unet_config_path.write_text(json.dumps(config, indent=2) + "\n")
     torch.save({k: v.to(dtype) for k, v in unet.state_dict().items()}, profile.unet_path)

@@ -251,6 +251,7 @@ def run_lipsync_stage(
     if cache is not None and keep and latents.encoded:
         cache.write_latents(key, latents.kept)
     return {
+        "profile": profile.name,
         "frames_generated": written,
         "source_frames": source_frames,
         "source_fps": source_fps,
