@@ -34,6 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.common import machine_facts  # noqa: E402
+from bench.gpu_lipsync import FPS as CLIP_FPS  # noqa: E402  (the clip's rate, which a job without `fps` keeps)
 from bench.throughput import music_models  # noqa: E402
 
 with warnings.catch_warnings():
@@ -48,7 +49,6 @@ TRACKS = 2
 # backbone 31.6 + superres 3.9 + codec 0.8 GPU-seconds (Khala sizes, CUDA graphs)
 H200_LIPSYNC_FPS = 64.0
 H200_SONG_GPU_S_PER_SONG_S = (31.6 + 3.9 + 0.8) / 180.0
-VIDEO_FPS = 25.0
 
 
 def song(models: MusicModels, params: dict[str, Any], seed: int, work: Path) -> dict[str, float]:
@@ -82,9 +82,9 @@ def lipsync_seconds(profile_name: str, clip_s: float, repeats: int, work: Path) 
     video, audio = write_clip(work / "face.mp4", clip_s), write_voice(work / "voice.wav", clip_s)
     scratch, cache = work / "scratch", SourceCache(work / "sources", 2**30)
     scratch.mkdir()
-    run_prepare(video, audio, VIDEO_FPS, scratch, StageControl(), 120.0, cache=cache)
+    run_prepare(video, audio, CLIP_FPS, scratch, StageControl(), 120.0, cache=cache)
     models = LipsyncModels(load_lipsync_profile(profile_name, lipsync_models(profile_name)), "keep_loaded", "cpu")
-    params = {"fps": VIDEO_FPS, "extra_margin": models.profile.default_extra_margin}
+    params = {"fps": CLIP_FPS, "extra_margin": models.profile.default_extra_margin}
     seconds = []
     for _ in range(repeats + 1):
         started = time.perf_counter()
@@ -95,7 +95,7 @@ def lipsync_seconds(profile_name: str, clip_s: float, repeats: int, work: Path) 
 
 def h200_lipsync_per_song(clip_s: float, song_s: float) -> float:
     """A `clip_s` lip-sync's GPU time over a `song_s` song's on an H200 at real sizes (the measured figures above)."""
-    return (clip_s * VIDEO_FPS / H200_LIPSYNC_FPS) / (song_s * H200_SONG_GPU_S_PER_SONG_S)
+    return (clip_s * CLIP_FPS / H200_LIPSYNC_FPS) / (song_s * H200_SONG_GPU_S_PER_SONG_S)
 
 
 def main() -> None:
