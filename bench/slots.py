@@ -2,13 +2,16 @@
 
 One queue of tracks (different seeds, prompt lengths and lengths, so they join and leave at different blocks)
 goes through a SlotDecoder of 1, 2, 4, 8 and 16 slots (`slots_N`: linears once per row, the engine's own
-bits; `batched_matmul_slots_N`: one batch-invariant matmul for all slots), and one track after the other
+bits; `batched_matmul_slots_N`: one batch-invariant matmul for all slots; `whole_frame_slots_N`: the batched mode's
+whole frame, every slot over the whole cache whichever are occupied, on CUDA one graph replayed every frame, what
+the engine runs there with ENCORE_ENGINE_GRAPHS=1), and one track after the other
 as the backbone stage runs it without the engine (`one_after_the_other`: slots.decode_song, a decoder of one
 slot per track, made anew for each), interleaved round by round in one run, so that drift on a noisy machine
 hits every configuration; the medians are what to read, the ratios against one slot above all
 (`cpu_vs_one_slot`: the same from this process's CPU time, steadier when other work loads the machine). Every
 track must get the codes it gets alone: `codes_equal_alone` says, per configuration, whether it did (against
-`one_after_the_other` for `slots_N`, against one batched_matmul slot for `batched_matmul_slots_N`).
+`one_after_the_other` for `slots_N`, against one batched_matmul slot for `batched_matmul_slots_N` and
+`whole_frame_slots_N`).
 
     python bench/slots.py --tiny                   # the tiny profile's backbone: a few seconds
     python bench/slots.py --profile small          # bench/music_engines.py's sizes: small, medium
@@ -89,10 +92,28 @@ def agreement(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
     return round(equal / max(total, 1), 6)
 
 
-def step_ms(lm: TorchCausalLM, request: TrackRequest, slots: int, max_len: int, batched: bool, device) -> float:
+def open_decoder(lm: TorchCausalLM, slots: int, max_len: int, mode: str, check_every: int) -> SlotDecoder:
+    """A decoder in one of MODES: `exact` (linears per row), `batched` (batched_matmul), `whole` (batched_matmul's
+    whole frame: every slot over the whole cache; on CUDA a graph of it, captured once, replayed every frame)."""
+    whole = mode == "whole"
+    return SlotDecoder(
+        lm,
+        slots,
+        max_len,
+        check_every=check_every,
+        batched_matmul=mode != "exact",
+        whole_frame=whole,
+        use_graphs=whole and lm.device.type == "cuda",
+    )
+
+
+MODES = {"exact": "slots", "batched": "batched_matmul_slots", "whole": "whole_frame_slots"}  # mode: runs' prefix
+
+
+def step_ms(lm: TorchCausalLM, request: TrackRequest, slots: int, max_len: int, mode: str, device) -> float:
     """Milliseconds per decode step (one frame: two tokens for every slot) with `slots` slots all busy: the
-    first block warms up (and on a GPU allocates), the next two are timed."""
-    decoder = SlotDecoder(lm, slots, max_len, check_every=16, batched_matmul=batched)
+    first block warms up (and on a GPU allocates, and captures a whole frame's graph), the next two are timed."""
+    decoder = open_decoder(lm, slots, max_len, mode, 16)
     for _ in range(slots):
         decoder.admit(request)
     decoder.step_block()
@@ -123,6 +144,9 @@ def main() -> None:
         help="torch threads (1: OpenMP's spinning barriers make 2 unsteady under load)",
     )
     parser.add_argument("--exact-only", action="store_true", help="skip the batched_matmul configurations")
+    parser.add_argument(
+        "--no-whole", action="store_true", help="skip the whole-frame configurations (CUDA graphs on a GPU)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     size = "tiny" if args.tiny else args.profile
@@ -141,18 +165,15 @@ def main() -> None:
     def one_after_the_other() -> list[torch.Tensor]:
         return [decode_song(lm, r.prompt_ids, r.plan, [r.seed], check_every=args.check_every)[0] for r in queue]
 
-    def through_slots(slots: int, batched_matmul: bool):
-        return lambda: decode_queue(
-            SlotDecoder(lm, slots, max_len, check_every=args.check_every, batched_matmul=batched_matmul), queue
-        )
+    def through_slots(slots: int, mode: str):
+        return lambda: decode_queue(open_decoder(lm, slots, max_len, mode, args.check_every), queue)
 
+    modes = [] if args.batched_only else ["exact"]
+    modes += [] if args.exact_only else ["batched"] + ([] if args.no_whole else ["whole"])
     runs = {"one_after_the_other": one_after_the_other}
-    if not args.batched_only:
-        runs |= {f"slots_{n}": through_slots(n, False) for n in counts}
-    if not args.exact_only:
-        runs |= {f"batched_matmul_slots_{n}": through_slots(n, True) for n in counts}
-    for warm_up in [through_slots(2, batched) for batched in (False, True) if runs.keys() - {"one_after_the_other"}]:
-        timed(warm_up, device)
+    runs |= {f"{MODES[mode]}_{n}": through_slots(n, mode) for mode in modes for n in counts}
+    for mode in modes:
+        timed(through_slots(2, mode), device)
     timed(lambda: decode_song(lm, queue[0].prompt_ids, queue[0].plan, [1]), device)
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     cpu_seconds: dict[str, list[float]] = {name: [] for name in runs}
@@ -168,13 +189,12 @@ def main() -> None:
     reference = codes["one_after_the_other"]
     batched_reference = codes.get(f"batched_matmul_slots_{counts[0]}", reference)
     one = f"batched_matmul_slots_{counts[0]}" if args.batched_only else f"slots_{counts[0]}"  # the ratios' base
-    modes = [("exact", False)] if not args.batched_only else []
-    modes += [("batched", True)] if not args.exact_only else []
-    steps = {
-        f"{mode}_slots_{n}": step_ms(lm, queue[-1], n, max_len, batched, device)
-        for mode, batched in modes
-        for n in counts
-    }
+
+    def anchor(name: str) -> list[torch.Tensor]:
+        """What a run's codes must equal: the batched modes' one slot, or the engine's alone."""
+        return batched_reference if name.startswith(("batched", "whole")) else reference
+
+    steps = {f"{mode}_slots_{n}": step_ms(lm, queue[-1], n, max_len, mode, device) for mode in modes for n in counts}
     song_frames = profile.frames_for(180.0)
     print(
         json.dumps(
@@ -194,14 +214,8 @@ def main() -> None:
                     name: round(median["one_after_the_other"] / value, 2) for name, value in median.items()
                 },
                 "cpu_vs_one_slot": {name: round(cpu_median[one] / value, 2) for name, value in cpu_median.items()},
-                "codes_equal_alone": {
-                    name: same(got, batched_reference if name.startswith("batched") else reference)
-                    for name, got in codes.items()
-                },
-                "code_agreement_with_alone": {
-                    name: agreement(got, batched_reference if name.startswith("batched") else reference)
-                    for name, got in codes.items()
-                },
+                "codes_equal_alone": {name: same(got, anchor(name)) for name, got in codes.items()},
+                "code_agreement_with_alone": {name: agreement(got, anchor(name)) for name, got in codes.items()},
                 "batched_matmul_codes_equal_alone_engine": same(batched_reference, reference),
                 # issue 23's GPU targets: a step at 16 slots <= 2x the step at 1; 16 concurrent 3-minute songs
                 "step_ms": steps,

@@ -72,6 +72,11 @@ def test_the_runner_pauses_resumes_and_drops_tracks_by_key(models, tmp_path):
     from app.pipeline.music.inflight import InFlightBackbone
 
     runner = InFlightBackbone(models, slots=2)
+    assert not runner.decoder.use_graphs and not runner.decoder.whole_frame
+    # on a CPU, CUDA graphs asked for are not used (the batched mode's frame, cut to the tracks, runs eagerly)
+    graphs_asked = InFlightBackbone(models, slots=2, batched_matmul=True, cuda_graphs=True)
+    assert not graphs_asked.decoder.use_graphs and not graphs_asked.decoder.whole_frame
+    graphs_asked.close()
     tracks = {key: BackboneTrack(SONGS[0], seed=20 + key, out=tmp_path / f"t{key}.pt") for key in range(3)}
     runner.admit(0, tracks[0])
     runner.admit(1, tracks[1])

@@ -17,10 +17,12 @@ def test_slots_bench_runs_and_every_configuration_decodes_each_track_as_alone():
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
     expected = {"one_after_the_other", "slots_1", "slots_4", "batched_matmul_slots_1", "batched_matmul_slots_4"}
+    expected |= {"whole_frame_slots_1", "whole_frame_slots_4"}
     assert set(report["tracks_per_hour"]) == expected
     assert all(report["codes_equal_alone"].values()), report["codes_equal_alone"]
     assert set(report["code_agreement_with_alone"].values()) == {1.0}
-    assert set(report["step_ms"]) == {"exact_slots_1", "exact_slots_4", "batched_slots_1", "batched_slots_4"}
+    modes = ("exact", "batched", "whole")
+    assert set(report["step_ms"]) == {f"{mode}_slots_{n}" for mode in modes for n in (1, 4)}
     assert report["step_ratio_to_one_slot"]["batched_slots_1"] == 1.0
     assert all(value > 0 for value in report["projected_tracks_per_hour_3min_songs"].values())
     assert report["machine"] == machine_facts()

@@ -137,14 +137,17 @@ def test_progress_once_per_block_and_cancel_within_one(engines, tiny_profile, mo
 
 
 class OpLog(TorchDispatchMode):
-    """Every ATen op run while active."""
+    """Every ATen op run while active, and (`shapes`) each with the shapes of its tensor arguments."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[str] = []
+        self.shapes: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
+        flat = [*args, *(kwargs or {}).values()]
+        self.shapes.append((str(func), *(tuple(a.shape) for a in flat if isinstance(a, torch.Tensor))))
         return func(*args, **(kwargs or {}))
 
 
@@ -176,18 +179,18 @@ def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
         decoder = SlotDecoder(lm, 3, requests[0].positions, check_every=4)
         live = [decoder.admit(request) for request in requests]
         with torch.inference_mode():
-            groups = decoder._begin_block(live, 4)
+            samplers = decoder._begin_block(live, 4)
             step = (
                 torch.compile(decoder.frame_step, backend="eager", fullgraph=True) if compiled else decoder.frame_step
             )
             for _ in range(3):
-                step(live, groups)
+                step(live, samplers)
             if compiled:
-                step(live, groups)
+                step(live, samplers)
             else:
                 log = OpLog()
                 with log:
-                    decoder.frame_step(live, groups)
+                    decoder.frame_step(live, samplers)
                 assert not [op for op in log.ops if op.startswith(HOST_ROUND_TRIPS)], log.ops
                 per_token = len(log.ops) / 2  # 222 ATen ops here (2 layers, 2 live rows of 3), on the CPU
                 assert per_token < 250, log.ops  # a guard against per-token work creeping in
@@ -213,3 +216,53 @@ def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
 def test_cuda_graphs_need_a_cuda_device(engines):
     with pytest.raises(ValueError, match="CUDA device"):
         SlotDecoder(engines["torch"], 1, 40, use_graphs=True)
+
+
+def frame_trace(decoder: SlotDecoder, live: list[int]) -> tuple[list[tuple], tuple]:
+    """The ops (with their arguments' shapes) one frame runs for the slots in `live`, and what a capture of it
+    holds fixed (its configuration)."""
+    with torch.inference_mode():
+        samplers = decoder._begin_block(live, 1)
+        log = OpLog()
+        with log:
+            decoder.frame_step(live, samplers)
+        assert not [op for op in log.ops if op.startswith(HOST_ROUND_TRIPS)], log.ops
+        return log.shapes, decoder._configuration(live, samplers)
+
+
+@pytest.mark.parametrize("whole_frame", [True, False])
+def test_a_whole_frame_is_the_same_kernels_whatever_the_slots_hold(engines, tiny_profile, end_id, whole_frame):
+    """What a CUDA graph at a fixed slot count needs: in batched_matmul mode a whole frame runs the same ops on
+    the same shapes, and holds the same configuration, whichever slots are occupied, by tracks of any prompt
+    length and frame, so one capture serves tracks that join and leave. The batched frame that is not whole
+    (rows and keys cut to the tracks in use, a candidate logit per occupied slot) is the contrast: its ops change."""
+    lm = engines["torch"]
+    plan = SongPlan(
+        window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
+        codebook_size=tiny_profile.codebook_size,
+        end_id=end_id,
+        limit=20,
+        min_frames=0,
+        expected_frames=20,
+        top_k=50,
+        temperature=1.0,
+    )
+    decoder = SlotDecoder(lm, 3, 80, check_every=4, batched_matmul=True, whole_frame=whole_frame)
+    first = decoder.admit(TrackRequest(tuple(PROMPT), plan, 1))
+    second = decoder.admit(TrackRequest(tuple(PROMPT[:2]), plan, 2))
+    traces = [frame_trace(decoder, [first, second])]
+    decoder.cancel(first)  # one leaves: the other alone, in slot 1
+    traces.append(frame_trace(decoder, [second]))
+    third = decoder.admit(TrackRequest(tuple(range(3, 40)), plan, 3))  # a longer prompt joins, in slot 0
+    fourth = decoder.admit(TrackRequest((9,), plan, 4))
+    traces.append(frame_trace(decoder, sorted([second, third, fourth])))
+    same = all(trace == traces[0] for trace in traces)
+    assert same == whole_frame
+    if whole_frame:
+        assert decoder.rows_stepped == 0 and decoder.row_reach == 3 and decoder.key_cut == decoder.cache_len
+    decoder.close()
+
+
+def test_a_whole_frame_needs_batched_matmul(engines):
+    with pytest.raises(ValueError, match="batched_matmul"):
+        SlotDecoder(engines["torch"], 2, 40, whole_frame=True)

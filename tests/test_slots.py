@@ -9,6 +9,7 @@ sampler). A canceled slot frees its place and disturbs no one.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -192,6 +193,25 @@ def test_batched_matmul_codes_equal_one_slot(lm, mix, batched_alone_codes, alone
     assert equal(batched_alone_codes, alone_codes)  # not promised (last bits of the logits differ), but here so
 
 
+@pytest.mark.parametrize(("slots", "check_every"), [(3, 4), (5, 3)])
+def test_a_whole_frame_gives_the_codes_of_the_batched_mode(lm, mix, batched_alone_codes, slots, check_every):
+    """The whole frame, what a CUDA graph at a fixed slot count replays (every slot's row over the whole cache;
+    each slot's sampler and candidate set picked by device data, not by the frame's structure), gives every track
+    the codes the batched mode gives it alone: tracks of two candidate sets (with and without an end id) and five
+    samplers, joining and leaving, some ended by the model."""
+    base = mix[0].plan
+    shifted = TrackRequest(  # a third candidate set: windows 3 ids lower, so its heads' rows are other rows
+        tuple(range(2, 9)), replace(base, window_starts=tuple(start - 3 for start in base.window_starts)), 13
+    )
+    shifted_alone = decode_queue(SlotDecoder(lm, 1, MAX_LEN, batched_matmul=True), [shifted])[0]
+    decoder = SlotDecoder(lm, slots, MAX_LEN, check_every=check_every, batched_matmul=True, whole_frame=True)
+    assert equal(
+        decode_queue(decoder, [*mix[:3], shifted, *mix[3:]]),
+        [*batched_alone_codes[:3], shifted_alone, *batched_alone_codes[3:]],
+    )
+    assert decoder.rows_stepped == slots * decoder.frames_stepped  # every row ran, every frame
+
+
 def test_batched_matmul_logits_are_bitwise_those_of_one_slot(lm, make_request):
     requests = [
         make_request(range(1, 30), 1, limit=12, top_k=9, temperature=0.8),
@@ -261,14 +281,14 @@ def test_a_canceled_slot_frees_its_place_and_disturbs_no_one(lm, tiny_profile, m
     assert torch.equal(codes[-1], alone(lm, tiny_profile, newcomer))
 
 
-@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize(("batched", "whole_frame"), [(False, False), (True, False), (True, True)])
 def test_a_paused_track_resumes_in_another_slot_and_ends_as_alone(
-    lm, mix, alone_codes, batched_alone_codes, make_request, batched
+    lm, mix, alone_codes, batched_alone_codes, make_request, batched, whole_frame
 ):
     """Paused mid-song (its slot given to a newcomer), kept aside while the others go on, resumed in another slot:
     its codes and everyone else's are those alone; a track that may end pauses past the frame it may end at."""
     expected = batched_alone_codes if batched else alone_codes
-    decoder = SlotDecoder(lm, 3, MAX_LEN, check_every=4, batched_matmul=batched)
+    decoder = SlotDecoder(lm, 3, MAX_LEN, check_every=4, batched_matmul=batched, whole_frame=whole_frame)
     assert [decoder.admit(mix[i]) for i in (4, 3, 1)] == [0, 1, 2]
     for _ in range(3):  # 12 frames: mix[3] may end from frame 3 on
         decoder.step_block()

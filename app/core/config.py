@@ -430,6 +430,12 @@ class Settings:
         "64-key blocks: batch-invariant, so a seed still means a song in every engine, but not bitwise the reference "
         "loop's; what a memory-bound GPU needs)",
     )
+    engine_graphs: bool = flag(
+        "ENCORE_ENGINE_GRAPHS=1",
+        "with `ENCORE_ENGINE_MATMUL=batched` on a CUDA device: each frame of the engine replays one CUDA graph that runs "
+        "every slot over the whole cache, whichever slots are occupied (captured again only when the set of samplers "
+        "or candidate sets in use changes, not when tracks join or leave); `0`: the frame's kernels launched one by one",
+    )
     music_engine: str = setting(
         "ENCORE_MUSIC_ENGINE=torch",
         "transformer engine of the music stages: `torch` (plain PyTorch with a static KV cache, "

@@ -70,7 +70,8 @@ def backbone_work(run: StageRun) -> None:
 
         assert run.watch is not None
         batched = run.svc.settings.engine_matmul == "batched"
-        runner = InFlightBackbone(models(), slots, run.loaded, batched_matmul=batched)
+        graphs = run.svc.settings.engine_graphs
+        runner = InFlightBackbone(models(), slots, run.loaded, batched_matmul=batched, cuda_graphs=graphs)
         announce_slots(run.svc, run.queue, runner.slots)  # halved on out-of-memory: the ones it has
         BackboneEngine(run, run.watch, runner).serve()
         return

@@ -90,7 +90,9 @@ def engine_slots(lm: TorchCausalLM, setting: int, cap: int = DEFAULT_SLOT_CAP) -
 class InFlightBackbone:
     """Tracks of any songs decoding together in up to `slots` slots of the backbone (a TorchCausalLM), each
     joining and leaving between blocks. Slots are sized for the model's full length, so any track fits; on an
-    out-of-memory error at the start the slot count halves (open_slot_decoder)."""
+    out-of-memory error at the start the slot count halves (open_slot_decoder). `cuda_graphs`: with batched_matmul
+    on a CUDA device, each frame replays one CUDA graph of the whole frame (slots.py), captured once for any
+    occupancy."""
 
     def __init__(
         self,
@@ -100,12 +102,17 @@ class InFlightBackbone:
         clock: Callable[[], float] = time.monotonic,
         *,
         batched_matmul: bool = False,
+        cuda_graphs: bool = False,
     ):
         lm = models.backbone(loaded)
         if not isinstance(lm, TorchCausalLM):
             raise TypeError("the in-flight engine needs the torch backbone engine (ENCORE_MUSIC_ENGINE=torch)")
         self.models, self.loaded, self.clock = models, loaded, clock
-        self.decoder: SlotDecoder = open_slot_decoder(lm, lm.model.shape.max_len, slots, batched_matmul=batched_matmul)
+        # a CUDA graph per frame where it serves tracks that come and go: a whole frame (batched_matmul) on CUDA
+        graphs = cuda_graphs and batched_matmul and lm.device.type == "cuda"
+        self.decoder: SlotDecoder = open_slot_decoder(
+            lm, lm.model.shape.max_len, slots, batched_matmul=batched_matmul, use_graphs=graphs
+        )
         self._seats: dict[Hashable, _Seat] = {}  # in the order they took their slots
         self._paused: dict[Hashable, tuple[_Seat, PausedTrack]] = {}  # in the order they left them
 

@@ -12,7 +12,8 @@ GPU one frame (two tokens) is a fixed sequence of kernels that a CUDA graph can 
     block of frames is drawn ahead, in one call on its own generator (the same values, in the same order, as
     one call per token on the CPU), so a track's codes are those the reference loop gives it;
   - progress, cancels and "which tracks have ended?" are read once per block (`check_every` frames);
-  - with `use_graphs` (on CUDA) each block's frame is captured once as a CUDA graph and replayed.
+  - with `use_graphs` (on CUDA) each block's frame is captured once as a CUDA graph and replayed; in batched_matmul
+    mode the frame is whole (below), so one capture serves tracks that join and leave.
 
 It holds up to N tracks of any songs at once, each at its own place: its own prompt (of its own length), seed,
 sampler, frame limit and end id (its own SongPlan), its own positions and RNG generator. The in-flight engine
@@ -76,6 +77,15 @@ per-row kernels and of sampling) so the batched part of a step has one shape wha
 batched_matmul mode without CUDA graphs a frame runs the model only on the rows up to the last occupied slot's
 ROW_TILE (`row_reach`): on a CPU, where a 16-row product costs about three 1-row ones, more slots then cost
 nothing until they fill.
+
+A whole frame (`whole_frame`, batched_matmul only; what `use_graphs` captures there) is the CUDA graph's frame at a
+fixed slot count: every slot's row, over the whole cache, every frame, whichever slots are occupied, with each
+slot's sampler (`sampler_of`) and candidate set (`head_of`) picked by device data. Its kernels and their shapes
+are then the same for any occupancy (tests/test_decode_loop.py records them), so the graph is captured again only
+when the set of samplers or candidate sets in use changes, not when a track joins or leaves; and a track's codes
+are those the batched mode gives it (tests/test_slots.py), since every row is computed as in the cut frame. The
+price: empty rows and unused keys run too, where the cut frame skips them (bench/slots.py's `whole_frame_slots_N`
+against `batched_matmul_slots_N`).
 """
 
 from __future__ import annotations
@@ -218,6 +228,12 @@ class _Occupant:
     heads: tuple[Tensor, ...]  # per codebook, the output rows its tokens are sampled from
     frame: int = 0
 
+    @property
+    def candidate_key(self) -> tuple:
+        """What its heads are made of (their candidate ids follow from it): slots with equal keys share heads."""
+        plan = self.request.plan
+        return plan.window_starts, plan.codebook_size, plan.end_id
+
     def may_end(self) -> bool:
         return self.request.plan.may_end(self.frame)
 
@@ -262,12 +278,13 @@ PAUSED_ROWS = (
 )
 
 
-@dataclass(frozen=True)
-class _SamplingGroup:
-    """Occupied slots that sample alike during a block (same top-k, temperature, candidate count): one batched
-    topk/softmax/argmax for all of them."""
+@dataclass(frozen=True, order=True)
+class _Sampler:
+    """How a slot samples during a block (top-k, temperature, candidate count, noise values drawn): the slots that
+    sample alike share one batched topk/softmax/argmax. A frame computes each sampler in use over every row and
+    keeps it for the rows whose `sampler_of` names it, so which slots use which sampler is device data, not the
+    frame's structure."""
 
-    rows: Tensor
     top_k: int
     temperature: float
     candidates: int
@@ -293,7 +310,9 @@ class SlotDecoder:
     docstring: faster, bitwise equal across batches, but not bitwise the engine's alone logits).
     `use_graphs` (CUDA only): each block's frame runs as a CUDA graph, captured when the slots' configuration
     (who runs, each one's key length, candidates and sampler) differs from the last block's: no per-kernel launch
-    cost, at the price of a capture (about two frames) per configuration.
+    cost, at the price of a capture (about two frames) per configuration. With batched_matmul the frame is whole
+    (`whole_frame`, which a CPU may run without graphs), and the configuration only the samplers and candidate
+    sets in use.
     """
 
     def __init__(
@@ -305,11 +324,15 @@ class SlotDecoder:
         check_every: int = DEFAULT_CHECK_EVERY,
         batched_matmul: bool = False,
         use_graphs: bool = False,
+        whole_frame: bool | None = None,
     ):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if use_graphs and lm.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {lm.device}")
+        whole_frame = use_graphs and batched_matmul if whole_frame is None else whole_frame
+        if whole_frame and not batched_matmul:
+            raise ValueError("a whole frame needs batched_matmul (the exact mode runs its linears per occupied row)")
         shape = lm.model.shape
         if not 1 <= max_len <= shape.max_len:
             raise ValueError(f"max_len must be in 1..{shape.max_len} (the model's positions), got {max_len}")
@@ -325,9 +348,12 @@ class SlotDecoder:
         self.rows_stepped = 0  # rows the model ran on, over those frames (row_reach x frames: the engine's tally)
         self.batched_matmul = batched_matmul
         self.use_graphs = use_graphs
+        self.whole_frame = whole_frame
         self.device, self.dtype = lm.device, lm.dtype
-        # the last captured frame: its configuration, the graph, and the sampling groups whose tensors it reads
-        self._graph: tuple[tuple, torch.cuda.CUDAGraph, list[_SamplingGroup]] | None = None
+        # the last captured frame: its configuration and the graph
+        self._graph: tuple[tuple, torch.cuda.CUDAGraph] | None = None
+        # whole_frame: this block's distinct candidate sets (`head_of` indexes them in this order), a head per codebook
+        self._frame_heads: dict[tuple, tuple[Tensor, ...]] = {}
         self._occupants: dict[int, _Occupant] = {}
         self._head_cache: dict[tuple[int, ...], Tensor] = {}
         self._views: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
@@ -361,6 +387,8 @@ class SlotDecoder:
         self.logits = torch.zeros(n, 1, device=device)  # widened on admission to the largest candidate count
         self.noise = torch.ones(n, COARSE_CODEBOOKS * self.check_every, 1, device=device)
         self.noise_step = self._longs(1)
+        self.sampler_of = self._longs(n)  # each slot's index in this block's samplers (_samplers)
+        self.head_of = self._longs(n)  # whole_frame: each slot's index in this block's candidate sets
 
     def _longs(self, *size: int) -> Tensor:
         return torch.zeros(*size, dtype=torch.long, device=self.device)
@@ -700,22 +728,23 @@ class SlotDecoder:
         longest = self.check_every if most is None else max(1, min(most, self.check_every))
         frames = min(longest, *(self._occupants[slot].frames_to_next_phase() for slot in live))
         with torch.inference_mode():
-            groups = self._begin_block(live, frames)
+            samplers = self._begin_block(live, frames)
             self.frames_stepped += frames
             self.rows_stepped += frames * self.row_reach
             for _ in range(frames):
-                self._run_frame(live, groups)
+                self._run_frame(live, samplers)
             ended, lengths = self.ended.tolist(), self.lengths.tolist()  # the one host read per block
         return [self._after_block(slot, frames, ended[slot], lengths[slot]) for slot in live]
 
-    def _begin_block(self, live: Sequence[int], frames: int) -> list[_SamplingGroup]:
+    def _begin_block(self, live: Sequence[int], frames: int) -> list[_Sampler]:
         """Set up a block of `frames` frames: each slot's noise, the choice that ends each track (end-of-text,
-        once it is a candidate; -1: none); the sampling groups its frames use."""
+        once it is a candidate; -1: none), which sampler (and, whole_frame, which candidate set) each slot uses;
+        the samplers its frames run."""
         self._draw_noise(live, frames)
         for slot in live:
             occupant = self._occupants[slot]
             self.end_choice[slot] = occupant.request.plan.codebook_size if occupant.may_end() else -1
-        if self.batched_matmul and not self.use_graphs:  # a captured frame keeps its shapes: it reads the whole cache
+        if self.batched_matmul and not self.whole_frame:  # a whole frame keeps its shapes: it reads the whole cache
             reach = max(
                 len(self._occupants[slot].request.prompt_ids)
                 + COARSE_CODEBOOKS * (self._occupants[slot].frame + frames)
@@ -723,7 +752,9 @@ class SlotDecoder:
             )
             self.key_cut = self._blocks_of(reach)
             self.row_reach = self._tiles_up_to(max(live))
-        return self._sampling_groups(live)
+        if self.whole_frame:
+            self._frame_heads = self._index_candidate_sets(live)
+        return self._samplers(live)
 
     def _tiles_up_to(self, slot: int) -> int:
         """Rows from 0 through whole ROW_TILEs to `slot` (within the slots): batched_matmul's frame runs the model on
@@ -737,25 +768,30 @@ class SlotDecoder:
         """`positions` keys rounded up to whole KEY_BLOCKs, within the cache."""
         return min(self.cache_len, whole_key_blocks(positions))
 
-    def frame_step(self, live: Sequence[int], groups: Sequence[_SamplingGroup]) -> None:
-        """One frame (q0 then q1) for every occupied slot; capture-safe: tensors only, no host reads."""
+    def frame_step(self, live: Sequence[int], samplers: Sequence[_Sampler]) -> None:
+        """One frame (q0 then q1) for every occupied slot; capture-safe: tensors only, no host reads. A whole frame
+        ignores `live`: it runs every slot's row the same way, whichever are occupied."""
+        rows = range(self.slots) if self.whole_frame else live
         for q in range(COARSE_CODEBOOKS):
-            self._token(q, live, groups)
+            self._token(q, rows, samplers)
         self.frame.add_(self.occupied)
 
-    def _run_frame(self, live: Sequence[int], groups: list[_SamplingGroup]) -> None:
+    def _run_frame(self, live: Sequence[int], samplers: list[_Sampler]) -> None:
         if not self.use_graphs:
-            self.frame_step(live, groups)
+            self.frame_step(live, samplers)
             return
-        configuration = self._configuration(live)
+        configuration = self._configuration(live, samplers)
         if self._graph is None or self._graph[0] != configuration:
             self._graph = None  # the last configuration's graph and memory go first
-            self._graph = (configuration, self._capture(live, groups), groups)
+            self._graph = (configuration, self._capture(live, samplers))
         self._graph[1].replay()
 
-    def _configuration(self, live: Sequence[int]) -> tuple:
-        """What a captured frame holds fixed: which slots run, and each one's key length (its mask and cache
-        views), candidate rows (its heads) and sampler (its group)."""
+    def _configuration(self, live: Sequence[int], samplers: Sequence[_Sampler]) -> tuple:
+        """What a captured frame holds fixed. A whole frame: only the samplers and candidate sets in use (which
+        slot uses which is device data), so tracks join and leave without a new capture. Otherwise: which slots
+        run, and each one's key length (its mask and cache views), candidate rows (its heads) and sampler."""
+        if self.whole_frame:
+            return tuple(samplers), tuple(self._frame_heads)
         configuration = []
         for slot in live:
             occupant = self._occupants[slot]
@@ -765,7 +801,7 @@ class SlotDecoder:
             configuration.append((slot, occupant.request.positions, candidates, sampler))
         return tuple(configuration)
 
-    def _capture(self, live: Sequence[int], groups: Sequence[_SamplingGroup]) -> torch.cuda.CUDAGraph:
+    def _capture(self, live: Sequence[int], samplers: Sequence[_Sampler]) -> torch.cuda.CUDAGraph:
         """Capture one frame as a CUDA graph. Warm-up runs a real frame on a side stream, so the state it
         changes is put back before capturing (the KV entries it wrote are rewritten by the replay)."""
         state = [
@@ -784,13 +820,13 @@ class SlotDecoder:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.frame_step(live, groups)
+            self.frame_step(live, samplers)
         torch.cuda.current_stream().wait_stream(stream)
         for tensor, value in zip(state, saved, strict=True):
             tensor.copy_(value)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # records the kernels without running them
-            self.frame_step(live, groups)
+            self.frame_step(live, samplers)
         return graph
 
     def _after_block(self, slot: int, frames: int, ended: bool, length: int) -> SlotUpdate:
@@ -803,17 +839,33 @@ class SlotDecoder:
         self.cancel(slot)
         return SlotUpdate(slot, request, length, finished=True, codes=codes)
 
-    def _sampling_groups(self, live: Iterable[int]) -> list[_SamplingGroup]:
-        by_sampler: dict[tuple[int, float, int, int], list[int]] = {}
+    def _samplers(self, live: Iterable[int]) -> list[_Sampler]:
+        """The distinct samplers of the occupied slots this block, in a fixed order (the same set gives the same
+        list, so a captured whole frame is replayed), and each slot's index among them into `sampler_of`."""
+        of_slot: dict[int, _Sampler] = {}
         for slot in live:
             occupant = self._occupants[slot]
             plan, may_end = occupant.request.plan, occupant.may_end()
-            key = (plan.top_k, plan.temperature, plan.candidates(may_end), plan.drawn(may_end))
-            by_sampler.setdefault(key, []).append(slot)
-        return [
-            _SamplingGroup(torch.tensor(slots, device=self.device), top_k, temperature, candidates, drawn)
-            for (top_k, temperature, candidates, drawn), slots in by_sampler.items()
-        ]
+            of_slot[slot] = _Sampler(plan.top_k, plan.temperature, plan.candidates(may_end), plan.drawn(may_end))
+        samplers = sorted(set(of_slot.values()))
+        self._index_rows(self.sampler_of, {slot: samplers.index(sampler) for slot, sampler in of_slot.items()})
+        return samplers
+
+    def _index_candidate_sets(self, live: Iterable[int]) -> dict[tuple, tuple[Tensor, ...]]:
+        """whole_frame: the distinct candidate sets of the occupied slots (their heads, by their candidate ids), in
+        a fixed order, and each slot's index among them into `head_of`. A deployment's tracks share one (its
+        profile's windows and end id), so a frame usually computes one head per row."""
+        key_of = {slot: self._occupants[slot].candidate_key for slot in live}
+        keys = sorted(set(key_of.values()), key=repr)  # a fixed order (an end id may be None)
+        self._index_rows(self.head_of, {slot: keys.index(key) for slot, key in key_of.items()})
+        heads = {self._occupants[slot].candidate_key: self._occupants[slot].heads for slot in live}
+        return {key: heads[key] for key in keys}
+
+    def _index_rows(self, target: Tensor, index_of: dict[int, int]) -> None:
+        """Write each slot's index into a per-slot device tensor in one upload (empty slots keep 0: any index
+        serves them, their rows are never read)."""
+        values = [index_of.get(slot, 0) for slot in range(self.slots)]
+        target.copy_(torch.tensor(values, dtype=torch.long))
 
     def _draw_noise(self, live: Iterable[int], frames: int) -> None:
         """Each slot's Exp(1) noise for the next `frames` frames from its own generator: the values its track
@@ -825,24 +877,30 @@ class SlotDecoder:
             if drawn:
                 self.noise[slot, : COARSE_CODEBOOKS * frames, :drawn].exponential_(1, generator=occupant.generator)
 
-    def _sample(self, groups: Sequence[_SamplingGroup]) -> None:
-        """One code per occupied slot into self.choice: temperature, top-k, then the exponential race with the
-        slot's own noise (the code multinomial would draw), batched over the slots of each group."""
-        for group in groups:
-            logits = self.logits.index_select(0, group.rows)[:, : group.candidates]
-            if group.top_k == 1:
-                choice = logits.argmax(dim=-1)
+    def _sample(self, samplers: Sequence[_Sampler]) -> None:
+        """One code per row into self.choice: temperature, top-k, then the exponential race with the slot's own
+        noise (the code multinomial would draw). Each sampler runs over every row the model ran on (topk, softmax
+        and argmax compute a row from that row alone) and a row keeps the choice of its own (`sampler_of`)."""
+        reach = self.row_reach
+        logits_all, noise_all, choice = self.logits[:reach], self.noise[:reach], self.choice[:reach]
+        for index, sampler in enumerate(samplers):
+            logits = logits_all[:, : sampler.candidates]
+            if sampler.top_k == 1:
+                picked = logits.argmax(dim=-1)
             else:
-                values, indices = torch.topk(logits / group.temperature, group.drawn, dim=-1)
+                values, indices = torch.topk(logits / sampler.temperature, sampler.drawn, dim=-1)
                 probs = torch.softmax(values, dim=-1)
-                noise = self.noise.index_select(0, group.rows).index_select(1, self.noise_step)[:, 0, : group.drawn]
-                choice = indices.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).view(-1)
-            self.choice.index_copy_(0, group.rows, choice)
+                noise = noise_all.index_select(1, self.noise_step)[:, 0, : sampler.drawn]
+                picked = indices.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).view(-1)
+            if len(samplers) > 1:
+                picked = torch.where(self.sampler_of[:reach] == index, picked, choice)
+            choice.copy_(picked)
         self.noise_step.add_(1)
 
-    def _token(self, q: int, live: Sequence[int], groups: Sequence[_SamplingGroup]) -> None:
-        """Codebook q for every slot: sample, record, feed, and leave the next token's candidate logits."""
-        self._sample(groups)
+    def _token(self, q: int, rows: Sequence[int], samplers: Sequence[_Sampler]) -> None:
+        """Codebook q for every slot: sample, record, feed, and leave the next token's candidate logits. `rows`: the
+        slots whose candidate logits are computed (the occupied ones; a whole frame: all)."""
+        self._sample(samplers)
         ending = (self.choice == self.end_choice) & ~self.ended
         self.lengths.copy_(torch.where(ending, self.frame, self.lengths))
         self.ended.logical_or_(ending)
@@ -854,13 +912,29 @@ class SlotDecoder:
         if self.batched_matmul:  # each row's `visible`, up to this block's key cut (_attention_blocks)
             masks = {ALL_ROWS: self.visible[:reach, :, :, : self.key_cut]}
         else:
-            masks = {slot: self._decode_mask(slot, self._occupants[slot].request.positions) for slot in live}
+            masks = {slot: self._decode_mask(slot, self._occupants[slot].request.positions) for slot in rows}
         tokens = self.model.embedding(self.tokens[:reach])
-        hidden = self._hidden(tokens, range(reach), self.rows[:reach], live, self.position[:reach, None], masks)
-        for slot in live:
-            head = self._occupants[slot].heads[(q + 1) % COARSE_CODEBOOKS]
-            self.logits[slot, : head.shape[0]] = (hidden[slot : slot + 1, 0] @ head.t()).float()[0]
+        hidden = self._hidden(tokens, range(reach), self.rows[:reach], rows, self.position[:reach, None], masks)
+        self._candidate_logits((q + 1) % COARSE_CODEBOOKS, hidden, rows)
         self.position.add_(self.occupied)
+
+    def _candidate_logits(self, q: int, hidden: Tensor, rows: Sequence[int]) -> None:
+        """The logits of codebook q's candidates for each of `rows`: one 1-row product per row with its own head
+        (the product a track alone makes). A whole frame takes each row's head from `head_of` (device data): every
+        candidate set in use for every row, each row keeping its own."""
+        if not self.whole_frame:
+            for slot in rows:
+                head = self._occupants[slot].heads[q]
+                self.logits[slot, : head.shape[0]] = (hidden[slot : slot + 1, 0] @ head.t()).float()[0]
+            return
+        for index, heads in enumerate(self._frame_heads.values()):
+            head = heads[q]
+            width = head.shape[0]
+            for row in rows:
+                logits = (hidden[row : row + 1, 0] @ head.t()).float()[0]
+                if len(self._frame_heads) > 1:
+                    logits = torch.where(self.head_of[row] == index, logits, self.logits[row, :width])
+                self.logits[row, :width] = logits
 
 
 # -- sizing ---------------------------------------------------------------------------------------------
@@ -892,6 +966,7 @@ def open_slot_decoder(
     memory_bytes: int | None = None,
     check_every: int = DEFAULT_CHECK_EVERY,
     batched_matmul: bool = False,
+    use_graphs: bool = False,
 ) -> SlotDecoder:
     """A SlotDecoder of `slots` slots, or fewer (halving) when its cache does not fit: on a real out-of-memory
     error, or, when `memory_bytes` is given, when the cache would take more than that (a budget: e.g. what the
@@ -903,7 +978,9 @@ def open_slot_decoder(
                 raise torch.OutOfMemoryError(
                     f"{slots} slots need {slots * per_track} bytes of KV cache; the budget is {memory_bytes}"
                 )
-            return SlotDecoder(lm, slots, max_len, check_every=check_every, batched_matmul=batched_matmul)
+            return SlotDecoder(
+                lm, slots, max_len, check_every=check_every, batched_matmul=batched_matmul, use_graphs=use_graphs
+            )
         except torch.OutOfMemoryError:
             if slots <= 1:
                 raise
