@@ -96,7 +96,7 @@ def open_decoder(lm: TorchCausalLM, slots: int, max_len: int, mode: str, check_e
     """A decoder in one of MODES: `exact` (linears per row), `batched` (batched_matmul), `whole` (batched_matmul's
     whole frame: every slot over the whole cache; on CUDA a graph of it, captured once, replayed every frame)."""
     whole = mode == "whole"
-    return SlotDecoder(
+    return SlotDecoder(  # on CUDA a whole frame's attention is the fused one (SlotDecoder's default there)
         lm,
         slots,
         max_len,
@@ -147,6 +147,11 @@ def main() -> None:
     parser.add_argument(
         "--no-whole", action="store_true", help="skip the whole-frame configurations (CUDA graphs on a GPU)"
     )
+    parser.add_argument(
+        "--full-cache",
+        action="store_true",
+        help="slots sized for the model's full length, as a worker's engine sizes them (a whole frame reads it all)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     size = "tiny" if args.tiny else args.profile
@@ -165,8 +170,10 @@ def main() -> None:
     def one_after_the_other() -> list[torch.Tensor]:
         return [decode_song(lm, r.prompt_ids, r.plan, [r.seed], check_every=args.check_every)[0] for r in queue]
 
+    cache = lm.model.shape.max_len if args.full_cache else max_len  # positions per slot of the decoders
+
     def through_slots(slots: int, mode: str):
-        return lambda: decode_queue(open_decoder(lm, slots, max_len, mode, args.check_every), queue)
+        return lambda: decode_queue(open_decoder(lm, slots, cache, mode, args.check_every), queue)
 
     modes = [] if args.batched_only else ["exact"]
     modes += [] if args.exact_only else ["batched"] + ([] if args.no_whole else ["whole"])
@@ -192,9 +199,17 @@ def main() -> None:
 
     def anchor(name: str) -> list[torch.Tensor]:
         """What a run's codes must equal: the batched modes' one slot, or the engine's alone."""
-        return batched_reference if name.startswith(("batched", "whole")) else reference
+        if name.startswith("whole") and f"whole_frame_slots_{counts[0]}" in codes:
+            return codes[f"whole_frame_slots_{counts[0]}"]  # on CUDA its fused attention has bits of its own
+        return batched_reference if name.startswith("batched") else reference
 
-    steps = {f"{mode}_slots_{n}": step_ms(lm, queue[-1], n, max_len, mode, device) for mode in modes for n in counts}
+    steps = {f"{mode}_slots_{n}": step_ms(lm, queue[-1], n, cache, mode, device) for mode in modes for n in counts}
+    most = counts[-1]
+    # a whole frame's promise: a track's codes amid others are those it gets alone in an engine of as many slots
+    whole_alone = None
+    if "whole" in modes:
+        alone = [decode_queue(open_decoder(lm, most, cache, "whole", args.check_every), [r])[0] for r in queue]
+        whole_alone = same(codes[f"whole_frame_slots_{most}"], alone)
     song_frames = profile.frames_for(180.0)
     print(
         json.dumps(
@@ -217,6 +232,9 @@ def main() -> None:
                 "codes_equal_alone": {name: same(got, anchor(name)) for name, got in codes.items()},
                 "code_agreement_with_alone": {name: agreement(got, anchor(name)) for name, got in codes.items()},
                 "batched_matmul_codes_equal_alone_engine": same(batched_reference, reference),
+                # each track alone in a whole-frame decoder of the most slots: what its codes amid the others must be
+                "whole_frame_codes_equal_alone_in_as_many_slots": whole_alone,
+                "cache_positions_per_slot": cache,
                 # issue 23's GPU targets: a step at 16 slots <= 2x the step at 1; 16 concurrent 3-minute songs
                 "step_ms": steps,
                 "step_ratio_to_one_slot": {

@@ -24,6 +24,7 @@ def test_slots_bench_runs_and_every_configuration_decodes_each_track_as_alone():
     modes = ("exact", "batched", "whole")
     assert set(report["step_ms"]) == {f"{mode}_slots_{n}" for mode in modes for n in (1, 4)}
     assert report["step_ratio_to_one_slot"]["batched_slots_1"] == 1.0
+    assert report["whole_frame_codes_equal_alone_in_as_many_slots"] is True
     assert all(value > 0 for value in report["projected_tracks_per_hour_3min_songs"].values())
     assert report["machine"] == machine_facts()
 

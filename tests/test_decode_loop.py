@@ -230,12 +230,15 @@ def frame_trace(decoder: SlotDecoder, live: list[int]) -> tuple[list[tuple], tup
         return log.shapes, decoder._configuration(live, samplers)
 
 
-@pytest.mark.parametrize("whole_frame", [True, False])
-def test_a_whole_frame_is_the_same_kernels_whatever_the_slots_hold(engines, tiny_profile, end_id, whole_frame):
+@pytest.mark.parametrize(("whole_frame", "fused_attention"), [(True, False), (True, True), (False, False)])
+def test_a_whole_frame_is_the_same_kernels_whatever_the_slots_hold(
+    engines, tiny_profile, end_id, whole_frame, fused_attention
+):
     """What a CUDA graph at a fixed slot count needs: in batched_matmul mode a whole frame runs the same ops on
     the same shapes, and holds the same configuration, whichever slots are occupied, by tracks of any prompt
     length and frame, so one capture serves tracks that join and leave. The batched frame that is not whole
-    (rows and keys cut to the tracks in use, a candidate logit per occupied slot) is the contrast: its ops change."""
+    (rows and keys cut to the tracks in use, a candidate logit per occupied slot) is the contrast: its ops change.
+    With the blocked attention (the CPU's) and the fused one (CUDA's)."""
     lm = engines["torch"]
     plan = SongPlan(
         window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
@@ -247,7 +250,9 @@ def test_a_whole_frame_is_the_same_kernels_whatever_the_slots_hold(engines, tiny
         top_k=50,
         temperature=1.0,
     )
-    decoder = SlotDecoder(lm, 3, 80, check_every=4, batched_matmul=True, whole_frame=whole_frame)
+    decoder = SlotDecoder(
+        lm, 3, 80, check_every=4, batched_matmul=True, whole_frame=whole_frame, fused_attention=fused_attention
+    )
     first = decoder.admit(TrackRequest(tuple(PROMPT), plan, 1))
     second = decoder.admit(TrackRequest(tuple(PROMPT[:2]), plan, 2))
     traces = [frame_trace(decoder, [first, second])]

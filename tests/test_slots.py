@@ -212,6 +212,38 @@ def test_a_whole_frame_gives_the_codes_of_the_batched_mode(lm, mix, batched_alon
     assert decoder.rows_stepped == slots * decoder.frames_stepped  # every row ran, every frame
 
 
+def test_fused_attention_keeps_a_seed_a_song_in_an_engine_of_fixed_shapes(lm, mix):
+    """The whole frame's fused attention (the CUDA path, run here on the CPU): one masked attention call over every
+    slot's whole cache. Its shapes never change in a decoder, so each track's codes amid the others are those it
+    gets alone in a decoder of the same slots (a row's bits depend on its own row only); its logits are those of
+    the blocked attention to rounding, not bitwise (module docstring)."""
+    tracks = mix[:5]
+
+    def fused() -> SlotDecoder:
+        return SlotDecoder(lm, 3, MAX_LEN, check_every=4, batched_matmul=True, whole_frame=True, fused_attention=True)
+
+    alone_in_three = [decode_queue(fused(), [request])[0] for request in tracks]
+    assert equal(decode_queue(fused(), tracks), alone_in_three)
+    blocked = SlotDecoder(lm, 3, MAX_LEN, check_every=2, batched_matmul=True, whole_frame=True)
+    together = fused()
+    for request in tracks[:3]:
+        blocked.admit(request)
+        together.admit(request)
+    bitwise = []
+    for _ in range(6):  # frame by frame: the logits after each
+        blocked.step_block(1)
+        together.step_block(1)
+        assert torch.allclose(blocked.logits, together.logits, rtol=1e-5, atol=1e-6)
+        bitwise.append(torch.equal(blocked.logits, together.logits))
+    assert not all(bitwise)  # another kernel: other last bits (so the fused path is what ran)
+    assert torch.equal(blocked.codes, together.codes)
+
+
+def test_fused_attention_needs_a_whole_frame(lm):
+    with pytest.raises(ValueError, match="whole frame"):
+        SlotDecoder(lm, 2, MAX_LEN, batched_matmul=True, fused_attention=True)
+
+
 def test_batched_matmul_logits_are_bitwise_those_of_one_slot(lm, make_request):
     requests = [
         make_request(range(1, 30), 1, limit=12, top_k=9, temperature=0.8),

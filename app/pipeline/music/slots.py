@@ -294,6 +294,9 @@ class _Sampler:
 ROW_TILE = 16  # rows per product in batched_matmul mode (see _linear)
 KEY_BLOCK = 64  # keys per block of batched_matmul mode's attention (see _attention_blocks)
 ALL_ROWS = -1  # the key of `masks` holding one mask for every row (batched_matmul's decode)
+# captured frames a decoder keeps: a whole frame's configurations come and go as its tracks' samplers change phase
+# (e.g. a song's set goes {window} -> {window, window + end} -> {window + end} and back as tracks join)
+GRAPHS_KEPT = 8
 
 
 def whole_key_blocks(positions: int) -> int:
@@ -325,14 +328,19 @@ class SlotDecoder:
         batched_matmul: bool = False,
         use_graphs: bool = False,
         whole_frame: bool | None = None,
+        fused_attention: bool | None = None,
     ):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if use_graphs and lm.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {lm.device}")
-        whole_frame = use_graphs and batched_matmul if whole_frame is None else whole_frame
+        cuda = lm.device.type == "cuda"
+        whole_frame = batched_matmul and (use_graphs or cuda) if whole_frame is None else whole_frame
         if whole_frame and not batched_matmul:
             raise ValueError("a whole frame needs batched_matmul (the exact mode runs its linears per occupied row)")
+        fused_attention = whole_frame and cuda if fused_attention is None else fused_attention
+        if fused_attention and not whole_frame:
+            raise ValueError("fused attention needs a whole frame (its key count must not change with the slots)")
         shape = lm.model.shape
         if not 1 <= max_len <= shape.max_len:
             raise ValueError(f"max_len must be in 1..{shape.max_len} (the model's positions), got {max_len}")
@@ -349,9 +357,11 @@ class SlotDecoder:
         self.batched_matmul = batched_matmul
         self.use_graphs = use_graphs
         self.whole_frame = whole_frame
+        self.fused_attention = fused_attention
         self.device, self.dtype = lm.device, lm.dtype
-        # the last captured frame: its configuration and the graph
-        self._graph: tuple[tuple, torch.cuda.CUDAGraph] | None = None
+        # captured frames by configuration, the last used last (at most GRAPHS_KEPT), in one memory pool
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if use_graphs else None
         # whole_frame: this block's distinct candidate sets (`head_of` indexes them in this order), a head per codebook
         self._frame_heads: dict[tuple, tuple[Tensor, ...]] = {}
         self._occupants: dict[int, _Occupant] = {}
@@ -400,10 +410,10 @@ class SlotDecoder:
             wider = torch.zeros(n, candidates, device=self.device)
             wider[:, : self.logits.shape[1]] = self.logits
             self.logits = wider
-            self._graph = None  # it reads the old buffer
+            self._graphs.clear()  # they read the old buffer
         if drawn > self.noise.shape[2]:
             self.noise = torch.ones(n, COARSE_CODEBOOKS * self.check_every, drawn, device=self.device)
-            self._graph = None
+            self._graphs.clear()
 
     # -- occupancy --------------------------------------------------------------------------------------
     @property
@@ -498,7 +508,7 @@ class SlotDecoder:
         self._occupants.clear()
         self._views.clear()
         self._masks.clear()
-        self._graph = None
+        self._graphs.clear()
         self.keys, self.values = [], []
 
     def _reset_row(self, slot: int, request: TrackRequest) -> None:
@@ -612,7 +622,10 @@ class SlotDecoder:
         values[slots[:, None], :, positions] = v.transpose(1, 2)
         q = q.reshape(rows, s.groups, (s.heads // s.groups) * length, s.head_dim)
         if self.batched_matmul:
-            y = self._attention_blocks(q, layer, slots, masks).view(rows, s.heads, length, s.head_dim)
+            if self.fused_attention and ALL_ROWS in masks:
+                y = self._attention_fused(q, layer, masks[ALL_ROWS]).view(rows, s.heads, length, s.head_dim)
+            else:
+                y = self._attention_blocks(q, layer, slots, masks).view(rows, s.heads, length, s.head_dim)
             return self._linear(attention.out, y.transpose(1, 2).reshape(rows, length, s.heads * s.head_dim), live)
         outs: dict[int, Tensor] = {}
         for r in live:
@@ -621,6 +634,20 @@ class SlotDecoder:
             outs[r] = F.scaled_dot_product_attention(q[r : r + 1], keys_r, values_r, attn_mask=mask)
         y = self._stack(outs, rows).view(rows, s.heads, length, s.head_dim)
         return self._linear(attention.out, y.transpose(1, 2).reshape(rows, length, s.heads * s.head_dim), live)
+
+    def _attention_fused(self, q: Tensor, layer: int, mask: Tensor) -> Tensor:
+        """A whole frame's attention on CUDA: one masked scaled_dot_product_attention over every slot's whole cache
+        row, q [R, groups, queries, head_dim] (rows: every slot). Its key count and row count never change in an
+        engine, so the kernel runs on the same shapes every frame, whichever slots are occupied: a row's bits depend
+        on its own row only (an output row of attention reads its own query and cache row), without the key blocks
+        that make `_attention_blocks` independent of a changing key count (two kernels per block of 64 keys: some
+        800 a layer at Khala's 25,600 positions, where this is one call). Not the bits of `_attention_blocks`: a
+        deployment's engines share one device kind and one slot count."""
+        rows = q.shape[0]
+        keys, values = self.keys[layer][:rows], self.values[layer][:rows]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        # an empty slot's row: 0, as the other paths leave it (whatever it saw)
+        return torch.where(self.occupied[:rows].bool()[:, None, None, None], out, out.new_zeros(()))
 
     def _attention_blocks(self, q: Tensor, layer: int, slots: Tensor, masks: dict[int, Tensor]) -> Tensor:
         """batched_matmul's attention: one call for every row, q [R, groups, queries, head_dim] over the cache rows
@@ -781,10 +808,13 @@ class SlotDecoder:
             self.frame_step(live, samplers)
             return
         configuration = self._configuration(live, samplers)
-        if self._graph is None or self._graph[0] != configuration:
-            self._graph = None  # the last configuration's graph and memory go first
-            self._graph = (configuration, self._capture(live, samplers))
-        self._graph[1].replay()
+        graph = self._graphs.pop(configuration, None)
+        if graph is None:
+            while len(self._graphs) >= GRAPHS_KEPT:  # the least recently used goes first
+                del self._graphs[next(iter(self._graphs))]
+            graph = self._capture(live, samplers)
+        self._graphs[configuration] = graph  # now the most recently used
+        graph.replay()
 
     def _configuration(self, live: Sequence[int], samplers: Sequence[_Sampler]) -> tuple:
         """What a captured frame holds fixed. A whole frame: only the samplers and candidate sets in use (which
@@ -825,7 +855,9 @@ class SlotDecoder:
         for tensor, value in zip(state, saved, strict=True):
             tensor.copy_(value)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records the kernels without running them
+        # the graphs share one pool: a frame's temporaries are dead when it ends (its results are written into the
+        # decoder's own buffers, never read from a graph's), and frames never run at once
+        with torch.cuda.graph(graph, pool=self._graph_pool):  # records the kernels without running them
             self.frame_step(live, samplers)
         return graph
 
