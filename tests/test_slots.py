@@ -17,6 +17,7 @@ import torch
 from app.pipeline.control import StageControl
 from app.pipeline.music.backbone import generate_coarse_tracks
 from app.pipeline.music.slots import (
+    RecentlyUsed,
     SlotDecoder,
     SongPlan,
     TrackRequest,
@@ -391,3 +392,25 @@ def test_slot_count_from_memory_and_fewer_slots_when_it_does_not_fit(lm, tiny_pr
     assert decoder.keys[0].shape[0] == 2 and decoder.keys[0].shape[2] == 1024  # what the budget was counted in
     with pytest.raises(torch.OutOfMemoryError):
         open_slot_decoder(lm, 1000, 4, memory_bytes=per_track // 2)
+
+
+def test_captured_frames_are_kept_by_configuration_the_least_recently_used_dropped():
+    """A decoder's captured frames (RecentlyUsed; the graphs need a device, the bookkeeping does not): a
+    configuration that comes back is replayed, not captured again, until more configurations than kept came since."""
+    made: list[str] = []
+    graphs: RecentlyUsed[str] = RecentlyUsed(2)
+
+    def get(key: str) -> str:
+        return graphs.get(key, lambda: made.append(key) or f"graph {key}")
+
+    assert [get(key) for key in "ABABAB"] == ["graph A", "graph B"] * 3
+    assert made == ["A", "B"]  # toggling between two phases: two captures
+    get("C")  # a third: A, the least recently used, goes
+    get("B")  # kept
+    get("A")  # made again; C goes
+    assert made == ["A", "B", "C", "A"] and len(graphs) == 2
+    get("B")
+    assert made == ["A", "B", "C", "A"]
+    graphs.clear()
+    get("A")
+    assert made[-1] == "A" and len(graphs) == 1

@@ -91,7 +91,7 @@ against `batched_matmul_slots_N`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Generic, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +109,7 @@ from app.pipeline.music.torch_engine import (
 )
 from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 
+T = TypeVar("T")
 DEFAULT_CHECK_EVERY = 32  # frames between host reads: ~1.5 s of audio, well under a second of GPU time
 
 
@@ -299,6 +300,30 @@ ALL_ROWS = -1  # the key of `masks` holding one mask for every row (batched_matm
 GRAPHS_KEPT = 8
 
 
+class RecentlyUsed(Generic[T]):
+    """Values made on demand by key, the `kept` most recently used of them kept (a decoder's captured frames: a
+    whole frame's configuration comes back as its tracks' samplers change phase, and a capture costs frames)."""
+
+    def __init__(self, kept: int):
+        self.kept = kept
+        self._values: dict[Hashable, T] = {}  # least recently used first
+
+    def get(self, key: Hashable, make: Callable[[], T]) -> T:
+        value = self._values.pop(key, None)
+        if value is None:
+            while len(self._values) >= self.kept:
+                del self._values[next(iter(self._values))]
+            value = make()
+        self._values[key] = value
+        return value
+
+    def clear(self) -> None:
+        self._values.clear()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 def whole_key_blocks(positions: int) -> int:
     """`positions` rounded up to whole KEY_BLOCKs."""
     return -(-positions // KEY_BLOCK) * KEY_BLOCK
@@ -359,8 +384,8 @@ class SlotDecoder:
         self.whole_frame = whole_frame
         self.fused_attention = fused_attention
         self.device, self.dtype = lm.device, lm.dtype
-        # captured frames by configuration, the last used last (at most GRAPHS_KEPT), in one memory pool
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        # captured frames by configuration (at most GRAPHS_KEPT), in one memory pool
+        self._graphs: RecentlyUsed[torch.cuda.CUDAGraph] = RecentlyUsed(GRAPHS_KEPT)
         self._graph_pool = torch.cuda.graph_pool_handle() if use_graphs else None
         # whole_frame: this block's distinct candidate sets (`head_of` indexes them in this order), a head per codebook
         self._frame_heads: dict[tuple, tuple[Tensor, ...]] = {}
@@ -808,13 +833,7 @@ class SlotDecoder:
             self.frame_step(live, samplers)
             return
         configuration = self._configuration(live, samplers)
-        graph = self._graphs.pop(configuration, None)
-        if graph is None:
-            while len(self._graphs) >= GRAPHS_KEPT:  # the least recently used goes first
-                del self._graphs[next(iter(self._graphs))]
-            graph = self._capture(live, samplers)
-        self._graphs[configuration] = graph  # now the most recently used
-        graph.replay()
+        self._graphs.get(configuration, lambda: self._capture(live, samplers)).replay()
 
     def _configuration(self, live: Sequence[int], samplers: Sequence[_Sampler]) -> tuple:
         """What a captured frame holds fixed. A whole frame: only the samplers and candidate sets in use (which
