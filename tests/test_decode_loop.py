@@ -156,22 +156,27 @@ class OpLog(TorchDispatchMode):
 HOST_ROUND_TRIPS = ("aten._local_scalar_dense", "aten.lift_fresh", "aten.item")
 
 
+def may_end_from_the_start(profile, end_id: int, limit: int) -> SongPlan:
+    """A song of at most `limit` frames, top-k 50, that the model may end from its first frame."""
+    return SongPlan(
+        window_starts=(profile.audio_token_offset(0), profile.audio_token_offset(1)),
+        codebook_size=profile.codebook_size,
+        end_id=end_id,
+        limit=limit,
+        min_frames=0,
+        expected_frames=limit,
+        top_k=50,
+        temperature=1.0,
+    )
+
+
 def test_frame_step_is_capture_safe(engines, tiny_profile, end_id):
     """One frame has no host round trip (no op that reads a device value back or uploads host values), and
     torch.compile(fullgraph=True) traces it (it breaks on a Python branch on a tensor value or a Generator
     argument); the traced frame changes the state exactly as the eager one. Two tracks of other samplers (two
     sampling groups) and an empty slot, as the engine has them."""
     lm = engines["torch"]
-    plan = SongPlan(
-        window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
-        codebook_size=tiny_profile.codebook_size,
-        end_id=end_id,
-        limit=6,
-        min_frames=0,
-        expected_frames=6,
-        top_k=50,
-        temperature=1.0,
-    )
+    plan = may_end_from_the_start(tiny_profile, end_id, 6)
     greedy = SongPlan(**{**plan.__dict__, "top_k": 1})
     requests = [TrackRequest(tuple(PROMPT), plan, 1), TrackRequest(tuple(PROMPT[:4]), greedy, 2)]
     states = []
@@ -240,16 +245,7 @@ def test_a_whole_frame_is_the_same_kernels_whatever_the_slots_hold(
     (rows and keys cut to the tracks in use, a candidate logit per occupied slot) is the contrast: its ops change.
     With the blocked attention (the CPU's) and the fused one (CUDA's)."""
     lm = engines["torch"]
-    plan = SongPlan(
-        window_starts=(tiny_profile.audio_token_offset(0), tiny_profile.audio_token_offset(1)),
-        codebook_size=tiny_profile.codebook_size,
-        end_id=end_id,
-        limit=20,
-        min_frames=0,
-        expected_frames=20,
-        top_k=50,
-        temperature=1.0,
-    )
+    plan = may_end_from_the_start(tiny_profile, end_id, 20)
     decoder = SlotDecoder(
         lm, 3, 80, check_every=4, batched_matmul=True, whole_frame=whole_frame, fused_attention=fused_attention
     )
