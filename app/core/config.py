@@ -428,7 +428,8 @@ class Settings:
         "track makes alone: its codes equal the reference loop's; every track reads the weights again) or `batched` "
         "(one product over fixed 16-row tiles of all slots, one attention call over all slots summing keys in fixed "
         "64-key blocks: batch-invariant, so a seed still means a song in every engine, but not bitwise the reference "
-        "loop's; what a memory-bound GPU needs)",
+        "loop's; what a memory-bound GPU needs; on CUDA a whole frame of fixed shapes over every slot, its attention "
+        "one fused call, so a seed means a song among engines of one slot count: `docs/performance.md`)",
     )
     engine_graphs: bool = flag(
         "ENCORE_ENGINE_GRAPHS=1",
