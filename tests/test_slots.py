@@ -198,8 +198,8 @@ def test_batched_matmul_codes_equal_one_slot(lm, mix, batched_alone_codes, alone
 def test_a_whole_frame_gives_the_codes_of_the_batched_mode(lm, mix, batched_alone_codes, slots, check_every):
     """The whole frame, what a CUDA graph at a fixed slot count replays (every slot's row over the whole cache;
     each slot's sampler and candidate set picked by device data, not by the frame's structure), gives every track
-    the codes the batched mode gives it alone: tracks of two candidate sets (with and without an end id) and five
-    samplers, joining and leaving, some ended by the model."""
+    the codes the batched mode gives it alone: tracks of three candidate sets (with and without an end id, and other
+    windows) and five samplers, joining and leaving, some ended by the model."""
     base = mix[0].plan
     shifted = TrackRequest(  # a third candidate set: windows 3 ids lower, so its heads' rows are other rows
         tuple(range(2, 9)), replace(base, window_starts=tuple(start - 3 for start in base.window_starts)), 13
