@@ -110,6 +110,7 @@ from app.pipeline.music.torch_engine import (
 from app.pipeline.profiles import COARSE_CODEBOOKS, MusicProfile
 
 T = TypeVar("T")
+_Key = TypeVar("_Key", bound=Hashable)
 DEFAULT_CHECK_EVERY = 32  # frames between host reads: ~1.5 s of audio, well under a second of GPU time
 
 
@@ -238,6 +239,11 @@ class _Occupant:
     def may_end(self) -> bool:
         return self.request.plan.may_end(self.frame)
 
+    def sampler(self) -> _Sampler:
+        """How it samples now (its plan's sampler in its current phase)."""
+        plan, may_end = self.request.plan, self.may_end()
+        return _Sampler(plan.top_k, plan.temperature, plan.candidates(may_end), plan.drawn(may_end))
+
     def frames_to_next_phase(self) -> int:
         """Frames until this track's sampling changes (end-of-text becomes a candidate) or it hits its limit."""
         plan = self.request.plan
@@ -279,7 +285,7 @@ PAUSED_ROWS = (
 )
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class _Sampler:
     """How a slot samples during a block (top-k, temperature, candidate count, noise values drawn): the slots that
     sample alike share one batched topk/softmax/argmax. A frame computes each sampler in use over every row and
@@ -841,14 +847,8 @@ class SlotDecoder:
         run, and each one's key length (its mask and cache views), candidate rows (its heads) and sampler."""
         if self.whole_frame:
             return tuple(samplers), tuple(self._frame_heads)
-        configuration = []
-        for slot in live:
-            occupant = self._occupants[slot]
-            plan = occupant.request.plan
-            sampler = (plan.top_k, plan.temperature, occupant.may_end())
-            candidates = (plan.window_starts, plan.codebook_size, plan.end_id)
-            configuration.append((slot, occupant.request.positions, candidates, sampler))
-        return tuple(configuration)
+        occupants = [(slot, self._occupants[slot]) for slot in live]
+        return tuple((slot, o.request.positions, o.candidate_key, o.sampler()) for slot, o in occupants)
 
     def _capture(self, live: Sequence[int], samplers: Sequence[_Sampler]) -> torch.cuda.CUDAGraph:
         """Capture one frame as a CUDA graph. Warm-up runs a real frame on a side stream, so the state it
@@ -893,30 +893,25 @@ class SlotDecoder:
     def _samplers(self, live: Iterable[int]) -> list[_Sampler]:
         """The distinct samplers of the occupied slots this block, in a fixed order (the same set gives the same
         list, so a captured whole frame is replayed), and each slot's index among them into `sampler_of`."""
-        of_slot: dict[int, _Sampler] = {}
-        for slot in live:
-            occupant = self._occupants[slot]
-            plan, may_end = occupant.request.plan, occupant.may_end()
-            of_slot[slot] = _Sampler(plan.top_k, plan.temperature, plan.candidates(may_end), plan.drawn(may_end))
-        samplers = sorted(set(of_slot.values()))
-        self._index_rows(self.sampler_of, {slot: samplers.index(sampler) for slot, sampler in of_slot.items()})
-        return samplers
+        return self._index_distinct(self.sampler_of, {slot: self._occupants[slot].sampler() for slot in live})
 
     def _index_candidate_sets(self, live: Iterable[int]) -> dict[tuple, tuple[Tensor, ...]]:
         """whole_frame: the distinct candidate sets of the occupied slots (their heads, by their candidate ids), in
         a fixed order, and each slot's index among them into `head_of`. A deployment's tracks share one (its
         profile's windows and end id), so a frame usually computes one head per row."""
         key_of = {slot: self._occupants[slot].candidate_key for slot in live}
-        keys = sorted(set(key_of.values()), key=repr)  # a fixed order (an end id may be None)
-        self._index_rows(self.head_of, {slot: keys.index(key) for slot, key in key_of.items()})
-        heads = {self._occupants[slot].candidate_key: self._occupants[slot].heads for slot in live}
-        return {key: heads[key] for key in keys}
+        heads = {key_of[slot]: self._occupants[slot].heads for slot in key_of}
+        return {key: heads[key] for key in self._index_distinct(self.head_of, key_of)}
 
-    def _index_rows(self, target: Tensor, index_of: dict[int, int]) -> None:
-        """Write each slot's index into a per-slot device tensor in one upload (empty slots keep 0: any index
-        serves them, their rows are never read)."""
-        values = [index_of.get(slot, 0) for slot in range(self.slots)]
-        target.copy_(torch.tensor(values, dtype=torch.long))
+    def _index_distinct(self, target: Tensor, value_of: dict[int, _Key]) -> list[_Key]:
+        """The distinct values of the slots in `value_of`, sorted by their repr (a fixed order for any values: an
+        end id may be None, which does not compare with an int), so the same set always gives the same list; each
+        slot's index in it written into the per-slot device tensor `target` in one upload (empty slots get 0: any
+        index serves them, their rows are never read)."""
+        distinct = sorted(set(value_of.values()), key=repr)
+        indices = [distinct.index(value_of[slot]) if slot in value_of else 0 for slot in range(self.slots)]
+        target.copy_(torch.tensor(indices, dtype=torch.long))
+        return distinct
 
     def _draw_noise(self, live: Iterable[int], frames: int) -> None:
         """Each slot's Exp(1) noise for the next `frames` frames from its own generator: the values its track
@@ -924,7 +919,7 @@ class SlotDecoder:
         self.noise_step.zero_()
         for slot in live:
             occupant = self._occupants[slot]
-            drawn = occupant.request.plan.drawn(occupant.may_end())
+            drawn = occupant.sampler().drawn
             if drawn:
                 self.noise[slot, : COARSE_CODEBOOKS * frames, :drawn].exponential_(1, generator=occupant.generator)
 
